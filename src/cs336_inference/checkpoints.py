@@ -1,0 +1,120 @@
+"""Saving and loading models: our own (config + weights) files, shipped models, and a student's
+CS336 assignment-1 checkpoint.
+
+Every loader checks keys and shapes *before* touching the model and names what is wrong, so a
+mismatched file never half-loads.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .config import ModelConfig
+from .model import TransformerLM
+
+FORMAT = "cs336-inference/v1"
+ASSETS = Path(__file__).parent / "assets"
+_STATE_KEYS = ("model", "model_state_dict", "state_dict", "model_state")
+
+
+def save(path: str | os.PathLike, model: TransformerLM, extra: dict | None = None,
+         dtype: torch.dtype | None = None) -> None:
+    """Write {format, config, model (state dict), extra} to `path`; `dtype` (e.g. bf16) shrinks the file."""
+    if not isinstance(model, TransformerLM):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().clone()
+             for k, v in model.state_dict().items()}
+    torch.save({"format": FORMAT, "config": model.config.to_dict(), "model": state, "extra": extra or {}}, path)
+
+
+def load(path: str | os.PathLike, device=None, dtype: torch.dtype | None = None) -> TransformerLM:
+    """Load a file written by `save` (weights cast to `dtype`, default fp32 on CPU)."""
+    blob = _read(path)
+    if not isinstance(blob, dict) or blob.get("format") != FORMAT or "config" not in blob:
+        raise ValueError(f"{path} is not a {FORMAT} checkpoint (use load_cs336_checkpoint for an "
+                         "assignment-1 state dict)")
+    config = ModelConfig.from_dict(blob["config"])
+    return load_cs336_checkpoint(blob["model"], config, device=device, dtype=dtype)
+
+
+def load_extra(path: str | os.PathLike) -> dict:
+    """The `extra` dict stored beside the weights (training metadata, recorded metrics)."""
+    return _read(path).get("extra", {})
+
+
+def load_pretrained(name: str, device=None, dtype: torch.dtype | None = None) -> TransformerLM:
+    """One of the models shipped in the package (no network): see `available_pretrained()`."""
+    names = available_pretrained()
+    if name not in names:
+        raise ValueError(f"unknown pretrained model {name!r}; shipped models: {names}")
+    return load(ASSETS / f"{name}.pt", device=device, dtype=dtype)
+
+
+def available_pretrained() -> list[str]:
+    return sorted(p.stem for p in ASSETS.glob("*.pt"))
+
+
+def extract_state_dict(obj) -> dict[str, torch.Tensor]:
+    """The model weights inside a checkpoint dict (any of the usual keys), `_orig_mod.` prefixes removed."""
+    if isinstance(obj, dict) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        for key in _STATE_KEYS:
+            if key in obj and isinstance(obj[key], dict):
+                obj = obj[key]
+                break
+        else:
+            raise ValueError(f"checkpoint dict has no model weights under any of {_STATE_KEYS}; "
+                             f"top-level keys: {sorted(map(str, obj))}")
+    if not isinstance(obj, dict):
+        raise TypeError(f"expected a state dict (dict of tensors), got {type(obj).__name__}")
+    return {k.replace("_orig_mod.", ""): v for k, v in obj.items()}
+
+
+def check_state_dict(state: dict[str, torch.Tensor], model: TransformerLM) -> None:
+    """Raise a ValueError naming every missing key, unexpected key and shape mismatch."""
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
+                        for k, v in expected.items() if k in state and tuple(state[k].shape) != tuple(v.shape))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if mismatched:
+        problems.append(f"shape mismatches {mismatched}")
+    if problems:
+        raise ValueError("checkpoint does not match the config: " + "; ".join(problems))
+
+
+def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
+                          dtype: torch.dtype | None = None) -> TransformerLM:
+    """Build a `TransformerLM(config)` from a CS336 assignment-1 state dict or checkpoint file.
+
+    Accepts a raw state dict or a dict with the weights under "model"/"model_state_dict"/...
+    (an "optimizer" entry is ignored), with or without torch.compile's `_orig_mod.` prefix.
+    """
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    obj = path_or_state_dict
+    if isinstance(obj, (str, os.PathLike)):
+        obj = _read(obj)
+    state = extract_state_dict(obj)
+    model = TransformerLM(config, device="meta")
+    check_state_dict(state, model)
+    model = TransformerLM(config, device=device)
+    with torch.no_grad():
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()
+
+
+def _read(path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no checkpoint file at {path}")
+    return torch.load(path, map_location="cpu", weights_only=True)

@@ -1,0 +1,73 @@
+"""`python -m cs336_inference <command>`: the lecture, training, benchmarks and figures.
+
+Each subcommand is registered in COMMANDS with a function that adds its arguments and one that
+runs it; heavy imports happen inside the runner so `--help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import runpy
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _lecture_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--path", default=str(REPO_ROOT / "lecture" / "lecture_10.py"),
+                   help="the lecture file to run (default: lecture/lecture_10.py of this checkout)")
+
+
+def _run_lecture(args) -> int:
+    path = Path(args.path)
+    if not path.is_file():
+        print(f"lecture file not found: {path} (run from a source checkout)", file=sys.stderr)
+        return 2
+    runpy.run_path(str(path), run_name="__main__")
+    return 0
+
+
+def _bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark to run")
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+
+
+def _run_bench(args) -> int:
+    module_name, func_name = BENCHMARKS[args.which]
+    module = __import__(f"cs336_inference.{module_name}", fromlist=[func_name])
+    getattr(module, func_name)(quick=args.quick, device=args.device)
+    return 0
+
+
+# name -> (module in this package, function(quick: bool, device: str | None))
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "generation": ("benchmark", "bench_generation"),
+}
+
+# name -> (help, add_arguments, run)
+COMMANDS: dict[str, tuple] = {
+    "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
+                _lecture_args, _run_lecture),
+    "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
+              _bench_args, _run_bench),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m cs336_inference",
+                                     description="CS336 Lecture 10 (Inference), executable.")
+    sub = parser.add_subparsers(dest="command", metavar="command")
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        add_args(sub.add_parser(name, help=help_text, description=help_text))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return COMMANDS[args.command][2](args)

@@ -1,0 +1,110 @@
+"""`ModelConfig`: every knob of the reference `TransformerLM`, validated, with named presets.
+
+The base fields are exactly those of the CS336 assignment-1 model; `num_kv_heads` (GQA) and the
+attention-variant knobs below are the extensions this course adds for the KV-cache lecture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+ATTENTION_TYPES = ("gqa", "mla")  # gqa covers MHA (K = N) and MQA (K = 1)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257          # V: 256 bytes + <|endoftext|> for the ByteTokenizer
+    context_length: int = 256      # longest sequence the model (and its RoPE table) supports
+    d_model: int = 128             # D
+    num_layers: int = 4            # L
+    num_heads: int = 4             # N query heads; head_dim H = D / N
+    num_kv_heads: int | None = None  # K key/value heads (None -> N, i.e. MHA; 1 -> MQA)
+    d_ff: int = 384                # F, SwiGLU hidden size (assignment 1 uses ~8/3 D)
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    # --- attention variant (KV-cache lecture) ---
+    attention_type: str = "gqa"    # "gqa" or "mla"
+    kv_lora_rank: int | None = None   # C, MLA latent dim
+    q_lora_rank: int | None = None    # MLA query compression (None = full-rank query)
+    rope_head_dim: int | None = None  # MLA decoupled RoPE key dim (shared across heads)
+    sliding_window: int | None = None  # local attention window (positions incl. the current one)
+    global_every: int | None = None   # with sliding_window: layer i is global iff (i+1) % n == 0
+    kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads",
+                     "num_kv_heads", "d_ff", "kv_share_group"):
+            _check_positive_int(name, getattr(self, name))
+        for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "sliding_window", "global_every"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive_int(name, value)
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
+            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+        if self.d_model % self.num_heads != 0:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_heads % self.num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
+        if self.attention_type not in ATTENTION_TYPES:
+            raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        if self.num_layers % self.kv_share_group != 0:
+            raise ValueError(f"kv_share_group ({self.kv_share_group}) must divide num_layers ({self.num_layers})")
+        if self.global_every is not None and self.sliding_window is None:
+            raise ValueError("global_every needs sliding_window (it says which layers stay global)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.num_heads
+
+    @property
+    def group_size(self) -> int:
+        """G = N / K query heads per key/value head."""
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise TypeError(f"config must be a dict, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; available presets: {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+
+
+# Presets. Real-model shapes (Llama, DeepSeek) live in `accounting`, which only counts them.
+PRESETS: dict[str, dict] = {
+    # Unit tests: a few thousand parameters, runs anywhere in milliseconds.
+    "tiny": dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4,
+                 num_kv_heads=2, d_ff=64),
+    # ~88M parameters, 350 MB in fp32: far larger than the CPU caches, so decode is memory-bound.
+    "bench-90m": dict(vocab_size=8192, context_length=1024, d_model=768, num_layers=12,
+                      num_heads=12, num_kv_heads=4, d_ff=2048),
+}

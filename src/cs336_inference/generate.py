@@ -1,0 +1,145 @@
+"""Autoregressive generation: `prefill` the prompt, then `decode_one_token` until done.
+
+`generate(..., use_cache=False)` is the naive generator the lecture starts from: every step re-runs
+the whole prefix through the model (O(T^2) token-forwards, O(T^3) attention FLOPs). With the cache
+each step runs one token per sequence. Both produce identical tokens (a test checks).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache
+from .sampling import _check_sampling_args, sample_next_token
+
+
+@dataclass
+class GenerationResult:
+    """What `generate` produced and when.
+
+    tokens[b]: generated ids of sequence b (prompt excluded; a stop token, if hit, is included).
+    token_times[t]: seconds after the call started at which step t's tokens were on the host
+    (shared by the batch: one step emits one token per running sequence).
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    token_times: list[float] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token (seconds): the prefill plus one sampling step."""
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def inter_token_latencies(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+    @property
+    def num_generated(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def total_time(self) -> float:
+        return self.token_times[-1] if self.token_times else 0.0
+
+
+def prefill(model, prompt_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V)."""
+    if cache.length != 0:
+        raise ValueError(f"prefill expects an empty cache, this one holds {cache.length} tokens")
+    return model(prompt_ids, cache=cache, start_pos=0, last_only=True)[:, -1]
+
+
+def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token."""
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
+        raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
+    return model(token_ids[:, None], cache=cache, start_pos=cache.length)[:, -1]
+
+
+def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """list of id lists (or a (B, T) / (T,) tensor) -> (B, T_max) left-padded ids and pad counts (B,)."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
+            raise TypeError(f"prompt_ids must hold integer token ids, got dtype {prompts.dtype}")
+        if prompts.dim() == 1:
+            prompts = prompts[None]
+        if prompts.dim() != 2:
+            raise ValueError(f"prompt_ids tensor must be (B, T) or (T,), got {tuple(prompts.shape)}")
+        prompts = prompts.tolist()
+    elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        prompts = [list(prompts)]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompt_ids must be a non-empty list of token-id lists or a tensor")
+    for b, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in p):
+            raise TypeError(f"prompt {b} must be a list of int token ids, got {type(p).__name__}")
+        if len(p) == 0:
+            raise ValueError(f"prompt {b} is empty; every prompt needs at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], dtype=torch.long)
+    pad = torch.tensor([width - len(p) for p in prompts], dtype=torch.long)
+    return ids, pad
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
+             top_p: float | None = None, stop_tokens=None, generator: torch.Generator | None = None,
+             use_cache: bool = True, pad_id: int = 0) -> GenerationResult:
+    """Generate up to `max_new_tokens` per prompt. Prompts may differ in length (left-padded).
+
+    temperature 0 is greedy. A sequence stops at the first token in `stop_tokens`; the call ends when
+    all have stopped or `max_new_tokens` steps have run.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_sampling_args(temperature, top_k, top_p)
+    stop = set(int(t) for t in (stop_tokens or []))
+    ids, pad = left_pad(prompt_ids, pad_id)
+    B, P = ids.shape
+    prompt_lengths = (P - pad).tolist()
+    context = model.config.context_length
+    if P + max_new_tokens > context:
+        raise ValueError(f"longest prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context_length ({context})")
+    result = GenerationResult([[] for _ in range(B)], prompt_lengths)
+    if max_new_tokens == 0:
+        result.finish_reasons = ["length"] * B
+        return result
+    ids = ids.to(model.device)
+    model._check_tokens(ids, 0)  # range-check the prompt before any work
+    pad_arg = pad if int(pad.max()) > 0 else None
+    done = [False] * B
+    t0 = time.perf_counter()
+
+    if use_cache:
+        cache = model.new_cache(B, max_seq_len=P + max_new_tokens, pad=pad_arg)
+        logits = prefill(model, ids, cache)
+    else:
+        sequence = ids
+        logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
+
+    for step in range(max_new_tokens):
+        next_ids = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B,)
+        host_ids = next_ids.tolist()  # waits for the device: the token really exists now
+        result.token_times.append(time.perf_counter() - t0)
+        for b, token in enumerate(host_ids):
+            if not done[b]:
+                result.tokens[b].append(token)
+                done[b] = token in stop
+        if all(done) or step == max_new_tokens - 1:
+            break
+        if use_cache:
+            logits = decode_one_token(model, next_ids, cache)
+        else:
+            sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
+            logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
+    result.finish_reasons = ["stop" if d else "length" for d in done]
+    return result

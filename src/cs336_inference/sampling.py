@@ -1,0 +1,65 @@
+"""Turning logits into the next token: greedy, temperature, top-k and top-p (nucleus) sampling.
+
+Top-p: Holtzman et al. 2019. `logits_to_probs` is the distribution actually sampled from, so
+speculative sampling can use the *same* p and q that generation uses.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _check_sampling_args(temperature, top_k, top_p) -> None:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+
+
+def _check_logits(logits) -> None:
+    if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
+        raise TypeError("logits must be a floating-point torch.Tensor of shape (..., V)")
+    if logits.dim() == 0 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+
+
+def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                    top_p: float | None = None) -> torch.Tensor:
+    """The sampling distribution (..., V) in fp32. Temperature 0 gives a one-hot on the argmax."""
+    _check_logits(logits)
+    _check_sampling_args(temperature, top_k, top_p)
+    logits = logits.float()
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]      # k-th largest
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p is not None and top_p < 1:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(-1) - sorted_probs            # mass of strictly better tokens
+        drop_sorted = mass_before >= top_p                              # nucleus already complete
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+                      top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) or (V,) -> token ids (B,) or () ; temperature 0 means greedy (argmax)."""
+    _check_logits(logits)
+    _check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    flat = probs.reshape(-1, probs.shape[-1])
+    if generator is not None and generator.device != flat.device:
+        flat = flat.to(generator.device)
+    tokens = torch.multinomial(flat, 1, generator=generator).to(logits.device)
+    return tokens.reshape(probs.shape[:-1])

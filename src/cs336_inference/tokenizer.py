@@ -1,0 +1,61 @@
+"""`ByteTokenizer`: UTF-8 bytes are token ids 0..255; special tokens follow from 256.
+
+Byte-level models need no trained vocabulary, which keeps the shipped models self-contained.
+"""
+
+from __future__ import annotations
+
+import re
+
+ENDOFTEXT = "<|endoftext|>"
+
+
+class ByteTokenizer:
+    def __init__(self, special_tokens: tuple[str, ...] | list[str] = (ENDOFTEXT,)):
+        special_tokens = list(special_tokens)
+        if len(set(special_tokens)) != len(special_tokens) or any(not s for s in special_tokens):
+            raise ValueError(f"special_tokens must be distinct non-empty strings, got {special_tokens}")
+        self.special_tokens = special_tokens
+        self.special_to_id = {s: 256 + i for i, s in enumerate(special_tokens)}
+        self.id_to_special = {i: s for s, i in self.special_to_id.items()}
+        # Longest first so a special token that contains another is matched whole.
+        ordered = sorted(special_tokens, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(map(re.escape, ordered)) + ")") if ordered else None
+
+    @property
+    def vocab_size(self) -> int:
+        return 256 + len(self.special_tokens)
+
+    @property
+    def eot_id(self) -> int:
+        if ENDOFTEXT not in self.special_to_id:
+            raise ValueError(f"this tokenizer has no {ENDOFTEXT} token")
+        return self.special_to_id[ENDOFTEXT]
+
+    def encode(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        pieces = self._split.split(text) if self._split else [text]
+        ids: list[int] = []
+        for piece in pieces:
+            if piece in self.special_to_id:
+                ids.append(self.special_to_id[piece])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids) -> str:
+        """Bytes are joined and decoded as UTF-8 (invalid sequences become U+FFFD)."""
+        out, buffer = [], bytearray()
+        for i in (ids.tolist() if hasattr(ids, "tolist") else ids):
+            i = int(i)
+            if 0 <= i < 256:
+                buffer.append(i)
+            elif i in self.id_to_special:
+                out.append(buffer.decode("utf-8", errors="replace"))
+                buffer = bytearray()
+                out.append(self.id_to_special[i])
+            else:
+                raise ValueError(f"token id {i} is outside this tokenizer's vocabulary [0, {self.vocab_size})")
+        out.append(buffer.decode("utf-8", errors="replace"))
+        return "".join(out)

@@ -1,0 +1,111 @@
+"""The single indirection through which the tests reach graded functions (the CS336 pattern).
+
+To grade a student's implementation, point these functions at theirs; the tests stay unchanged.
+Group adapters by topic; add new ones at the end of their topic's block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cs336_inference import checkpoints, sampling
+from cs336_inference.attention import scaled_dot_product_attention
+from cs336_inference.config import ModelConfig
+from cs336_inference.generate import decode_one_token, generate, prefill
+from cs336_inference.device import default_dtype, get_device, seed_everything
+from cs336_inference.layers import RMSNorm, SwiGLU, apply_rope, rope_angles
+from cs336_inference.model import TransformerLM
+from cs336_inference.tokenizer import ByteTokenizer
+
+# --- foundation: device, layers, model, cache, sampling, generation, checkpoints ---------------
+
+
+def run_get_device(prefer=None) -> torch.device:
+    return get_device(prefer)
+
+
+def run_default_dtype(device) -> torch.dtype:
+    return default_dtype(device)
+
+
+def run_seed_everything(seed: int) -> torch.Generator:
+    return seed_everything(seed)
+
+
+def make_config(**kwargs) -> ModelConfig:
+    return ModelConfig(**kwargs)
+
+
+def config_from_name(name: str, **overrides) -> ModelConfig:
+    return ModelConfig.from_name(name, **overrides)
+
+
+def make_model(config: ModelConfig, seed: int = 0) -> TransformerLM:
+    torch.manual_seed(seed)
+    return TransformerLM(config).eval()
+
+
+def run_model(model, token_ids, cache=None, start_pos: int = 0, **kwargs) -> torch.Tensor:
+    return model(token_ids, cache=cache, start_pos=start_pos, **kwargs)
+
+
+def make_kv_cache(model, batch_size: int, max_seq_len: int | None = None):
+    return model.new_cache(batch_size, max_seq_len)
+
+
+def run_scaled_dot_product_attention(q, k, v, mask=None) -> torch.Tensor:
+    return scaled_dot_product_attention(q, k, v, mask)
+
+
+def run_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
+    """Rotate x (..., T, H) at integer positions (T,)."""
+    cos, sin = rope_angles(x.shape[-1], int(positions.max()) + 1, theta)
+    return apply_rope(x, cos[positions], sin[positions])
+
+
+def run_rmsnorm(weight: torch.Tensor, x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+def run_swiglu(w1, w2, w3, x) -> torch.Tensor:
+    ffn = SwiGLU(w1.shape[1], w1.shape[0])
+    ffn.load_state_dict({"w1.weight": w1, "w2.weight": w2, "w3.weight": w3})
+    return ffn(x)
+
+
+def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
+    return sampling.sample_next_token(logits, temperature, top_k, top_p, generator)
+
+
+def run_logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    return sampling.logits_to_probs(logits, temperature, top_k, top_p)
+
+
+def run_generate(model, prompt_ids, max_new_tokens, **kwargs):
+    return generate(model, prompt_ids, max_new_tokens, **kwargs)
+
+
+def run_prefill(model, prompt_ids, cache):
+    return prefill(model, prompt_ids, cache)
+
+
+def run_decode_one_token(model, token_ids, cache):
+    return decode_one_token(model, token_ids, cache)
+
+
+def get_tokenizer(**kwargs) -> ByteTokenizer:
+    return ByteTokenizer(**kwargs)
+
+
+def run_save_checkpoint(path, model, **kwargs) -> None:
+    checkpoints.save(path, model, **kwargs)
+
+
+def run_load_checkpoint(path, **kwargs):
+    return checkpoints.load(path, **kwargs)
+
+
+def run_load_cs336_checkpoint(path_or_state_dict, config, **kwargs):
+    return checkpoints.load_cs336_checkpoint(path_or_state_dict, config, **kwargs)
