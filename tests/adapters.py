@@ -111,6 +111,46 @@ def run_load_cs336_checkpoint(path_or_state_dict, config, **kwargs):
     return checkpoints.load_cs336_checkpoint(path_or_state_dict, config, **kwargs)
 
 
+# --- data, evaluation, training, pruning (trained models) -----------------------------------------
+
+from cs336_inference import data as _data  # noqa: E402
+from cs336_inference import evaluation as _evaluation  # noqa: E402
+
+
+def run_build_corpus(seed: int = 0) -> bytes:
+    return _data.build_corpus(seed)
+
+
+def run_build_documents(seed: int = 0) -> list[str]:
+    return _data.build_documents(seed)
+
+
+def run_load_corpus(split: str = "train", seed: int = 0) -> torch.Tensor:
+    return _data.load_corpus(split, seed)
+
+
+def run_get_batch(data, batch_size, seq_len, generator=None):
+    return _data.get_batch(data, batch_size, seq_len, generator)
+
+
+def run_make_recall_probe(num_items, distance, seed=0, **kwargs):
+    return _data.make_recall_probe(num_items, distance, seed, **kwargs)
+
+
+def run_evaluate_lm(model, data, seq_len, **kwargs) -> dict:
+    return _evaluation.evaluate_lm(model, data, seq_len, **kwargs)
+
+
+def run_compare_to_reference(model, reference, data, **kwargs) -> dict:
+    return _evaluation.compare_to_reference(model, reference, data, **kwargs)
+
+
+def run_long_range_recall(model, distances, **kwargs) -> dict:
+    return _evaluation.long_range_recall(model, distances, **kwargs)
+
+
+def run_recall_probes(distance, num_trials, seed=0, **kwargs):
+    return _evaluation.recall_probes(distance, num_trials, seed, **kwargs)
 # --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
 
 

@@ -1,0 +1,129 @@
+"""Quality metrics every later technique reports: loss / bits per byte / perplexity on held-out
+text, agreement with a reference model (KL divergence, top-1 agreement), and long-range recall.
+
+All three are deterministic: evaluation windows are fixed (consecutive, non-overlapping) and the
+recall probes are seeded, so two models (say fp32 and int4) are scored on exactly the same tokens.
+With a byte tokenizer one token is one byte, so bits per byte = loss / ln 2 (the few
+<|endoftext|> tokens are counted as bytes too).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .data import make_recall_probe
+from .generate import generate
+
+__all__ = ["compare_to_reference", "evaluate_lm", "eval_windows", "long_range_recall", "make_recall_probe",
+           "recall_probes"]
+
+
+def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batches: int | None = None):
+    """Yield (x, y) batches (B, T) of consecutive non-overlapping windows from the start of `data`."""
+    if not isinstance(data, torch.Tensor) or data.dim() != 1:
+        raise ValueError(f"data must be a 1-D tensor of token ids, got {getattr(data, 'shape', type(data))}")
+    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
+                                    or max_batches <= 0):
+        raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    num_windows = (data.numel() - 1) // seq_len
+    if num_windows == 0:
+        raise ValueError(f"data has {data.numel()} tokens, need at least seq_len + 1 = {seq_len + 1}")
+    total_batches = math.ceil(num_windows / batch_size)
+    if max_batches is not None:
+        total_batches = min(total_batches, max_batches)
+    for b in range(total_batches):
+        starts = torch.arange(b * batch_size, min((b + 1) * batch_size, num_windows)) * seq_len  # (B,)
+        idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]                              # (B, T+1)
+        windows = data[idx]
+        yield windows[:, :-1], windows[:, 1:]
+
+
+def _check_model_fits(model, seq_len: int) -> None:
+    if seq_len > model.config.context_length:
+        raise ValueError(f"seq_len ({seq_len}) exceeds the model's context_length ({model.config.context_length})")
+
+
+@torch.no_grad()
+def evaluate_lm(model, data: torch.Tensor, seq_len: int = 256, batch_size: int = 8,
+                max_batches: int | None = 16) -> dict:
+    """Mean next-token cross-entropy (nats) over fixed windows -> {loss, bits_per_byte, perplexity, tokens}."""
+    _check_model_fits(model, seq_len)
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for x, y in eval_windows(data, seq_len, batch_size, max_batches):
+        logits = model(x.to(model.device)).float()  # (B, T, V)
+        total += F.cross_entropy(logits.flatten(0, 1), y.to(model.device).flatten(), reduction="sum").item()
+        count += y.numel()
+    model.train(was_training)
+    loss = total / count
+    return {"loss": loss, "bits_per_byte": loss / math.log(2), "perplexity": math.exp(loss), "tokens": count}
+
+
+@torch.no_grad()
+def compare_to_reference(model, reference, data: torch.Tensor, seq_len: int = 256, batch_size: int = 8,
+                         max_batches: int | None = 16) -> dict:
+    """How close `model` is to `reference` on the same windows.
+
+    kl: mean over positions of KL(reference || model) in nats (the reference's distribution is the
+    one we want; KL is 0 iff they agree everywhere). top1_agreement: fraction of positions where
+    both models' most likely next token is the same.
+    """
+    _check_model_fits(model, seq_len)
+    _check_model_fits(reference, seq_len)
+    if model.config.vocab_size != reference.config.vocab_size:
+        raise ValueError(f"vocab sizes differ: model {model.config.vocab_size}, reference {reference.config.vocab_size}")
+    states = model.training, reference.training
+    model.eval(), reference.eval()
+    kl_sum, agree, count = 0.0, 0, 0
+    for x, _ in eval_windows(data, seq_len, batch_size, max_batches):
+        logp = F.log_softmax(model(x.to(model.device)).float(), dim=-1)              # (B, T, V)
+        logq = F.log_softmax(reference(x.to(reference.device)).float(), dim=-1).to(logp.device)
+        kl_sum += (logq.exp() * (logq - logp)).sum().item()
+        agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
+        count += x.numel()
+    model.train(states[0]), reference.train(states[1])
+    return {"kl": kl_sum / count, "top1_agreement": agree / count, "tokens": count}
+
+
+def recall_probes(distance: int, num_trials: int, seed: int = 0, num_items: int = 4, digits: int = 3):
+    """The seeded probes `long_range_recall` scores at one distance (so others can reuse them)."""
+    return [make_recall_probe(num_items, distance, seed=seed * 1_000_003 + distance * 1009 + t, digits=digits)
+            for t in range(num_trials)]
+
+
+@torch.no_grad()
+def long_range_recall(model, distances, num_trials: int = 32, seed: int = 0, num_items: int = 4,
+                      digits: int = 3, batch_size: int = 32) -> dict[int, float]:
+    """Accuracy of greedily generating the value of a fact stated ~d tokens before its query.
+
+    For each d in `distances`, `num_trials` seeded probes (`make_recall_probe`) are completed with
+    `generate` (greedy, KV cache); a trial counts when all `digits` digits are right. Chance is
+    10**-digits for a model that cannot see the fact; copying a random distractor scores about
+    1 / num_items.
+    """
+    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials <= 0:
+        raise ValueError(f"num_trials must be a positive int, got {num_trials!r}")
+    distances = list(distances)
+    if not distances:
+        raise ValueError("distances must be a non-empty list of ints")
+    context = model.config.context_length
+    result = {}
+    for d in distances:
+        probes = recall_probes(d, num_trials, seed, num_items, digits)
+        longest = max(len(p.prompt_ids) for p in probes) + digits
+        if longest > context:
+            raise ValueError(f"distance {d} needs {longest} tokens of context, the model has {context}")
+        correct = 0
+        for i in range(0, num_trials, batch_size):
+            chunk = probes[i:i + batch_size]
+            out = generate(model, [p.prompt_ids for p in chunk], max_new_tokens=digits, temperature=0.0)
+            correct += sum(tokens == p.answer_ids for tokens, p in zip(out.tokens, chunk))
+        result[int(d)] = correct / num_trials
+    return result
