@@ -44,6 +44,7 @@ def _run_bench(args) -> int:
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
+    "quantization": ("quantization.bench", "bench_quantization"),
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
