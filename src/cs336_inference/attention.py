@@ -17,7 +17,7 @@ from einops import rearrange
 
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache
-from .layers import apply_rope
+from .layers import Linear, apply_rope
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -93,11 +93,11 @@ class GroupedQueryAttention(nn.Module):
         self.kv_source = config.kv_source_layer(layer_idx)
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = nn.Linear(D, N * H, bias=False, device=device, dtype=dtype)
+        self.q_proj = Linear(D, N * H, device=device, dtype=dtype)
         if self.owns_kv:
-            self.k_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
-            self.v_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
-        self.output_proj = nn.Linear(N * H, D, bias=False, device=device, dtype=dtype)
+            self.k_proj = Linear(D, K * H, device=device, dtype=dtype)
+            self.v_proj = Linear(D, K * H, device=device, dtype=dtype)
+        self.output_proj = Linear(N * H, D, device=device, dtype=dtype)
 
     @property
     def owns_kv(self) -> bool:

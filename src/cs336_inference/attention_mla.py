@@ -29,7 +29,7 @@ from einops import einsum, rearrange
 from .attention import grouped_attention, read_shared_kv, scaled_dot_product_attention
 from .config import ModelConfig
 from .kv_cache import LatentKVCache
-from .layers import apply_rope
+from .layers import Linear, apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -49,18 +49,18 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_lora_rank, self.rope_head_dim = config.kv_lora_rank, config.rope_head_dim
         self.absorb = True
         D, N, H, C, R = config.d_model, config.num_heads, config.head_dim, config.kv_lora_rank, config.rope_head_dim
-        kw = dict(bias=False, device=device, dtype=dtype)
+        kw = dict(device=device, dtype=dtype)
         if config.q_lora_rank is None:
-            self.q_proj = nn.Linear(D, N * (H + R), **kw)
+            self.q_proj = Linear(D, N * (H + R), **kw)
         else:  # queries are compressed too (saves activation memory in training, not cache)
-            self.q_down_proj = nn.Linear(D, config.q_lora_rank, **kw)
-            self.q_up_proj = nn.Linear(config.q_lora_rank, N * (H + R), **kw)
+            self.q_down_proj = Linear(D, config.q_lora_rank, **kw)
+            self.q_up_proj = Linear(config.q_lora_rank, N * (H + R), **kw)
         if self.owns_kv:
-            self.kv_down_proj = nn.Linear(D, C, **kw)      # W_DKV: h -> latent c
-            self.k_rope_proj = nn.Linear(D, R, **kw)       # W_KR: h -> shared key to rotate
-        self.k_up_proj = nn.Linear(C, N * H, **kw)         # W_UK: c -> per-head keys
-        self.v_up_proj = nn.Linear(C, N * H, **kw)         # W_UV: c -> per-head values
-        self.output_proj = nn.Linear(N * H, D, **kw)
+            self.kv_down_proj = Linear(D, C, **kw)      # W_DKV: h -> latent c
+            self.k_rope_proj = Linear(D, R, **kw)       # W_KR: h -> shared key to rotate
+        self.k_up_proj = Linear(C, N * H, **kw)         # W_UK: c -> per-head keys
+        self.v_up_proj = Linear(C, N * H, **kw)         # W_UV: c -> per-head values
+        self.output_proj = Linear(N * H, D, **kw)
 
     @property
     def owns_kv(self) -> bool:

@@ -46,12 +46,26 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
 }
 
+def _figures_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+
+
+def _run_figures(args) -> int:
+    """Regenerate every figure in figures/ by running each registered benchmark."""
+    for name in BENCHMARKS:
+        print(f"\n### bench {name}")
+        _run_bench(argparse.Namespace(which=name, quick=args.quick, device=args.device))
+    return 0
+
+
 # name -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple] = {
     "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
                 _lecture_args, _run_lecture),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
+    "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
 }
 
 

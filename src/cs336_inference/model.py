@@ -19,7 +19,7 @@ import torch.nn as nn
 from .attention import GroupedQueryAttention, MultiHeadLatentAttention, SlidingWindowAttention, attention_mask
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 __all__ = ["ModelConfig", "TransformerBlock", "TransformerLM"]
 
@@ -57,7 +57,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
         self.reset_parameters()
 
