@@ -151,3 +151,48 @@ def run_long_range_recall(model, distances, **kwargs) -> dict:
 
 def run_recall_probes(distance, num_trials, seed=0, **kwargs):
     return _evaluation.recall_probes(distance, num_trials, seed, **kwargs)
+
+
+# --- KV-cache variants: MLA, sliding window, hybrids, cross-layer sharing ----------------------
+from cs336_inference import accounting  # noqa: E402
+from cs336_inference.kv_cache import LatentKVCache, RollingKVCache  # noqa: E402
+
+
+def run_kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
+
+
+def run_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
+
+
+def set_mla_absorb(model, absorb: bool) -> None:
+    """Choose MLA's decode path: absorbed (attend over the latents) or naive (up-project them)."""
+    for block in model.layers:
+        block.attn.absorb = absorb
+
+
+def make_mla_attention(config: ModelConfig, layer_idx: int = 0):
+    from cs336_inference.attention import MultiHeadLatentAttention
+    return MultiHeadLatentAttention(config, layer_idx)
+
+
+def run_attention_module(module, x, positions, mask=None):
+    """x (B, T, D) at integer positions (T,) through one attention layer without a cache."""
+    rope_dim = getattr(module, "rope_head_dim", None) or module.head_dim
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return module(x, (cos[positions], sin[positions]), None, 0, mask)
+
+
+def run_block(block, x, positions, mask, rope_dim: int) -> torch.Tensor:
+    """One TransformerBlock without a cache, with the mask the caller chose."""
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return block(x, (cos[positions], sin[positions]), None, 0, mask, shared={})
+
+
+def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_len):
+    return RollingKVCache(batch_size, num_kv_heads, head_dim, window, max_seq_len)
+
+
+def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
+    return LatentKVCache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len)
