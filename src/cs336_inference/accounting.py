@@ -263,6 +263,8 @@ def with_kv_heads(config, num_kv_heads: int):
         raise ValueError(f"num_kv_heads must divide num_heads={s.num_heads}, got {num_kv_heads}")
     if isinstance(config, ModelConfig):
         return config.replace(num_kv_heads=num_kv_heads)
+    if num_kv_heads == s.num_kv_heads:
+        return s
     return s.replace(name=f"{s.name}-K{num_kv_heads}", num_kv_heads=num_kv_heads)
 
 
