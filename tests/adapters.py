@@ -182,3 +182,7 @@ def run_measure_hardware(device=None, **kwargs):
 
 def run_roofline_sweep(device=None, **kwargs):
     return roofline.roofline_sweep(device, **kwargs)
+
+
+def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") -> int:
+    return accounting.max_batch_size(config, hardware, seq_len, precision)

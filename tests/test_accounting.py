@@ -129,6 +129,28 @@ def test_gqa_k8_at_b64_fits_and_cuts_kv_five_times():
     assert adapters.run_transformer_performance_stats(gqa_model, "H100", 256, 1024).fits_in_memory
 
 
+def test_max_batch_size_and_ttft_of_llama2_13b():
+    weights = 2 * count(llama_parameter_shapes(**LLAMA2_13B), skip_norms=True)
+    kv_per_seq = 1024 * 40 * 128 * 40 * 2 * 2
+    assert adapters.run_max_batch_size("llama2-13b", "H100", 1024) == int((80e9 - weights) // kv_per_seq) == 64
+    # prefill of 1024 tokens is compute-bound: TTFT = FLOPs / peak, FLOPs = 2 x matmul weights x tokens
+    # + attention (4 N S^2 H per layer) + the lm_head for the last position only
+    stats = adapters.run_transformer_performance_stats("llama2-13b", "H100", 1, 1024)
+    V, D = 32000, 5120
+    flops = 2 * (weights // 2 - 2 * V * D) * 1024 + 4 * 40 * 1024 * 1024 * 128 * 40 + 2 * D * V
+    assert stats.prefill_flops == flops
+    assert stats.ttft_s == pytest.approx(flops / 989e12)
+
+
+def test_with_kv_heads_on_configs_and_shapes():
+    config = adapters.make_config(**CROSS_CONFIG)
+    assert adapters.run_with_kv_heads(config, 1).num_kv_heads == 1 and config.num_kv_heads == 2
+    llama = adapters.get_real_model("llama2-13b")
+    assert adapters.run_with_kv_heads(llama, 8).num_kv_heads == 8 and llama.num_kv_heads == 40
+    with pytest.raises(ValueError, match="GQA"):
+        adapters.run_with_kv_heads(adapters.get_real_model("deepseek-v2"), 8)
+
+
 def test_h100_accelerator_intensity_is_295():
     h100 = adapters.get_hardware_table()["H100"]
     assert (h100.peak_flops, h100.memory_bandwidth) == (989e12, 3.35e12)

@@ -18,7 +18,8 @@ from .config import ModelConfig
 from .device import default_dtype, get_device, seed_everything
 from .figures import save_figure, save_json
 from .model import TransformerLM
-from .roofline import HardwareMeasurement, RooflineSweep, _median_seconds, measure_hardware, roofline_sweep
+from .roofline import (HardwareMeasurement, RooflineSweep, _element_size, _median_seconds, measure_hardware,
+                       roofline_sweep)
 
 PRECISION_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -87,6 +88,16 @@ def plot_roofline(sweep: RooflineSweep):
     return fig
 
 
+def matvec_bandwidth(sweep: RooflineSweep) -> float | None:
+    """Bytes/s the B = 1 point of the sweep (a matrix-vector product) actually streamed: the bandwidth
+    a decode step's matmuls can hope for, which BLAS often leaves below the streaming measurement."""
+    if 1 not in sweep.batch_sizes:
+        return None
+    i = sweep.batch_sizes.index(1)
+    e = _element_size(sweep.dtype)
+    return e * (sweep.d_in + sweep.d_in * sweep.d_out + sweep.d_out) / sweep.seconds[i]
+
+
 def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     """Prefill vs decode time per token; decode latency and throughput vs B, measured and predicted."""
     fig, (ax_pd, ax_lat, ax_tp) = plt.subplots(1, 3, figsize=(14, 4))
@@ -98,6 +109,9 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     ax_lat.plot(bs, [d["seconds"] * 1e3 for d in decode], "o-", label="measured")
     ax_lat.plot(bs, [d["predicted_seconds"] * 1e3 for d in decode], "k--", label="predicted max(bytes/bw, FLOPs/peak)")
     ax_lat.plot(bs, [d["predicted_memory_s"] * 1e3 for d in decode], ":", color="gray", label="bytes / bandwidth")
+    if "matvec_bandwidth_s" in d1:
+        ax_lat.plot(bs, [d["matvec_bandwidth_s"] * 1e3 for d in decode], "-.", color="C1",
+                    label="bytes / matrix-vector bandwidth")
     ax_lat.set(xscale="log", xlabel="batch size B", ylabel="ms per decode step",
                title=f"decode latency (S = {d1['context_len']})")
     ax_lat.legend(fontsize=8)
@@ -136,6 +150,9 @@ def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     prefill = measure_prefill(model, context, hw, repeats=2 if quick else 3)
     batch_sizes = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64]
     decode = [measure_decode(model, b, context, hw, repeats=3 if quick else 7) for b in batch_sizes]
+    gemv_bw = matvec_bandwidth(sweep)
+    for d in decode:
+        d["matvec_bandwidth_s"] = d["bytes"] / gemv_bw
     print(f"prefill {context} tokens: {prefill['seconds'] * 1e3:.1f} ms = {prefill['seconds_per_token'] * 1e3:.2f} ms/token "
           f"({prefill['achieved_flops'] / 1e9:.1f} GFLOP/s); predicted {prefill['predicted_seconds'] * 1e3:.1f} ms")
     print(f"decode at S = {context}:")
@@ -146,14 +163,16 @@ def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
               f"{d['seconds'] / d['predicted_seconds']:9.2f}")
     d1 = decode[0]
     print(f"decode B=1: {d1['seconds'] * 1e3:.2f} ms/token vs bytes/bandwidth {d1['predicted_memory_s'] * 1e3:.2f} ms "
-          f"(ratio {d1['seconds'] / d1['predicted_memory_s']:.2f}); prefill is "
+          f"(ratio {d1['seconds'] / d1['predicted_memory_s']:.2f}); vs bytes / matrix-vector bandwidth "
+          f"({gemv_bw / 1e9:.1f} GB/s, the B=1 sweep point) {d1['matvec_bandwidth_s'] * 1e3:.2f} ms "
+          f"(ratio {d1['seconds'] / d1['matvec_bandwidth_s']:.2f}); prefill is "
           f"{d1['seconds'] / prefill['seconds_per_token']:.0f}x cheaper per token than B=1 decode")
 
     suffix = device.type
     data = dict(device=device.type, quick=quick, hardware=dict(
         device=hw.device, dtype=hw.dtype, peak_flops=hw.peak_flops, memory_bandwidth=hw.memory_bandwidth,
         accelerator_intensity=hw.accelerator_intensity, units=[hw.flops_unit, hw.bandwidth_unit, hw.intensity_unit]),
-        sweep=sweep.to_dict(), model=dict(name="bench-90m", parameters=model.num_parameters(), dtype=str(dtype),
+        sweep=sweep.to_dict(), matvec_bandwidth=gemv_bw, model=dict(name="bench-90m", parameters=model.num_parameters(), dtype=str(dtype),
                                           prefill=prefill, decode=decode),
         note="shared 2-core machine: medians of repeats; other processes were running")
     paths = [save_figure(plot_roofline(sweep), f"roofline_matmul_{suffix}"),
