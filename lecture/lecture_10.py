@@ -14,11 +14,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import math  # noqa: E402
+
+import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
-from lecture_util import Reference, link, section, text  # noqa: E402
+from lecture_util import Reference, image, link, section, text  # noqa: E402
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference import accounting_symbolic as sym  # noqa: E402
+from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, attention_intensity_generation,  # noqa: E402
+                                        attention_intensity_prefill, decode_latency, decode_memory,
+                                        decode_throughput, generation_flops, matmul_cost, matmul_intensity_limit,
+                                        mlp_cost, mlp_intensity_limit, parameter_count,
+                                        transformer_performance_stats, with_kv_heads)
+from cs336_inference.roofline import measure_hardware  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -26,6 +36,9 @@ vllm = Reference(title="Efficient Memory Management for Large Language Model Ser
 sglang = Reference(title="SGLang: Efficient Execution of Structured Language Model Programs",
                    authors=["Lianmin Zheng", "Liangsheng Yin"], date="2023-12-12",
                    url="https://arxiv.org/abs/2312.07104")
+roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
+                           authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
+                           url="https://doi.org/10.1145/1498765.1498785")
 
 
 def main():
@@ -86,19 +99,82 @@ def review_transformer():
 
 def review_of_arithmetic_intensity():
     section("review_of_arithmetic_intensity")
-    text("Y = X @ W with X (B x D), W (D x F): 2BDF FLOPs over 2BD + 2DF + 2BF bytes in bf16; "
-         "when B << D, F the intensity tends to B FLOPs per byte.")
+    text("Y = X @ W with X (B x D) and W (D x F) in bf16 (2 bytes per element): count FLOPs and bytes.")
+    cost = matmul_cost()
+    flops, nbytes = cost.flops, cost.bytes  # @inspect flops nbytes
+    intensity = cost.intensity  # @inspect intensity
+    limit = matmul_intensity_limit()  # @inspect limit
+    assert flops == 2 * sym.B * sym.D * sym.F and sp.simplify(limit - sym.B) == 0
+    text(f"FLOPs {flops}, bytes {nbytes}: intensity {intensity}, which tends to B when B << D, F. "
+         "With B = 1 (a matrix-vector product) every byte read buys one FLOP.")
+    link(roofline_paper)
+    h100 = HARDWARE["H100"]
+    accelerator_intensity = h100.accelerator_intensity  # @inspect accelerator_intensity
+    assert round(accelerator_intensity) == 295
+    text(f"An H100 does {h100.peak_flops:.3g} bf16 FLOP/s and moves {h100.memory_bandwidth:.3g} B/s: its "
+         f"accelerator intensity is {accelerator_intensity:.0f} FLOPs per byte. A matmul is compute-bound "
+         f"only if B > {accelerator_intensity:.0f}; below that the GPU waits for memory.")
+    here = measure_hardware(quick=True)  # @inspect here
+    assert here.peak_flops > 0 and here.memory_bandwidth > 0
+    text(f"This machine, measured just now (quick, noisy): {here.summary()}. "
+         "`python -m cs336_inference bench roofline` sweeps B = 1 ... 1024 and draws the measured roofline.")
+    image("figures/roofline_matmul_cpu.png", width=500)
 
 
 def arithmetic_intensity_of_inference():
     section("arithmetic_intensity_of_inference")
-    text("Prefill processes T = S prompt tokens at once (compute-bound); decode processes T = 1 token "
-         "per step and must read all weights and the whole KV cache for it (memory-bound).")
+    text("Naive generation re-runs the whole prefix for every new token: step t processes t tokens.")
+    gen = generation_flops()
+    naive, cached = gen["naive"], gen["cached"]  # @inspect naive cached
+    assert sp.degree(sp.expand(naive), sym.T) == 3 and sp.degree(sp.expand(cached), sym.T) == 2
+    text(f"Total FLOPs for T tokens (P weights, L layers): naive {naive} is O(T^3); keeping every past key "
+         f"and value (the KV cache) makes step t a one-token forward: {cached}, O(T^2).")
+    text("The KV cache holds, for every sequence, token, layer and KV head, an H-dim key and an H-dim value. "
+         "Prefill runs the prompt (T = S tokens at once); generation runs T = 1 token per step.")
+    mlp = mlp_cost()
+    mlp_flops, mlp_bytes, mlp_limit = mlp.flops, mlp.bytes, mlp_intensity_limit()  # @inspect mlp_flops mlp_bytes mlp_limit
+    assert sp.simplify(mlp_limit - sym.B * sym.T) == 0
+    text(f"MLP (up, gate, down): {mlp_flops} FLOPs over {mlp_bytes} bytes; intensity -> {mlp_limit}. "
+         "Prefill (T large) is compute-bound; generation (T = 1) needs a large batch B to get there.")
+    att = attention_cost()
+    att_intensity = att.intensity  # @inspect att_intensity
+    prefill, generation = attention_intensity_prefill(), attention_intensity_generation()  # @inspect prefill generation
+    assert sp.simplify(att_intensity - sym.S * sym.T / (sym.S + sym.T)) == 0
+    assert sp.simplify(prefill - sym.S / 2) == 0 and (1 - generation).is_positive
+    assert sym.B not in generation.free_symbols
+    text(f"Attention (fused kernel): {att.flops} FLOPs over {att.bytes} bytes, intensity {att_intensity}. "
+         f"Prefill (T = S): {prefill}. Generation (T = 1): {generation} < 1, and B does not appear: every "
+         "sequence reads its own KV cache, so batching cannot make attention compute-bound.")
 
 
 def throughput_and_latency():
     section("throughput_and_latency")
-    text("Decode is memory-bound: latency per step ~ bytes read / bandwidth, throughput = B / latency.")
+    text("Decode is memory-bound, so a step takes as long as reading the weights and every KV cache.")
+    params = parameter_count()  # @inspect params
+    memory, latency, throughput = decode_memory(), decode_latency(), decode_throughput()  # @inspect memory latency throughput
+    text(f"params = {params}; memory = {memory}; latency = memory / bandwidth; throughput = B / latency.")
+    llama = REAL_MODELS["llama2-13b"]  # @inspect llama
+    values = {sym.V: llama.vocab_size, sym.D: llama.d_model, sym.F: llama.d_ff, sym.N: llama.num_heads,
+              sym.K: llama.num_kv_heads, sym.H: llama.head_dim, sym.L: llama.num_layers, sym.S: 1024,
+              sym.bandwidth: HARDWARE["H100"].memory_bandwidth}
+    for batch_size in (1, 64, 256):
+        stats = llama2_13b_on_h100(batch_size)  # @inspect stats
+        assert stats.total_memory_bytes == memory.subs(values).subs(sym.B, batch_size)
+        assert math.isclose(stats.latency_per_token_s, float(latency.subs(values).subs(sym.B, batch_size)))
+        assert stats.bound == "memory" and stats.fits_in_memory == (batch_size <= 64)
+        text(f"B = {batch_size}: {stats.summary()}.")
+    text("Larger batches: worse latency, better (but diminishing) throughput; at B = 256 the caches no longer "
+         "fit in 80 GB. Replicas multiply throughput at equal latency; sharding one model is harder.")
+    image("figures/accounting_latency_throughput.png", width=700)
+    ttft = llama2_13b_on_h100(1).ttft_s  # @inspect ttft
+    text(f"TTFT is the prefill: one compute-bound pass over the prompt ({ttft * 1e3:.0f} ms for 1024 tokens at "
+         "B = 1). So: small batches for prefill, large batches for decode.")
+
+
+def llama2_13b_on_h100(batch_size: int, num_kv_heads: int = 40, seq_len: int = 1024):
+    """The lecture's running example (for this section and for reduce_kv_cache_size's GQA numbers):
+    Llama 2 13B on an H100 at S = 1024 in bf16, with K key/value heads (40 = MHA, 8 = GQA)."""
+    return transformer_performance_stats(with_kv_heads("llama2-13b", num_kv_heads), "H100", batch_size, seq_len)
 
 
 def reduce_kv_cache_size():

@@ -151,6 +151,130 @@ def run_long_range_recall(model, distances, **kwargs) -> dict:
 
 def run_recall_probes(distance, num_trials, seed=0, **kwargs):
     return _evaluation.recall_probes(distance, num_trials, seed, **kwargs)
+
+
+# --- KV-cache variants: MLA, sliding window, hybrids, cross-layer sharing ----------------------
+from cs336_inference import accounting  # noqa: E402
+from cs336_inference.kv_cache import LatentKVCache, RollingKVCache  # noqa: E402
+
+
+def run_kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
+
+
+def run_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
+
+
+def set_mla_absorb(model, absorb: bool) -> None:
+    """Choose MLA's decode path: absorbed (attend over the latents) or naive (up-project them)."""
+    for block in model.layers:
+        block.attn.absorb = absorb
+
+
+def make_mla_attention(config: ModelConfig, layer_idx: int = 0):
+    from cs336_inference.attention import MultiHeadLatentAttention
+    return MultiHeadLatentAttention(config, layer_idx)
+
+
+def run_attention_module(module, x, positions, mask=None):
+    """x (B, T, D) at integer positions (T,) through one attention layer without a cache."""
+    rope_dim = getattr(module, "rope_head_dim", None) or module.head_dim
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return module(x, (cos[positions], sin[positions]), None, 0, mask)
+
+
+def run_block(block, x, positions, mask, rope_dim: int) -> torch.Tensor:
+    """One TransformerBlock without a cache, with the mask the caller chose."""
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return block(x, (cos[positions], sin[positions]), None, 0, mask, shared={})
+
+
+def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_len):
+    return RollingKVCache(batch_size, num_kv_heads, head_dim, window, max_seq_len)
+
+
+def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
+    return LatentKVCache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len)
+
+
+# --- accounting and roofline: symbolic and numeric FLOP/byte accounting, measured hardware ------
+
+from cs336_inference import accounting, accounting_symbolic, roofline  # noqa: E402
+
+
+def run_matmul_cost():
+    """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
+    return accounting_symbolic.matmul_cost()
+
+
+def run_mlp_cost():
+    return accounting_symbolic.mlp_cost()
+
+
+def run_attention_cost():
+    return accounting_symbolic.attention_cost()
+
+
+def run_generation_flops() -> dict:
+    """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
+    return accounting_symbolic.generation_flops()
+
+
+def run_parameter_count_symbolic():
+    return accounting_symbolic.parameter_count()
+
+
+def get_symbols() -> dict:
+    """The lecture's sympy symbols by letter."""
+    a = accounting_symbolic
+    return dict(B=a.B, S=a.S, T=a.T, D=a.D, F=a.F, N=a.N, K=a.K, H=a.H, L=a.L, V=a.V, P=a.P)
+
+
+def get_hardware_table() -> dict:
+    return accounting.HARDWARE
+
+
+def get_real_model(name: str):
+    return accounting.get_model_shape(name)
+
+
+def run_num_parameters(model, **kwargs) -> int:
+    return accounting.num_parameters(model, **kwargs)
+
+
+def run_kv_cache_bytes_per_token(config, bytes_per_element=2):
+    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
+
+
+def run_kv_cache_bytes(config, batch_size, seq_len, bytes_per_element=2):
+    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
+
+
+def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False) -> int:
+    return accounting.forward_flops(model, batch_size, num_new_tokens, num_cached, last_only)
+
+
+def run_transformer_performance_stats(config, hardware="H100", batch_size=1, seq_len=1024, precision="bf16"):
+    return accounting.transformer_performance_stats(config, hardware, batch_size, seq_len, precision)
+
+
+def run_with_kv_heads(config, num_kv_heads):
+    return accounting.with_kv_heads(config, num_kv_heads)
+
+
+def run_measure_hardware(device=None, **kwargs):
+    return roofline.measure_hardware(device, **kwargs)
+
+
+def run_roofline_sweep(device=None, **kwargs):
+    return roofline.roofline_sweep(device, **kwargs)
+
+
+def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") -> int:
+    return accounting.max_batch_size(config, hardware, seq_len, precision)
+
+
 # --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
 
 

@@ -44,6 +44,8 @@ def _run_bench(args) -> int:
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
+    "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
+    "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
     "quantization": ("quantization.bench", "bench_quantization"),
 }
 
