@@ -6,7 +6,8 @@ weights, dominates the bytes moved (Hooper et al. 2024, KVQuant; Liu et al. 2024
 position) vector of H values gets its own absmax scale, so one large token cannot spoil the rest.
 
 `QuantizedKVCache` follows the per-layer cache protocol of `kv_cache.ContiguousKVCache`
-(`update(k, v, start_pos)`, `read(length)`, `truncate(n)`, `nbytes`, `bytes_per_token`), and
+(`update(k, v, start_pos)`, `read(length)`, `check_truncate(n)`, `truncate(n)`, `nbytes`,
+`bytes_per_token`), and
 `quantize_kv_cache(model.new_cache(...))` swaps it into a model's `KVCache` in place of the
 full-precision layers, so `forward`, `prefill` and `decode_one_token` use it unchanged.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import KVCache, _check_kv
+from ..kv_cache import ContiguousKVCache, KVCache, _check_kv
 from .fp8 import fp8_dtype
 
 KV_FORMATS = ("int8", "e4m3", "e5m2")
@@ -44,9 +45,9 @@ class QuantizedKVCache:
     @classmethod
     def like(cls, layer, fmt: str = "int8") -> "QuantizedKVCache":
         """A quantized cache with the shape, device and compute dtype of a `ContiguousKVCache`."""
-        if not (hasattr(layer, "k") and hasattr(layer, "v") and layer.k.dim() == 4):
-            raise TypeError(f"can only quantize a per-layer cache holding k, v of shape (B, K, S, H); "
-                            f"got {type(layer).__name__}")
+        if not isinstance(layer, ContiguousKVCache):
+            raise TypeError(f"only full-attention layer caches (ContiguousKVCache) can be quantized here; "
+                            f"got {type(layer).__name__} (rolling and latent caches keep their own layout)")
         B, K, S, H = layer.k.shape
         return cls(B, K, H, S, device=layer.k.device, dtype=layer.k.dtype, fmt=fmt)
 
@@ -73,6 +74,9 @@ class QuantizedKVCache:
         k = (self.k[:, :, :length].float() * self.k_scale[:, :, :length].float()).to(self.dtype)
         v = (self.v[:, :, :length].float() * self.v_scale[:, :, :length].float()).to(self.dtype)
         return k, v
+
+    def check_truncate(self, n: int) -> None:
+        """Every position < max_seq_len stays intact until overwritten, so any rollback is fine."""
 
     def truncate(self, n: int) -> None:
         """Nothing to free: positions >= n are overwritten by the next update."""
