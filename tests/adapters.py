@@ -151,3 +151,30 @@ def run_long_range_recall(model, distances, **kwargs) -> dict:
 
 def run_recall_probes(distance, num_trials, seed=0, **kwargs):
     return _evaluation.recall_probes(distance, num_trials, seed, **kwargs)
+
+from cs336_inference import pruning as _pruning  # noqa: E402
+from cs336_inference import train as _train  # noqa: E402
+
+
+def make_train_config(**kwargs):
+    return _train.TrainConfig(**kwargs)
+
+
+def run_train_lm(model_config, train_config, **kwargs):
+    return _train.train_lm(model_config, train_config, **kwargs)
+
+
+def run_lr_at(step, train_config) -> float:
+    return _train.lr_at(step, train_config)
+
+
+def run_importance_scores(model, calibration, **kwargs) -> dict:
+    return _pruning.importance_scores(model, calibration, **kwargs)
+
+
+def run_prune_model(model, calibration, **kwargs):
+    return _pruning.prune_model(model, calibration, **kwargs)
+
+
+def run_distill(student, teacher, train_config, **kwargs):
+    return _pruning.distill(student, teacher, train_config, **kwargs)

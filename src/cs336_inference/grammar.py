@@ -148,7 +148,7 @@ def random_value(rng: random.Random, digits: int = 3) -> str:
 
 
 def ledger(rng: random.Random, digits: int = 3) -> str:
-    """Key-value facts, filler, new facts, and checks of earlier facts at distances of 0-500 bytes."""
+    """Key-value facts, filler, new facts, and checks of earlier facts at distances of 0-1500 bytes."""
     number = rng.randint(1, 9999)
     lines = [f"Ledger {number}."]
     facts: dict[str, str] = {}
@@ -157,14 +157,13 @@ def ledger(rng: random.Random, digits: int = 3) -> str:
         facts[name] = random_value(rng, digits)
         lines.append(fact_line(name, facts[name]))
     pending = [n for n in names if n not in facts]
-    for _ in range(rng.randint(4, 10)):
-        lines.append(filler(rng, rng.randint(20, 200)))
-        k = rng.random()
-        if pending and k < 0.35:
+    for _ in range(rng.randint(5, 14)):
+        lines.append(filler(rng, rng.randint(20, 160)))
+        if pending and rng.random() < 0.3:
             name = pending.pop()
             facts[name] = random_value(rng, digits)
             lines.append(fact_line(name, facts[name]))
-        elif k < 0.85:
+        for _ in range(rng.choice((0, 1, 1, 2))):  # checks of any earlier fact, near or far
             name = _pick(rng, sorted(facts))
             lines.append(query_prefix(name) + facts[name] + ".")
     for name in rng.sample(sorted(facts), min(2, len(facts))):
