@@ -66,6 +66,7 @@ def _run_train(args) -> int:
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
+    "models": ("model_report", "bench_models"),
 }
 
 # name -> (help, add_arguments, run)
