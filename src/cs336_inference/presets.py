@@ -34,7 +34,7 @@ DRAFT_STEPS = 400
 
 TRAIN_PRESETS: dict[str, dict] = {
     "target": dict(model="target", method="scratch",
-                   train=TrainConfig(steps=600, batch_size=4, seq_len=512, lr=3e-3, warmup_steps=30,
+                   train=TrainConfig(steps=800, batch_size=4, seq_len=512, lr=3e-3, warmup_steps=30,
                                      eval_every=50, eval_batches=2, seed=0, num_threads=1)),
     "draft": dict(model="draft", method="prune+distill", teacher="target", calibration_samples=32,
                   distill_alpha=1.0, distill_temperature=1.0,
