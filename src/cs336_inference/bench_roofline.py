@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 import torch
 
 from .accounting import decode_step_bytes, forward_flops
@@ -88,6 +89,8 @@ def plot_roofline(sweep: RooflineSweep):
         ax.axvline(knee, color="C3", ls=":", label=f"measured knee (80% of best) B = {knee}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sweep.batch_sizes, [str(b) for b in sweep.batch_sizes])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set(xlabel="batch size B (rows of X)", ylabel="GFLOP/s",
            title=f"Roofline of {hw.device}\nW = {sweep.d_in}x{sweep.d_out} {sweep.dtype}, "
                  f"peak {hw.peak_flops / 1e9:,.0f} GFLOP/s, bandwidth {hw.memory_bandwidth / 1e9:,.1f} GB/s")
@@ -128,6 +131,7 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     ax_tp.plot(bs, [d["tokens_per_second"] for d in decode], "o-", label="measured")
     ax_tp.plot(bs, [d["batch_size"] / d["predicted_seconds"] for d in decode], "k--", label="predicted")
     ax_tp.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s", title="decode throughput")
+    ax_tp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_tp.legend(fontsize=8)
     for ax in (ax_lat, ax_tp):
         ax.set_xticks(bs, [str(b) for b in bs])
@@ -135,7 +139,7 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     return fig
 
 
-def _threads_for_timing(device: torch.device) -> int:
+def threads_for_timing(device: torch.device) -> int:
     """CPU threads to time with: all of torch's, unless the machine is oversubscribed.
 
     When other processes already keep every core busy (load average >= cores), OpenMP threads that
@@ -151,7 +155,7 @@ def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     """Measure, sweep, time the model; print tables; write JSON and two figures."""
     device = get_device(device)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(_threads_for_timing(device))
+    torch.set_num_threads(threads_for_timing(device))
     if torch.get_num_threads() != threads_before:
         print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: timing with 1 thread "
               "(spin-waiting OpenMP threads on an oversubscribed machine distort every number)")
