@@ -46,6 +46,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
     "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
     "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
+    "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
