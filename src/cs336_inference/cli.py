@@ -71,6 +71,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
     "models": ("model_report", "bench_models"),
+
+
+    "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
