@@ -74,6 +74,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
     "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
+
+
+    "quantization": ("quantization.bench", "bench_quantization"),
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
