@@ -275,6 +275,34 @@ def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") 
     return accounting.max_batch_size(config, hardware, seq_len, precision)
 
 
+from cs336_inference import pruning as _pruning  # noqa: E402
+from cs336_inference import train as _train  # noqa: E402
+
+
+def make_train_config(**kwargs):
+    return _train.TrainConfig(**kwargs)
+
+
+def run_train_lm(model_config, train_config, **kwargs):
+    return _train.train_lm(model_config, train_config, **kwargs)
+
+
+def run_lr_at(step, train_config) -> float:
+    return _train.lr_at(step, train_config)
+
+
+def run_importance_scores(model, calibration, **kwargs) -> dict:
+    return _pruning.importance_scores(model, calibration, **kwargs)
+
+
+def run_prune_model(model, calibration, **kwargs):
+    return _pruning.prune_model(model, calibration, **kwargs)
+
+
+def run_distill(student, teacher, train_config, **kwargs):
+    return _pruning.distill(student, teacher, train_config, **kwargs)
+
+
 # --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
 
 

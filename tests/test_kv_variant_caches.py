@@ -90,6 +90,11 @@ def test_rolling_buffer_layer_cache_overflow_and_order_are_refused_before_writin
     keys, _ = cache.update(new, new, 5)
     torch.testing.assert_close(keys, torch.cat([k[:, :, 2:5], new], 2))
     assert cache.nbytes == 2 * 2 * 4 * 8 * 4
+    # The ring now holds positions 2..5 (4 slots); read() returns them oldest first.
+    held_k, _ = cache.read()
+    torch.testing.assert_close(held_k, torch.cat([k[:, :, 2:5], new], 2))
+    with pytest.raises(ValueError, match="length must be in"):
+        cache.read(1)
 
 
 def test_latent_cache_overflow_is_refused_before_writing():

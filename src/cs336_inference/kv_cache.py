@@ -131,8 +131,21 @@ class RollingKVCache:
         self.length, self.oldest = end, max(self.oldest, end - C)
         return keys, values
 
+    def held_positions(self) -> range:
+        """Positions whose keys/values the ring still holds intact, oldest first."""
+        return range(max(self.oldest, self.length - self.capacity), self.length)
+
+    def read(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, K, n, H) of the held positions before `length` (default: all written), in order."""
+        held = self.held_positions()
+        length = self.length if length is None else length
+        if not held.start <= length <= self.length:
+            raise ValueError(f"length must be in [{held.start}, {self.length}] (positions the ring holds), got {length}")
+        slots = torch.arange(held.start, length, device=self.k.device) % self.capacity
+        return self.k[:, :, slots], self.v[:, :, slots]
+
     def check_truncate(self, n: int) -> None:
-        held = max(self.oldest, self.length - self.capacity)
+        held = self.held_positions().start
         if self.first_key(n) < held:
             raise ValueError(
                 f"cannot roll a sliding-window cache back to {n} tokens: the next query needs positions "
@@ -142,7 +155,7 @@ class RollingKVCache:
 
     def truncate(self, n: int) -> None:
         self.check_truncate(n)
-        self.oldest = max(self.oldest, self.length - self.capacity)  # the ring lost these for good
+        self.oldest = self.held_positions().start  # positions before it were overwritten for good
         self.length = n
 
     @property
