@@ -182,14 +182,22 @@ def _plot(result: dict, name: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     colors = {"none": "black", "rtn": "tab:blue", "gptq": "tab:orange", "awq": "tab:green", "qat": "tab:red",
               "fp8": "tab:purple", "llm_int8": "tab:brown", "kv_int8": "tab:gray"}
+    markers = {32: "*", 8: "o", 4: "s", 3: "^"}
     for r in rows:
         if r["method"] == "kv_int8":
             continue
-        ax1.scatter(r["model_bytes"] / 1e6, r["val_bits_per_byte"], color=colors[r["method"]], s=40)
-        ax1.annotate(r["variant"], (r["model_bytes"] / 1e6, r["val_bits_per_byte"]), fontsize=7,
-                     xytext=(4, 2), textcoords="offset points")
-    ax1.set_xlabel("model bytes (MB, measured: packed codes + scales + zero points + fp32 rest)")
-    ax1.set_ylabel("validation bits per byte (lower is better)")
+        # KL(fp32 || quantized) separates the methods far better than bpb deltas of a few 1e-3
+        ax1.scatter(r["model_bytes"] / 1e6, max(r["kl_to_fp32"], 1e-5), color=colors[r["method"]],
+                    marker=markers.get(r["bits"], "o"), s=70 if r["bits"] == 32 else 45)
+    for method, color in colors.items():
+        if any(r["method"] == method for r in rows) and method != "kv_int8":
+            ax1.scatter([], [], color=color, label={"none": "fp32", "llm_int8": "LLM.int8()"}.get(method, method))
+    for bits, marker in markers.items():
+        ax1.scatter([], [], color="gray", marker=marker, label=f"{bits} bits")
+    ax1.legend(fontsize=8, ncol=2)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("model MB (measured: packed codes + scales + zero points + fp32 embedding/lm_head)")
+    ax1.set_ylabel("KL(fp32 || quantized), nats/token (fp32 drawn at 1e-5)")
     ax1.set_title(f"Quality vs size: {result['model']} ({result['parameters'] / 1e6:.1f}M params)")
     ax1.grid(alpha=0.3)
     timed = [r for r in rows if "decode_tok_per_s" in r]
