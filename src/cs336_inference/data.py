@@ -29,13 +29,20 @@ PYDOC_CHUNK = 2000                # pydoc topics are cut into documents of about
 
 
 def _pydoc_documents() -> list[str]:
-    """CPython's own help text (`help('if')` etc.), cut at paragraph breaks into ~2 kB documents."""
+    """CPython's own help text (`help('if')` etc.), cut at paragraph breaks into ~2 kB documents.
+
+    Some topics quote others word for word; repeated paragraphs are dropped so that no text can be
+    in both the train and the validation split.
+    """
     from pydoc_data.topics import topics
 
-    docs = []
+    docs, seen = [], set()
     for name in sorted(topics):
         chunk = ""
         for paragraph in topics[name].split("\n\n"):
+            if paragraph.strip() in seen:
+                continue
+            seen.add(paragraph.strip())
             chunk = f"{chunk}\n\n{paragraph}" if chunk else paragraph
             if len(chunk) >= PYDOC_CHUNK:
                 docs.append(chunk)
