@@ -14,11 +14,23 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import json  # noqa: E402
+import math  # noqa: E402
+
+import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
-from lecture_util import Reference, link, section, text  # noqa: E402
+from lecture_util import Reference, image, link, section, text  # noqa: E402
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference import accounting_symbolic as sym  # noqa: E402
+from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, attention_intensity_generation,  # noqa: E402
+                                        attention_intensity_prefill, decode_latency, decode_memory,
+                                        decode_throughput, generation_flops, matmul_cost, matmul_intensity_limit,
+                                        mlp_cost, mlp_intensity_limit, parameter_count,
+                                        kv_cache_bytes, kv_cache_bytes_per_token, transformer_performance_stats,
+                                        with_kv_heads)
+from cs336_inference.roofline import measure_hardware  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -26,6 +38,9 @@ vllm = Reference(title="Efficient Memory Management for Large Language Model Ser
 sglang = Reference(title="SGLang: Efficient Execution of Structured Language Model Programs",
                    authors=["Lianmin Zheng", "Liangsheng Yin"], date="2023-12-12",
                    url="https://arxiv.org/abs/2312.07104")
+roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
+                           authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
+                           url="https://doi.org/10.1145/1498765.1498785")
 
 
 def main():
@@ -86,24 +101,243 @@ def review_transformer():
 
 def review_of_arithmetic_intensity():
     section("review_of_arithmetic_intensity")
-    text("Y = X @ W with X (B x D), W (D x F): 2BDF FLOPs over 2BD + 2DF + 2BF bytes in bf16; "
-         "when B << D, F the intensity tends to B FLOPs per byte.")
+    text("Y = X @ W with X (B x D) and W (D x F) in bf16 (2 bytes per element): count FLOPs and bytes.")
+    cost = matmul_cost()
+    flops, nbytes = cost.flops, cost.bytes  # @inspect flops nbytes
+    intensity = cost.intensity  # @inspect intensity
+    limit = matmul_intensity_limit()  # @inspect limit
+    assert flops == 2 * sym.B * sym.D * sym.F and sp.simplify(limit - sym.B) == 0
+    text(f"FLOPs {flops}, bytes {nbytes}: intensity {intensity}, which tends to B when B << D, F. "
+         "With B = 1 (a matrix-vector product) every byte read buys one FLOP.")
+    link(roofline_paper)
+    h100 = HARDWARE["H100"]
+    accelerator_intensity = h100.accelerator_intensity  # @inspect accelerator_intensity
+    assert round(accelerator_intensity) == 295
+    text(f"An H100 does {h100.peak_flops:.3g} bf16 FLOP/s and moves {h100.memory_bandwidth:.3g} B/s: its "
+         f"accelerator intensity is {accelerator_intensity:.0f} FLOPs per byte. A matmul is compute-bound "
+         f"only if B > {accelerator_intensity:.0f}; below that the GPU waits for memory.")
+    here = measure_hardware(quick=True)  # @inspect here
+    assert here.peak_flops > 0 and here.memory_bandwidth > 0
+    text(f"This machine, measured just now (quick, noisy): {here.summary()}. "
+         "`python -m cs336_inference bench roofline` sweeps B = 1 ... 1024 and draws the measured roofline.")
+    image("figures/roofline_matmul_cpu.png", width=500)
 
 
 def arithmetic_intensity_of_inference():
     section("arithmetic_intensity_of_inference")
-    text("Prefill processes T = S prompt tokens at once (compute-bound); decode processes T = 1 token "
-         "per step and must read all weights and the whole KV cache for it (memory-bound).")
+    text("Naive generation re-runs the whole prefix for every new token: step t processes t tokens.")
+    gen = generation_flops()
+    naive, cached = gen["naive"], gen["cached"]  # @inspect naive cached
+    assert sp.degree(sp.expand(naive), sym.T) == 3 and sp.degree(sp.expand(cached), sym.T) == 2
+    text(f"Total FLOPs for T tokens (P weights, L layers): naive {naive} is O(T^3); keeping every past key "
+         f"and value (the KV cache) makes step t a one-token forward: {cached}, O(T^2).")
+    text("The KV cache holds, for every sequence, token, layer and KV head, an H-dim key and an H-dim value. "
+         "Prefill runs the prompt (T = S tokens at once); generation runs T = 1 token per step.")
+    mlp = mlp_cost()
+    mlp_flops, mlp_bytes, mlp_limit = mlp.flops, mlp.bytes, mlp_intensity_limit()  # @inspect mlp_flops mlp_bytes mlp_limit
+    assert sp.simplify(mlp_limit - sym.B * sym.T) == 0
+    text(f"MLP (up, gate, down): {mlp_flops} FLOPs over {mlp_bytes} bytes; intensity -> {mlp_limit}. "
+         "Prefill (T large) is compute-bound; generation (T = 1) needs a large batch B to get there.")
+    att = attention_cost()
+    att_intensity = att.intensity  # @inspect att_intensity
+    prefill, generation = attention_intensity_prefill(), attention_intensity_generation()  # @inspect prefill generation
+    assert sp.simplify(att_intensity - sym.S * sym.T / (sym.S + sym.T)) == 0
+    assert sp.simplify(prefill - sym.S / 2) == 0 and (1 - generation).is_positive
+    assert sym.B not in generation.free_symbols
+    text(f"Attention (fused kernel): {att.flops} FLOPs over {att.bytes} bytes, intensity {att_intensity}. "
+         f"Prefill (T = S): {prefill}. Generation (T = 1): {generation} < 1, and B does not appear: every "
+         "sequence reads its own KV cache, so batching cannot make attention compute-bound.")
 
 
 def throughput_and_latency():
     section("throughput_and_latency")
-    text("Decode is memory-bound: latency per step ~ bytes read / bandwidth, throughput = B / latency.")
+    text("Decode is memory-bound, so a step takes as long as reading the weights and every KV cache.")
+    params = parameter_count()  # @inspect params
+    memory, latency, throughput = decode_memory(), decode_latency(), decode_throughput()  # @inspect memory latency throughput
+    text(f"params = {params}; memory = {memory}; latency = memory / bandwidth; throughput = B / latency.")
+    llama = REAL_MODELS["llama2-13b"]  # @inspect llama
+    values = {sym.V: llama.vocab_size, sym.D: llama.d_model, sym.F: llama.d_ff, sym.N: llama.num_heads,
+              sym.K: llama.num_kv_heads, sym.H: llama.head_dim, sym.L: llama.num_layers, sym.S: 1024,
+              sym.bandwidth: HARDWARE["H100"].memory_bandwidth}
+    for batch_size in (1, 64, 256):
+        stats = llama2_13b_on_h100(batch_size)  # @inspect stats
+        assert stats.total_memory_bytes == memory.subs(values).subs(sym.B, batch_size)
+        assert math.isclose(stats.latency_per_token_s, float(latency.subs(values).subs(sym.B, batch_size)))
+        assert stats.bound == "memory" and stats.fits_in_memory == (batch_size <= 64)
+        text(f"B = {batch_size}: {stats.summary()}.")
+    text("Larger batches: worse latency, better (but diminishing) throughput; at B = 256 the caches no longer "
+         "fit in 80 GB. Replicas multiply throughput at equal latency; sharding one model is harder.")
+    image("figures/accounting_latency_throughput.png", width=700)
+    ttft = llama2_13b_on_h100(1).ttft_s  # @inspect ttft
+    text(f"TTFT is the prefill: one compute-bound pass over the prompt ({ttft * 1e3:.0f} ms for 1024 tokens at "
+         "B = 1). So: small batches for prefill, large batches for decode.")
+
+
+def llama2_13b_on_h100(batch_size: int, num_kv_heads: int = 40, seq_len: int = 1024):
+    """The lecture's running example (for this section and for reduce_kv_cache_size's GQA numbers):
+    Llama 2 13B on an H100 at S = 1024 in bf16, with K key/value heads (40 = MHA, 8 = GQA)."""
+    return transformer_performance_stats(with_kv_heads("llama2-13b", num_kv_heads), "H100", batch_size, seq_len)
+
+
+mqa_paper = Reference(title="Fast Transformer Decoding: One Write-Head is All You Need", authors=["Noam Shazeer"],
+                      date="2019-11-06", url="https://arxiv.org/abs/1911.02150")
+gqa_paper = Reference(title="GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints",
+                      authors=["Joshua Ainslie", "James Lee-Thorp", "Michiel de Jong", "Yury Zemlyanskiy",
+                               "Federico Lebrón", "Sumit Sanghai"], date="2023-05-22",
+                      url="https://arxiv.org/abs/2305.13245")
+deepseek_v2 = Reference(title="DeepSeek-V2: A Strong, Economical, and Efficient Mixture-of-Experts Language Model",
+                        authors=["DeepSeek-AI"], date="2024-05-07", url="https://arxiv.org/abs/2405.04434")
+cla_paper = Reference(title="Reducing Transformer Key-Value Cache Size with Cross-Layer Attention",
+                      authors=["William Brandon", "Mayank Mishra", "Aniruddha Nrusimha", "Rameswar Panda",
+                               "Jonathan Ragan-Kelley"], date="2024-05-21", url="https://arxiv.org/abs/2405.12981")
+longformer = Reference(title="Longformer: The Long-Document Transformer",
+                       authors=["Iz Beltagy", "Matthew E. Peters", "Arman Cohan"], date="2020-04-10",
+                       url="https://arxiv.org/abs/2004.05150")
+mistral = Reference(title="Mistral 7B", authors=["Albert Q. Jiang", "Alexandre Sablayrolles", "Arthur Mensch"],
+                    date="2023-10-10", url="https://arxiv.org/abs/2310.06825")
+character_ai = Reference(title="Optimizing AI Inference at Character.AI", authors=["Character.AI"],
+                         date="2024-06-20", url="https://research.character.ai/optimizing-inference/")
 
 
 def reduce_kv_cache_size():
     section("reduce_kv_cache_size")
-    text("GQA, MQA, MLA, sliding windows and cross-layer sharing all shrink the bytes per cached token.")
+    text("Decode reads the whole KV cache every step, and the cache is what stops the batch from growing. "
+         "So the first lossy shortcut is to cache fewer bytes per token. Each variant below is a real module "
+         "of cs336_inference (selected through ModelConfig); for each we build a tiny model and check that "
+         "the bytes its cache actually allocates equal the accounting formula.")
+    tiny = ModelConfig.from_name("tiny", num_layers=4, num_kv_heads=4)  # @inspect tiny
+    L, N, H = tiny.num_layers, tiny.num_heads, tiny.head_dim
+
+    def measured_bytes_per_token(config):
+        """Bytes one cached token occupies in a freshly built model's cache (fp32 = 4 bytes)."""
+        cache = TransformerLM(config).new_cache(batch_size=1, max_seq_len=32, dtype=torch.float32)
+        assert cache.bytes_per_token == kv_cache_bytes_per_token(config, bytes_per_element=4)
+        return cache.bytes_per_token
+
+    # GQA / MQA
+    text("GQA: N query heads share K key/value heads (K = N is MHA, K = 1 is MQA); the cache shrinks N/K times.")
+    link(mqa_paper)
+    link(gqa_paper)
+    for K in (4, 2, 1):
+        per_token = measured_bytes_per_token(tiny.replace(num_kv_heads=K))  # @inspect per_token
+        assert per_token == 2 * K * H * L * 4
+        text(f"  tiny model, K = {K}: 2 (K and V) x K={K} x H={H} x L={L} x 4 bytes = {per_token} bytes per token")
+    mha64, gqa64, gqa256 = (llama2_13b_on_h100(64, 40), llama2_13b_on_h100(64, 8),  # @inspect mha64 gqa64 gqa256
+                            llama2_13b_on_h100(256, 8))
+    assert mha64.kv_cache_bytes == 5 * gqa64.kv_cache_bytes  # N / K = 40 / 8
+    assert not llama2_13b_on_h100(256, 40).fits_in_memory and gqa256.fits_in_memory
+    assert gqa64.latency_per_token_s < mha64.latency_per_token_s
+    text(f"Llama 2 13B, S = 1024, B = 64 on an H100: K = 40 needs {mha64.kv_cache_bytes / 1e9:.1f} GB of cache, "
+         f"K = 8 only {gqa64.kv_cache_bytes / 1e9:.1f} GB, so a step takes "
+         f"{gqa64.latency_per_token_s * 1e3:.1f} ms instead of {mha64.latency_per_token_s * 1e3:.1f} ms. And B = 256, "
+         f"which did not fit with K = 40, fits again with K = 8 ({gqa256.total_memory_bytes / 1e9:.1f} GB): "
+         f"{gqa256.throughput_tokens_per_s:,.0f} tokens/s. The GQA paper finds quality close to MHA.")
+
+    # MLA
+    text("MLA (DeepSeek-V2): cache one latent c = W_DKV h of C dims per token and layer, and up-project it to "
+         "every head's keys and values when needed. RoPE does not commute with that up-projection, so position "
+         "goes into a separate RoPE key of R dims shared by all heads.")
+    link(deepseek_v2)
+    ds = REAL_MODELS["deepseek-v2"]  # @inspect ds
+    keys_per_layer = ds.num_heads * ds.head_dim  # @inspect keys_per_layer
+    latent_per_layer = ds.kv_lora_rank + ds.rope_head_dim  # @inspect latent_per_layer
+    assert (keys_per_layer, ds.kv_lora_rank, ds.rope_head_dim, latent_per_layer) == (16384, 512, 64, 576)
+    ds_mha = ds.replace(name="deepseek-v2-mha", attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)
+    ratio = kv_cache_bytes_per_token(ds_mha) / kv_cache_bytes_per_token(ds)  # @inspect ratio
+    assert kv_cache_bytes_per_token(ds) == 576 * ds.num_layers * 2
+    text(f"DeepSeek-V2: N*H = {keys_per_layer} key numbers per token and layer (and as many values) become "
+         f"C = {ds.kv_lora_rank} latent + {ds.rope_head_dim} RoPE = {latent_per_layer} numbers: {ratio:.0f}x smaller "
+         f"than MHA of the same heads ({kv_cache_bytes_per_token(ds) / 1e3:.0f} KB per token over "
+         f"{ds.num_layers} layers in bf16). In the paper's ablations MHA beats GQA, and MLA slightly beats MHA.")
+    mla = tiny.replace(attention_type="mla", kv_lora_rank=8, rope_head_dim=4)  # @inspect mla
+    per_token = measured_bytes_per_token(mla)  # @inspect per_token
+    assert per_token == (8 + 4) * L * 4
+    text(f"  tiny MLA (C = 8, R = 4): (C + R) x L x 4 bytes = {per_token} bytes per token, whatever N is.")
+    text("Decoding over the latents needs no up-projection at all: q . (W_UK c) = (W_UK^T q) . c, so fold W_UK "
+         "into the query and W_UV into the output and attend over the C + R cache directly ('absorbed'). "
+         "Both paths give the same logits:")
+    seed_everything(0)
+    model = TransformerLM(mla).eval()
+    ids = torch.randint(0, mla.vocab_size, (2, 12))
+    logits = {}
+    for absorb in (False, True):
+        for block in model.layers:
+            block.attn.absorb = absorb
+        with torch.no_grad():
+            cache = model.new_cache(2, 12)
+            model(ids[:, :8], cache=cache)
+            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache, start_pos=t) for t in range(8, 12)], 1)
+    max_diff = (logits[True] - logits[False]).abs().max().item()  # @inspect max_diff
+    assert max_diff < 1e-4
+    text(f"  absorbed vs naive decode: max |difference| = {max_diff:.1e} (float rounding).")
+
+    # CLA
+    text("Cross-layer attention (CLA): share keys and values across adjacent layers, as GQA shares them across "
+         "heads. With groups of 2 layers only every other layer projects K/V and owns a cache.")
+    link(cla_paper)
+    cla = tiny.replace(kv_share_group=2)  # @inspect cla
+    cache = TransformerLM(cla).new_cache(1, 32, dtype=torch.float32)
+    assert cache.layers[0] is cache.layers[1] and cache.layers[2] is cache.layers[3]
+    per_token = measured_bytes_per_token(cla)  # @inspect per_token
+    assert per_token * 2 == measured_bytes_per_token(tiny)
+    text(f"  tiny CLA (2 layers per cache): {per_token} bytes per token, half of MHA's.")
+
+    # Local attention and hybrids
+    text("Local (sliding-window) attention: each query sees only the last W tokens, so the cache is a ring "
+         "buffer of W positions whatever the context; information still travels further, one window per layer "
+         "(receptive field L*W). It hurts long-range accuracy, so deployed models interleave local and global "
+         "layers (Character.AI: one global layer in six, plus CLA).")
+    link(longformer)
+    link(mistral)
+    link(character_ai)
+    local = tiny.replace(sliding_window=8)  # @inspect local
+    seed_everything(0)
+    model = TransformerLM(local).eval()
+    cache = model.new_cache(1, 64)
+    held = []
+    with torch.no_grad():
+        model(torch.randint(0, 257, (1, 20)), cache=cache)
+        for t in range(20, 40):
+            model(torch.randint(0, 257, (1, 1)), cache=cache, start_pos=t)
+            held.append(cache.nbytes)
+    assert len(set(held)) == 1 and held[0] == kv_cache_bytes(local, 1, 64, 4) == 8 * cache.bytes_per_token
+    text(f"  tiny model, window 8: after 40 tokens the cache still holds {held[-1]} bytes = 8 positions.")
+    llama = REAL_MODELS["llama2-13b"]
+    hybrid = llama.replace(name="llama2-13b-hybrid", num_kv_heads=8, sliding_window=1024, global_every=6)
+    S = 4096
+    full, mixed = kv_cache_bytes(llama, 1, S), kv_cache_bytes(hybrid, 1, S)  # @inspect full mixed
+    assert mixed < full / 5
+    text(f"At Llama 2 13B scale and S = {S}: MHA caches {full / 1e9:.2f} GB per sequence; GQA (K = 8) with "
+         f"local layers (window 1024) and one global layer in 6 caches {mixed / 1e9:.2f} GB "
+         f"({full / mixed:.0f}x less).")
+    image("figures/kv_variants_scale.png", width=700)
+
+    # What it costs: the experiment
+    kv_experiment_summary()
+    text("Further: DeepSeek-V4-style attention compresses every m tokens into one and attends to the top-k "
+         "compressed blocks; beyond attention, linear attention and state-space models (Mamba 2, Gated "
+         "DeltaNet) keep a constant-size state, and diffusion LMs change the decoding loop itself.")
+
+
+def kv_experiment_summary():
+    """The committed results of `python -m cs336_inference bench kv_variants` (not retrained here)."""
+    path = Path(__file__).resolve().parents[1] / "figures" / "kv_variants.json"
+    if not path.exists():
+        text("Run `python -m cs336_inference bench kv_variants` to train the variants and compare them.")
+        return
+    results = json.loads(path.read_text())
+    text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
+         "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
+         "model of each variant with the same parameter budget, data and steps:")
+    distances = results["recall_distances"]
+    lines = [f"{'variant':<38} {'val loss':>8} {'recall (' + ', '.join(map(str, distances)) + ')':>44} "
+             f"{'KV B/token':>10} {'ms/step':>8}"]
+    for name, r in results["variants"].items():
+        recall = " ".join(f"{r['recall'][str(d)]:.2f}" for d in distances)
+        lines.append(f"{name:<38} {r['val_loss']:8.3f} {recall:>44} {r['kv_bytes_per_token_fp32']:>10} "
+                     f"{r['decode_ms_per_step']:8.2f}")
+    text("\n".join(lines), verbatim=True)
+    image("figures/kv_variants.png", width=800)
 
 
 def quantization():

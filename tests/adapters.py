@@ -152,6 +152,129 @@ def run_long_range_recall(model, distances, **kwargs) -> dict:
 def run_recall_probes(distance, num_trials, seed=0, **kwargs):
     return _evaluation.recall_probes(distance, num_trials, seed, **kwargs)
 
+
+# --- KV-cache variants: MLA, sliding window, hybrids, cross-layer sharing ----------------------
+from cs336_inference import accounting  # noqa: E402
+from cs336_inference.kv_cache import LatentKVCache, RollingKVCache  # noqa: E402
+
+
+def run_kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
+
+
+def run_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int = 2) -> int:
+    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
+
+
+def set_mla_absorb(model, absorb: bool) -> None:
+    """Choose MLA's decode path: absorbed (attend over the latents) or naive (up-project them)."""
+    for block in model.layers:
+        block.attn.absorb = absorb
+
+
+def make_mla_attention(config: ModelConfig, layer_idx: int = 0):
+    from cs336_inference.attention import MultiHeadLatentAttention
+    return MultiHeadLatentAttention(config, layer_idx)
+
+
+def run_attention_module(module, x, positions, mask=None):
+    """x (B, T, D) at integer positions (T,) through one attention layer without a cache."""
+    rope_dim = getattr(module, "rope_head_dim", None) or module.head_dim
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return module(x, (cos[positions], sin[positions]), None, 0, mask)
+
+
+def run_block(block, x, positions, mask, rope_dim: int) -> torch.Tensor:
+    """One TransformerBlock without a cache, with the mask the caller chose."""
+    cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
+    return block(x, (cos[positions], sin[positions]), None, 0, mask, shared={})
+
+
+def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_len):
+    return RollingKVCache(batch_size, num_kv_heads, head_dim, window, max_seq_len)
+
+
+def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
+    return LatentKVCache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len)
+
+
+# --- accounting and roofline: symbolic and numeric FLOP/byte accounting, measured hardware ------
+
+from cs336_inference import accounting, accounting_symbolic, roofline  # noqa: E402
+
+
+def run_matmul_cost():
+    """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
+    return accounting_symbolic.matmul_cost()
+
+
+def run_mlp_cost():
+    return accounting_symbolic.mlp_cost()
+
+
+def run_attention_cost():
+    return accounting_symbolic.attention_cost()
+
+
+def run_generation_flops() -> dict:
+    """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
+    return accounting_symbolic.generation_flops()
+
+
+def run_parameter_count_symbolic():
+    return accounting_symbolic.parameter_count()
+
+
+def get_symbols() -> dict:
+    """The lecture's sympy symbols by letter."""
+    a = accounting_symbolic
+    return dict(B=a.B, S=a.S, T=a.T, D=a.D, F=a.F, N=a.N, K=a.K, H=a.H, L=a.L, V=a.V, P=a.P)
+
+
+def get_hardware_table() -> dict:
+    return accounting.HARDWARE
+
+
+def get_real_model(name: str):
+    return accounting.get_model_shape(name)
+
+
+def run_num_parameters(model, **kwargs) -> int:
+    return accounting.num_parameters(model, **kwargs)
+
+
+def run_kv_cache_bytes_per_token(config, bytes_per_element=2):
+    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
+
+
+def run_kv_cache_bytes(config, batch_size, seq_len, bytes_per_element=2):
+    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
+
+
+def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False) -> int:
+    return accounting.forward_flops(model, batch_size, num_new_tokens, num_cached, last_only)
+
+
+def run_transformer_performance_stats(config, hardware="H100", batch_size=1, seq_len=1024, precision="bf16"):
+    return accounting.transformer_performance_stats(config, hardware, batch_size, seq_len, precision)
+
+
+def run_with_kv_heads(config, num_kv_heads):
+    return accounting.with_kv_heads(config, num_kv_heads)
+
+
+def run_measure_hardware(device=None, **kwargs):
+    return roofline.measure_hardware(device, **kwargs)
+
+
+def run_roofline_sweep(device=None, **kwargs):
+    return roofline.roofline_sweep(device, **kwargs)
+
+
+def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") -> int:
+    return accounting.max_batch_size(config, hardware, seq_len, precision)
+
+
 from cs336_inference import pruning as _pruning  # noqa: E402
 from cs336_inference import train as _train  # noqa: E402
 
@@ -178,3 +301,91 @@ def run_prune_model(model, calibration, **kwargs):
 
 def run_distill(student, teacher, train_config, **kwargs):
     return _pruning.distill(student, teacher, train_config, **kwargs)
+
+
+# --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
+
+
+def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric=None) -> torch.Tensor:
+    from cs336_inference.quantization import quantize
+    return quantize(x, scale, zero_point, bits, symmetric)
+
+
+def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
+    from cs336_inference.quantization import dequantize
+    return dequantize(q, scale, zero_point)
+
+
+def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
+    """-> (codes, scale, zero_point, x_hat); scale/zero_point are () per tensor, (rows, groups) otherwise."""
+    from cs336_inference.quantization import quantize_tensor
+    qt = quantize_tensor(x, bits, symmetric, granularity, group_size)
+    return qt.q, qt.scale, qt.zero_point, qt.dequantize(x.dtype)
+
+
+def run_pack_int4(q, signed=True) -> torch.Tensor:
+    from cs336_inference.quantization import pack_int4
+    return pack_int4(q, signed)
+
+
+def run_unpack_int4(packed, signed=True) -> torch.Tensor:
+    from cs336_inference.quantization import unpack_int4
+    return unpack_int4(packed, signed)
+
+
+def run_pack_bits(q, bits) -> torch.Tensor:
+    from cs336_inference.quantization import pack_bits
+    return pack_bits(q, bits)
+
+
+def run_unpack_bits(packed, bits, numel) -> torch.Tensor:
+    from cs336_inference.quantization import unpack_bits
+    return unpack_bits(packed, bits, numel)
+
+
+def run_fp8_round_trip(x, fmt="e4m3", per_channel=False) -> torch.Tensor:
+    from cs336_inference.quantization import fp8_round_trip
+    return fp8_round_trip(x, fmt, per_channel)
+
+
+def get_fp8_range(fmt="e4m3") -> tuple[float, float]:
+    from cs336_inference.quantization import fp8_range
+    return fp8_range(fmt)
+
+
+def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
+    from cs336_inference.quantization import llm_int8_matmul
+    return llm_int8_matmul(x, weight, threshold)
+
+
+def run_gptq_quantize(weight, inputs, bits=4, group_size=None, act_order=False, **kwargs) -> torch.Tensor:
+    """-> the dequantized GPTQ weight W_hat (O, I)."""
+    from cs336_inference.quantization import gptq_quantize
+    return gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size, act_order=act_order,
+                         **kwargs).quantized.dequantize(weight.dtype)
+
+
+def run_awq_search_scales(weight, inputs, bits=4, group_size=None, symmetric=False) -> torch.Tensor:
+    """-> s (I,): AWQ quantizes W * s and feeds x / s."""
+    from cs336_inference.quantization import awq_search_scales
+    return awq_search_scales(weight, inputs, bits, group_size, symmetric).scales
+
+
+def run_ste_fake_quantize(w, bits=4, group_size=None, symmetric=False) -> torch.Tensor:
+    from cs336_inference.quantization import ste_fake_quantize
+    return ste_fake_quantize(w, bits, group_size, symmetric)
+
+
+def run_quantize_model(model, method="rtn", bits=4, group_size=None, calibration=None, **kwargs):
+    from cs336_inference.quantization import quantize_model
+    return quantize_model(model, method, bits, group_size, calibration, **kwargs)
+
+
+def get_model_nbytes(model) -> int:
+    from cs336_inference.quantization import model_nbytes
+    return model_nbytes(model)
+
+
+def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
+    from cs336_inference.quantization import quantize_kv_cache
+    return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)

@@ -64,3 +64,22 @@ def test_sdpa_rejects_bad_mask_and_shapes():
         run_scaled_dot_product_attention(q, k, v, torch.ones(2, 4))
     with pytest.raises(ValueError, match="last dim"):
         run_scaled_dot_product_attention(q, torch.randn(4, 2), v)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 65])
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_linear_few_row_path_equals_plain_matmul(rows, threads):
+    from cs336_inference.layers import Linear
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        lin = Linear(24, 16)
+        x = torch.randn(rows, 1, 24)
+        with torch.no_grad():
+            got = lin(x)
+        want = torch.einsum("mti,oi->mto", x, lin.weight.detach())
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert lin(x).requires_grad  # the training path is untouched
+    finally:
+        torch.set_num_threads(old)

@@ -66,8 +66,25 @@ def _run_train(args) -> int:
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
+    "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
+    "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
     "models": ("model_report", "bench_models"),
+    "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
+    "quantization": ("quantization.bench", "bench_quantization"),
 }
+
+def _figures_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+
+
+def _run_figures(args) -> int:
+    """Regenerate every figure in figures/ by running each registered benchmark."""
+    for name in BENCHMARKS:
+        print(f"\n### bench {name}")
+        _run_bench(argparse.Namespace(which=name, quick=args.quick, device=args.device))
+    return 0
+
 
 # name -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple] = {
@@ -77,6 +94,7 @@ COMMANDS: dict[str, tuple] = {
               _train_args, _run_train),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
+    "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
 }
 
 

@@ -55,10 +55,55 @@ class ModelConfig:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        self._check_variant()
+
+    def _check_variant(self) -> None:
+        """Refuse attention-variant knobs that do not fit together (each message names the fix)."""
+        mla_only = [n for n in ("kv_lora_rank", "q_lora_rank", "rope_head_dim") if getattr(self, n) is not None]
+        if self.attention_type == "mla":
+            for name in ("kv_lora_rank", "rope_head_dim"):
+                if getattr(self, name) is None:
+                    raise ValueError(f"attention_type='mla' needs {name} (a positive int): MLA caches a "
+                                     f"latent of kv_lora_rank dims plus a RoPE key of rope_head_dim dims")
+            if self.rope_head_dim % 2 != 0:
+                raise ValueError(f"rope_head_dim must be even for RoPE, got {self.rope_head_dim}")
+            if self.num_kv_heads != self.num_heads:
+                raise ValueError(f"attention_type='mla' has no key/value heads to group; leave num_kv_heads "
+                                 f"unset (got num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads})")
+            if self.sliding_window is not None:
+                raise ValueError("sliding_window is not supported with attention_type='mla' "
+                                 "(use attention_type='gqa' for local attention)")
+        elif mla_only:
+            raise ValueError(f"{mla_only} only apply to attention_type='mla', got attention_type="
+                             f"{self.attention_type!r}; drop them or set attention_type='mla'")
+        if self.global_every is not None:
+            if self.sliding_window is None:
+                raise ValueError("global_every needs sliding_window (it says which layers stay global)")
+            if self.global_every == 1:
+                raise ValueError("global_every=1 makes every layer global; drop sliding_window and "
+                                 "global_every for full attention")
         if self.num_layers % self.kv_share_group != 0:
             raise ValueError(f"kv_share_group ({self.kv_share_group}) must divide num_layers ({self.num_layers})")
-        if self.global_every is not None and self.sliding_window is None:
-            raise ValueError("global_every needs sliding_window (it says which layers stay global)")
+        for first in range(0, self.num_layers, self.kv_share_group):
+            group = range(first, first + self.kv_share_group)
+            if len({self.layer_window(i) for i in group}) > 1:
+                raise ValueError(
+                    f"kv_share_group={self.kv_share_group} puts local and global layers {list(group)} in one "
+                    f"sharing group (global_every={self.global_every}); layers that share a KV cache must "
+                    f"all be local or all global")
+
+    def layer_window(self, layer: int) -> int | None:
+        """Sliding window of layer `layer` (None = global). Hybrids keep layer i global iff
+        (i + 1) % global_every == 0, i.e. one global layer closes every block of global_every."""
+        if self.sliding_window is None:
+            return None
+        if self.global_every is not None and (layer + 1) % self.global_every == 0:
+            return None
+        return self.sliding_window
+
+    def kv_source_layer(self, layer: int) -> int:
+        """The layer whose keys/values (and cache) layer `layer` uses: the first of its CLA group."""
+        return layer - layer % self.kv_share_group
 
     @property
     def head_dim(self) -> int:

@@ -4,8 +4,9 @@ Without a cache, generating T tokens re-runs the whole prefix each step (O(T^2) 
 model, O(T^3) attention FLOPs); with one, each step processes one token and reads the cache.
 
 Two levels:
-- a *layer cache* holds one layer's tensors (`ContiguousKVCache` here; the attention variants add
-  their own classes: rolling buffers, latent caches). Layer caches are told where to write.
+- a *layer cache* holds one layer's tensors: `ContiguousKVCache` (MHA/GQA/MQA), `RollingKVCache`
+  (sliding-window layers), `LatentKVCache` (MLA). Layer caches are told where to write; each reports
+  `nbytes`, `bytes_per_token` and supports `truncate(n)` (after `check_truncate(n)` agreed).
 - `KVCache` is the model's cache: one layer cache per layer (the same object for layers that share,
   as in cross-layer attention), the number of tokens already cached, and optional left padding.
 """
@@ -57,6 +58,9 @@ class ContiguousKVCache:
         """Keys and values of the first `length` positions, as views (B, K, length, H)."""
         return self.k[:, :, :length], self.v[:, :, :length]
 
+    def check_truncate(self, n: int) -> None:
+        """Every position < max_seq_len stays intact until overwritten, so any rollback is fine."""
+
     def truncate(self, n: int) -> None:
         """Nothing to free: positions >= n are simply overwritten by the next update."""
 
@@ -69,6 +73,148 @@ class ContiguousKVCache:
         """Bytes one token of one sequence occupies in this layer: 2 (K and V) * K * H * element size."""
         _, K, _, H = self.k.shape
         return 2 * K * H * self.k.element_size()
+
+
+def _check_positive(**values) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+class RollingKVCache:
+    """Sliding-window attention's cache: a ring buffer of exactly min(window, max_seq_len) positions.
+
+    Position p lives in slot p % capacity (Mistral 7B, Jiang et al. 2023), so memory stays flat however
+    long the sequence grows. A query at position i sees keys i - window + 1 .. i, so `update` returns
+    the keys of positions max(0, start_pos - window + 1) .. start_pos + T - 1 in order: the older ones
+    gathered from the ring, the T new ones as given (a long prefill needs new keys that the ring
+    cannot hold at once). The model builds its band mask over exactly those positions.
+    Rollback (`truncate`) only works while the positions the next query needs are still in the ring.
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, max_seq_len: int,
+                 device=None, dtype: torch.dtype = torch.float32):
+        _check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        window=window, max_seq_len=max_seq_len)
+        self.window, self.max_seq_len = window, max_seq_len
+        self.capacity = min(window, max_seq_len)
+        shape = (batch_size, num_kv_heads, self.capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0   # positions written so far (the next start_pos)
+        self.oldest = 0   # oldest position not yet overwritten
+
+    def first_key(self, start_pos: int) -> int:
+        """Oldest position a query at start_pos may attend to (the first key `update` returns)."""
+        return max(0, start_pos - self.window + 1)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v (B, K, T, H) for positions start_pos..; return keys/values (B, K, S_w, H) of positions
+        first_key(start_pos) .. start_pos + T - 1."""
+        B, K, C, H = self.k.shape
+        _check_kv("k", k, B, K, H)
+        _check_kv("v", v, B, K, H)
+        T = k.shape[2]
+        end = start_pos + T
+        if start_pos != self.length:
+            raise ValueError(f"start_pos ({start_pos}) must equal the positions already written ({self.length})")
+        if end > self.max_seq_len:
+            raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
+                             f"max_seq_len {self.max_seq_len}")
+        slots = torch.arange(self.first_key(start_pos), start_pos, device=self.k.device) % C
+        keys = torch.cat([self.k[:, :, slots], k], dim=2)      # (B, K, S_w, H), in position order
+        values = torch.cat([self.v[:, :, slots], v], dim=2)
+        keep = min(T, C)                                       # only the last C new positions fit
+        new_slots = torch.arange(end - keep, end, device=self.k.device) % C
+        self.k[:, :, new_slots] = k[:, :, T - keep:]
+        self.v[:, :, new_slots] = v[:, :, T - keep:]
+        self.length, self.oldest = end, max(self.oldest, end - C)
+        return keys, values
+
+    def held_positions(self) -> range:
+        """Positions whose keys/values the ring still holds intact, oldest first."""
+        return range(max(self.oldest, self.length - self.capacity), self.length)
+
+    def read(self, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, K, n, H) of the held positions before `length` (default: all written), in order."""
+        held = self.held_positions()
+        length = self.length if length is None else length
+        if not held.start <= length <= self.length:
+            raise ValueError(f"length must be in [{held.start}, {self.length}] (positions the ring holds), got {length}")
+        slots = torch.arange(held.start, length, device=self.k.device) % self.capacity
+        return self.k[:, :, slots], self.v[:, :, slots]
+
+    def check_truncate(self, n: int) -> None:
+        held = self.held_positions().start
+        if self.first_key(n) < held:
+            raise ValueError(
+                f"cannot roll a sliding-window cache back to {n} tokens: the next query needs positions "
+                f"[{self.first_key(n)}, {n}) but the ring buffer of {self.capacity} slots only holds "
+                f"[{held}, {self.length}) (older ones were overwritten); the shortest length it can "
+                f"roll back to is {held + self.window - 1}; re-prefill to go further back")
+
+    def truncate(self, n: int) -> None:
+        self.check_truncate(n)
+        self.oldest = self.held_positions().start  # positions before it were overwritten for good
+        self.length = n
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position occupies (the ring holds min(window, max_seq_len) of them)."""
+        _, K, _, H = self.k.shape
+        return 2 * K * H * self.k.element_size()
+
+
+class LatentKVCache:
+    """Multi-head latent attention's cache (DeepSeek-V2): per token, the latent c (C dims) and the
+    decoupled RoPE key (R dims, shared by all heads), stored side by side as (B, S_max, C + R).
+
+    One tensor (not two) so the absorbed decode path attends over it as a single shared key head
+    without concatenating per step; the latent part doubles as the values.
+    """
+
+    def __init__(self, batch_size: int, kv_lora_rank: int, rope_head_dim: int, max_seq_len: int,
+                 device=None, dtype: torch.dtype = torch.float32):
+        _check_positive(batch_size=batch_size, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+                        max_seq_len=max_seq_len)
+        self.kv_lora_rank, self.rope_head_dim, self.max_seq_len = kv_lora_rank, rope_head_dim, max_seq_len
+        self.latent = torch.zeros(batch_size, max_seq_len, kv_lora_rank + rope_head_dim, device=device, dtype=dtype)
+
+    def update(self, latent: torch.Tensor, start_pos: int) -> torch.Tensor:
+        """Write latent (B, T, C + R) = [c, k_rope] at positions start_pos..; return (B, start_pos + T, C + R)."""
+        B, _, E = self.latent.shape
+        if not isinstance(latent, torch.Tensor):
+            raise TypeError(f"latent must be a torch.Tensor, got {type(latent).__name__}")
+        if latent.dim() != 3 or latent.shape[0] != B or latent.shape[2] != E:
+            raise ValueError(f"latent must have shape (B={B}, T, C+R={E}), got {tuple(latent.shape)}")
+        end = start_pos + latent.shape[1]
+        if start_pos < 0 or end > self.max_seq_len:
+            raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
+                             f"max_seq_len {self.max_seq_len}")
+        self.latent[:, start_pos:end] = latent
+        return self.read(end)
+
+    def read(self, length: int) -> torch.Tensor:
+        return self.latent[:, :length]
+
+    def check_truncate(self, n: int) -> None:
+        """Like the contiguous cache, every written position stays intact."""
+
+    def truncate(self, n: int) -> None:
+        """Nothing to free: positions >= n are overwritten by the next update."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.latent.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """(C + R) * element size: the latent plus the shared RoPE key, whatever the head count."""
+        return self.latent.shape[2] * self.latent.element_size()
 
 
 class KVCache:
@@ -127,6 +273,9 @@ class KVCache:
             raise TypeError(f"n must be an int, got {type(n).__name__}")
         if not 0 <= n <= self.length:
             raise ValueError(f"n must be in [0, {self.length}] (the cached length), got {n}")
-        for layer in self.unique_layers():
+        layers = self.unique_layers()
+        for layer in layers:  # every layer agrees before any changes (rolling buffers may refuse)
+            layer.check_truncate(n)
+        for layer in layers:
             layer.truncate(n)
         self.length = n

@@ -6,9 +6,57 @@ RMSNorm: Zhang & Sennrich 2019. SwiGLU: Shazeer 2020. RoPE: Su et al. 2021 (RoFo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from einops import rearrange
+
+# Rows at or below which the CPU few-row path of `Linear` beats one MKL gemm call (measured here on
+# the weights of a 330 MB model, 2 threads: 1 row 18 -> 7 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
+_SPLIT_MAX_ROWS = 64
+_SPLIT_ENABLED = True
+
+
+@contextlib.contextmanager
+def few_row_split(enabled: bool):
+    """Turn the CPU few-row path of `Linear` on or off (benchmarks compare both)."""
+    global _SPLIT_ENABLED
+    previous, _SPLIT_ENABLED = _SPLIT_ENABLED, bool(enabled)
+    try:
+        yield
+    finally:
+        _SPLIT_ENABLED = previous
+
+
+class Linear(nn.Linear):
+    """A bias-free linear layer, y = x W^T with W of shape (d_out, d_in) as in assignment 1.
+
+    Decode multiplies a handful of rows by every weight matrix: memory-bound matrix-vector work.
+    On the CPU, MKL runs that on one thread, leaving half the memory bandwidth of a 2-core machine
+    unused. For few-row inputs in inference we therefore split W's output rows into one block per
+    thread (a free view) and let `bmm` stream the blocks in parallel. Same numbers, ~2x faster decode.
+    """
+
+    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
+        w = self.weight
+        P = torch.get_num_threads()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (_SPLIT_ENABLED and P > 1 and 0 < rows <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
+                and x.dtype == w.dtype):
+            blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
+            if rows == 1:  # one vector: W_p @ x per block reads each weight row contiguously
+                y = torch.bmm(blocks, x.reshape(1, -1, 1).expand(P, -1, -1))       # (P, d_out/P, 1)
+                return y.reshape(*x.shape[:-1], w.shape[0])
+            x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
+            y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
+            return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w)
 
 
 class RMSNorm(nn.Module):
@@ -21,9 +69,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
         in_dtype = x.dtype
-        x = x.float()
+        if in_dtype != torch.float32:  # upcast only when needed: each op costs per-step overhead in decode
+            x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(in_dtype)
+        return (x * self.weight).to(in_dtype)
 
 
 class SwiGLU(nn.Module):
@@ -31,9 +80,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
-        self.w1 = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
-        self.w2 = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -53,12 +102,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs of the last dim of `x` (..., T, H) by the angles in cos/sin (..., T, H/2).
 
     cos/sin broadcast against x's leading dims, so per-sequence positions (B, 1, T, H/2) work too.
+    The pair (x[2k], x[2k+1]) is the complex number x[2k] + i x[2k+1]; rotating it by angle a is
+    multiplying by cos a + i sin a: one complex multiply instead of a dozen real ops per call.
     """
-    x_pairs = x.unflatten(-1, (-1, 2))               # (..., T, H/2, 2)
-    x_even, x_odd = x_pairs[..., 0], x_pairs[..., 1]  # (..., T, H/2)
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    rotated = torch.stack((x_even * cos - x_odd * sin, x_even * sin + x_odd * cos), dim=-1)
-    return rotated.flatten(-2)                        # (..., T, H)
+    rotation = torch.complex(cos.float(), sin.float())                                  # (..., T, H/2)
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())         # (..., T, H/2)
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)                 # (..., T, H)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,9 +1,12 @@
-"""`TransformerLM`: the CS336 assignment-1 language model, plus a KV cache and GQA.
+"""`TransformerLM`: the CS336 assignment-1 language model, plus a KV cache and attention variants.
 
 Layout (so a student's assignment-1 checkpoint loads unchanged): token embedding, L pre-norm
 blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases.
 One `forward(token_ids, cache=None, start_pos=0)` serves all three uses:
 full forward (no cache), prefill (cache, T = prompt length) and decode (cache, T = 1).
+The attention variant of each layer (GQA/MHA/MQA, MLA, sliding window, hybrids, cross-layer KV
+sharing) comes from `ModelConfig`; `build_attention` picks it, `new_cache` asks each layer for its
+cache (CLA followers get their group's), and `forward` builds a band mask for local layers.
 """
 
 from __future__ import annotations
@@ -13,19 +16,21 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import GroupedQueryAttention, attention_mask
+from .attention import GroupedQueryAttention, MultiHeadLatentAttention, SlidingWindowAttention, attention_mask
 from .config import ModelConfig
 from .kv_cache import KVCache
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 __all__ = ["ModelConfig", "TransformerBlock", "TransformerLM"]
 
 
 def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
     """The attention module of layer `layer_idx` for the configured variant."""
-    if config.attention_type == "gqa":
-        return GroupedQueryAttention(config, layer_idx, device=device, dtype=dtype)
-    raise NotImplementedError(f"attention_type={config.attention_type!r} is not implemented yet")
+    if config.attention_type == "mla":
+        return MultiHeadLatentAttention(config, layer_idx, device=device, dtype=dtype)
+    if config.layer_window(layer_idx) is not None:
+        return SlidingWindowAttention(config, layer_idx, device=device, dtype=dtype)
+    return GroupedQueryAttention(config, layer_idx, device=device, dtype=dtype)
 
 
 class TransformerBlock(nn.Module):
@@ -36,8 +41,9 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.ffn = SwiGLU(config.d_model, config.d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope, cache=None, start_pos: int = 0, mask=None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), rope, cache, start_pos, mask)
+    def forward(self, x: torch.Tensor, rope, cache=None, start_pos: int = 0, mask=None,
+                shared: dict | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), rope, cache, start_pos, mask, shared=shared)
         return x + self.ffn(self.ln2(x))
 
 
@@ -51,7 +57,7 @@ class TransformerLM(nn.Module):
         self.layers = nn.ModuleList(
             TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
+        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
         self.reset_parameters()
 
@@ -92,8 +98,14 @@ class TransformerLM(nn.Module):
                              f"got {max_seq_len!r}")
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        layers = [block.attn.new_cache(batch_size, max_seq_len, device=self.device, dtype=dtype or self.dtype)
-                  for block in self.layers]
+        layers = []
+        for i, block in enumerate(self.layers):
+            source = self.config.kv_source_layer(i)
+            if source == i:
+                layers.append(block.attn.new_cache(batch_size, max_seq_len, device=self.device,
+                                                   dtype=dtype or self.dtype))
+            else:  # CLA: the same object as the group's first layer (its bytes count once)
+                layers.append(layers[source])
         return KVCache(layers, max_seq_len, batch_size, pad=_check_pad(pad, batch_size, max_seq_len))
 
     def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
@@ -120,17 +132,33 @@ class TransformerLM(nn.Module):
         if pad is not None:
             positions = (positions[None, :] - pad.to(self.device)[:, None]).clamp(min=0)  # (B, T)
         rope = self.rope.angles(positions)
-        mask = attention_mask(T, start_pos + T, start_pos, pad, device=self.device)
+        masks = {}  # one mask per distinct window (None = global) among the layers
+        shared = {}  # CLA: keys/values of each group's first layer, for the rest of its group
 
         x = self.token_embeddings(token_ids)  # (B, T, D)
         for i, block in enumerate(self.layers):
-            x = block(x, rope, cache.layers[i] if cache is not None else None, start_pos, mask)
+            window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
+            if window not in masks:
+                masks[window] = self._mask(T, start_pos, pad, window, cached=cache is not None)
+            x = block(x, rope, cache.layers[i] if cache is not None else None, start_pos, masks[window],
+                      shared=shared)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.ln_final(x))  # (B, T, V)
         if cache is not None:
             cache.advance(T)
         return logits[0] if squeeze else logits
+
+    def _mask(self, T: int, start_pos: int, pad, window: int | None, cached: bool):
+        """The mask over the keys a layer attends to: with a cache, global layers see positions
+        0 .. start_pos + T - 1 and local ones those their rolling buffer returns (from
+        start_pos - window + 1); without a cache, just the T new positions."""
+        if not cached:
+            first = start_pos
+        else:
+            first = 0 if window is None else max(0, start_pos - window + 1)  # = RollingKVCache.first_key
+        return attention_mask(T, start_pos + T - first, start_pos, pad, window=window, device=self.device,
+                              first_key=first)
 
     def _check_tokens(self, token_ids, start_pos) -> torch.Tensor:
         if not isinstance(token_ids, torch.Tensor):

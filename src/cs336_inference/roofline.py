@@ -6,12 +6,15 @@ we teach on are shared and noisy.
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
-from .device import get_device
+from .device import default_dtype, get_device
+from .hardware import HardwareSpec
 
 
 def _sync(device: torch.device) -> None:
@@ -56,3 +59,160 @@ def measure_matmul_flops(device=None, n: int = 2048, dtype: torch.dtype | None =
     b = torch.randn(n, n, device=device, dtype=dtype)
     seconds = _median_seconds(lambda: a @ b, device, repeats)
     return 2 * n**3 / seconds
+
+
+# --- the machine as one record ----------------------------------------------------------------
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "cpu":
+        try:
+            with open("/proc/cpuinfo") as f:
+                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+        except OSError:
+            model = platform.processor()
+        return f"cpu ({model or platform.machine()}, {torch.get_num_threads()} threads)"
+    return device.type
+
+
+@dataclass(frozen=True)
+class HardwareMeasurement:
+    """This machine's two roofs, measured: peak matmul FLOP/s and streaming memory bandwidth."""
+
+    device: str                 # e.g. "cpu (AMD EPYC ..., 2 threads)" or "NVIDIA H200"
+    dtype: str                  # the matmul precision the peak was measured in
+    peak_flops: float
+    memory_bandwidth: float
+    flops_unit: str = "FLOP/s"
+    bandwidth_unit: str = "B/s"
+    intensity_unit: str = "FLOP/B"
+
+    @property
+    def accelerator_intensity(self) -> float:
+        """The ridge point: FLOPs per byte above which a kernel can be compute-bound here."""
+        return self.peak_flops / self.memory_bandwidth
+
+    def to_spec(self) -> HardwareSpec:
+        """As a `HardwareSpec`, so `transformer_performance_stats` can predict for this machine."""
+        precision = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(self.dtype, "bf16")
+        return HardwareSpec(f"measured {self.device}", peak_flops=self.peak_flops,
+                            memory_bandwidth=self.memory_bandwidth, memory_bytes=None,
+                            source=f"measured by roofline.measure_hardware ({self.dtype} matmul, fp32 sum)",
+                            flops_by_precision={precision: self.peak_flops})
+
+    def summary(self) -> str:
+        return (f"{self.device}: peak {self.peak_flops / 1e9:,.1f} GFLOP/s ({self.dtype} matmul), "
+                f"bandwidth {self.memory_bandwidth / 1e9:,.1f} GB/s, "
+                f"accelerator intensity {self.accelerator_intensity:,.1f} {self.intensity_unit}")
+
+
+def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool = False) -> HardwareMeasurement:
+    """Measure peak matmul FLOP/s and memory bandwidth of `device` (cpu, cuda, mps; default: best).
+
+    quick: smaller problems and fewer repeats (~0.5 s on a 2-core CPU), for the lecture; the full
+    measurement streams 512 MiB and times 2048^3 (CPU) / 8192^3 (CUDA) matmuls.
+    dtype: the matmul precision (default: bf16 on CUDA, fp32 elsewhere).
+    """
+    device = get_device(device)
+    if not isinstance(quick, bool):
+        raise TypeError(f"quick must be a bool, got {type(quick).__name__}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    dtype = dtype or default_dtype(device)
+    big = device.type == "cuda"
+    nbytes = (128 if quick else 512) * 2**20 * (4 if big else 1)
+    n = (4096 if quick else 8192) if big else (1024 if quick else 2048)
+    bandwidth = measure_memory_bandwidth(device, nbytes=nbytes, repeats=3 if quick else 7)
+    flops = measure_matmul_flops(device, n=n, dtype=dtype, repeats=3 if quick else 5)
+    return HardwareMeasurement(_device_name(device), str(dtype).removeprefix("torch."), flops, bandwidth)
+
+
+# --- the roofline sweep -----------------------------------------------------------------------
+
+
+def predicted_flops(intensity: float, peak_flops: float, memory_bandwidth: float) -> float:
+    """The roofline: min(peak, intensity * bandwidth) FLOP/s."""
+    return min(peak_flops, intensity * memory_bandwidth)
+
+
+@dataclass
+class RooflineSweep:
+    """Y = X (B x D) @ W (D x F) for each B: measured time, achieved FLOP/s, the roofline's prediction."""
+
+    hardware: HardwareMeasurement
+    d_in: int
+    d_out: int
+    dtype: str
+    batch_sizes: list[int]
+    seconds: list[float]
+    intensity: list[float]           # 2BDF / (e (BD + DF + BF)) FLOPs per byte
+    achieved_flops: list[float]
+    predicted_flops: list[float]
+
+    @property
+    def ridge_batch_size(self) -> float:
+        """B at which intensity(B) * bandwidth = peak (where the two roofs meet for this W)."""
+        e = _element_size(self.dtype)
+        D, F, a = self.d_in, self.d_out, self.hardware.accelerator_intensity
+        # 2BDF = a e (BD + DF + BF)  =>  B = a e D F / (2 D F - a e (D + F))
+        denom = 2 * D * F - a * e * (D + F)
+        return float("inf") if denom <= 0 else a * e * D * F / denom
+
+    def knee_batch_size(self, fraction: float = 0.8) -> int | None:
+        """Smallest measured B that reaches `fraction` of the best achieved FLOP/s (the practical knee)."""
+        best = max(self.achieved_flops)
+        return next((b for b, f in zip(self.batch_sizes, self.achieved_flops) if f >= fraction * best), None)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["hardware"]["accelerator_intensity"] = self.hardware.accelerator_intensity
+        data["ridge_batch_size"] = self.ridge_batch_size
+        data["knee_batch_size_80pct"] = self.knee_batch_size()
+        return data
+
+
+def _element_size(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def roofline_sweep(device=None, batch_sizes=tuple(2**i for i in range(11)), d_in: int | None = None,
+                   d_out: int | None = None, dtype: torch.dtype | None = None, repeats: int = 5,
+                   hardware: HardwareMeasurement | None = None) -> RooflineSweep:
+    """Time Y = X @ W for B in `batch_sizes` with a W larger than the caches; compare to the roofline.
+
+    Default W: 4096 x 4096 fp32 on the CPU (64 MiB, twice a 32 MiB L3), 8192 x 8192 bf16 on CUDA
+    (128 MiB, more than the L2). `hardware` (default: measured now) gives the two roofs.
+    """
+    device = get_device(device)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+    dtype = dtype or default_dtype(device)
+    big = 8192 if device.type == "cuda" else 4096
+    d_in, d_out = d_in or big, d_out or big
+    for name, value in (("d_in", d_in), ("d_out", d_out)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 64:
+            raise ValueError(f"{name} must be an int >= 64, got {value!r}")
+    batch_sizes = list(batch_sizes)
+    if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in batch_sizes):
+        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {batch_sizes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    if hardware is not None and not isinstance(hardware, HardwareMeasurement):
+        raise TypeError(f"hardware must be a HardwareMeasurement (from measure_hardware) or None, got {type(hardware).__name__}")
+    hardware = hardware or measure_hardware(device, dtype=dtype)
+    w = torch.randn(d_in, d_out, device=device, dtype=dtype)
+    e = w.element_size()
+    seconds, intensity, achieved, predicted = [], [], [], []
+    for b in batch_sizes:
+        x = torch.randn(b, d_in, device=device, dtype=dtype)
+        t = _median_seconds(lambda: x @ w, device, repeats)
+        flops = 2 * b * d_in * d_out
+        ai = flops / (e * (b * d_in + d_in * d_out + b * d_out))
+        seconds.append(t)
+        intensity.append(ai)
+        achieved.append(flops / t)
+        predicted.append(predicted_flops(ai, hardware.peak_flops, hardware.memory_bandwidth))
+    return RooflineSweep(hardware, d_in, d_out, str(dtype).removeprefix("torch."), batch_sizes, seconds,
+                         intensity, achieved, predicted)

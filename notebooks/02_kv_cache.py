@@ -1,0 +1,192 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Shrinking the KV cache
+#
+# Decode is memory-bound: every step reads the weights *and every sequence's KV cache*. At long
+# context or large batch the cache dominates, so the first lossy shortcut is to cache fewer bytes per
+# token. This notebook builds each variant that `cs336_inference` offers (all selected through
+# `ModelConfig`), checks that cached decoding gives exactly the logits of the full forward with the
+# variant's own mask, measures its cache, and reads the results of the training experiment
+# (`python -m cs336_inference bench kv_variants`) from the committed JSON.
+#
+# | variant | what is cached per token and layer | paper |
+# | --- | --- | --- |
+# | MHA / GQA / MQA | K and V for K heads: 2·K·H | Shazeer 2019, Ainslie et al. 2023 |
+# | MLA | a latent of C dims + a shared RoPE key of R dims | DeepSeek-V2 (2024) |
+# | sliding window | 2·K·H, but only for the last W positions (ring buffer) | Longformer, Mistral 7B |
+# | local/global hybrid | windowed layers + a few global layers | Gemma 2, Character.AI |
+# | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+from cs336_inference import ModelConfig, TransformerLM, get_device, seed_everything
+from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
+from cs336_inference.figures import figures_dir, save_figure
+
+device = get_device()
+print("device:", device)
+seed_everything(0)
+dtype = torch.float32  # exact comparisons below; bf16 would need looser tolerances
+
+# %% [markdown]
+# ## The variants, on one small base model
+# Four layers, N = 4 heads of H = 16 dims. Each entry only changes attention knobs of `ModelConfig`.
+
+# %%
+base = dict(vocab_size=257, context_length=128, d_model=64, num_layers=4, num_heads=4, d_ff=176)
+WINDOW = 16
+variants = {
+    "MHA": dict(),
+    "GQA (K=2)": dict(num_kv_heads=2),
+    "MQA (K=1)": dict(num_kv_heads=1),
+    "MLA (C=16, R=8)": dict(attention_type="mla", kv_lora_rank=16, rope_head_dim=8),
+    f"window {WINDOW}": dict(sliding_window=WINDOW),
+    f"hybrid (window {WINDOW}, 1 global in 2)": dict(sliding_window=WINDOW, global_every=2),
+    "CLA (2 layers share)": dict(kv_share_group=2),
+}
+configs = {name: ModelConfig(**base, **kw) for name, kw in variants.items()}
+models = {name: TransformerLM(cfg, device=device, dtype=dtype).eval() for name, cfg in configs.items()}
+for name, model in models.items():
+    kinds = [type(block.attn).__name__ for block in model.layers]
+    print(f"{name:<34} {model.num_parameters():>7,} params  layers: {kinds}")
+
+# %% [markdown]
+# ## Cached decoding equals the full forward
+# Prefill a 40-token prompt (longer than the window), then decode 30 tokens one at a time, for a batch
+# of 3, and compare with one full forward over all 70 tokens (which applies each layer's mask: causal,
+# or causal within the band of the last W positions). fp32, so the difference is rounding only.
+
+# %%
+B, P, STEPS = 3, 40, 30
+tokens = torch.randint(0, 257, (B, P + STEPS), device=device)
+for name, model in models.items():
+    with torch.no_grad():
+        full = model(tokens)
+        cache = model.new_cache(B, P + STEPS)
+        pieces = [model(tokens[:, :P], cache=cache)]
+        for t in range(P, P + STEPS):
+            pieces.append(model(tokens[:, t:t + 1], cache=cache, start_pos=t))
+    err = (torch.cat(pieces, 1) - full).abs().max().item()
+    assert err < 1e-4, (name, err)
+    print(f"{name:<34} max |cached - full| = {err:.1e}")
+
+# %% [markdown]
+# The sliding-window model really is local: its logits equal the global model's while the sequence
+# is shorter than the window, and differ afterwards (same weights).
+
+# %%
+local, glob = models[f"window {WINDOW}"], models["MHA"]
+local.load_state_dict(glob.state_dict())
+with torch.no_grad():
+    diff = (local(tokens) - glob(tokens)).abs().amax(dim=(0, 2))  # per position
+print("max |local - global| inside the window:", f"{diff[:WINDOW].max().item():.1e}",
+      " beyond it:", f"{diff[WINDOW:].max().item():.2f}")
+
+# %% [markdown]
+# ## MLA: the absorbed decode path
+# MLA caches c = W_DKV h (C dims) and a RoPE key (R dims) per token. The *naive* path up-projects every
+# cached latent to per-head keys and values each step. The *absorbed* path uses
+# q · (W_UK c) = (W_UKᵀ q) · c: fold W_UK into the query and W_UV into the output, and attend over the
+# (C + R)-dim cache as one shared key head. Same logits, and the per-step work no longer grows with N·H.
+
+# %%
+mla = models["MLA (C=16, R=8)"]
+outs = {}
+for absorb in (False, True):
+    for block in mla.layers:
+        block.attn.absorb = absorb
+    with torch.no_grad():
+        cache = mla.new_cache(B, P + STEPS)
+        pieces = [mla(tokens[:, :P], cache=cache)]
+        pieces += [mla(tokens[:, t:t + 1], cache=cache, start_pos=t) for t in range(P, P + STEPS)]
+    outs[absorb] = torch.cat(pieces, 1)
+print("max |absorbed - naive| =", f"{(outs[True] - outs[False]).abs().max().item():.1e}")
+
+# %% [markdown]
+# ## What each cache holds
+# `cache.nbytes` counts the tensors actually allocated; `bytes_per_token` what one cached position of
+# one sequence costs over all layers (layers sharing a cache count once). Both equal the accounting
+# formulas. Decoding past the window, the rolling buffer's bytes stay flat.
+
+# %%
+S_max = 128
+rows = []
+for name, model in models.items():
+    cfg = configs[name]
+    cache = model.new_cache(1, S_max)
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+    assert cache.nbytes == kv_cache_bytes(cfg, 1, S_max, 4)
+    rows.append((name, cache.bytes_per_token, cache.nbytes, len(cache.unique_layers())))
+    print(f"{name:<34} {cache.bytes_per_token:>5} B/token  {cache.nbytes:>7,} B at S_max={S_max}  "
+          f"{len(cache.unique_layers())} layer caches")
+
+cla_cache = models["CLA (2 layers share)"].new_cache(1, S_max)
+print("CLA: layer 1 reads layer 0's cache object:", cla_cache.layers[1] is cla_cache.layers[0])
+
+# %%
+local = models[f"window {WINDOW}"]
+cache = local.new_cache(1, S_max)
+held = []
+with torch.no_grad():
+    for t in range(S_max):
+        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache, start_pos=t)
+        held.append(cache.nbytes)
+full_cfg = configs["MHA"]
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(range(1, S_max + 1), [kv_cache_bytes(full_cfg, 1, t, 4) for t in range(1, S_max + 1)],
+        label="MHA: bytes in use (grows)")
+ax.plot(range(1, S_max + 1), held, label=f"window {WINDOW}: allocated ring buffer (flat)")
+ax.set_xlabel("tokens decoded")
+ax.set_ylabel("KV-cache bytes")
+ax.legend()
+save_figure(fig, "02_kv_cache_window_bytes")
+plt.show()
+
+# %% [markdown]
+# ## The experiment: quality, cache bytes, and speed
+# `python -m cs336_inference bench kv_variants` trains one small model per variant (same parameter
+# budget, data and steps) and records validation loss, long-range recall accuracy vs distance
+# (copy a value stated d tokens earlier), KV bytes per token and decode latency at a long context.
+# We read the committed results rather than retrain here.
+
+# %%
+path = Path("../figures/kv_variants.json")
+if not path.exists():
+    path = figures_dir() / "kv_variants.json"
+if path.exists():
+    results = json.loads(path.read_text())
+    distances = results["recall_distances"]
+    print(f"window = {results['window']}, {results['train']['steps']} steps, device {results['device']}")
+    print(f"{'variant':<38} {'val loss':>8} " + " ".join(f"r@{d:<4}" for d in distances)
+          + f" {'KV B/tok':>8} {'ms/step':>8}")
+    for name, r in results["variants"].items():
+        accs = " ".join(f"{r['recall'][str(d)]:6.2f}" for d in distances)
+        print(f"{name:<38} {r['val_loss']:8.3f} {accs} {r['kv_bytes_per_token_fp32']:>8} "
+              f"{r['decode_ms_per_step']:8.2f}")
+else:
+    print("no committed results: run `python -m cs336_inference bench kv_variants --quick`")
+
+# %% [markdown]
+# ![accuracy vs cache bytes](../figures/kv_variants.png)
+#
+# And at real scale (accounting only): the cache of one sequence vs context length with each variant
+# applied to Llama 2 13B's and DeepSeek-V2's attention shapes.
+#
+# ![cache bytes at scale](../figures/kv_variants_scale.png)

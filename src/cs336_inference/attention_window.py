@@ -1,0 +1,37 @@
+"""Sliding-window (local) attention: each query sees only the last `window` positions, itself included.
+
+Longformer (Beltagy et al. 2020) and Mistral 7B (Jiang et al. 2023): the cache no longer grows with
+the context, it is a ring buffer of `window` positions (`RollingKVCache`); information from further
+back can still arrive indirectly, one window per layer, so the receptive field grows linearly with
+depth. Hybrids (Gemma 2/3, Character.AI) keep some layers global (`ModelConfig.global_every`).
+
+The module is grouped-query attention with a different cache; the band mask is built by the model
+(`attention.attention_mask(..., window=..., first_key=...)`) because it depends on the batch's padding
+and on which positions the rolling buffer returns.
+"""
+
+from __future__ import annotations
+
+from .attention import GroupedQueryAttention
+from .config import ModelConfig
+from .kv_cache import RollingKVCache
+
+
+class SlidingWindowAttention(GroupedQueryAttention):
+    """GQA whose layer cache is a rolling buffer of min(window, max_seq_len) positions."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int = 0, device=None, dtype=None):
+        window = config.layer_window(layer_idx)
+        if window is None:
+            raise ValueError(f"layer {layer_idx} is global in this config (sliding_window="
+                             f"{config.sliding_window}, global_every={config.global_every}); "
+                             f"use GroupedQueryAttention for it")
+        super().__init__(config, layer_idx, device=device, dtype=dtype)
+        self.window = window
+
+    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> RollingKVCache:
+        return RollingKVCache(batch_size, self.num_kv_heads, self.head_dim, self.window, max_seq_len,
+                              device=device, dtype=dtype or self.q_proj.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"window={self.window}"

@@ -1,0 +1,135 @@
+"""Layer caches of the attention variants: bytes match the accounting formulas, rolling-buffer rollback
+and overflow, and invalid variant combinations are refused with clear errors."""
+
+import pytest
+import torch
+from adapters import (make_config, make_kv_cache, make_latent_kv_cache, make_model, make_rolling_kv_cache,
+                      run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
+from test_kv_variants import BASE, VARIANTS, WINDOW
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+@pytest.mark.parametrize("S_max", [3, 24])  # shorter and longer than the window
+def test_measured_cache_bytes_equal_the_accounting_formulas(name, S_max):
+    cfg = make_config(**{**BASE, **VARIANTS[name]})
+    model = make_model(cfg)
+    B = 3
+    cache = make_kv_cache(model, B, S_max)
+    tensors = {id(t): t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)}
+    assert cache.nbytes == sum(t.nbytes for t in tensors.values()), "nbytes must count real tensor bytes"
+    assert cache.bytes_per_token == run_kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+    assert cache.nbytes == run_kv_cache_bytes(cfg, B, S_max, 4)
+
+
+def test_accounting_by_hand_for_each_variant():
+    """Independent arithmetic (fp32, L=4 layers, N=4 heads, H=8)."""
+    per_token = {"mha": 4 * 2 * 4 * 8 * 4, "gqa": 4 * 2 * 2 * 8 * 4, "mqa": 4 * 2 * 1 * 8 * 4,
+                 "mla": 4 * (12 + 4) * 4, "cla": 2 * 2 * 2 * 8 * 4, "cla_mla": 2 * 16 * 4,
+                 "window": 4 * 2 * 2 * 8 * 4}
+    for name, want in per_token.items():
+        assert run_kv_cache_bytes_per_token(make_config(**{**BASE, **VARIANTS[name]}), 4) == want, name
+    hybrid = make_config(**{**BASE, **VARIANTS["hybrid"]})     # layers 0, 2 local; 1, 3 global
+    assert run_kv_cache_bytes(hybrid, 2, 30, 4) == 2 * (2 * WINDOW + 2 * 30) * (2 * 2 * 8 * 4)
+
+
+def _filled_window_model(length):
+    model = make_model(make_config(**{**BASE, **VARIANTS["window"]}))
+    x = torch.randint(0, 257, (2, length + 4))
+    cache = make_kv_cache(model, 2, 30)
+    with torch.no_grad():
+        run_model(model, x[:, :length], cache, 0)
+    return model, cache, x
+
+
+def test_rolling_buffer_rollback_by_one_then_redecode_matches():
+    model, cache, x = _filled_window_model(12)
+    with torch.no_grad():
+        run_model(model, torch.randint(0, 257, (2, 1)), cache, 12)   # a rejected draft token
+        cache.truncate(12)
+        got = run_model(model, x[:, 12:15], cache, 12)
+        want = run_model(model, x[:, :15])[:, 12:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_rolling_buffer_refuses_a_rollback_deeper_than_it_holds_and_changes_nothing():
+    model, cache, _ = _filled_window_model(12)
+    before = [(layer.k.clone(), layer.length) for layer in cache.layers]
+    with pytest.raises(ValueError, match="sliding-window cache back to 8"):
+        cache.truncate(8)
+    assert cache.length == 12
+    for (k, length), layer in zip(before, cache.layers):
+        assert torch.equal(k, layer.k) and layer.length == length
+
+
+def test_rolling_buffer_allows_any_rollback_before_it_wraps():
+    model = make_model(make_config(**{**BASE, **VARIANTS["window"]}))
+    x = torch.randint(0, 257, (1, 8))
+    with torch.no_grad():
+        cache = make_kv_cache(model, 1, 30)
+        run_model(model, x[:, :4], cache, 0)                       # 4 < window: nothing overwritten
+        cache.truncate(1)
+        got = run_model(model, x[:, 1:8], cache, 1)
+        want = run_model(model, x)[:, 1:]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_rolling_buffer_layer_cache_overflow_and_order_are_refused_before_writing():
+    cache = make_rolling_kv_cache(1, 2, 8, window=4, max_seq_len=6)
+    k = torch.randn(1, 2, 5, 8)
+    cache.update(k, k, 0)
+    snapshot = cache.k.clone()
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), 5)
+    with pytest.raises(ValueError, match="start_pos"):
+        cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 3)
+    with pytest.raises(ValueError, match="shape"):
+        cache.update(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8), 5)
+    assert torch.equal(snapshot, cache.k) and cache.length == 5
+    # It returns exactly the positions a query at 5 may see (5 - 4 + 1 = 2 .. 5), in order.
+    new = torch.randn(1, 2, 1, 8)
+    keys, _ = cache.update(new, new, 5)
+    torch.testing.assert_close(keys, torch.cat([k[:, :, 2:5], new], 2))
+    assert cache.nbytes == 2 * 2 * 4 * 8 * 4
+    # The ring now holds positions 2..5 (4 slots); read() returns them oldest first.
+    held_k, _ = cache.read()
+    torch.testing.assert_close(held_k, torch.cat([k[:, :, 2:5], new], 2))
+    with pytest.raises(ValueError, match="length must be in"):
+        cache.read(1)
+
+
+def test_latent_cache_overflow_is_refused_before_writing():
+    cache = make_latent_kv_cache(2, kv_lora_rank=6, rope_head_dim=2, max_seq_len=4)
+    cache.update(torch.ones(2, 3, 8), 0)
+    with pytest.raises(ValueError, match="overflow"):
+        cache.update(torch.full((2, 2, 8), 7.0), 3)
+    with pytest.raises(ValueError, match="C\\+R=8"):
+        cache.update(torch.ones(2, 1, 6), 3)
+    assert cache.latent[:, 3].abs().sum() == 0 and cache.bytes_per_token == 8 * 4
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(sliding_window=0), "sliding_window must be positive"),
+    (dict(sliding_window=-3), "sliding_window must be positive"),
+    (dict(attention_type="mla", kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank must be positive"),
+    (dict(attention_type="mla", rope_head_dim=4), "needs kv_lora_rank"),
+    (dict(attention_type="mla", kv_lora_rank=8), "needs rope_head_dim"),
+    (dict(attention_type="mla", kv_lora_rank=8, rope_head_dim=3), "rope_head_dim must be even"),
+    (dict(attention_type="mla", kv_lora_rank=8, rope_head_dim=4, num_kv_heads=2), "num_kv_heads"),
+    (dict(attention_type="mla", kv_lora_rank=8, rope_head_dim=4, sliding_window=4), "not supported"),
+    (dict(kv_lora_rank=8), "only apply to attention_type='mla'"),
+    (dict(attention_type="linear"), "attention_type must be one of"),
+    (dict(kv_share_group=3), "must divide num_layers"),
+    (dict(num_heads=4, num_kv_heads=3), "divisible by num_kv_heads"),
+    (dict(global_every=2), "needs sliding_window"),
+    (dict(sliding_window=4, global_every=1), "every layer global"),
+    (dict(sliding_window=4, global_every=2, kv_share_group=2), "local and global"),
+])
+def test_invalid_variant_combinations_raise_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make_config(**{**BASE, **kw})
+
+
+def test_window_and_sharing_combine_when_groups_are_homogeneous():
+    # layers 0-3 local, 4-5 ... global_every=3 over 6 layers: L L G L L G; groups of 1 only
+    cfg = make_config(**{**BASE, "num_layers": 6, "sliding_window": 4, "global_every": 3})
+    assert [cfg.layer_window(i) for i in range(6)] == [4, 4, None, 4, 4, None]
