@@ -30,7 +30,8 @@ from cs336_inference import accounting_symbolic as sym
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, forward_flops, kv_cache_bytes_per_token,
                                         num_parameters, transformer_performance_stats, with_kv_heads)
 from cs336_inference.bench_accounting import batch_sweep, plot_kv_memory, plot_latency_throughput
-from cs336_inference.bench_roofline import measure_decode, measure_prefill, plot_model, plot_roofline
+from cs336_inference.bench_roofline import (measure_decode, measure_prefill, plot_model, plot_roofline,
+                                            threads_for_timing)
 from cs336_inference.figures import save_figure
 from cs336_inference.roofline import measure_hardware, roofline_sweep
 
@@ -104,9 +105,12 @@ print("saved", save_figure(fig, "01_kv_memory_mha_vs_gqa"))
 # Two numbers describe the machine: peak matmul FLOP/s and streaming memory bandwidth. Their ratio
 # is its accelerator intensity. Then Y = X @ W with a W larger than the caches, for growing B:
 # achieved FLOP/s should follow min(peak, intensity x bandwidth). (Shared machines are noisy:
-# these are medians.)
+# these are medians; on a CPU that other programs keep busy we time with one thread, because
+# OpenMP threads that spin-wait for each other make small matmuls ten times slower.)
 
 # %%
+torch.set_num_threads(threads_for_timing(device))
+print("timing threads:", torch.get_num_threads())
 hw = measure_hardware(device)
 print(hw.summary())
 sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(10)], repeats=2, hardware=hw)
@@ -120,7 +124,9 @@ print("saved", save_figure(fig, "01_roofline_measured"))
 # ## 5. A real model on this machine
 # The "bench-90m" preset (~88M parameters, 352 MB in fp32) is far bigger than the CPU caches, so its
 # decode should be memory-bound: time per step ≈ bytes read / bandwidth. Prefill processes many
-# tokens per weight read and is much cheaper per token.
+# tokens per weight read and is much cheaper per token. We also time the step's weight matmuls
+# alone: the gap between them and bytes / bandwidth is the BLAS library not streaming small
+# matrices at full speed; the rest of the step (attention, norms, Python) is the remainder.
 
 # %%
 config = ModelConfig.from_name("bench-90m")
@@ -129,7 +135,8 @@ prefill = measure_prefill(model, 128, hw, repeats=2)
 decode = [measure_decode(model, b, 128, hw, repeats=3) for b in (1, 4, 16)]
 print(f"prefill: {prefill['seconds_per_token'] * 1e3:.2f} ms per prompt token")
 for d in decode:
-    print(f"decode B={d['batch_size']:2d}: {d['seconds'] * 1e3:7.2f} ms/step measured, {d['predicted_seconds'] * 1e3:7.2f} "
+    print(f"decode B={d['batch_size']:2d}: {d['seconds'] * 1e3:7.2f} ms/step measured "
+          f"(matmuls alone {d['matmul_only_seconds'] * 1e3:6.2f}), {d['predicted_seconds'] * 1e3:7.2f} "
           f"predicted ({d['bytes'] / 1e6:.0f} MB read, {d['achieved_bandwidth'] / 1e9:.1f} GB/s achieved)")
 fig = plot_model(prefill, decode)
 print("saved", save_figure(fig, "01_bench90m_prefill_decode"))

@@ -273,3 +273,119 @@ def run_roofline_sweep(device=None, **kwargs):
 
 def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") -> int:
     return accounting.max_batch_size(config, hardware, seq_len, precision)
+
+
+from cs336_inference import pruning as _pruning  # noqa: E402
+from cs336_inference import train as _train  # noqa: E402
+
+
+def make_train_config(**kwargs):
+    return _train.TrainConfig(**kwargs)
+
+
+def run_train_lm(model_config, train_config, **kwargs):
+    return _train.train_lm(model_config, train_config, **kwargs)
+
+
+def run_lr_at(step, train_config) -> float:
+    return _train.lr_at(step, train_config)
+
+
+def run_importance_scores(model, calibration, **kwargs) -> dict:
+    return _pruning.importance_scores(model, calibration, **kwargs)
+
+
+def run_prune_model(model, calibration, **kwargs):
+    return _pruning.prune_model(model, calibration, **kwargs)
+
+
+def run_distill(student, teacher, train_config, **kwargs):
+    return _pruning.distill(student, teacher, train_config, **kwargs)
+
+
+# --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
+
+
+def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric=None) -> torch.Tensor:
+    from cs336_inference.quantization import quantize
+    return quantize(x, scale, zero_point, bits, symmetric)
+
+
+def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
+    from cs336_inference.quantization import dequantize
+    return dequantize(q, scale, zero_point)
+
+
+def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
+    """-> (codes, scale, zero_point, x_hat); scale/zero_point are () per tensor, (rows, groups) otherwise."""
+    from cs336_inference.quantization import quantize_tensor
+    qt = quantize_tensor(x, bits, symmetric, granularity, group_size)
+    return qt.q, qt.scale, qt.zero_point, qt.dequantize(x.dtype)
+
+
+def run_pack_int4(q, signed=True) -> torch.Tensor:
+    from cs336_inference.quantization import pack_int4
+    return pack_int4(q, signed)
+
+
+def run_unpack_int4(packed, signed=True) -> torch.Tensor:
+    from cs336_inference.quantization import unpack_int4
+    return unpack_int4(packed, signed)
+
+
+def run_pack_bits(q, bits) -> torch.Tensor:
+    from cs336_inference.quantization import pack_bits
+    return pack_bits(q, bits)
+
+
+def run_unpack_bits(packed, bits, numel) -> torch.Tensor:
+    from cs336_inference.quantization import unpack_bits
+    return unpack_bits(packed, bits, numel)
+
+
+def run_fp8_round_trip(x, fmt="e4m3", per_channel=False) -> torch.Tensor:
+    from cs336_inference.quantization import fp8_round_trip
+    return fp8_round_trip(x, fmt, per_channel)
+
+
+def get_fp8_range(fmt="e4m3") -> tuple[float, float]:
+    from cs336_inference.quantization import fp8_range
+    return fp8_range(fmt)
+
+
+def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
+    from cs336_inference.quantization import llm_int8_matmul
+    return llm_int8_matmul(x, weight, threshold)
+
+
+def run_gptq_quantize(weight, inputs, bits=4, group_size=None, act_order=False, **kwargs) -> torch.Tensor:
+    """-> the dequantized GPTQ weight W_hat (O, I)."""
+    from cs336_inference.quantization import gptq_quantize
+    return gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size, act_order=act_order,
+                         **kwargs).quantized.dequantize(weight.dtype)
+
+
+def run_awq_search_scales(weight, inputs, bits=4, group_size=None, symmetric=False) -> torch.Tensor:
+    """-> s (I,): AWQ quantizes W * s and feeds x / s."""
+    from cs336_inference.quantization import awq_search_scales
+    return awq_search_scales(weight, inputs, bits, group_size, symmetric).scales
+
+
+def run_ste_fake_quantize(w, bits=4, group_size=None, symmetric=False) -> torch.Tensor:
+    from cs336_inference.quantization import ste_fake_quantize
+    return ste_fake_quantize(w, bits, group_size, symmetric)
+
+
+def run_quantize_model(model, method="rtn", bits=4, group_size=None, calibration=None, **kwargs):
+    from cs336_inference.quantization import quantize_model
+    return quantize_model(model, method, bits, group_size, calibration, **kwargs)
+
+
+def get_model_nbytes(model) -> int:
+    from cs336_inference.quantization import model_nbytes
+    return model_nbytes(model)
+
+
+def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
+    from cs336_inference.quantization import quantize_kv_cache
+    return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)

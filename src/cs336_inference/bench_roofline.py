@@ -10,7 +10,10 @@ Writes figures/roofline_<device>.json, roofline_matmul_<device>.png, roofline_mo
 
 from __future__ import annotations
 
+import os
+
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
 import torch
 
 from .accounting import decode_step_bytes, forward_flops
@@ -57,10 +60,16 @@ def measure_decode(model: TransformerLM, batch_size: int, context_len: int, hard
         cache.truncate(context_len)
 
     seconds = _median_seconds(step, model.device, repeats)
+    # The same step's weight matmuls alone (B rows through every nn.Linear): splits the gap to the
+    # prediction into "BLAS does not stream weights at full bandwidth" and "everything else".
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {w.shape[1]: torch.randn(batch_size, w.shape[1], device=model.device, dtype=model.dtype) for w in weights}
+    matmul_seconds = _median_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights],
+                                     model.device, repeats)
     nbytes = decode_step_bytes(cfg, batch_size, context_len + 1, precision)
     flops = forward_flops(cfg, batch_size, 1, context_len)
     t_mem, t_compute = nbytes / hardware.memory_bandwidth, flops / hardware.peak_flops
-    return dict(batch_size=batch_size, context_len=context_len, seconds=seconds,
+    return dict(batch_size=batch_size, context_len=context_len, seconds=seconds, matmul_only_seconds=matmul_seconds,
                 tokens_per_second=batch_size / seconds, bytes=nbytes, flops=flops,
                 predicted_memory_s=t_mem, predicted_compute_s=t_compute, predicted_seconds=max(t_mem, t_compute),
                 achieved_bandwidth=nbytes / seconds)
@@ -80,6 +89,8 @@ def plot_roofline(sweep: RooflineSweep):
         ax.axvline(knee, color="C3", ls=":", label=f"measured knee (80% of best) B = {knee}")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    ax.set_xticks(sweep.batch_sizes, [str(b) for b in sweep.batch_sizes])
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set(xlabel="batch size B (rows of X)", ylabel="GFLOP/s",
            title=f"Roofline of {hw.device}\nW = {sweep.d_in}x{sweep.d_out} {sweep.dtype}, "
                  f"peak {hw.peak_flops / 1e9:,.0f} GFLOP/s, bandwidth {hw.memory_bandwidth / 1e9:,.1f} GB/s")
@@ -106,7 +117,9 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
               [prefill["seconds_per_token"] * 1e3, d1["seconds"] * 1e3], color=["C2", "C0"])
     ax_pd.set(ylabel="ms per token", title=f"{name}: prefill vs decode")
     bs = [d["batch_size"] for d in decode]
-    ax_lat.plot(bs, [d["seconds"] * 1e3 for d in decode], "o-", label="measured")
+    ax_lat.plot(bs, [d["seconds"] * 1e3 for d in decode], "o-", label="measured step")
+    ax_lat.plot(bs, [d["matmul_only_seconds"] * 1e3 for d in decode], "s-", color="C2", ms=4,
+                label="measured: its weight matmuls alone")
     ax_lat.plot(bs, [d["predicted_seconds"] * 1e3 for d in decode], "k--", label="predicted max(bytes/bw, FLOPs/peak)")
     ax_lat.plot(bs, [d["predicted_memory_s"] * 1e3 for d in decode], ":", color="gray", label="bytes / bandwidth")
     if "matvec_bandwidth_s" in d1:
@@ -118,6 +131,7 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     ax_tp.plot(bs, [d["tokens_per_second"] for d in decode], "o-", label="measured")
     ax_tp.plot(bs, [d["batch_size"] / d["predicted_seconds"] for d in decode], "k--", label="predicted")
     ax_tp.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s", title="decode throughput")
+    ax_tp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_tp.legend(fontsize=8)
     for ax in (ax_lat, ax_tp):
         ax.set_xticks(bs, [str(b) for b in bs])
@@ -125,13 +139,37 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     return fig
 
 
+def threads_for_timing(device: torch.device) -> int:
+    """CPU threads to time with: all of torch's, unless the machine is oversubscribed.
+
+    When other processes already keep every core busy (load average >= cores), OpenMP threads that
+    spin-wait for each other get descheduled and small matmuls slow down 10x or more; one thread
+    then measures the hardware far more faithfully than two.
+    """
+    if device.type != "cpu":
+        return torch.get_num_threads()
+    return 1 if os.getloadavg()[0] >= (os.cpu_count() or 1) else torch.get_num_threads()
+
+
 def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     """Measure, sweep, time the model; print tables; write JSON and two figures."""
     device = get_device(device)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads_for_timing(device))
+    if torch.get_num_threads() != threads_before:
+        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: timing with 1 thread "
+              "(spin-waiting OpenMP threads on an oversubscribed machine distort every number)")
+    try:
+        return _bench_roofline(quick, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _bench_roofline(quick: bool, device: torch.device) -> dict:
     dtype = default_dtype(device)
     seed_everything(0)
     hw = measure_hardware(device, quick=quick)
-    print(hw.summary())
+    print(f"{hw.summary()} (load average {os.getloadavg()[0]:.1f})")
     sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(9 if quick else 11)],
                            repeats=2 if quick else 5, hardware=hw)
     print(f"\nY = X @ W, W {sweep.d_in}x{sweep.d_out} {sweep.dtype}")
@@ -146,35 +184,42 @@ def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     model = TransformerLM(config, device=device, dtype=dtype).eval()
     print(f"\nbench-90m: {model.num_parameters() / 1e6:.1f}M parameters, {dtype}, "
           f"{model.num_parameters() * model.lm_head.weight.element_size() / 1e6:.0f} MB of weights")
+    # Re-measure the roofs right before the model runs: on a shared machine the load drifts, and the
+    # prediction should use the bandwidth of the same minute (side by side, as the numbers compare).
+    hw = measure_hardware(device, quick=quick)
+    gemv_bw = matvec_bandwidth(roofline_sweep(device, batch_sizes=[1], repeats=5, hardware=hw))
+    print(f"re-measured before the model: {hw.summary()}; matrix-vector (B=1) bandwidth {gemv_bw / 1e9:.1f} GB/s")
     context = 128 if quick else 256
     prefill = measure_prefill(model, context, hw, repeats=2 if quick else 3)
     batch_sizes = [1, 4, 16] if quick else [1, 2, 4, 8, 16, 32, 64]
     decode = [measure_decode(model, b, context, hw, repeats=3 if quick else 7) for b in batch_sizes]
-    gemv_bw = matvec_bandwidth(sweep)
     for d in decode:
         d["matvec_bandwidth_s"] = d["bytes"] / gemv_bw
     print(f"prefill {context} tokens: {prefill['seconds'] * 1e3:.1f} ms = {prefill['seconds_per_token'] * 1e3:.2f} ms/token "
           f"({prefill['achieved_flops'] / 1e9:.1f} GFLOP/s); predicted {prefill['predicted_seconds'] * 1e3:.1f} ms")
     print(f"decode at S = {context}:")
-    print(f"{'B':>4s} {'ms/step':>8s} {'tok/s':>8s} {'MB read':>8s} {'GB/s':>6s} {'pred ms':>8s} {'meas/pred':>9s}")
+    print(f"{'B':>4s} {'ms/step':>8s} {'matmuls':>8s} {'tok/s':>8s} {'MB read':>8s} {'GB/s':>6s} {'pred ms':>8s} "
+          f"{'meas/pred':>9s}")
     for d in decode:
-        print(f"{d['batch_size']:4d} {d['seconds'] * 1e3:8.2f} {d['tokens_per_second']:8.1f} {d['bytes'] / 1e6:8.1f} "
+        print(f"{d['batch_size']:4d} {d['seconds'] * 1e3:8.2f} {d['matmul_only_seconds'] * 1e3:8.2f} "
+              f"{d['tokens_per_second']:8.1f} {d['bytes'] / 1e6:8.1f} "
               f"{d['achieved_bandwidth'] / 1e9:6.1f} {d['predicted_seconds'] * 1e3:8.2f} "
               f"{d['seconds'] / d['predicted_seconds']:9.2f}")
     d1 = decode[0]
     print(f"decode B=1: {d1['seconds'] * 1e3:.2f} ms/token vs bytes/bandwidth {d1['predicted_memory_s'] * 1e3:.2f} ms "
           f"(ratio {d1['seconds'] / d1['predicted_memory_s']:.2f}); vs bytes / matrix-vector bandwidth "
-          f"({gemv_bw / 1e9:.1f} GB/s, the B=1 sweep point) {d1['matvec_bandwidth_s'] * 1e3:.2f} ms "
+          f"({gemv_bw / 1e9:.1f} GB/s, a B=1 matmul re-measured) {d1['matvec_bandwidth_s'] * 1e3:.2f} ms "
           f"(ratio {d1['seconds'] / d1['matvec_bandwidth_s']:.2f}); prefill is "
           f"{d1['seconds'] / prefill['seconds_per_token']:.0f}x cheaper per token than B=1 decode")
 
     suffix = device.type
-    data = dict(device=device.type, quick=quick, hardware=dict(
+    data = dict(device=device.type, quick=quick, hardware_sweep=sweep.to_dict()["hardware"], hardware_model=dict(
         device=hw.device, dtype=hw.dtype, peak_flops=hw.peak_flops, memory_bandwidth=hw.memory_bandwidth,
         accelerator_intensity=hw.accelerator_intensity, units=[hw.flops_unit, hw.bandwidth_unit, hw.intensity_unit]),
-        sweep=sweep.to_dict(), matvec_bandwidth=gemv_bw, model=dict(name="bench-90m", parameters=model.num_parameters(), dtype=str(dtype),
+        sweep=sweep.to_dict(), matvec_bandwidth_model=gemv_bw, model=dict(name="bench-90m", parameters=model.num_parameters(), dtype=str(dtype),
                                           prefill=prefill, decode=decode),
-        note="shared 2-core machine: medians of repeats; other processes were running")
+        load_average_at_end=list(os.getloadavg()), threads=torch.get_num_threads(),
+        note="medians of repeats; on a shared machine other processes compete (see load_average_at_end)")
     paths = [save_figure(plot_roofline(sweep), f"roofline_matmul_{suffix}"),
              save_figure(plot_model(prefill, decode), f"roofline_model_{suffix}"),
              save_json(data, f"roofline_{suffix}")]

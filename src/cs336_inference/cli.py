@@ -41,12 +41,36 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _train_args(p: argparse.ArgumentParser) -> None:
+    from .presets import TRAIN_PRESETS  # light: no training happens at import
+
+    p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
+                   help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
+    p.add_argument("--out", default=None, help="output file (default: the package's assets/PRESET.pt)")
+    p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs only)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+
+
+def _run_train(args) -> int:
+    from .presets import train_preset
+
+    _, extra = train_preset(args.preset, out=args.out, steps=args.steps, device=args.device,
+                            progress=not args.no_progress)
+    val = extra["val"]
+    print(f"{args.preset}: {extra['num_parameters']:,} parameters, val loss {val['loss']:.4f} nats, "
+          f"{val['bits_per_byte']:.4f} bits/byte, trained in {extra['train_time_s']:.0f} s")
+    return 0
+
+
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
     "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
     "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
+    "models": ("model_report", "bench_models"),
     "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
+    "quantization": ("quantization.bench", "bench_quantization"),
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +90,8 @@ def _run_figures(args) -> int:
 COMMANDS: dict[str, tuple] = {
     "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
                 _lecture_args, _run_lecture),
+    "train": ("train a shipped model from its preset (reproduces src/cs336_inference/assets/NAME.pt)",
+              _train_args, _run_train),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
     "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),

@@ -149,6 +149,14 @@ PRESETS: dict[str, dict] = {
     # Unit tests: a few thousand parameters, runs anywhere in milliseconds.
     "tiny": dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4,
                  num_kv_heads=2, d_ff=64),
+    # The shipped target (~2M parameters, trained on the offline corpus in ~12 min on 2 CPU
+    # cores): context 512 so recall up to ~400 tokens back is measurable; GQA with G = 3.
+    "target": dict(vocab_size=257, context_length=512, d_model=192, num_layers=4, num_heads=6,
+                   num_kv_heads=2, d_ff=640),
+    # The shipped draft (~10x fewer non-embedding parameters and FLOPs per token than the target):
+    # what Minitron pruning of the target keeps (2 of 4 layers, 1 of 2 KV groups, H = 32 kept).
+    "draft": dict(vocab_size=257, context_length=512, d_model=96, num_layers=2, num_heads=3,
+                  num_kv_heads=1, d_ff=256),
     # ~88M parameters, 350 MB in fp32: far larger than the CPU caches, so decode is memory-bound.
     "bench-90m": dict(vocab_size=8192, context_length=1024, d_model=768, num_layers=12,
                       num_heads=12, num_kv_heads=4, d_ff=2048),

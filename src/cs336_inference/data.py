@@ -24,7 +24,7 @@ from .tokenizer import ENDOFTEXT, ByteTokenizer
 SPLITS = ("train", "val")
 VAL_EVERY = 20                    # document i is validation iff i % VAL_EVERY == VAL_EVERY - 1
 GRAMMAR_BYTES = 3_600_000         # grammar text per corpus (pydoc adds ~0.45 MB)
-KIND_WEIGHTS = {"ledger": 0.45, "story": 0.30, "dialogue": 0.25}
+KIND_WEIGHTS = {"ledger": 0.35, "echo": 0.3, "story": 0.2, "dialogue": 0.15}
 PYDOC_CHUNK = 2000                # pydoc topics are cut into documents of about this many bytes
 
 

@@ -148,7 +148,7 @@ def random_value(rng: random.Random, digits: int = 3) -> str:
 
 
 def ledger(rng: random.Random, digits: int = 3) -> str:
-    """Key-value facts, filler, new facts, and checks of earlier facts at distances of 0-500 bytes."""
+    """Key-value facts, filler, new facts, and checks of earlier facts at distances of 0-1500 bytes."""
     number = rng.randint(1, 9999)
     lines = [f"Ledger {number}."]
     facts: dict[str, str] = {}
@@ -157,14 +157,13 @@ def ledger(rng: random.Random, digits: int = 3) -> str:
         facts[name] = random_value(rng, digits)
         lines.append(fact_line(name, facts[name]))
     pending = [n for n in names if n not in facts]
-    for _ in range(rng.randint(4, 10)):
-        lines.append(filler(rng, rng.randint(20, 200)))
-        k = rng.random()
-        if pending and k < 0.35:
+    for _ in range(rng.randint(5, 14)):
+        lines.append(filler(rng, rng.randint(20, 160)))
+        if pending and rng.random() < 0.3:
             name = pending.pop()
             facts[name] = random_value(rng, digits)
             lines.append(fact_line(name, facts[name]))
-        elif k < 0.85:
+        for _ in range(rng.choice((1, 1, 2, 3))):  # checks of any earlier fact, near or far
             name = _pick(rng, sorted(facts))
             lines.append(query_prefix(name) + facts[name] + ".")
     for name in rng.sample(sorted(facts), min(2, len(facts))):
@@ -172,4 +171,30 @@ def ledger(rng: random.Random, digits: int = 3) -> str:
     return "\n".join(lines)
 
 
-GENERATORS = {"story": story, "dialogue": dialogue, "ledger": ledger}
+SYLLABLES = "ka lo mi ru te za po ne vi su ba fe go hu ji ko ly ma ni or pe qu ri so tu ve wo xi yo ze".split()
+
+
+def random_word(rng: random.Random) -> str:
+    return "".join(_pick(rng, SYLLABLES) for _ in range(rng.randint(2, 3)))
+
+
+def echo(rng: random.Random) -> str:
+    """Random phrases, each repeated later word for word: predictable only by copying (induction)."""
+    lines = [f"Echo drill {rng.randint(1, 999)}."]
+    said: list[tuple[str, str]] = []
+    speakers = rng.sample(NAMES, rng.randint(2, 4))
+    for _ in range(rng.randint(6, 14)):
+        if said and rng.random() < 0.5:
+            who, phrase = _pick(rng, said)
+            lines.append(f"{who} repeats: {phrase}")
+        else:
+            who = _pick(rng, speakers)
+            phrase = f"{random_word(rng)} {random_word(rng)} {random_value(rng, rng.randint(2, 4))}"
+            said.append((who, phrase))
+            lines.append(f"{who} says: {phrase}")
+        if rng.random() < 0.6:
+            lines.append(filler(rng, rng.randint(20, 140)))
+    return "\n".join(lines)
+
+
+GENERATORS = {"story": story, "dialogue": dialogue, "ledger": ledger, "echo": echo}

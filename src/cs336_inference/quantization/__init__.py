@@ -1,0 +1,38 @@
+"""Quantization: fewer bits per weight (and per cached key/value), so memory-bound decode moves fewer
+bytes. From one number (scale, zero point) to a quantized `TransformerLM`.
+
+core       quantize / dequantize, scale and zero point (symmetric absmax, affine min/max),
+           per-tensor / per-channel / per-group
+packing    pack_int4 / unpack_int4 (two per byte), dense b-bit packing
+fp8        e4m3 / e5m2 round trips, ranges from torch.finfo
+llm_int8   vector-wise int8 matmul with outlier decomposition (Dettmers et al. 2022)
+gptq       Hessian-aware column-by-column quantization with error feedback (Frantar et al. 2023)
+awq        activation-aware per-channel scaling (Lin et al. 2024)
+qat        fake quantization + straight-through estimator fine-tuning
+linear     QuantizedLinear / Fp8Linear / LLMInt8Linear storing real low-bit tensors; model_nbytes
+model      quantize_model(model, method, bits, group_size, calibration)
+kv         QuantizedKVCache (int8 / fp8 per-token scales) and quantize_kv_cache
+"""
+
+from .awq import AWQResult, awq_quantize, awq_search_scales
+from .core import (GRANULARITIES, SUPPORTED_BITS, QuantizedTensor, compute_scale_zero_point, dequantize,
+                   fake_quantize, qrange, quantize, quantize_tensor)
+from .fp8 import FP8_DTYPES, dequantize_fp8, fp8_range, fp8_round_trip, quantize_fp8
+from .gptq import GPTQResult, gptq_quantize, hessian_from_inputs, layer_output_error
+from .kv import QuantizedKVCache, quantize_kv_cache
+from .linear import Fp8Linear, LLMInt8Linear, QuantizedLinear, model_nbytes
+from .llm_int8 import absmax_int8, llm_int8_matmul, outlier_columns, planted_outlier_demo, vectorwise_int8_matmul
+from .model import METHODS, QuantizedEmbedding, quantize_model
+from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
+from .qat import FakeQuantLinear, qat_finetune, ste_fake_quantize
+
+__all__ = [
+    "AWQResult", "FP8_DTYPES", "FakeQuantLinear", "Fp8Linear", "GPTQResult", "GRANULARITIES", "LLMInt8Linear",
+    "METHODS", "QuantizedEmbedding", "QuantizedKVCache", "QuantizedLinear", "QuantizedTensor", "SUPPORTED_BITS",
+    "absmax_int8", "awq_quantize", "awq_search_scales", "compute_scale_zero_point", "dequantize",
+    "dequantize_fp8", "fake_quantize", "fp8_range", "fp8_round_trip", "gptq_quantize", "hessian_from_inputs",
+    "layer_output_error", "llm_int8_matmul", "model_nbytes", "outlier_columns", "pack_bits", "pack_int4",
+    "planted_outlier_demo", "qat_finetune", "qrange", "quantize", "quantize_fp8", "quantize_kv_cache",
+    "quantize_model", "quantize_tensor", "ste_fake_quantize", "unpack_bits", "unpack_int4",
+    "vectorwise_int8_matmul",
+]

@@ -1,0 +1,201 @@
+"""`python -m cs336_inference bench quantization`: every quantization method on the shipped target
+model: true bytes, validation bits per byte, KL and top-1 agreement to the fp32 model, decode speed.
+
+Writes figures/quantization.json (the committed results table the notebook and lecture quote) and
+figures/quantization.png (quality vs bytes; decode tokens/s). Decode speed is measured with the
+foundation's `decode_step_seconds`, interleaving variants over several rounds (medians), because
+the machines are shared. On this CPU, dequantize-on-the-fly layers are *slower* than fp32: PyTorch
+materialises the full-precision weight every step (an extra pass over memory plus unpacking work)
+and small models fit in cache anyway. A fused GPU kernel instead reads the packed bytes and
+dequantizes in registers, so memory-bound decode speeds up roughly with the byte ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+from ..benchmark import decode_step_seconds
+from ..device import get_device, seed_everything
+from ..figures import save_figure, save_json
+from .kv import quantize_kv_cache
+from .linear import model_nbytes
+from .model import quantize_model
+
+
+def _group_for(model, wanted: int | None) -> int | None:
+    """The largest divisor of every linear input dim that is <= wanted (None stays per channel)."""
+    if wanted is None:
+        return None
+    dims = [m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    common = 0
+    for d in dims:
+        common = math.gcd(common, d)
+    return max(g for g in range(1, min(wanted, common) + 1) if common % g == 0)
+
+
+class WithQuantizedKV(nn.Module):
+    """Runs `model` through a fresh int8 KV cache on every call, so full-sequence evaluation sees the
+    keys and values exactly as a decode with that cache would (attention reads them back from it)."""
+
+    def __init__(self, model: nn.Module, fmt: str = "int8"):
+        super().__init__()
+        self.model, self.fmt, self.config = model, fmt, model.config
+
+    @property
+    def device(self):
+        return self.model.device
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        cache = quantize_kv_cache(self.model.new_cache(token_ids.shape[0], token_ids.shape[1]), self.fmt)
+        return self.model(token_ids, cache=cache)
+
+
+def variants(group: int | None, small_group: int | None) -> list[tuple[str, dict | None]]:
+    """(label, quantize_model kwargs) for every row of the table; None is the fp32 baseline."""
+    g, gs = group, small_group
+    return [
+        ("fp32", None),
+        ("int8 per-channel", dict(method="rtn", bits=8, group_size=None, symmetric=True)),
+        ("int8 LLM.int8()", dict(method="llm_int8", bits=8, group_size=None)),
+        ("fp8 e4m3", dict(method="fp8", bits=8, group_size=None)),
+        (f"int4 RTN g{g}", dict(method="rtn", bits=4, group_size=g)),
+        (f"int4 RTN g{gs}", dict(method="rtn", bits=4, group_size=gs)),
+        (f"int4 GPTQ g{g}", dict(method="gptq", bits=4, group_size=g)),
+        (f"int4 AWQ g{g}", dict(method="awq", bits=4, group_size=g)),
+        (f"int4 QAT g{g}", dict(method="qat", bits=4, group_size=g)),
+        (f"int3 RTN g{g}", dict(method="rtn", bits=3, group_size=g)),
+        (f"int3 GPTQ g{g}", dict(method="gptq", bits=3, group_size=g)),
+        (f"int3 AWQ g{g}", dict(method="awq", bits=3, group_size=g)),
+        (f"int3 QAT g{g}", dict(method="qat", bits=3, group_size=g)),
+    ]
+
+
+def bench_quantization(quick: bool = False, device: str | None = None, model=None, model_name: str = "target",
+                       name: str = "quantization") -> dict:
+    from ..data import load_corpus
+    from ..evaluation import compare_to_reference, evaluate_lm
+
+    device = get_device(device)
+    seed_everything(0)
+    if model is None:
+        from ..checkpoints import load_pretrained
+        model = load_pretrained(model_name, device=device)
+    model = model.to(device).eval()
+    seq_len = min(256, model.config.context_length)
+    val = load_corpus("val")
+    train = load_corpus("train")
+    n_calib, calib_len = (8, 128) if quick else (32, seq_len)
+    starts = torch.linspace(0, train.numel() - calib_len - 1, n_calib).long()
+    calibration = [torch.stack([train[s:s + calib_len] for s in starts.tolist()])]   # (n, T), evenly spaced
+    qat_tokens = train[: 400_000]                                                # fine-tune stream
+    eval_batches = 2 if quick else 8
+    qat_steps = 30 if quick else 150
+    group, small_group = _group_for(model, 128), _group_for(model, 32)
+
+    rows, models = [], {}
+    for label, kwargs in variants(group, small_group):
+        t0 = time.perf_counter()
+        if kwargs is None:
+            qm = model
+        else:
+            extra = dict(calibration=calibration)
+            if kwargs["method"] == "qat":
+                extra = dict(calibration=[qat_tokens], qat_steps=qat_steps, qat_seq_len=calib_len, qat_lr=1e-4)
+            qm = quantize_model(model, **kwargs, **extra)
+        seconds = time.perf_counter() - t0
+        models[label] = qm
+        rows.append(dict(variant=label, method=(kwargs or {}).get("method", "none"),
+                         bits=(kwargs or {}).get("bits", 32), group_size=(kwargs or {}).get("group_size"),
+                         model_bytes=model_nbytes(qm), quantize_seconds=seconds))
+    models["fp32 + int8 KV cache"] = WithQuantizedKV(model)
+    rows.append(dict(variant="fp32 + int8 KV cache", method="kv_int8", bits=32, group_size=None,
+                     model_bytes=model_nbytes(model), quantize_seconds=0.0))
+
+    for row in rows:
+        qm = models[row["variant"]]
+        ev = evaluate_lm(qm, val, seq_len=seq_len, max_batches=eval_batches)
+        row["val_bits_per_byte"] = ev["bits_per_byte"]
+        if qm is model:
+            row["kl_to_fp32"], row["top1_agreement"] = 0.0, 1.0
+        else:
+            cmp = compare_to_reference(qm, model, val, seq_len=seq_len, max_batches=eval_batches)
+            row["kl_to_fp32"], row["top1_agreement"] = cmp["kl"], cmp["top1_agreement"]
+    base = rows[0]
+    for row in rows:
+        row["delta_bits_per_byte"] = row["val_bits_per_byte"] - base["val_bits_per_byte"]
+        row["bytes_ratio_vs_fp32"] = base["model_bytes"] / row["model_bytes"]
+
+    # Decode speed: interleave variants over rounds so drifting machine load hits them alike.
+    rounds, steps = (2, 8) if quick else (3, 16)
+    timed = [r for r in rows if r["method"] != "kv_int8"]
+    times = {r["variant"]: [] for r in timed}
+    for _ in range(rounds):
+        for r in timed:
+            times[r["variant"]].append(decode_step_seconds(models[r["variant"]], 1, context=32, steps=steps))
+    for r in timed:
+        r["decode_tok_per_s"] = 1.0 / statistics.median(times[r["variant"]])
+        r["decode_speed_vs_fp32"] = r["decode_tok_per_s"] / (1.0 / statistics.median(times["fp32"]))
+
+    cache = model.new_cache(1, seq_len)
+    kv = dict(fp32_bytes_per_token=cache.bytes_per_token,
+              int8_bytes_per_token=quantize_kv_cache(model.new_cache(1, seq_len)).bytes_per_token)
+    result = dict(model=model_name if model_name else "custom", device=str(device), quick=quick,
+                  threads=torch.get_num_threads(), parameters=sum(p.numel() for p in model.parameters()),
+                  config=model.config.to_dict(), seq_len=seq_len, eval_tokens=eval_batches * 8 * seq_len,
+                  calibration_tokens=n_calib * calib_len, qat_steps=qat_steps, group_size=group,
+                  small_group_size=small_group, kv_cache=kv, rows=rows,
+                  note=("decode tok/s measured batch 1 on a shared CPU (medians of interleaved rounds); "
+                        "dequantize-on-the-fly in PyTorch is slower than fp32 here, see the module docstring"))
+    _print_table(rows)
+    print(f"\nKV cache bytes per token: fp32 {kv['fp32_bytes_per_token']}, int8 {kv['int8_bytes_per_token']}")
+    save_json(result, name)
+    _plot(result, name)
+    return result
+
+
+def _print_table(rows: list[dict]) -> None:
+    cols = [("variant", "{}", 22), ("model_bytes", "{:,}", 11), ("bytes_ratio_vs_fp32", "{:.2f}x", 7),
+            ("val_bits_per_byte", "{:.4f}", 7), ("delta_bits_per_byte", "{:+.4f}", 8), ("kl_to_fp32", "{:.4f}", 7),
+            ("top1_agreement", "{:.3f}", 6), ("decode_tok_per_s", "{:.0f}", 7), ("quantize_seconds", "{:.1f}", 6)]
+    heads = ["variant", "bytes", "ratio", "bpb", "d bpb", "KL", "top1", "tok/s", "quant s"]
+    print("\n" + "  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, (_, _, w)) in enumerate(zip(heads, cols))))
+    for r in rows:
+        cells = []
+        for i, (key, fmt, w) in enumerate(cols):
+            v = r.get(key)
+            s = "-" if v is None else fmt.format(v)
+            cells.append(f"{s:<{w}}" if i == 0 else f"{s:>{w}}")
+        print("  ".join(cells))
+
+
+def _plot(result: dict, name: str) -> None:
+    import matplotlib.pyplot as plt
+
+    rows = result["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
+    colors = {"none": "black", "rtn": "tab:blue", "gptq": "tab:orange", "awq": "tab:green", "qat": "tab:red",
+              "fp8": "tab:purple", "llm_int8": "tab:brown", "kv_int8": "tab:gray"}
+    for r in rows:
+        if r["method"] == "kv_int8":
+            continue
+        ax1.scatter(r["model_bytes"] / 1e6, r["val_bits_per_byte"], color=colors[r["method"]], s=40)
+        ax1.annotate(r["variant"], (r["model_bytes"] / 1e6, r["val_bits_per_byte"]), fontsize=7,
+                     xytext=(4, 2), textcoords="offset points")
+    ax1.set_xlabel("model bytes (MB, measured: packed codes + scales + zero points + fp32 rest)")
+    ax1.set_ylabel("validation bits per byte (lower is better)")
+    ax1.set_title(f"Quality vs size: {result['model']} ({result['parameters'] / 1e6:.1f}M params)")
+    ax1.grid(alpha=0.3)
+    timed = [r for r in rows if "decode_tok_per_s" in r]
+    ax2.barh([r["variant"] for r in timed], [r["decode_tok_per_s"] for r in timed],
+             color=[colors[r["method"]] for r in timed])
+    ax2.invert_yaxis()
+    ax2.set_xlabel(f"decode tokens/s, batch 1 ({result['device']}, shared machine)")
+    ax2.set_title("Dequantize-on-the-fly speed in plain PyTorch")
+    fig.tight_layout()
+    save_figure(fig, name)
+    plt.close(fig)

@@ -1,0 +1,231 @@
+"""`quantize_model`: a quantized copy of a `TransformerLM` that prefill/decode/generate run unchanged.
+
+Every `nn.Linear` inside the transformer blocks is replaced (attention projections and the SwiGLU
+matrices); the token embedding and lm_head stay in full precision unless asked (they are small
+for big vocabularies-per-layer ratios, sensitive, and often kept in 16 bits in practice).
+Calibration-based methods (GPTQ, AWQ) run *sequentially*, block by block: the inputs of block i are
+captured from the copy whose blocks 0..i-1 are already quantized, so later layers see and absorb the
+earlier layers' errors (as in the GPTQ paper). The original model is never modified: every check
+runs before anything is copied, and all work happens on a deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from .awq import awq_search_scales
+from .core import check_bits, quantize_tensor
+from .gptq import gptq_quantize
+from .linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
+from .qat import qat_finetune
+
+METHODS = ("rtn", "gptq", "awq", "qat", "fp8", "llm_int8")
+NEEDS_CALIBRATION = ("gptq", "awq", "qat")
+
+# AWQ folds 1/s into the op that produces a linear's input: an RMSNorm weight (scale its entries)
+# or a linear (scale its output rows). Keyed by the first linear of a group sharing one input.
+_FOLD_INTO = {"attn.q_proj": "ln1", "ffn.w1": "ln2", "ffn.w2": "ffn.w3", "lm_head": "ln_final"}
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table stored like a `QuantizedLinear` weight (rows = tokens, groups along D)."""
+
+    def __init__(self, embedding: nn.Embedding, bits: int, group_size: int | None, symmetric: bool):
+        super().__init__()
+        self.table = QuantizedLinear.from_linear(embedding, bits, group_size, symmetric)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(token_ids, self.table.dequantized_weight())
+
+
+def _check_calibration(calibration, vocab_size: int) -> list[torch.Tensor]:
+    """Token ids (B, T) / (T,) or a list of such -> list of (B, T) long batches; refuse empty data."""
+    if calibration is None:
+        raise ValueError("calibration data is required for this method: token ids (B, T), (T,) or a list of them")
+    batches = list(calibration) if isinstance(calibration, (list, tuple)) else [calibration]
+    if not batches:
+        raise ValueError("calibration data is empty: give at least one sequence of token ids")
+    out = []
+    for i, b in enumerate(batches):
+        b = torch.as_tensor(b)
+        if b.dtype.is_floating_point or b.dtype == torch.bool:
+            raise TypeError(f"calibration batch {i} must hold integer token ids, got dtype {b.dtype}")
+        b = b[None] if b.dim() == 1 else b
+        if b.dim() != 2 or b.numel() == 0:
+            raise ValueError(f"calibration batch {i} must be a non-empty (B, T) or (T,) tensor, got shape {tuple(b.shape)}")
+        if int(b.min()) < 0 or int(b.max()) >= vocab_size:
+            raise ValueError(f"calibration batch {i} has token ids outside [0, {vocab_size})")
+        out.append(b.long())
+    return out
+
+
+def _target_linears(model: nn.Module, quantize_lm_head: bool) -> list[str]:
+    names = [f"layers.{n}" for n, m in model.layers.named_modules() if isinstance(m, nn.Linear)]
+    return names + (["lm_head"] if quantize_lm_head else [])
+
+
+def _check_args(model, method, bits, group_size, calibration, quantize_embedding, quantize_lm_head):
+    if not isinstance(model, nn.Module) or not hasattr(model, "layers") or not hasattr(model, "lm_head"):
+        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method in ("fp8", "llm_int8"):
+        if bits != 8:
+            raise ValueError(f"method {method!r} stores 8-bit weights; bits must be 8, got {bits!r}")
+    else:
+        check_bits(bits)
+    names = _target_linears(model, quantize_lm_head)
+    dims = {model.get_submodule(n).in_features for n in names}
+    if quantize_embedding:
+        dims.add(model.token_embeddings.embedding_dim)
+    if group_size is not None:
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
+            raise ValueError(f"group_size must be a positive int or None (per channel), got {group_size!r}")
+        bad = sorted(d for d in dims if d % group_size)
+        if bad:
+            raise ValueError(f"group_size {group_size} does not divide the input dimension(s) {bad} of the "
+                             f"layers to quantize; choose a common divisor of {sorted(dims)} or None")
+    if bits == 4 and any(d % 2 for d in dims):
+        raise ValueError("int4 packing needs even input dimensions")
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise ValueError(f"weight {name} contains NaN/Inf; refusing to quantize a broken model")
+    if method in NEEDS_CALIBRATION:
+        return names, _check_calibration(calibration, model.config.vocab_size)
+    return names, None
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a calibration forward pass once the block of interest has run."""
+
+
+@torch.no_grad()
+def _capture_inputs(model: nn.Module, names: list[str], batches: list[torch.Tensor], stop_at: nn.Module | None):
+    """Inputs (n, I) seen by each named linear over the calibration batches, and which linears
+    share the very same input tensor (q/k/v read one normed x; w1/w3 another)."""
+    inputs = {n: [] for n in names}
+    first: dict[str, torch.Tensor] = {}   # a reference keeps id() unique while we compare
+    hooks = []
+    for n in names:
+        def hook(module, args, n=n):
+            x = args[0]
+            first.setdefault(n, x)
+            inputs[n].append(x.detach().reshape(-1, x.shape[-1]).float())
+        hooks.append(model.get_submodule(n).register_forward_pre_hook(hook))
+    if stop_at is not None:
+        def stop(module, args, output):
+            raise _Stop
+        hooks.append(stop_at.register_forward_hook(stop))
+    try:
+        for b in batches:
+            try:
+                model(b.to(model.device))
+            except _Stop:
+                pass
+    finally:
+        for h in hooks:
+            h.remove()
+    groups: dict[int, list[str]] = {}
+    for n in names:
+        groups.setdefault(id(first[n]), []).append(n)
+    return {n: torch.cat(v) for n, v in inputs.items()}, list(groups.values())
+
+
+def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+@torch.no_grad()
+def _fold(model: nn.Module, group: list[str], s: torch.Tensor) -> bool:
+    """Multiply the group's weight columns by s and fold 1/s into the producer of their input."""
+    first = group[0]
+    suffix = next((k for k in _FOLD_INTO if first.endswith(k)), None)
+    if suffix is None:
+        return False
+    producer = model.get_submodule(first[: len(first) - len(suffix)] + _FOLD_INTO[suffix])
+    if isinstance(producer, nn.Linear):
+        producer.weight.div_(s.to(producer.weight.dtype)[:, None])   # rows of the producing linear
+    else:
+        producer.weight.div_(s.to(producer.weight.dtype))            # RMSNorm gain
+    for n in group:
+        model.get_submodule(n).weight.mul_(s.to(model.get_submodule(n).weight.dtype))
+    return True
+
+
+def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_size: int | None = 128,
+                   calibration=None, *, symmetric: bool = False, quantize_embedding: bool = False,
+                   quantize_lm_head: bool = False, act_order: bool = False, damp: float = 0.01,
+                   block_size: int = 128, awq_grid: int = 20, fold_scales: bool = True, fp8_format: str = "e4m3",
+                   threshold: float | None = 6.0, qat_steps: int = 100, qat_lr: float = 3e-4,
+                   qat_batch_size: int = 8, qat_seq_len: int = 128, qat_teacher: bool = True,
+                   scale_dtype: torch.dtype = torch.float16) -> nn.Module:
+    """A quantized deep copy of `model` (the original is untouched).
+
+    method: "rtn" (round to nearest), "gptq", "awq", "qat" (fake-quant fine-tune, then RTN), "fp8"
+    (e4m3 per channel; bits=8) or "llm_int8" (bits=8). group_size None = per output channel.
+    calibration: token ids (B, T) / (T,) or a list of them (GPTQ/AWQ statistics; QAT training data).
+    """
+    names, batches = _check_args(model, method, bits, group_size, calibration, quantize_embedding,
+                                 quantize_lm_head)
+    q = copy.deepcopy(model).eval()
+    if method in ("fp8", "llm_int8"):
+        for n in names:
+            lin = q.get_submodule(n)
+            _set(q, n, Fp8Linear(lin, fp8_format) if method == "fp8" else LLMInt8Linear(lin, threshold))
+    elif method in ("rtn", "qat"):
+        if method == "qat":
+            stream = torch.cat([b.reshape(-1) for b in batches])
+            q.qat_losses = qat_finetune(q, stream, names, bits, group_size, symmetric, steps=qat_steps, lr=qat_lr,
+                                        batch_size=qat_batch_size, seq_len=qat_seq_len,
+                                        teacher=model if qat_teacher else None)
+        for n in names:
+            _set(q, n, QuantizedLinear.from_linear(q.get_submodule(n), bits, group_size, symmetric,
+                                                   scale_dtype=scale_dtype))
+    else:
+        _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,
+                    awq_grid, fold_scales, scale_dtype)
+    if quantize_embedding:
+        q.token_embeddings = QuantizedEmbedding(q.token_embeddings, bits if method not in ("fp8", "llm_int8") else 8,
+                                                group_size, symmetric)
+    q.quantization = dict(method=method, bits=bits, group_size=group_size, symmetric=symmetric,
+                          quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
+    return q
+
+
+def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,
+                awq_grid, fold_scales, scale_dtype) -> None:
+    """GPTQ / AWQ, block by block (then lm_head), each on inputs from the partly quantized copy."""
+    stages = [([n for n in names if n.startswith(f"layers.{i}.")], block) for i, block in enumerate(q.layers)]
+    if "lm_head" in names:
+        stages.append((["lm_head"], None))
+    for stage_names, block in stages:
+        inputs, groups = _capture_inputs(q, stage_names, batches, stop_at=block)
+        if method == "gptq":
+            for n in stage_names:
+                lin = q.get_submodule(n)
+                res = gptq_quantize(lin.weight, inputs=inputs[n], bits=bits, group_size=group_size,
+                                    symmetric=symmetric, block_size=block_size, damp=damp, act_order=act_order)
+                _set(q, n, QuantizedLinear(res.quantized, scale_dtype=scale_dtype, out_dtype=lin.weight.dtype))
+            continue
+        # AWQ: one shared scale per group of linears reading the same input. Search the groups whose
+        # producer is a linear of this stage first (w2's 1/s lands in w3's rows before w3 is searched).
+        ordered = sorted(groups, key=lambda g: 0 if g[0].endswith("ffn.w2") else 1)
+        explicit = {}
+        for group in ordered:
+            stacked = torch.cat([q.get_submodule(n).weight for n in group])
+            s = awq_search_scales(stacked, inputs[group[0]], bits, group_size, symmetric, awq_grid).scales
+            if not (fold_scales and _fold(q, group, s)):
+                with torch.no_grad():
+                    for n in group:
+                        q.get_submodule(n).weight.mul_(s)
+                        explicit[n] = s
+        for n in stage_names:
+            lin = q.get_submodule(n)
+            granularity = "channel" if group_size is None else "group"
+            qt = quantize_tensor(lin.weight.detach(), bits, symmetric, granularity, group_size)
+            _set(q, n, QuantizedLinear(qt, input_scale=explicit.get(n), scale_dtype=scale_dtype,
+                                       out_dtype=lin.weight.dtype))

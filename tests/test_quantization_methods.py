@@ -1,0 +1,95 @@
+"""Post-training quantization methods against round-to-nearest, with the error measured here.
+
+The reference quantizer (`_naive_rtn`) and the layer error ||X W^T - X W_hat^T|| are written in this
+file; the library's methods only supply W_hat (GPTQ) or the scales s (AWQ).
+"""
+
+import pytest
+import torch
+from adapters import run_awq_search_scales, run_gptq_quantize, run_ste_fake_quantize
+
+
+def _naive_rtn(w, bits, group):
+    """Affine min/max round-to-nearest per group of `group` input columns (per row if None)."""
+    out = torch.empty_like(w, dtype=torch.float64)
+    g = group or w.shape[1]
+    for start in range(0, w.shape[1], g):
+        chunk = w[:, start:start + g].double()
+        lo, hi = chunk.min(1, keepdim=True).values.clamp(max=0), chunk.max(1, keepdim=True).values.clamp(min=0)
+        s = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
+        z = torch.round(-lo / s)
+        out[:, start:start + g] = (torch.clamp(torch.round(chunk / s) + z, 0, 2**bits - 1) - z) * s
+    return out
+
+
+def _layer_error(w, w_hat, x):
+    x = x.double()
+    return float((x @ w.double().t() - x @ w_hat.double().t()).norm())
+
+
+def _correlated_inputs(n, d, seed):
+    """Calibration activations with correlated, unequal channels (as real hidden states are)."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g) / d**0.5 + torch.eye(d)
+    return (torch.randn(n, d, generator=g) * torch.logspace(-1, 0.5, d)) @ mix
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("group_size", [None, 32])
+@pytest.mark.parametrize("bits", [4, 3])
+def test_gptq_beats_rtn_on_layer_output_error(bits, group_size, act_order):
+    torch.manual_seed(bits)
+    w = torch.randn(96, 128) / 128**0.5
+    x = _correlated_inputs(1024, 128, seed=bits)
+    w_gptq = run_gptq_quantize(w, x, bits=bits, group_size=group_size, act_order=act_order, block_size=32)
+    e_gptq, e_rtn = _layer_error(w, w_gptq, x), _layer_error(w, _naive_rtn(w, bits, group_size), x)
+    assert e_gptq < 0.9 * e_rtn, f"GPTQ error {e_gptq:.4f} should beat RTN {e_rtn:.4f} at {bits} bits"
+
+
+def test_gptq_output_lies_on_a_quantization_grid():
+    w, x = torch.randn(16, 64), _correlated_inputs(256, 64, seed=0)
+    w_hat = run_gptq_quantize(w, x, bits=3, group_size=16)
+    for start in range(0, 64, 16):      # each row of each group uses at most 2^3 distinct values
+        chunk = w_hat[:, start:start + 16]
+        assert max(len(torch.unique(row)) for row in chunk) <= 8
+
+
+def test_gptq_bad_inputs():
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match="empty"):
+        run_gptq_quantize(w, torch.empty(0, 16))
+    with pytest.raises(ValueError, match="group_size"):
+        run_gptq_quantize(w, torch.randn(32, 16), group_size=5)
+    with pytest.raises(ValueError, match="bits"):
+        run_gptq_quantize(w, torch.randn(32, 16), bits=16)
+    w[0, 0] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        run_gptq_quantize(w, torch.randn(32, 16))
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, None), (4, 32), (3, 32)])
+def test_awq_beats_rtn_with_salient_input_channels(bits, group_size):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g) / 128**0.5
+    x = torch.randn(512, 128, generator=g)
+    salient = torch.tensor([5, 40, 99])
+    x[:, salient] *= 25.0                     # ~2% of channels carry most of the activation mass
+    s = run_awq_search_scales(w, x, bits=bits, group_size=group_size)
+    assert s.shape == (128,) and torch.all(s > 0)
+    assert float(s[salient].min()) > float(s.median()), "salient channels should be scaled up"
+    w_awq = _naive_rtn(w.double() * s.double(), bits, group_size) / s.double()   # (x / s) Q(W s)^T
+    e_awq, e_rtn = _layer_error(w, w_awq, x), _layer_error(w, _naive_rtn(w, bits, group_size), x)
+    assert e_awq < 0.9 * e_rtn, f"AWQ error {e_awq:.4f} should beat RTN {e_rtn:.4f}"
+
+
+def test_awq_refuses_empty_calibration():
+    with pytest.raises(ValueError, match="empty"):
+        run_awq_search_scales(torch.randn(4, 8), torch.empty(0, 8))
+
+
+def test_straight_through_estimator_forward_quantizes_backward_is_identity():
+    w = torch.randn(8, 32, requires_grad=True)
+    y = run_ste_fake_quantize(w, bits=3, group_size=16)
+    torch.testing.assert_close(y.detach().double(), _naive_rtn(w.detach(), 3, 16), rtol=0, atol=1e-6)
+    (y * torch.arange(32.0)).sum().backward()
+    torch.testing.assert_close(w.grad, torch.arange(32.0).expand(8, 32))
