@@ -30,6 +30,7 @@ from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, a
                                         mlp_cost, mlp_intensity_limit, parameter_count,
                                         kv_cache_bytes, kv_cache_bytes_per_token, transformer_performance_stats,
                                         with_kv_heads)
+from cs336_inference.bench_kv_variants import format_table  # noqa: E402
 from cs336_inference.roofline import measure_hardware  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
@@ -329,14 +330,8 @@ def kv_experiment_summary():
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
-    distances = results["recall_distances"]
-    lines = [f"{'variant':<38} {'val loss':>8} {'recall (' + ', '.join(map(str, distances)) + ')':>44} "
-             f"{'KV B/token':>10} {'ms/step':>8}"]
-    for name, r in results["variants"].items():
-        recall = " ".join(f"{r['recall'][str(d)]:.2f}" for d in distances)
-        lines.append(f"{name:<38} {r['val_loss']:8.3f} {recall:>44} {r['kv_bytes_per_token_fp32']:>10} "
-                     f"{r['decode_ms_per_step']:8.2f}")
-    text("\n".join(lines), verbatim=True)
+    table = format_table(results)  # @inspect table
+    text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
 
 
