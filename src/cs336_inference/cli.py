@@ -68,14 +68,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmark", "bench_generation"),
     "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
     "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
-
-
     "models": ("model_report", "bench_models"),
-
-
     "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
-
-
     "quantization": ("quantization.bench", "bench_quantization"),
 }
 

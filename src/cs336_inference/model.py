@@ -137,7 +137,7 @@ class TransformerLM(nn.Module):
 
         x = self.token_embeddings(token_ids)  # (B, T, D)
         for i, block in enumerate(self.layers):
-            window = getattr(block.attn, "window", None)
+            window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
             if window not in masks:
                 masks[window] = self._mask(T, start_pos, pad, window, cached=cache is not None)
             x = block(x, rope, cache.layers[i] if cache is not None else None, start_pos, masks[window],
