@@ -23,6 +23,7 @@ import torch  # noqa: E402
 from lecture_util import Reference, image, link, section, text  # noqa: E402
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference.checkpoints import load_pretrained  # noqa: E402
 from cs336_inference import accounting_symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, attention_intensity_generation,  # noqa: E402
                                         attention_intensity_prefill, decode_latency, decode_memory,
@@ -30,6 +31,7 @@ from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, a
                                         mlp_cost, mlp_intensity_limit, parameter_count,
                                         kv_cache_bytes, kv_cache_bytes_per_token, transformer_performance_stats,
                                         with_kv_heads)
+from cs336_inference.bench_kv_variants import format_table  # noqa: E402
 from cs336_inference.roofline import measure_hardware  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
@@ -83,20 +85,25 @@ def review_transformer():
     section("review_transformer")
     text("Notation: B batch, S tokens already in the cache, T new tokens, D d_model, F d_ff, N query "
          "heads, K key/value heads, G = N/K, H head dim, L layers, V vocab.")
+    text("Contracting dimensions are summed over (D in x @ W_q); batching dimensions (B, and N or K in "
+         "attention) just ride along. Which dimensions a matmul contracts decides its arithmetic intensity.")
     device = get_device()
     seed_everything(0)
-    config = ModelConfig.from_name("tiny")  # @inspect config
-    model = TransformerLM(config).to(device).eval()
+    model = load_pretrained("target", device=device)  # the CS336 assignment-1 layout, trained offline
+    config = model.config  # @inspect config
     n_params = model.num_parameters()  # @inspect n_params
-    text(f"A tiny {config.num_layers}-layer model (D={config.d_model}, N={config.num_heads}, "
-         f"K={config.num_kv_heads}) has {n_params:,} parameters; it runs on {device}.")
+    text(f"Our running example is the shipped target model: {config.num_layers} layers, D={config.d_model}, "
+         f"F={config.d_ff}, N={config.num_heads} query heads sharing K={config.num_kv_heads} key/value heads, "
+         f"byte vocabulary V={config.vocab_size}: {n_params:,} parameters, on {device}.")
     tokenizer = ByteTokenizer()
-    prompt = tokenizer.encode("The KV cache")
-    cached = generate(model, [prompt], max_new_tokens=16)
-    naive = generate(model, [prompt], max_new_tokens=16, use_cache=False)
+    prompt = tokenizer.encode("Once upon a time in Ashford, ")
+    cached = generate(model, [prompt], max_new_tokens=48)
+    naive = generate(model, [prompt], max_new_tokens=48, use_cache=False)
     assert cached.tokens == naive.tokens  # the cache is an optimisation, never a change of output
-    text("Greedy generation with and without the KV cache gives the same tokens (random weights, so "
-         "the text itself is noise until we load a trained model).")
+    continuation = tokenizer.decode(cached.tokens[0])  # @inspect continuation
+    text(f"Greedy continuation of 'Once upon a time in Ashford, ': {continuation!r}")
+    text("Generating with the KV cache and naively (re-running the whole prefix every step) gives "
+         "identical tokens; only the cost differs, which is the rest of this lecture.")
 
 
 def review_of_arithmetic_intensity():
@@ -329,14 +336,8 @@ def kv_experiment_summary():
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
-    distances = results["recall_distances"]
-    lines = [f"{'variant':<38} {'val loss':>8} {'recall (' + ', '.join(map(str, distances)) + ')':>44} "
-             f"{'KV B/token':>10} {'ms/step':>8}"]
-    for name, r in results["variants"].items():
-        recall = " ".join(f"{r['recall'][str(d)]:.2f}" for d in distances)
-        lines.append(f"{name:<38} {r['val_loss']:8.3f} {recall:>44} {r['kv_bytes_per_token_fp32']:>10} "
-                     f"{r['decode_ms_per_step']:8.2f}")
-    text("\n".join(lines), verbatim=True)
+    table = format_table(results)  # @inspect table
+    text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
 
 
