@@ -177,8 +177,9 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
         raise ValueError(f"layer_metric must be 'layers' (loss increase) or 'layers_bi' (block importance), "
                          f"got {layer_metric!r}")
     cfg = model.config
-    if cfg.attention_type != "gqa":
-        raise ValueError(f"prune_model supports attention_type 'gqa', got {cfg.attention_type!r}")
+    if cfg.attention_type != "gqa" or cfg.kv_share_group != 1:
+        raise ValueError(f"prune_model supports GQA models without cross-layer KV sharing, got "
+                         f"attention_type={cfg.attention_type!r}, kv_share_group={cfg.kv_share_group}")
     H = cfg.head_dim
     new_L = _target("num_layers", num_layers, cfg.num_layers, prune_ratio)
     new_K = _target("num_kv_heads", num_kv_heads, cfg.num_kv_heads, prune_ratio)
