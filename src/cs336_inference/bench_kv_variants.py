@@ -8,7 +8,10 @@ data, steps and seed, then measure. A second, accounting-only part plots cache b
 length for each variant at Llama-2-13B and DeepSeek-V2 scale.
 
 `python -m cs336_inference bench kv_variants [--quick]` writes figures/kv_variants.{json,png} and
-figures/kv_variants_scale.png.
+figures/kv_variants_scale.png. Decode latency is timed for all variants side by side after training
+(rounds, median); `remeasure_latency()` re-times the committed results on another machine without
+retraining. Recall uses `evaluation.long_range_recall` (exact answer, greedy) and, because tiny models
+trained for minutes rarely get exact answers, also a per-digit teacher-forced score.
 """
 
 from __future__ import annotations
