@@ -149,6 +149,18 @@ def measure_decode_latency(configs: dict[str, ModelConfig], latency: dict, devic
     with a longer RoPE table (speed does not depend on the weights); B sequences, S cached tokens, fp32.
     MLA is also timed through its naive (up-projecting) path."""
     B, S, steps = latency["batch_size"], latency["context"], latency["steps"]
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        # One thread: on the shared 2-core machine a 2-thread op stalls for a scheduler time slice
+        # (~10 ms measured) whenever the other core is busy, which swamps a ~1 ms decode step.
+        torch.set_num_threads(latency.get("cpu_threads", 1))
+    try:
+        return _time_variants(configs, B, S, steps, device, rounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_variants(configs, B: int, S: int, steps: int, device, rounds: int) -> dict:
     models = {name: TransformerLM(cfg.replace(context_length=S + steps + 8), device=device).eval()
               for name, cfg in configs.items()}
     times: dict[str, list[float]] = {}
@@ -184,7 +196,7 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
     train_config = TrainConfig(steps=steps, batch_size=8, seq_len=BASE["context_length"], lr=5e-3,
                                warmup_steps=max(1, steps // 10), eval_every=steps, eval_batches=4, seed=0,
                                device=str(device), progress=False)
-    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16)
+    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16, cpu_threads=1)
     num_trials = 8 if quick else 32
     budget = TransformerLM(variant_config(VARIANTS["MHA"])).num_parameters()
     train_data, val_data = load_corpus("train"), load_corpus("val")
