@@ -24,18 +24,25 @@ from .tokenizer import ENDOFTEXT, ByteTokenizer
 SPLITS = ("train", "val")
 VAL_EVERY = 20                    # document i is validation iff i % VAL_EVERY == VAL_EVERY - 1
 GRAMMAR_BYTES = 3_600_000         # grammar text per corpus (pydoc adds ~0.45 MB)
-KIND_WEIGHTS = {"ledger": 0.35, "echo": 0.3, "story": 0.2, "dialogue": 0.15}
+KIND_WEIGHTS = {"ledger": 0.3, "echo": 0.4, "story": 0.15, "dialogue": 0.15}
 PYDOC_CHUNK = 2000                # pydoc topics are cut into documents of about this many bytes
 
 
 def _pydoc_documents() -> list[str]:
-    """CPython's own help text (`help('if')` etc.), cut at paragraph breaks into ~2 kB documents."""
+    """CPython's own help text (`help('if')` etc.), cut at paragraph breaks into ~2 kB documents.
+
+    Some topics quote others word for word; repeated paragraphs are dropped so that no text can be
+    in both the train and the validation split.
+    """
     from pydoc_data.topics import topics
 
-    docs = []
+    docs, seen = [], set()
     for name in sorted(topics):
         chunk = ""
         for paragraph in topics[name].split("\n\n"):
+            if paragraph.strip() in seen:
+                continue
+            seen.add(paragraph.strip())
             chunk = f"{chunk}\n\n{paragraph}" if chunk else paragraph
             if len(chunk) >= PYDOC_CHUNK:
                 docs.append(chunk)

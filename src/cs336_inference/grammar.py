@@ -179,21 +179,22 @@ def random_word(rng: random.Random) -> str:
 
 
 def echo(rng: random.Random) -> str:
-    """Random phrases, each repeated later word for word: predictable only by copying (induction)."""
+    """Each speaker says one random phrase; later lines repeat phrases by speaker. Nothing in a
+    repeat is predictable except by finding the speaker's first line and copying it (induction)."""
     lines = [f"Echo drill {rng.randint(1, 999)}."]
-    said: list[tuple[str, str]] = []
-    speakers = rng.sample(NAMES, rng.randint(2, 4))
-    for _ in range(rng.randint(6, 14)):
-        if said and rng.random() < 0.5:
-            who, phrase = _pick(rng, said)
-            lines.append(f"{who} repeats: {phrase}")
+    said: dict[str, str] = {}
+    speakers = rng.sample(NAMES, rng.randint(3, 6))
+    for _ in range(rng.randint(8, 16)):
+        new = [n for n in speakers if n not in said]
+        if new and (not said or rng.random() < 0.35):
+            who = new[0]
+            said[who] = f"{random_word(rng)} {random_word(rng)} {random_value(rng, 3)}"
+            lines.append(f"{who} says: {said[who]}")
         else:
-            who = _pick(rng, speakers)
-            phrase = f"{random_word(rng)} {random_word(rng)} {random_value(rng, rng.randint(2, 4))}"
-            said.append((who, phrase))
-            lines.append(f"{who} says: {phrase}")
-        if rng.random() < 0.6:
-            lines.append(filler(rng, rng.randint(20, 140)))
+            who = _pick(rng, sorted(said))
+            lines.append(f"{who} repeats: {said[who]}")
+        if rng.random() < 0.3:
+            lines.append(filler(rng, rng.randint(20, 100)))
     return "\n".join(lines)
 
 
