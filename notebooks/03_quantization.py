@@ -187,8 +187,8 @@ print(f"{table['model']}: {table['parameters']:,} parameters, eval on {table['ev
 print(f"{'variant':<22}{'MB':>7}{'bpb':>8}{'Δbpb':>8}{'KL':>8}{'top1':>7}{'tok/s':>7}")
 for r in table["rows"]:
     tps = f"{r['decode_tok_per_s']:.0f}" if "decode_tok_per_s" in r else "-"
-    print(f"{r['variant']:<22}{r['model_bytes'] / 1e6:>7.2f}{r['val_bits_per_byte']:>8.3f}"
-          f"{r['delta_bits_per_byte']:>+8.3f}{r['kl_to_fp32']:>8.4f}{r['top1_agreement']:>7.3f}{tps:>7}")
+    print(f"{r['variant']:<22}{r['model_bytes'] / 1e6:>7.2f}{r['val_bits_per_byte']:>8.4f}"
+          f"{r['delta_bits_per_byte']:>+8.4f}{r['kl_to_fp32']:>8.4f}{r['top1_agreement']:>7.3f}{tps:>7}")
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4.5))
