@@ -251,8 +251,8 @@ def run_kv_cache_bytes(config, batch_size, seq_len, bytes_per_element=2):
     return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
 
 
-def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False) -> int:
-    return accounting.forward_flops(model, batch_size, num_new_tokens, num_cached, last_only)
+def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False, mla_absorbed=False) -> int:
+    return accounting.forward_flops(model, batch_size, num_new_tokens, num_cached, last_only, mla_absorbed)
 
 
 def run_transformer_performance_stats(config, hardware="H100", batch_size=1, seq_len=1024, precision="bf16"):

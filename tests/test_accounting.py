@@ -14,6 +14,16 @@ SYM = adapters.get_symbols()
 B, S, T, D, F, N, K, H, L, V, P = (SYM[c] for c in "BSTDFNKHLVP")
 
 
+CROSS_CONFIG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=96)
+VARIANTS = {  # every attention variant the model builds, on one small base
+    "mha": dict(num_kv_heads=4), "gqa": {}, "mqa": dict(num_kv_heads=1),
+    "cla": dict(kv_share_group=2), "sliding_window": dict(sliding_window=8, global_every=2),
+    "mla": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8),
+    "mla_q_lora": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, q_lora_rank=24),
+    "mla_cla": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, kv_share_group=2),
+}
+
+
 def same(a, b) -> bool:
     return sp.simplify(a - b) == 0
 
@@ -89,14 +99,6 @@ def test_llama2_13b_parameters_match_a_parameter_shape_list():
     assert lecture == count(shapes, skip_norms=True)
     assert adapters.run_parameter_count_symbolic().subs({SYM[k]: v for k, v in LLAMA2_13B.items()}) == lecture
     assert round(lecture / 1e9, 1) == 13.0
-
-
-@pytest.mark.parametrize("num_kv_heads", [4, 2, 1])  # MHA, GQA, MQA
-def test_parameter_count_matches_the_model_we_run(num_kv_heads):
-    config = adapters.make_config(vocab_size=97, context_length=32, d_model=64, num_layers=3, num_heads=4,
-                                  num_kv_heads=num_kv_heads, d_ff=96)
-    model = adapters.make_model(config)
-    assert adapters.run_num_parameters(config, include_norms=True) == model.num_parameters()
 
 
 def test_llama2_13b_on_h100_memory_latency_throughput():
@@ -177,32 +179,38 @@ def test_other_llamas_have_their_published_size(name, billions):
 
 # --- cross-checks against the model we run ----------------------------------------------------
 
-CROSS_CONFIG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
-
-
 def counted_flops(fn) -> int:
-    with FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
 
 
-@torch.no_grad()
-def test_forward_flops_match_flop_counter_mode():
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parameters_flops_and_kv_bytes_match_the_model_we_run(variant):
     """FlopCounterMode counts matmul-family ops only (mm, bmm, ...), as the formula does, so the two
     agree exactly (tolerance: 0). Elementwise work (RMSNorm, RoPE, softmax, SiLU, residuals) is in
-    neither; it is what separates both from the true op count."""
-    config = adapters.make_config(**CROSS_CONFIG)
+    neither; it is what separates both from the true op count. MLA with a cache attends over the
+    latents (absorbed form), so prefill/decode use mla_absorbed=True."""
+    config = adapters.make_config(**{**CROSS_CONFIG, **VARIANTS[variant]})
     model = adapters.make_model(config)
+    assert adapters.run_num_parameters(config, include_norms=True) == model.num_parameters()
     ids = torch.randint(0, 97, (2, 12))
     assert counted_flops(lambda: model(ids)) == adapters.run_forward_flops(config, 2, 12)
+    absorbed = config.attention_type == "mla"
     cache = adapters.make_kv_cache(model, 2, 20)
     prefill = counted_flops(lambda: model(ids, cache=cache, start_pos=0, last_only=True))
-    assert prefill == adapters.run_forward_flops(config, 2, 12, 0, last_only=True)
+    assert prefill == adapters.run_forward_flops(config, 2, 12, 0, last_only=True, mla_absorbed=absorbed)
     decode = counted_flops(lambda: model(ids[:, :1], cache=cache, start_pos=12))
-    assert decode == adapters.run_forward_flops(config, 2, 1, 12)
-    # What the "2 * matmul weights * tokens" rule leaves out is exactly attention: 4 B N T S H per layer.
-    matmul_weights = model.num_parameters() - 97 * 64 - (2 * 2 + 1) * 64   # minus embedding table, norm gains
-    attention = 4 * 2 * 4 * 12 * 12 * 16 * 2
+    assert decode == adapters.run_forward_flops(config, 2, 1, 12, mla_absorbed=absorbed)
+    element = model.lm_head.weight.element_size()
+    assert cache.bytes_per_token == adapters.run_kv_cache_bytes_per_token(config, element)
+
+
+def test_the_two_flops_per_weight_rule_misses_exactly_attention():
+    config = adapters.make_config(**CROSS_CONFIG)
+    model = adapters.make_model(config)
+    matmul_weights = model.num_parameters() - 97 * 64 - (2 * 4 + 1) * 64   # minus embedding table, norm gains
+    attention = 4 * 2 * 4 * 12 * 12 * 16 * 4                               # 4 B N T S H L
     assert adapters.run_forward_flops(config, 2, 12) == 2 * matmul_weights * 2 * 12 + attention
 
 

@@ -82,12 +82,12 @@ def _check_positive_int(name: str, value) -> None:
 def _attention_weights(s: ModelShape, layer: int) -> int:
     """Matmul weights of one layer's attention (norm weights excluded)."""
     D, N, K, H = s.d_model, s.num_heads, s.num_kv_heads, s.head_dim
+    owns_kv = layer % s.kv_share_group == 0   # CLA: only the first layer of a group writes the cache
     if s.attention_type == "mla":  # DeepSeek-V2 layout: low-rank q, joint KV latent, decoupled RoPE
         C, R = s.kv_lora_rank, s.rope_head_dim
         q = D * N * (H + R) if s.q_lora_rank is None else D * s.q_lora_rank + s.q_lora_rank * N * (H + R)
-        kv = D * (C + R) + C * N * 2 * H      # down to (c, k_rope), then c up to per-head K and V
-        return q + kv + N * H * D
-    owns_kv = layer % s.kv_share_group == 0   # CLA: only the first layer of a group projects K, V
+        down = D * (C + R) if owns_kv else 0  # h -> (c, k_rope): what the cache stores
+        return q + down + C * N * 2 * H + N * H * D   # c up to per-head K and V; output projection
     return D * N * H + (2 * D * K * H if owns_kv else 0) + N * H * D
 
 
@@ -103,7 +103,7 @@ def _mlp_weights(s: ModelShape, layer: int, active_only: bool) -> int:
 def _norm_weights(s: ModelShape) -> int:
     """RMSNorm gains: two per layer, the final one, and MLA's latent norms."""
     per_layer = 2 * s.d_model
-    if s.attention_type == "mla":
+    if s.attention_type == "mla" and s.latent_norms:
         per_layer += s.kv_lora_rank + (s.q_lora_rank or 0)
     return per_layer * s.num_layers + s.d_model
 
@@ -127,15 +127,18 @@ def weight_bytes(model, precision: str = "bf16") -> float:
 
 
 def forward_flops(model, batch_size: int, num_new_tokens: int, num_cached: int = 0,
-                  last_only: bool = False) -> int:
+                  last_only: bool = False, mla_absorbed: bool = False) -> int:
     """Matmul FLOPs of one forward of `num_new_tokens` per sequence over `num_cached` cached ones.
 
     Counts 2 FLOPs per multiply-add of every matmul, as `TransformerLM` runs it: the projections and
-    MLP (2 * weights per token), q k^T and p v over all S = num_cached + T keys (4 B N T S H per
-    layer: the kernel computes the full score matrix and masks it), and the lm_head (for the last
-    position only with last_only, as `prefill` does). Elementwise work (norms, RoPE, softmax, SiLU)
-    is left out: it is O(B T D) and O(B N T S), small next to the matmuls.
-    MoE: the experts a token activates; MLA: the plain (non-absorbed) form, keys of H + R dims.
+    MLP (2 * weights per token), q k^T and p v over the S = num_cached + T keys (4 B N T S H per
+    layer: the kernel computes the full score matrix and masks it; a sliding-window layer sees at
+    most window + T - 1 keys), and the lm_head (for the last position only with last_only, as
+    `prefill` does). Elementwise work (norms, RoPE, softmax, SiLU) is left out: it is O(B T D) and
+    O(B N T S), small next to the matmuls. MoE: the experts a token activates.
+    MLA: keys of H + R dims and values of H (the plain form, as a full forward runs it); with
+    mla_absorbed, attention runs over the C + R latent and C-dim values (W_UK and W_UV folded into
+    query and output: the same weight FLOPs per token), as `TransformerLM` does with a cache.
     """
     s = get_model_shape(model)
     for name, value in (("batch_size", batch_size), ("num_new_tokens", num_new_tokens)):
@@ -143,11 +146,15 @@ def forward_flops(model, batch_size: int, num_new_tokens: int, num_cached: int =
     if isinstance(num_cached, bool) or not isinstance(num_cached, int) or num_cached < 0:
         raise ValueError(f"num_cached must be a non-negative int, got {num_cached!r}")
     B, T, S = batch_size, num_new_tokens, num_cached + num_new_tokens
-    qk_dim = s.head_dim + (s.rope_head_dim if s.attention_type == "mla" else 0)
+    qk_dim, v_dim = s.head_dim, s.head_dim
+    if s.attention_type == "mla":
+        v_dim = s.kv_lora_rank if mla_absorbed else s.head_dim
+        qk_dim = v_dim + s.rope_head_dim
     flops = 0
     for layer in range(s.num_layers):
+        keys = min(S, s.sliding_window + T - 1) if _is_local(s, layer) else S
         flops += 2 * B * T * (_attention_weights(s, layer) + _mlp_weights(s, layer, active_only=True))
-        flops += 2 * B * s.num_heads * T * S * (qk_dim + s.head_dim)   # q k^T and p v
+        flops += 2 * B * s.num_heads * T * keys * (qk_dim + v_dim)   # q k^T and p v
     flops += 2 * B * (1 if last_only else T) * s.d_model * s.vocab_size  # lm_head
     return flops
 
@@ -237,7 +244,7 @@ def transformer_performance_stats(config, hardware: str | HardwareSpec = "H100",
     kv = batch_size * kv_seq
     memory = weights + kv
     decode_bytes = memory - _idle_expert_weights(s, batch_size) * nbytes
-    decode_flops = forward_flops(s, batch_size, 1, seq_len - 1)
+    decode_flops = forward_flops(s, batch_size, 1, seq_len - 1, mla_absorbed=True)
     t_mem, t_compute = decode_bytes / hw.memory_bandwidth, decode_flops / flops_per_s
     latency = max(t_mem, t_compute)
     prefill_flops = forward_flops(s, batch_size, seq_len, 0, last_only=True)

@@ -91,6 +91,7 @@ def plot_roofline(sweep: RooflineSweep):
     ax.set_yscale("log")
     ax.set_xticks(sweep.batch_sizes, [str(b) for b in sweep.batch_sizes])
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set(xlabel="batch size B (rows of X)", ylabel="GFLOP/s",
            title=f"Roofline of {hw.device}\nW = {sweep.d_in}x{sweep.d_out} {sweep.dtype}, "
                  f"peak {hw.peak_flops / 1e9:,.0f} GFLOP/s, bandwidth {hw.memory_bandwidth / 1e9:,.1f} GB/s")
@@ -132,6 +133,7 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     ax_tp.plot(bs, [d["batch_size"] / d["predicted_seconds"] for d in decode], "k--", label="predicted")
     ax_tp.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s", title="decode throughput")
     ax_tp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_tp.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax_tp.legend(fontsize=8)
     for ax in (ax_lat, ax_tp):
         ax.set_xticks(bs, [str(b) for b in bs])

@@ -35,6 +35,7 @@ class ModelShape:
     kv_lora_rank: int | None = None    # C, MLA latent
     q_lora_rank: int | None = None     # MLA query compression (None: full-rank query)
     rope_head_dim: int | None = None   # MLA decoupled RoPE dims
+    latent_norms: bool = False         # MLA: RMSNorm on the q and kv latents (DeepSeek's checkpoints)
     sliding_window: int | None = None
     global_every: int | None = None
     kv_share_group: int = 1            # CLA: layers per shared KV cache
@@ -115,6 +116,7 @@ REAL_MODELS: dict[str, ModelShape] = {
                               source="DeepSeek-AI 2024, DeepSeek-V2 (arXiv:2405.04434) Sec. 3.1 and the "
                                      "released config.json",
                               attention_type="mla", kv_lora_rank=512, q_lora_rank=1536, rope_head_dim=64,
+                              latent_norms=True,
                               num_experts=160, num_shared_experts=2, experts_per_token=6, moe_d_ff=1536,
                               first_dense_layers=1),
 }

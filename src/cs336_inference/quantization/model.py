@@ -103,7 +103,8 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def _capture_inputs(model: nn.Module, names: list[str], batches: list[torch.Tensor], stop_at: nn.Module | None):
+def capture_linear_inputs(model: nn.Module, names: list[str], batches: list[torch.Tensor],
+                          stop_at: nn.Module | None = None):
     """Inputs (n, I) seen by each named linear over the calibration batches, and which linears
     share the very same input tensor (q/k/v read one normed x; w1/w3 another)."""
     inputs = {n: [] for n in names}
@@ -203,7 +204,7 @@ def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_orde
     if "lm_head" in names:
         stages.append((["lm_head"], None))
     for stage_names, block in stages:
-        inputs, groups = _capture_inputs(q, stage_names, batches, stop_at=block)
+        inputs, groups = capture_linear_inputs(q, stage_names, batches, stop_at=block)
         if method == "gptq":
             for n in stage_names:
                 lin = q.get_submodule(n)

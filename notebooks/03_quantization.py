@@ -1,0 +1,213 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 03 · Quantization: from one number to a quantized model
+#
+# Batch-1 decode is memory-bound: every step streams every weight from memory. Storing weights in
+# fewer bits moves fewer bytes per token. This notebook starts with one number (scale and zero
+# point), grows it to tensors (granularity, packing, fp8), meets the two problems that make naive
+# quantization fail on real models (outlier activations, accumulated rounding error) and the
+# methods that fix them (LLM.int8(), GPTQ, AWQ, QAT), and ends with the committed table of every
+# method on the shipped target model (`python -m cs336_inference bench quantization`).
+
+# %%
+import json
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+from cs336_inference import ByteTokenizer, generate, get_device, seed_everything
+from cs336_inference.checkpoints import load_pretrained
+from cs336_inference.data import load_corpus
+from cs336_inference.figures import save_figure
+from cs336_inference.quantization import (
+    awq_search_scales, capture_linear_inputs, dequantize, fp8_range, fp8_round_trip, gptq_quantize,
+    layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize, quantize_kv_cache,
+    quantize_model, quantize_tensor,
+)
+
+device = get_device("cpu")  # the table below was measured on the CPU; everything here is cheap
+print("device:", device)
+seed_everything(0)
+
+# %% [markdown]
+# ## One number
+# `q = round(x / scale) + zero_point`, and back: `x_hat = (q - zero_point) * scale`. The lecture's
+# example: x = 5.2342 with scale 0.1 and zero point 4.
+
+# %%
+q = quantize(torch.tensor(5.2342), scale=0.1, zero_point=4)
+x_hat = dequantize(q, 0.1, 4)
+print(f"q = {int(q)}, x_hat = {float(x_hat):.4f}, error = {5.2342 - float(x_hat):.4f} (at most scale/2 = 0.05)")
+
+# %% [markdown]
+# ## Number formats
+# Floating-point formats spend bits on an exponent (range) and a mantissa (precision); integers
+# spread their codes evenly and need a scale. Note the two fp8 e4m3 variants: the lecture quotes
+# ±240 (the `fnuz` variant of some accelerators), torch's `float8_e4m3fn` reaches ±448.
+
+# %%
+rows = []
+for name, dtype in [("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp16", torch.float16),
+                    ("fp8 e4m3fn", torch.float8_e4m3fn), ("fp8 e4m3fnuz", torch.float8_e4m3fnuz),
+                    ("fp8 e5m2", torch.float8_e5m2)]:
+    info = torch.finfo(dtype)
+    rows.append((name, info.bits // 8, f"±{info.max:.4g}", f"{info.eps:.3g}"))
+for bits in (8, 4, 3):
+    lo, hi = qrange(bits, symmetric=True)
+    rows.append((f"int{bits}", bits / 8, f"[{lo}, {hi}]", "uniform (needs a scale)"))
+print(f"{'format':<14}{'bytes':>6}  {'range':<18}eps")
+for name, nbytes, rng, eps in rows:
+    print(f"{name:<14}{nbytes:>6}  {rng:<18}{eps}")
+assert fp8_range("e4m3")[1] == 448 and fp8_range("e4m3fnuz")[1] == 240
+
+# %% [markdown]
+# ## A weight matrix: granularity
+# The shipped target model's first SwiGLU matrix. One scale for the whole tensor is set by its
+# single largest entry; one per output row (channel) or per group of input columns follows the
+# local range. Smaller groups cost one more scale (and zero point) per group.
+
+# %%
+model = load_pretrained("target", device=device)
+config = model.config
+print(config)
+w = model.layers[0].ffn.w1.weight.detach()
+choices = [("tensor", None), ("channel", None)] + [("group", g) for g in (128, 32) if w.shape[1] % g == 0]
+labels = [kind if g is None else f"group {g}" for kind, g in choices]
+fig, ax = plt.subplots(figsize=(7, 3.5))
+for k, bits in enumerate((8, 4, 3)):
+    mses = [float((quantize_tensor(w, bits, False, kind, g).dequantize() - w).pow(2).mean()) for kind, g in choices]
+    ax.bar([i + 0.27 * k for i in range(len(choices))], mses, width=0.27, label=f"int{bits}")
+    print(f"int{bits} weight MSE:", ", ".join(f"{lab} {m:.2e}" for lab, m in zip(labels, mses)))
+ax.set_xticks([i + 0.27 for i in range(len(choices))], labels)
+ax.set_yscale("log")
+ax.set_ylabel("weight MSE")
+ax.set_title("RTN error of layers.0.ffn.w1 by granularity (affine)")
+ax.legend()
+save_figure(fig, "03_quantization_granularity")
+
+# %% [markdown]
+# ## Real bytes: packing two int4 codes per byte
+# PyTorch has no int4 dtype; kept in int8, a "4-bit" weight would still cost a byte. Packing puts
+# two codes in each byte, so a quantized model's measured size is its true size.
+
+# %%
+codes = quantize_tensor(w, 4, True, "channel").q
+packed = pack_int4(codes)
+print(f"int8 storage {codes.to(torch.int8).nbytes:,} B -> packed {packed.nbytes:,} B; fp32 {w.nbytes:,} B")
+
+# %% [markdown]
+# fp8 keeps one scale but a non-uniform grid: e4m3 (3 mantissa bits) is the usual choice for
+# weights and activations, e5m2 trades precision for range (gradients).
+
+# %%
+for fmt in ("e4m3", "e5m2"):
+    err = float((fp8_round_trip(w, fmt, per_channel=True) - w).pow(2).mean())
+    print(f"fp8 {fmt} per-channel weight MSE {err:.2e}")
+
+# %% [markdown]
+# ## Outliers: why absmax int8 breaks, and LLM.int8()
+# In large models a few hidden dimensions carry activations 20-100x larger than the rest. With one
+# absmax scale per token, those values stretch the scale so far that ordinary entries round to 0.
+# LLM.int8() sends the outlier columns (|x| > 6) through a high-precision matmul.
+
+# %%
+demo = planted_outlier_demo()
+print(demo)
+assert demo["llm_int8_rel_error"] < demo["plain_int8_rel_error"] / 5
+
+# %% [markdown]
+# ## GPTQ and AWQ on one layer, with calibration text
+# Calibration inputs of `layers.0.ffn.w2` (the SwiGLU down projection) from 8 training windows.
+# GPTQ quantizes column by column and pushes each column's error onto the columns not yet
+# quantized (weighted by the inverse Hessian 2XᵀX/n); AWQ scales up the input channels with the
+# largest activations before rounding. Both are judged by the layer's output error ‖XWᵀ − XŴᵀ‖.
+
+# %%
+train = load_corpus("train")
+starts = torch.linspace(0, train.numel() - 257, 8).long().tolist()
+calib = [torch.stack([train[s:s + 256] for s in starts])]
+name = "layers.0.ffn.w2"
+x = capture_linear_inputs(model, [name], calib)[0][name]
+w2 = model.get_submodule(name).weight.detach()
+g = 128 if w2.shape[1] % 128 == 0 else None
+for bits in (4, 3):
+    rtn = quantize_tensor(w2, bits, False, "group" if g else "channel", g).dequantize()
+    gptq = gptq_quantize(w2, inputs=x, bits=bits, group_size=g).quantized.dequantize()
+    s = awq_search_scales(w2, x, bits, g).scales
+    awq = quantize_tensor(w2 * s, bits, False, "group" if g else "channel", g).dequantize() / s
+    errs = {k: layer_output_error(w2, v, x) for k, v in (("RTN", rtn), ("GPTQ", gptq), ("AWQ", awq))}
+    print(f"int{bits}: layer output error", {k: f"{v:.3f}" for k, v in errs.items()})
+
+# %% [markdown]
+# ## A quantized model runs unchanged
+# `quantize_model` replaces every linear of the transformer blocks by a `QuantizedLinear` holding
+# packed codes, scales and zero points (embedding and lm_head stay fp32 by default). Prefill,
+# decode and `generate` do not know the difference.
+
+# %%
+q_model = quantize_model(model, "rtn", bits=4, group_size=32)
+tok = ByteTokenizer()
+prompt = tok.encode("Once upon a time")
+for label, m in (("fp32", model), ("int4 RTN g32", q_model)):
+    out = generate(m, [prompt], max_new_tokens=40)
+    print(f"{label:>14} ({model_nbytes(m) / 1e6:.2f} MB): {tok.decode(out.tokens[0])!r}")
+
+# %% [markdown]
+# The KV cache can be stored in 8 bits too (one fp16 scale per token and head):
+
+# %%
+cache = model.new_cache(1)
+q_cache = quantize_kv_cache(model.new_cache(1))
+print(f"KV bytes per token: fp32 {cache.bytes_per_token}, int8 {q_cache.bytes_per_token} "
+      f"({cache.bytes_per_token / q_cache.bytes_per_token:.1f}x smaller)")
+
+# %% [markdown]
+# ## The table
+# Every method on the target model, measured by `python -m cs336_inference bench quantization`
+# and committed as `figures/quantization.json` (re-running it takes a few minutes on 2 cores).
+# bits per byte (bpb) on the validation split; KL(fp32 ‖ quantized) and top-1 agreement against
+# the fp32 model on the same tokens; decode tokens/s at batch 1 on the (shared) CPU.
+
+# %%
+table = json.loads((Path.cwd().parent / "figures" / "quantization.json").read_text())
+print(f"{table['model']}: {table['parameters']:,} parameters, eval on {table['eval_tokens']:,} tokens")
+print(f"{'variant':<22}{'MB':>7}{'bpb':>8}{'Δbpb':>8}{'KL':>8}{'top1':>7}{'tok/s':>7}")
+for r in table["rows"]:
+    tps = f"{r['decode_tok_per_s']:.0f}" if "decode_tok_per_s" in r else "-"
+    print(f"{r['variant']:<22}{r['model_bytes'] / 1e6:>7.2f}{r['val_bits_per_byte']:>8.4f}"
+          f"{r['delta_bits_per_byte']:>+8.4f}{r['kl_to_fp32']:>8.4f}{r['top1_agreement']:>7.3f}{tps:>7}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 4.5))
+for r in table["rows"]:
+    if r["method"] == "kv_int8":
+        continue
+    ax.scatter(r["model_bytes"] / 1e6, r["kl_to_fp32"] + 1e-5, s=30)
+    ax.annotate(r["variant"], (r["model_bytes"] / 1e6, r["kl_to_fp32"] + 1e-5), fontsize=7)
+ax.set_yscale("log")
+ax.set_xlabel("model MB (measured)")
+ax.set_ylabel("KL(fp32 || quantized), nats/token")
+ax.set_title("Quality vs bytes on the target model")
+save_figure(fig, "03_quantization_kl_vs_bytes")
+
+# %% [markdown]
+# **Reading the table.** Bytes shrink with the bit width (the fp32 embedding and lm_head stay, so
+# the ratio is below 32/bits). int8 and fp8 are nearly free in quality; at 4 and especially 3 bits
+# round-to-nearest loses visibly, and the calibration-based methods (GPTQ, AWQ) and QAT win part
+# of it back. Decode speed on this CPU goes the *other* way: our layers dequantize the full weight
+# in PyTorch every step, an extra pass over memory plus unpacking work, and a few-MB model sits in
+# cache anyway. On a memory-bound GPU, a fused kernel reads the packed bytes and dequantizes in
+# registers, so decode time falls roughly with the bytes moved (AWQ reports ~3x for fp16 → int4).
