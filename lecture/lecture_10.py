@@ -43,6 +43,9 @@ sglang = Reference(title="SGLang: Efficient Execution of Structured Language Mod
 roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
                            authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
                            url="https://doi.org/10.1145/1498765.1498785")
+minitron = Reference(title="Compact Language Models via Pruning and Knowledge Distillation",
+                     authors=["Saurav Muralidharan", "Sharath Turuvekere Sreenivas", "Raviraj Joshi"],
+                     date="2024-07-19", url="https://arxiv.org/abs/2407.14679")
 
 
 def main():
@@ -339,6 +342,21 @@ def kv_experiment_summary():
     table = format_table(results)  # @inspect table
     text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
+    variants = results["variants"]
+    best_recall = max(max(r["recall"].values()) for r in variants.values())  # @inspect best_recall
+    lowest = min(variants, key=lambda v: variants[v]["val_loss"])  # @inspect lowest
+    naive, absorbed = (variants["MLA (C=16, R=8)"]["decode_ms_per_step_naive_mla"],  # @inspect naive absorbed
+                       variants["MLA (C=16, R=8)"]["decode_ms_per_step"])
+    assert naive > absorbed
+    text(f"Speed follows the bytes: decode steps at S = {results['latency']['context']} are fastest for the smallest "
+         f"caches, and MLA needs the absorbed path ({absorbed:.2f} ms vs {naive:.2f} ms when it up-projects "
+         "every cached latent each step).")
+    if best_recall < 0.2:
+        text(f"Quality is the surprise: after {results['train']['steps']} steps on two shared CPU cores no variant "
+             f"has learned long-range recall (best exact recall {best_recall:.2f}; per-digit accuracy near the 0.1 of guessing), and the lowest "
+             f"validation loss belongs to '{lowest}'. A model that does not yet use distant context loses nothing "
+             "when the cache forgets it, so short runs and perplexity make every shortcut look free; the costs "
+             "show only on long-context tasks of a model trained long enough to solve them.")
 
 
 llm_int8_paper = Reference(title="LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale",
@@ -470,8 +488,55 @@ def quantization():
 
 def model_pruning():
     section("model_pruning")
-    text("Score layers, heads and MLP channels on calibration data, remove the least important, and "
-         "repair the pruned model by distilling the original into it.")
+    from cs336_inference import checkpoints
+    from cs336_inference.data import load_corpus
+    from cs336_inference.evaluation import compare_to_reference, evaluate_lm
+    from cs336_inference.pruning import importance_scores, prune_model
+
+    text("A smaller model decodes faster. Two ways to get one: train the small architecture from "
+         "scratch, or start from the big model, cut what matters least, and repair the cut model by "
+         "distilling the big one into it (Minitron).")
+    link(minitron)
+    target = checkpoints.load_pretrained("target")
+    draft = checkpoints.load_pretrained("draft")
+    scratch = checkpoints.load_pretrained("draft-scratch")
+    t_cfg, d_cfg = target.config, draft.config
+    ratio = target.num_parameters(exclude_embeddings=True) / draft.num_parameters(exclude_embeddings=True)  # @inspect ratio
+    assert ratio > 8
+    text(f"Our shipped target: L={t_cfg.num_layers}, D={t_cfg.d_model}, N={t_cfg.num_heads}, "
+         f"K={t_cfg.num_kv_heads}, F={t_cfg.d_ff}, {target.num_parameters():,} parameters, trained on "
+         f"the offline corpus. The draft keeps L={d_cfg.num_layers}, D={d_cfg.d_model}, "
+         f"N={d_cfg.num_heads}, K={d_cfg.num_kv_heads}, F={d_cfg.d_ff}: {ratio:.1f}x fewer "
+         "non-embedding parameters, so about that many fewer FLOPs per token.")
+
+    text("Step 1: importance from activations on calibration data (forward passes only). Heads: norm "
+         "of each head's output; MLP channels: mean |activation|; embedding channels: mean |value| "
+         "entering the norms; layers: how much the loss rises when the layer is skipped.")
+    calibration = load_corpus("train")[: 4 * 257].view(4, 257)
+    scores = importance_scores(target, calibration)
+    layer_loss_increase = [round(float(v), 3) for v in scores["layers"]]  # @inspect layer_loss_increase
+    kv_group_scores = scores["kv_groups"]  # @inspect kv_group_scores
+    text(f"Skipping each layer raises the calibration loss by {layer_loss_increase} nats: layers are "
+         "not equally important, and GQA heads are scored per KV group so a group is kept or cut whole.")
+
+    text("Step 2: cut to the draft's shape (same weights for everything kept).")
+    pruned = prune_model(target, calibration, num_layers=d_cfg.num_layers, num_kv_heads=d_cfg.num_kv_heads,
+                         num_heads=d_cfg.num_heads, d_ff=d_cfg.d_ff, scores=scores)
+    assert pruned.config == d_cfg
+    val = load_corpus("val")
+    quick = dict(seq_len=256, batch_size=4, max_batches=2)
+    bpb = {name: evaluate_lm(m, val, **quick)["bits_per_byte"]
+           for name, m in [("target", target), ("pruned", pruned), ("draft", draft), ("scratch", scratch)]}  # @inspect bpb
+    agree = {name: compare_to_reference(m, target, val, **quick)["top1_agreement"]
+             for name, m in [("draft", draft), ("scratch", scratch)]}  # @inspect agree
+    assert bpb["pruned"] > bpb["draft"] > bpb["target"]
+    text(f"Validation bits per byte: target {bpb['target']:.2f}; pruned, before repair {bpb['pruned']:.2f}; "
+         f"pruned + distilled (the shipped draft) {bpb['draft']:.2f}; same shape from scratch with the same "
+         f"steps {bpb['scratch']:.2f}.")
+    text(f"Step 3 is distillation: the draft was trained to match the target's next-token distribution "
+         f"(KL), and it agrees with the target's top-1 prediction on {agree['draft']:.0%} of positions "
+         f"(from-scratch draft: {agree['scratch']:.0%}). That agreement is what speculative decoding "
+         "will turn into accepted tokens.")
 
 
 def speculative_sampling():

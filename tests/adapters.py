@@ -389,3 +389,7 @@ def get_model_nbytes(model) -> int:
 def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
     from cs336_inference.quantization import quantize_kv_cache
     return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)
+
+
+def run_recall_nll(model, distances, **kwargs) -> dict:
+    return _evaluation.recall_nll(model, distances, **kwargs)

@@ -6,7 +6,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from adapters import (make_config, make_model, run_compare_to_reference, run_evaluate_lm,
-                      run_long_range_recall, run_recall_probes)
+                      run_long_range_recall, run_recall_nll, run_recall_probes)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the
+    threads' synchronisation dominates every small op; one thread keeps these tests fast."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
 
 CFG = dict(vocab_size=257, context_length=512, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)
 
@@ -104,3 +115,13 @@ def test_long_range_recall_counts_exact_matches():
     assert two == acc, "the probe must be deterministic for a seed"
     with pytest.raises(ValueError, match="context"):
         run_long_range_recall(model, [600], num_trials=2)
+
+
+def test_recall_nll_of_a_uniform_model_is_log_vocab():
+    model = make_model(make_config(**CFG))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every next-token distribution is uniform over 257 ids
+    out = run_recall_nll(model, [100, 200], num_trials=3)
+    assert out == pytest.approx({100: math.log(257), 200: math.log(257)}, rel=1e-5)
+    with pytest.raises(ValueError, match="context"):
+        run_recall_nll(model, [600], num_trials=1)

@@ -6,6 +6,19 @@ import pytest
 import torch
 from adapters import make_config, make_train_config, run_evaluate_lm, run_load_corpus, run_lr_at, run_train_lm
 
+from cs336_inference.model import TransformerLM
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the
+    threads' synchronisation dominates every small op; one thread keeps these tests fast."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 TINY = dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)
 
 
@@ -18,7 +31,6 @@ def test_a_few_steps_reduce_the_loss():
     cfg = make_train_config(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=5, eval_every=40,
                             eval_batches=4, progress=False)
     torch.manual_seed(cfg.seed)
-    from cs336_inference.model import TransformerLM
     untrained = TransformerLM(make_config(**TINY))
     before = run_evaluate_lm(untrained, val, 32, batch_size=8, max_batches=4)["loss"]
     model, history = run_train_lm(make_config(**TINY), cfg, train_data=train, val_data=val)

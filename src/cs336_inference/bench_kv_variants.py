@@ -8,12 +8,16 @@ data, steps and seed, then measure. A second, accounting-only part plots cache b
 length for each variant at Llama-2-13B and DeepSeek-V2 scale.
 
 `python -m cs336_inference bench kv_variants [--quick]` writes figures/kv_variants.{json,png} and
-figures/kv_variants_scale.png.
+figures/kv_variants_scale.png. Decode latency is timed for all variants side by side after training
+(rounds, median); `remeasure_latency()` re-times the committed results on another machine without
+retraining. Recall uses `evaluation.long_range_recall` (exact answer, greedy) and, because tiny models
+trained for minutes rarely get exact answers, also a per-digit teacher-forced score.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import statistics
 import time
 
 import torch
@@ -112,7 +116,7 @@ def recall_digit_scores(model, distances, num_trials: int, seed: int = 0, num_it
 
 
 def _train_and_measure(name: str, config: ModelConfig, train_config, train_data, val_data, distances,
-                       num_trials: int, latency: dict, device) -> dict:
+                       num_trials: int) -> dict:
     from .evaluation import evaluate_lm, long_range_recall
     from .train import train_lm
 
@@ -124,20 +128,7 @@ def _train_and_measure(name: str, config: ModelConfig, train_config, train_data,
     digits = recall_digit_scores(model, distances, num_trials, num_items=2)
     cache = model.new_cache(1, config.context_length, dtype=torch.float32)
     assert cache.bytes_per_token == accounting.kv_cache_bytes_per_token(config, 4)
-    # Latency at a long context: an untrained copy with a longer RoPE table (speed does not depend on
-    # the weights); B sequences, S cached tokens, fp32.
-    long_config = config.replace(context_length=latency["context"] + 64)
-    timing_model = TransformerLM(long_config, device=device).eval()
-    step_s = decode_step_seconds(timing_model, latency["batch_size"], context=latency["context"],
-                                 steps=latency["steps"])
-    long_cache = timing_model.new_cache(latency["batch_size"], latency["context"] + latency["steps"] + 4)
-    extra = {}
-    if config.attention_type == "mla":  # the same model decoding through the naive (up-projecting) path
-        for block in timing_model.layers:
-            block.attn.absorb = False
-        extra["decode_ms_per_step_naive_mla"] = 1e3 * decode_step_seconds(
-            timing_model, latency["batch_size"], context=latency["context"], steps=latency["steps"])
-    return {**extra,
+    return {
         "config": config.to_dict(),
         "params": model.num_parameters(),
         "train_seconds": train_s,
@@ -149,9 +140,47 @@ def _train_and_measure(name: str, config: ModelConfig, train_config, train_data,
         "kv_bytes_per_token_fp32": cache.bytes_per_token,
         "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(config, 2),
         "kv_cache_bytes_at_context": cache.nbytes,          # one sequence of context_length tokens, fp32
-        "kv_cache_bytes_at_long_context": long_cache.nbytes,
-        "decode_ms_per_step": step_s * 1e3,
     }
+
+
+def measure_decode_latency(configs: dict[str, ModelConfig], latency: dict, device, rounds: int = 3) -> dict:
+    """Median decode step time of each variant at a long context, measured side by side: every round
+    times every variant once, so load on a shared machine hits all of them alike. Untrained copies
+    with a longer RoPE table (speed does not depend on the weights); B sequences, S cached tokens, fp32.
+    MLA is also timed through its naive (up-projecting) path."""
+    B, S, steps = latency["batch_size"], latency["context"], latency["steps"]
+    threads = torch.get_num_threads()
+    if torch.device(device).type == "cpu":
+        # One thread: on the shared 2-core machine a 2-thread op stalls for a scheduler time slice
+        # (~10 ms measured) whenever the other core is busy, which swamps a ~1 ms decode step.
+        torch.set_num_threads(latency.get("cpu_threads", 1))
+    try:
+        return _time_variants(configs, B, S, steps, device, rounds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_variants(configs, B: int, S: int, steps: int, device, rounds: int) -> dict:
+    models = {name: TransformerLM(cfg.replace(context_length=S + steps + 8), device=device).eval()
+              for name, cfg in configs.items()}
+    times: dict[str, list[float]] = {}
+    for _ in range(rounds):
+        for name, model in models.items():
+            paths = [("", True)] + ([("_naive_mla", False)] if model.config.attention_type == "mla" else [])
+            for suffix, absorb in paths:
+                for block in model.layers:
+                    if hasattr(block.attn, "absorb"):
+                        block.attn.absorb = absorb
+                times.setdefault(name + suffix, []).append(decode_step_seconds(model, B, context=S, steps=steps))
+    out = {}
+    for name, model in models.items():
+        cache = model.new_cache(B, S + steps + 4)
+        out[name] = {"decode_ms_per_step": 1e3 * statistics.median(times[name]),
+                     "decode_ms_rounds": [1e3 * t for t in times[name]],
+                     "kv_cache_bytes_at_long_context": cache.nbytes}
+        if name + "_naive_mla" in times:
+            out[name]["decode_ms_per_step_naive_mla"] = 1e3 * statistics.median(times[name + "_naive_mla"])
+    return out
 
 
 def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int | None = None,
@@ -167,28 +196,29 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
     train_config = TrainConfig(steps=steps, batch_size=8, seq_len=BASE["context_length"], lr=5e-3,
                                warmup_steps=max(1, steps // 10), eval_every=steps, eval_batches=4, seed=0,
                                device=str(device), progress=False)
-    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16)
+    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16, cpu_threads=1)
     num_trials = 8 if quick else 32
     budget = TransformerLM(variant_config(VARIANTS["MHA"])).num_parameters()
     train_data, val_data = load_corpus("train"), load_corpus("val")
     distances = recall_distances(BASE["context_length"], quick)
 
-    results = {}
+    results, configs = {}, {}
     for name, overrides in VARIANTS.items():
-        config = variant_config(overrides, budget=budget)
-        results[name] = _train_and_measure(name, config, train_config, train_data, val_data, distances,
-                                           num_trials, latency, device)
-        r = results[name]
+        configs[name] = variant_config(overrides, budget=budget)
+        results[name] = r = _train_and_measure(name, configs[name], train_config, train_data, val_data,
+                                               distances, num_trials)
         print(f"  {name:<36} params {r['params']:>7,}  val loss {r['val_loss']:.3f}  "
               f"recall {[round(v, 2) for v in r['recall'].values()]}  "
-              f"KV {r['kv_bytes_per_token_fp32']:>5} B/token  decode {r['decode_ms_per_step']:.2f} ms", flush=True)
+              f"KV {r['kv_bytes_per_token_fp32']:>5} B/token", flush=True)
+    for name, timing in measure_decode_latency(configs, latency, device).items():
+        results[name].update(timing)
 
     lengths = [2 ** k for k in range(10, 18)]  # 1K .. 128K tokens
     scale = cache_bytes_vs_context(lengths)
     data = {
         "device": str(device), "quick": quick, "train": train_config.to_dict(), "base": BASE, "window": WINDOW,
         "budget_params": budget, "recall_distances": distances, "recall_trials": num_trials,
-        "latency": latency, "variants": results,
+        "latency": latency, "variants": results, "variant_order": list(results),
         "scale": {"context_lengths": lengths, "bytes_per_element": 2, "bytes": scale},
         "note": "CPU shared with other jobs: latencies are medians of noisy measurements.",
     }
@@ -197,6 +227,31 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
         path = save_json(data, "kv_variants" + ("_quick" if quick else ""))
         plot_results(data, suffix="_quick" if quick else "")
         print(f"wrote {path}")
+    return data
+
+
+def ordered_variants(data: dict) -> list[tuple[str, dict]]:
+    """(name, results) in the experiment's order (the JSON is written with sorted keys)."""
+    order = data.get("variant_order", list(data["variants"]))
+    return [(name, data["variants"][name]) for name in order]
+
+
+def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
+    """Re-time decode for the variants in the committed figures/kv_variants[_quick].json (no retraining),
+    e.g. on another machine; updates the JSON and figures."""
+    from .figures import figures_dir
+
+    name = "kv_variants" + ("_quick" if quick else "")
+    data = json.loads((figures_dir() / f"{name}.json").read_text())
+    data.setdefault("variant_order", [v for v in VARIANTS if v in data["variants"]])
+    device = get_device(device)
+    configs = {v: ModelConfig.from_dict(r["config"]) for v, r in data["variants"].items()}
+    for v, timing in measure_decode_latency(configs, data["latency"], device).items():
+        data["variants"][v].update(timing)
+    data["latency_device"] = str(device)
+    print_table(data)
+    save_json(data, name)
+    plot_results(data, suffix="_quick" if quick else "")
     return data
 
 
@@ -209,7 +264,7 @@ def format_table(data: dict) -> str:
             f"{'KV KiB@' + str(context):>10} | ms/step (B={lat['batch_size']}, S={lat['context']})")
     lines = [head, "-" * len(head)]
     far = [d for d in distances if d > data["window"]]
-    for name, r in data["variants"].items():
+    for name, r in ordered_variants(data):
         accs = " ".join(f"{r['recall'][str(d)]:4.2f}" for d in distances)
         digit = sum(r["recall_digits"][str(d)]["digit_accuracy"] for d in far) / len(far)
         ms = f"{r['decode_ms_per_step']:.2f}"
@@ -233,7 +288,7 @@ def plot_results(data: dict, suffix: str = "") -> None:
     far = [d for d in distances if d > window]
     context = data["base"]["context_length"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for i, (name, r) in enumerate(data["variants"].items()):
+    for i, (name, r) in enumerate(ordered_variants(data)):
         color = f"C{i}"
         acc_far = sum(r["recall"][str(d)] for d in far) / len(far)
         digits_far = sum(r["recall_digits"][str(d)]["digit_accuracy"] for d in far) / len(far)

@@ -18,7 +18,7 @@ from .data import make_recall_probe
 from .generate import generate
 
 __all__ = ["compare_to_reference", "evaluate_lm", "eval_windows", "long_range_recall", "make_recall_probe",
-           "recall_probes"]
+           "recall_nll", "recall_probes"]
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batches: int | None = None):
@@ -126,4 +126,33 @@ def long_range_recall(model, distances, num_trials: int = 32, seed: int = 0, num
             out = generate(model, [p.prompt_ids for p in chunk], max_new_tokens=digits, temperature=0.0)
             correct += sum(tokens == p.answer_ids for tokens, p in zip(out.tokens, chunk))
         result[int(d)] = correct / num_trials
+    return result
+
+
+@torch.no_grad()
+def recall_nll(model, distances, num_trials: int = 32, seed: int = 0, num_items: int = 4,
+               digits: int = 3) -> dict[int, float]:
+    """The soft version of `long_range_recall`: mean negative log-likelihood (nats per digit) of the
+    correct value under teacher forcing, on the same probes. ln(10) = 2.30 means the model has no
+    idea; 0 means certain recall. More sensitive than exact-match accuracy for weak models."""
+    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials <= 0:
+        raise ValueError(f"num_trials must be a positive int, got {num_trials!r}")
+    distances = list(distances)
+    if not distances:
+        raise ValueError("distances must be a non-empty list of ints")
+    was_training = model.training
+    model.eval()
+    result = {}
+    for d in distances:
+        total = 0.0
+        for probe in recall_probes(d, num_trials, seed, num_items, digits):
+            prompt, answer = probe.prompt_ids, probe.answer_ids
+            if len(prompt) + len(answer) > model.config.context_length:
+                raise ValueError(f"distance {d} needs {len(prompt) + len(answer)} tokens of context, "
+                                 f"the model has {model.config.context_length}")
+            ids = torch.tensor(prompt + answer, device=model.device)
+            logp = F.log_softmax(model(ids[None, :-1])[0, -len(answer):].float(), dim=-1)  # (digits, V)
+            total -= logp.gather(1, ids[-len(answer):, None]).sum().item()
+        result[int(d)] = total / (num_trials * digits)
+    model.train(was_training)
     return result

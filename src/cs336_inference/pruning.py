@@ -57,8 +57,9 @@ def importance_scores(model: TransformerLM, calibration, seq_len: int = 256, bat
     heads (L, N): mean L2 norm of each head's attention output (the input of output_proj);
     kv_groups (L, K): the sum over the G query heads of each group;
     mlp (L, F): mean |activation| of each SwiGLU hidden channel (the input of w2);
-    embedding (D,): mean |value| of each channel at the inputs of every RMSNorm (Minitron scores
-    the normalised stream; we score what enters the norms, which ranks the same dims per layer);
+    embedding (D,): mean |value| of each channel of the residual stream where it enters every
+    RMSNorm, summed over the norms (Minitron scores the LayerNorm outputs instead, which also
+    weighs each dim by its norm gain; the shipped draft was made with this input-side score);
     layers (L,): increase of the calibration loss when the layer is skipped (Minitron's depth metric);
     layers_bi (L,): block importance 1 - cos(x_in, x_out) (ShortGPT, Men et al. 2024).
     """
@@ -177,8 +178,9 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
         raise ValueError(f"layer_metric must be 'layers' (loss increase) or 'layers_bi' (block importance), "
                          f"got {layer_metric!r}")
     cfg = model.config
-    if cfg.attention_type != "gqa":
-        raise ValueError(f"prune_model supports attention_type 'gqa', got {cfg.attention_type!r}")
+    if cfg.attention_type != "gqa" or cfg.kv_share_group != 1:
+        raise ValueError(f"prune_model supports GQA models without cross-layer KV sharing, got "
+                         f"attention_type={cfg.attention_type!r}, kv_share_group={cfg.kv_share_group}")
     H = cfg.head_dim
     new_L = _target("num_layers", num_layers, cfg.num_layers, prune_ratio)
     new_K = _target("num_kv_heads", num_kv_heads, cfg.num_kv_heads, prune_ratio)
