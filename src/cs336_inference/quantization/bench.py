@@ -76,10 +76,13 @@ def variants(group: int | None, small_group: int | None) -> list[tuple[str, dict
 
 
 def bench_quantization(quick: bool = False, device: str | None = None, model=None, model_name: str = "target",
-                       name: str = "quantization") -> dict:
+                       name: str | None = None) -> dict:
+    """Every row of `variants` on the target; --quick writes figures/quantization_quick.* so the
+    committed full table is never overwritten by a smoke run."""
     from ..data import load_corpus
     from ..evaluation import compare_to_reference, evaluate_lm
 
+    name = name or ("quantization_quick" if quick else "quantization")
     device = get_device(device)
     seed_everything(0)
     if model is None:
