@@ -160,3 +160,9 @@ def test_llm_int8_outlier_decomposition_rescues_planted_outliers():
     only[:, [3, 77, 200]] = x[:, [3, 77, 200]]
     torch.testing.assert_close(run_llm_int8_matmul(only, w, 6.0).double(),
                                only.double() @ w.double().t(), rtol=1e-4, atol=1e-4)
+
+
+def test_llm_int8_when_every_column_is_an_outlier():
+    x, w = torch.randn(5, 16) * 20 + 10, torch.randn(7, 16)
+    got = run_llm_int8_matmul(x, w, 6.0)          # no int8 part at all: a plain high-precision matmul
+    torch.testing.assert_close(got.double(), x.double() @ w.double().t(), rtol=1e-4, atol=1e-3)

@@ -94,7 +94,7 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
     calibration = [torch.stack([train[s:s + calib_len] for s in starts.tolist()])]   # (n, T), evenly spaced
     qat_tokens = train[: 400_000]                                                # fine-tune stream
     eval_batches = 1 if quick else 4
-    qat_steps = 20 if quick else 100
+    qat_steps = 20 if quick else 50
     group, small_group = _group_for(model, 128), _group_for(model, 32)
 
     rows, models = [], {}
@@ -105,7 +105,7 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
         else:
             extra = dict(calibration=calibration)
             if kwargs["method"] == "qat":
-                extra = dict(calibration=[qat_tokens], qat_steps=qat_steps, qat_seq_len=calib_len, qat_lr=1e-4)
+                extra = dict(calibration=[qat_tokens], qat_steps=qat_steps, qat_seq_len=128, qat_lr=2e-4)
             qm = quantize_model(model, **kwargs, **extra)
         seconds = time.perf_counter() - t0
         print(f"quantized {label:<22} in {seconds:6.1f} s", flush=True)
@@ -133,7 +133,7 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
         row["bytes_ratio_vs_fp32"] = base["model_bytes"] / row["model_bytes"]
 
     # Decode speed: interleave variants over rounds so drifting machine load hits them alike.
-    rounds, steps = (2, 8) if quick else (5, 16)
+    rounds, steps = (2, 8) if quick else (3, 16)
     timed = [r for r in rows if r["method"] != "kv_int8"]
     times = {r["variant"]: [] for r in timed}
     for _ in range(rounds):

@@ -69,7 +69,10 @@ def llm_int8_matmul(x: torch.Tensor, weight: torch.Tensor | None = None, thresho
         return vectorwise_int8_matmul(x2, w_q, w_scale).to(x.dtype).reshape(*lead, -1)
     outliers = outlier_columns(x2, threshold)                      # (I,)
     regular = ~outliers
-    y = vectorwise_int8_matmul(x2[:, regular], w_q[:, regular], w_scale)
+    if regular.any():
+        y = vectorwise_int8_matmul(x2[:, regular], w_q[:, regular], w_scale)
+    else:  # every feature dim is an outlier somewhere in this batch: all of it runs in high precision
+        y = x2.new_zeros(x2.shape[0], w_q.shape[0], dtype=torch.float32)
     if outliers.any():
         w_hi = (weight if weight is not None else w_q.float() * w_scale)[:, outliers]
         y = y + x2[:, outliers].float() @ w_hi.float().t()
