@@ -206,8 +206,9 @@ save_figure(fig, "03_quantization_kl_vs_bytes")
 # %% [markdown]
 # **Reading the table.** Bytes shrink with the bit width (the fp32 embedding and lm_head stay, so
 # the ratio is below 32/bits). int8 and fp8 are nearly free in quality; at 4 and especially 3 bits
-# round-to-nearest loses visibly, and the calibration-based methods (GPTQ, AWQ) and QAT win part
-# of it back. Decode speed on this CPU goes the *other* way: our layers dequantize the full weight
+# round-to-nearest loses visibly; GPTQ (calibrated) and QAT (a short fine-tune) win much of it
+# back, while AWQ, built for the few salient activation channels of large models, gains little on
+# this 2M-parameter model. Decode speed on this CPU goes the *other* way: our layers dequantize the full weight
 # in PyTorch every step, an extra pass over memory plus unpacking work, and a few-MB model sits in
 # cache anyway. On a memory-bound GPU, a fused kernel reads the packed bytes and dequantizes in
 # registers, so decode time falls roughly with the bytes moved (AWQ reports ~3x for fp16 → int4).
