@@ -183,11 +183,13 @@ else:
 #
 # What the committed run (100 steps per variant on two shared CPU cores) shows:
 # * **speed follows the bytes**: the smaller the cache read per step, the faster the step, and MLA is
-#   only fast through the absorbed path (naive up-projection is ~7x slower at S = 1024);
+#   only fast through the absorbed path (naive up-projection of every cached latent was 3.4x slower
+#   at S = 1024 in the committed run);
 # * **quality is the surprise**: no variant has learned long-range recall yet (exact recall at
 #   chance everywhere), and the sliding-window model even has the *lowest* validation loss. A model
 #   that does not yet use distant context loses nothing when the cache forgets it: short runs and
-#   perplexity make every shortcut look free. The expected picture (windows fail beyond W, hybrids
+#   perplexity make every shortcut look free (the project's ~2M-parameter shipped target, trained
+#   far longer, does not recall either). The expected picture (windows fail beyond W, hybrids
 #   recover, GQA/MQA/MLA close to MHA) needs models trained long enough to do the recall task.
 #
 # And at real scale (accounting only): the cache of one sequence vs context length with each variant
