@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from einops import rearrange
 
 # Rows at or below which the CPU few-row path of `Linear` beats one MKL gemm call (measured here on
-# the weights of a 330 MB model, 2 threads: 1 row 18 -> 7 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
+# the weights of a 330 MB model, 2 idle threads: 1 row 18 -> 10 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
+# On an oversubscribed CPU (other processes busy) any 2-thread kernel stalls; use 1 thread there.
 _SPLIT_MAX_ROWS = 64
 _SPLIT_ENABLED = True
 
@@ -50,9 +51,6 @@ class Linear(nn.Linear):
                 and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
                 and x.dtype == w.dtype):
             blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
-            if rows == 1:  # one vector: W_p @ x per block reads each weight row contiguously
-                y = torch.bmm(blocks, x.reshape(1, -1, 1).expand(P, -1, -1))       # (P, d_out/P, 1)
-                return y.reshape(*x.shape[:-1], w.shape[0])
             x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
             y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
             return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
