@@ -8,3 +8,13 @@ torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the
+    threads' synchronisation dominates every small op; one thread keeps these tests fast."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

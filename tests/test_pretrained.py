@@ -9,14 +9,7 @@ from adapters import config_from_name, run_compare_to_reference, run_evaluate_lm
 from cs336_inference import checkpoints
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the
-    threads' synchronisation dominates every small op; one thread keeps these tests fast."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 SHIPPED = ("target", "draft", "draft-scratch")

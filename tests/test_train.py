@@ -9,14 +9,7 @@ from adapters import make_config, make_train_config, run_evaluate_lm, run_load_c
 from cs336_inference.model import TransformerLM
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the
-    threads' synchronisation dominates every small op; one thread keeps these tests fast."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
 TINY = dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=64)

@@ -23,6 +23,18 @@ def _check_kv(name: str, x: torch.Tensor, batch: int, heads: int, dim: int) -> N
         raise ValueError(f"{name} must have shape (B={batch}, K={heads}, T, H={dim}), got {tuple(x.shape)}")
 
 
+def check_kv_write(k: torch.Tensor, v: torch.Tensor, start_pos: int, buffer: torch.Tensor, max_seq_len: int) -> int:
+    """Validate a write of k, v (B, K, T, H) at start_pos into a (B, K, S_max, H) buffer; return its end."""
+    B, K, _, H = buffer.shape
+    _check_kv("k", k, B, K, H)
+    _check_kv("v", v, B, K, H)
+    end = start_pos + k.shape[2]
+    if start_pos < 0 or end > max_seq_len:
+        raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
+                         f"max_seq_len {max_seq_len}")
+    return end
+
+
 class ContiguousKVCache:
     """One layer's keys and values in preallocated buffers of shape (B, K, S_max, H).
 
@@ -43,13 +55,7 @@ class ContiguousKVCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, K, T, H) at positions [start_pos, start_pos + T); return all keys/values so far."""
-        B, K, _, H = self.k.shape
-        _check_kv("k", k, B, K, H)
-        _check_kv("v", v, B, K, H)
-        end = start_pos + k.shape[2]
-        if start_pos < 0 or end > self.max_seq_len:
-            raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
-                             f"max_seq_len {self.max_seq_len}")
+        end = check_kv_write(k, v, start_pos, self.k, self.max_seq_len)
         self.k[:, :, start_pos:end] = k
         self.v[:, :, start_pos:end] = v
         return self.read(end)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import ContiguousKVCache, KVCache, _check_kv
+from ..kv_cache import ContiguousKVCache, KVCache, check_kv_write
 from .fp8 import fp8_dtype
 
 KV_FORMATS = ("int8", "e4m3", "e5m2")
@@ -58,13 +58,7 @@ class QuantizedKVCache:
 
     def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and write k, v (B, K, T, H) at [start_pos, start_pos + T); return all (dequantized)."""
-        B, K, _, H = self.k.shape
-        _check_kv("k", k, B, K, H)
-        _check_kv("v", v, B, K, H)
-        end = start_pos + k.shape[2]
-        if start_pos < 0 or end > self.max_seq_len:
-            raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
-                             f"max_seq_len {self.max_seq_len}")
+        end = check_kv_write(k, v, start_pos, self.k, self.max_seq_len)
         self.k[:, :, start_pos:end], self.k_scale[:, :, start_pos:end] = self._encode(k)
         self.v[:, :, start_pos:end], self.v_scale[:, :, start_pos:end] = self._encode(v)
         return self.read(end)
