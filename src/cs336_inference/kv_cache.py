@@ -35,7 +35,24 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, start_pos: int, buffer: tor
     return end
 
 
-class ContiguousKVCache:
+class _KVBuffers:
+    """Storage accounting shared by caches that keep K and V buffers of shape (B, K, slots, H)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position of one sequence occupies in this layer: 2 (K, V) * K * H * element size."""
+        _, K, _, H = self.k.shape
+        return 2 * K * H * self.k.element_size()
+
+
+class ContiguousKVCache(_KVBuffers):
     """One layer's keys and values in preallocated buffers of shape (B, K, S_max, H).
 
     Preallocating the maximum length makes append an in-place copy (no torch.cat per step) and
@@ -70,15 +87,6 @@ class ContiguousKVCache:
     def truncate(self, n: int) -> None:
         """Nothing to free: positions >= n are simply overwritten by the next update."""
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token of one sequence occupies in this layer: 2 (K and V) * K * H * element size."""
-        _, K, _, H = self.k.shape
-        return 2 * K * H * self.k.element_size()
 
 
 def _check_positive(**values) -> None:
@@ -87,7 +95,7 @@ def _check_positive(**values) -> None:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
-class RollingKVCache:
+class RollingKVCache(_KVBuffers):
     """Sliding-window attention's cache: a ring buffer of exactly min(window, max_seq_len) positions.
 
     Position p lives in slot p % capacity (Mistral 7B, Jiang et al. 2023), so memory stays flat however
@@ -164,15 +172,6 @@ class RollingKVCache:
         self.oldest = self.held_positions().start  # positions before it were overwritten for good
         self.length = n
 
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes one cached position occupies (the ring holds min(window, max_seq_len) of them)."""
-        _, K, _, H = self.k.shape
-        return 2 * K * H * self.k.element_size()
 
 
 class LatentKVCache:
