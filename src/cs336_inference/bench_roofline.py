@@ -62,10 +62,12 @@ def measure_decode(model: TransformerLM, batch_size: int, context_len: int, hard
     seconds = _median_seconds(step, model.device, repeats)
     # The same step's weight matmuls alone (B rows through every nn.Linear): splits the gap to the
     # prediction into "BLAS does not stream weights at full bandwidth" and "everything else".
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    inputs = {w.shape[1]: torch.randn(batch_size, w.shape[1], device=model.device, dtype=model.dtype) for w in weights}
-    matmul_seconds = _median_seconds(lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights],
-                                     model.device, repeats)
+    # The model's own Linear modules, so the matmuls run the same kernel path as inside the step.
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=model.device, dtype=model.dtype)
+              for m in linears}
+    with torch.inference_mode():
+        matmul_seconds = _median_seconds(lambda: [m(inputs[m.in_features]) for m in linears], model.device, repeats)
     nbytes = decode_step_bytes(cfg, batch_size, context_len + 1, precision)
     flops = forward_flops(cfg, batch_size, 1, context_len)
     t_mem, t_compute = nbytes / hardware.memory_bandwidth, flops / hardware.peak_flops
