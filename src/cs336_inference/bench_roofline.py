@@ -21,7 +21,7 @@ from .config import ModelConfig
 from .device import default_dtype, get_device, seed_everything
 from .figures import save_figure, save_json
 from .model import TransformerLM
-from .roofline import (HardwareMeasurement, RooflineSweep, _element_size, _median_seconds, measure_hardware,
+from .roofline import (HardwareMeasurement, RooflineSweep, _element_size, median_seconds, measure_hardware,
                        roofline_sweep)
 
 PRECISION_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -33,7 +33,7 @@ def measure_prefill(model: TransformerLM, prompt_len: int, hardware: HardwareMea
     cfg, precision = model.config, PRECISION_OF[model.dtype]
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), device=model.device)
     caches = [model.new_cache(1, prompt_len) for _ in range(repeats + 2)]
-    seconds = _median_seconds(lambda: model(ids, cache=caches.pop(), last_only=True), model.device, repeats)
+    seconds = median_seconds(lambda: model(ids, cache=caches.pop(), last_only=True), model.device, repeats)
     flops = forward_flops(cfg, 1, prompt_len, 0, last_only=True)
     nbytes = decode_step_bytes(cfg, 1, prompt_len, precision)
     predicted = max(flops / hardware.peak_flops, nbytes / hardware.memory_bandwidth)
@@ -59,7 +59,7 @@ def measure_decode(model: TransformerLM, batch_size: int, context_len: int, hard
         model(ids, cache=cache, start_pos=context_len)
         cache.truncate(context_len)
 
-    seconds = _median_seconds(step, model.device, repeats)
+    seconds = median_seconds(step, model.device, repeats)
     # The same step's weight matmuls alone (B rows through every nn.Linear): splits the gap to the
     # prediction into "BLAS does not stream weights at full bandwidth" and "everything else".
     # The model's own Linear modules, so the matmuls run the same kernel path as inside the step.
@@ -67,7 +67,7 @@ def measure_decode(model: TransformerLM, batch_size: int, context_len: int, hard
     inputs = {m.in_features: torch.randn(batch_size, m.in_features, device=model.device, dtype=model.dtype)
               for m in linears}
     with torch.inference_mode():
-        matmul_seconds = _median_seconds(lambda: [m(inputs[m.in_features]) for m in linears], model.device, repeats)
+        matmul_seconds = median_seconds(lambda: [m(inputs[m.in_features]) for m in linears], model.device, repeats)
     nbytes = decode_step_bytes(cfg, batch_size, context_len + 1, precision)
     flops = forward_flops(cfg, batch_size, 1, context_len)
     t_mem, t_compute = nbytes / hardware.memory_bandwidth, flops / hardware.peak_flops

@@ -8,7 +8,6 @@ weight bytes per step / time per step against the streaming bandwidth measured i
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
@@ -18,23 +17,7 @@ from .figures import save_figure, save_json
 from .generate import decode_one_token, generate
 from .layers import few_row_split
 from .model import TransformerLM
-from .roofline import measure_memory_bandwidth
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn, device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from .roofline import measure_memory_bandwidth, median_seconds
 
 
 def weight_bytes_per_step(model: TransformerLM) -> int:
@@ -50,26 +33,17 @@ def prefill_tokens_per_second(model, prompt_len: int, batch_size: int = 1, repea
     def run():
         model(ids, cache=model.new_cache(batch_size, prompt_len), last_only=True)
 
-    run()  # warm-up
-    return batch_size * prompt_len / _median_time(run, device, repeats)
+    return batch_size * prompt_len / median_seconds(run, device, repeats, warmup=1)
 
 
 @torch.inference_mode()
 def decode_step_seconds(model, batch_size: int, context: int = 32, steps: int = 32) -> float:
     """Median seconds of one decode step for `batch_size` sequences after a `context`-token prefill."""
     device = model.device
-    cache = model.new_cache(batch_size, context + steps + 4)
+    cache = model.new_cache(batch_size, context + steps + 1)  # room for warm-up + timed steps
     model(torch.randint(0, model.config.vocab_size, (batch_size, context), device=device), cache=cache)
     token = torch.zeros(batch_size, dtype=torch.long, device=device)
-    decode_one_token(model, token, cache)  # warm-up
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        decode_one_token(model, token, cache)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(lambda: decode_one_token(model, token, cache), device, steps, warmup=1)
 
 
 def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m") -> dict:
@@ -112,8 +86,9 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     rows["naive_over_cached"] = naive.total_time / cached.total_time
 
     _print_table(rows)
-    save_json(rows, "generation")
-    _plot(rows, cached, naive)
+    name = "generation_quick" if quick else "generation"  # a smoke run never overwrites the real table
+    save_json(rows, name)
+    _plot(rows, cached, naive, name)
     return rows
 
 
@@ -125,7 +100,7 @@ def _print_table(rows: dict) -> None:
         print(f"{key:<{width}}  {shown}")
 
 
-def _plot(rows: dict, cached, naive) -> None:
+def _plot(rows: dict, cached, naive, name: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -141,5 +116,5 @@ def _plot(rows: dict, cached, naive) -> None:
     ax2.set_title("Per-step latency, batch 1")
     ax2.legend()
     fig.tight_layout()
-    save_figure(fig, "generation")
+    save_figure(fig, name)
     plt.close(fig)

@@ -17,20 +17,22 @@ from .device import default_dtype, get_device
 from .hardware import HardwareSpec
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock timings measure the work itself."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
+    """Median wall-clock seconds of `fn()` over `repeats` runs after `warmup` runs (device-synchronised)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync_device(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -43,7 +45,7 @@ def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: in
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be a positive int, got {repeats!r}")
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    seconds = _median_seconds(lambda: x.sum(), device, repeats)
+    seconds = median_seconds(lambda: x.sum(), device, repeats)
     return x.nbytes / seconds
 
 
@@ -57,7 +59,7 @@ def measure_matmul_flops(device=None, n: int = 2048, dtype: torch.dtype | None =
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = _median_seconds(lambda: a @ b, device, repeats)
+    seconds = median_seconds(lambda: a @ b, device, repeats)
     return 2 * n**3 / seconds
 
 
@@ -207,7 +209,7 @@ def roofline_sweep(device=None, batch_sizes=tuple(2**i for i in range(11)), d_in
     seconds, intensity, achieved, predicted = [], [], [], []
     for b in batch_sizes:
         x = torch.randn(b, d_in, device=device, dtype=dtype)
-        t = _median_seconds(lambda: x @ w, device, repeats)
+        t = median_seconds(lambda: x @ w, device, repeats)
         flops = 2 * b * d_in * d_out
         ai = flops / (e * (b * d_in + d_in * d_out + b * d_out))
         seconds.append(t)
