@@ -23,16 +23,16 @@ import torch  # noqa: E402
 from lecture_util import Reference, image, link, section, text  # noqa: E402
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
-from cs336_inference.checkpoints import load_pretrained  # noqa: E402
-from cs336_inference import accounting_symbolic as sym  # noqa: E402
-from cs336_inference.accounting import (HARDWARE, REAL_MODELS, attention_cost, attention_intensity_generation,  # noqa: E402
-                                        attention_intensity_prefill, decode_latency, decode_memory,
-                                        decode_throughput, generation_flops, matmul_cost, matmul_intensity_limit,
-                                        mlp_cost, mlp_intensity_limit, parameter_count,
-                                        kv_cache_bytes, kv_cache_bytes_per_token, transformer_performance_stats,
-                                        with_kv_heads)
-from cs336_inference.bench_kv_variants import format_table  # noqa: E402
-from cs336_inference.roofline import measure_hardware  # noqa: E402
+from cs336_inference.model import load_pretrained  # noqa: E402
+from cs336_inference.accounting import symbolic as sym  # noqa: E402
+from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
+                                        measure_hardware, transformer_performance_stats, with_kv_heads)
+from cs336_inference.accounting.symbolic import (attention_cost, attention_intensity_generation,  # noqa: E402
+                                                 attention_intensity_prefill, decode_latency, decode_memory,
+                                                 decode_throughput, generation_flops, matmul_cost,
+                                                 matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
+                                                 parameter_count)
+from cs336_inference.benchmarks.kv_variants import format_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -376,9 +376,8 @@ qat_paper = Reference(title="Quantization and Training of Neural Networks for Ef
 def quantization():
     import json
 
-    from cs336_inference.checkpoints import load_pretrained
-    from cs336_inference.data import load_corpus
-    from cs336_inference.evaluation import evaluate_lm
+    from cs336_inference.model import load_pretrained
+    from cs336_inference.data import evaluate_lm, load_corpus
     from cs336_inference.quantization import (capture_linear_inputs, dequantize, gptq_quantize, layer_output_error,
                                               model_nbytes, planted_outlier_demo, qrange, quantize, quantize_model,
                                               quantize_tensor)
@@ -489,10 +488,9 @@ def quantization():
 
 def model_pruning():
     section("model_pruning")
-    from cs336_inference import checkpoints
-    from cs336_inference.data import load_corpus
-    from cs336_inference.evaluation import compare_to_reference, evaluate_lm
-    from cs336_inference.pruning import importance_scores, prune_model
+    from cs336_inference.model import checkpoints
+    from cs336_inference.data import compare_to_reference, evaluate_lm, load_corpus
+    from cs336_inference.compression import importance_scores, prune_model
 
     text("A smaller model decodes faster. Two ways to get one: train the small architecture from "
          "scratch, or start from the big model, cut what matters least, and repair the cut model by "

@@ -26,14 +26,14 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from cs336_inference import ModelConfig, TransformerLM, default_dtype, get_device, seed_everything
-from cs336_inference import accounting_symbolic as sym
+from cs336_inference.accounting import symbolic as sym
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, forward_flops, kv_cache_bytes_per_token,
                                         num_parameters, transformer_performance_stats, with_kv_heads)
-from cs336_inference.bench_accounting import batch_sweep, plot_kv_memory, plot_latency_throughput
-from cs336_inference.bench_roofline import (measure_decode, measure_prefill, plot_model, plot_roofline,
+from cs336_inference.benchmarks.accounting import batch_sweep, plot_kv_memory, plot_latency_throughput
+from cs336_inference.benchmarks.roofline import (measure_decode, measure_prefill, plot_model, plot_roofline,
                                             threads_for_timing)
 from cs336_inference.figures import save_figure
-from cs336_inference.roofline import measure_hardware, roofline_sweep
+from cs336_inference.accounting import measure_hardware, roofline_sweep
 
 device = get_device()
 print("device:", device)

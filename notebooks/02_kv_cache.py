@@ -38,7 +38,7 @@ import torch
 
 from cs336_inference import ModelConfig, TransformerLM, get_device, seed_everything
 from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
-from cs336_inference.bench_kv_variants import format_table
+from cs336_inference.benchmarks.kv_variants import format_table
 from cs336_inference.figures import figures_dir, save_figure
 
 device = get_device()

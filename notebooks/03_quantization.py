@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from cs336_inference import ByteTokenizer, generate, get_device, seed_everything
-from cs336_inference.checkpoints import load_pretrained
+from cs336_inference.model import load_pretrained
 from cs336_inference.data import load_corpus
 from cs336_inference.figures import save_figure
 from cs336_inference.quantization import (

@@ -26,12 +26,11 @@
 import matplotlib.pyplot as plt
 import torch
 
-from cs336_inference import checkpoints, get_device, seed_everything
-from cs336_inference.data import load_corpus
-from cs336_inference.evaluation import compare_to_reference, evaluate_lm
+from cs336_inference import get_device, seed_everything
+from cs336_inference.model import checkpoints
+from cs336_inference.data import TrainConfig, compare_to_reference, evaluate_lm, load_corpus
 from cs336_inference.figures import save_figure
-from cs336_inference.pruning import distill, importance_scores, prune_model
-from cs336_inference.train import TrainConfig
+from cs336_inference.compression import distill, importance_scores, prune_model
 
 device = get_device("cpu")  # the shipped models are tiny: the CPU is the fair place to run them
 print("device:", device)

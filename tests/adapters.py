@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from cs336_inference import checkpoints, sampling
-from cs336_inference.attention import scaled_dot_product_attention
-from cs336_inference.config import ModelConfig
-from cs336_inference.generate import decode_one_token, generate, prefill
 from cs336_inference.device import default_dtype, get_device, seed_everything
-from cs336_inference.layers import RMSNorm, SwiGLU, apply_rope, rope_angles
-from cs336_inference.model import TransformerLM
-from cs336_inference.tokenizer import ByteTokenizer
+from cs336_inference.generation import decode_one_token, generate, prefill, sampling
+from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, TransformerLM, apply_rope, checkpoints,
+                                   rope_angles, scaled_dot_product_attention)
 
 # --- foundation: device, layers, model, cache, sampling, generation, checkpoints ---------------
 
@@ -113,8 +109,8 @@ def run_load_cs336_checkpoint(path_or_state_dict, config, **kwargs):
 
 # --- data, evaluation, training, pruning (trained models) -----------------------------------------
 
-from cs336_inference import data as _data  # noqa: E402
-from cs336_inference import evaluation as _evaluation  # noqa: E402
+from cs336_inference.data import corpus as _data  # noqa: E402
+from cs336_inference.data import evaluation as _evaluation  # noqa: E402
 
 
 def run_build_corpus(seed: int = 0) -> bytes:
@@ -154,8 +150,8 @@ def run_recall_probes(distance, num_trials, seed=0, **kwargs):
 
 
 # --- KV-cache variants: MLA, sliding window, hybrids, cross-layer sharing ----------------------
-from cs336_inference import accounting  # noqa: E402
-from cs336_inference.kv_cache import LatentKVCache, RollingKVCache  # noqa: E402
+from cs336_inference.accounting import formulas as accounting  # noqa: E402
+from cs336_inference.model import LatentKVCache, RollingKVCache  # noqa: E402
 
 
 def run_kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
@@ -173,7 +169,7 @@ def set_mla_absorb(model, absorb: bool) -> None:
 
 
 def make_mla_attention(config: ModelConfig, layer_idx: int = 0):
-    from cs336_inference.attention import MultiHeadLatentAttention
+    from cs336_inference.model import MultiHeadLatentAttention
     return MultiHeadLatentAttention(config, layer_idx)
 
 
@@ -200,7 +196,8 @@ def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
 
 # --- accounting and roofline: symbolic and numeric FLOP/byte accounting, measured hardware ------
 
-from cs336_inference import accounting, accounting_symbolic, roofline  # noqa: E402
+from cs336_inference.accounting import roofline  # noqa: E402
+from cs336_inference.accounting import symbolic as accounting_symbolic  # noqa: E402
 
 
 def run_matmul_cost():
@@ -275,8 +272,8 @@ def run_max_batch_size(config, hardware="H100", seq_len=1024, precision="bf16") 
     return accounting.max_batch_size(config, hardware, seq_len, precision)
 
 
-from cs336_inference import pruning as _pruning  # noqa: E402
-from cs336_inference import train as _train  # noqa: E402
+from cs336_inference import compression as _pruning  # noqa: E402
+from cs336_inference.data import training as _train  # noqa: E402
 
 
 def make_train_config(**kwargs):

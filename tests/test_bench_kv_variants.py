@@ -1,6 +1,6 @@
 """The KV-variant experiment's set-up (the training itself runs in the benchmark, not here)."""
 
-from cs336_inference import bench_kv_variants as bench
+from cs336_inference.benchmarks import kv_variants as bench
 from cs336_inference.model import TransformerLM
 
 

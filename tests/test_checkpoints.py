@@ -3,7 +3,7 @@ import torch
 from adapters import (make_config, make_model, run_load_checkpoint, run_load_cs336_checkpoint, run_model,
                       run_save_checkpoint)
 
-from cs336_inference.checkpoints import load_pretrained
+from cs336_inference.model import load_pretrained
 
 CFG = dict(vocab_size=257, context_length=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48)
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from adapters import config_from_name, run_compare_to_reference, run_evaluate_lm, run_load_corpus
 
-from cs336_inference import checkpoints
+from cs336_inference.model import checkpoints
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import adapters
-from cs336_inference.roofline import HardwareMeasurement
+from cs336_inference.accounting import HardwareMeasurement
 
 
 def test_measure_hardware_returns_positive_finite_numbers_with_units():
@@ -76,7 +76,7 @@ def test_roofline_sweep_refuses_nonsense(kwargs, error, match):
 
 def test_bench_accounting_writes_json_and_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.bench_accounting import bench_accounting
+    from cs336_inference.benchmarks.accounting import bench_accounting
     bench_accounting(quick=True)
     names = {p.name for p in tmp_path.iterdir()}
     assert {"accounting.json", "accounting_latency_throughput.png", "accounting_kv_memory.png"} <= names
@@ -87,7 +87,7 @@ def test_bench_accounting_writes_json_and_figures(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_bench_roofline_quick_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.bench_roofline import bench_roofline
+    from cs336_inference.benchmarks.roofline import bench_roofline
     data = bench_roofline(quick=True, device="cpu")
     assert (tmp_path / "roofline_cpu.json").exists() and (tmp_path / "roofline_matmul_cpu.png").exists()
     assert all(d["seconds"] > 0 for d in data["model"]["decode"])

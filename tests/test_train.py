@@ -67,7 +67,7 @@ def test_bad_training_inputs():
 
 
 def test_unknown_preset_is_a_clear_error():
-    from cs336_inference.presets import train_preset
+    from cs336_inference.shipped_models import train_preset
     with pytest.raises(ValueError, match="unknown training preset 'nope'.*target"):
         train_preset("nope")
     with pytest.raises(ValueError, match="unknown preset"):

@@ -1,18 +1,29 @@
 """cs336_inference: the executable companion to CS336 Lecture 10 (Inference).
 
 Every algorithm lives once in this package; `lecture/`, `notebooks/` and `tests/` import it.
+One sub-package per part of the lecture, imports pointing downward only:
+
+    device, timing, figures        where things run, how they are timed, where outputs go
+    model/                         config, layers, attention variants, KV caches, TransformerLM,
+                                   checkpoints, tokenizers
+    generation/                    sampling, prefill/decode/generate
+    accounting/                    FLOPs, bytes, intensity (numeric + symbolic), hardware, roofline
+    quantization/                  int8/int4/fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized models
+    data/                          offline corpus, training, evaluation
+    compression/                   pruning, distillation
+    serving/                       paged KV cache, schedulers, engine
+    benchmarks/                    one module per `python -m cs336_inference bench NAME`
 """
 
-from .config import ModelConfig
 from .device import default_dtype, get_device, seed_everything
-from .generate import GenerationResult, decode_one_token, generate, prefill
-from .model import TransformerLM
-from .sampling import sample_next_token
-from .tokenizer import ByteTokenizer
+from .generation import GenerationResult, decode_one_token, generate, prefill, sample_next_token
+from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
+                    scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "ByteTokenizer", "GenerationResult", "ModelConfig", "TransformerLM", "decode_one_token",
-    "default_dtype", "generate", "get_device", "prefill", "sample_next_token", "seed_everything",
+    "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "decode_one_token",
+    "default_dtype", "generate", "get_device", "load_cs336_checkpoint", "load_pretrained", "prefill",
+    "sample_next_token", "scaled_dot_product_attention", "seed_everything",
 ]

@@ -42,7 +42,7 @@ def _run_bench(args) -> int:
 
 
 def _train_args(p: argparse.ArgumentParser) -> None:
-    from .presets import TRAIN_PRESETS  # light: no training happens at import
+    from .shipped_models import TRAIN_PRESETS  # light: no training happens at import
 
     p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
                    help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
@@ -53,7 +53,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_train(args) -> int:
-    from .presets import train_preset
+    from .shipped_models import train_preset
 
     _, extra = train_preset(args.preset, out=args.out, steps=args.steps, device=args.device,
                             progress=not args.no_progress)
@@ -65,12 +65,12 @@ def _run_train(args) -> int:
 
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "generation": ("benchmark", "bench_generation"),
-    "roofline": ("bench_roofline", "bench_roofline"),        # measured: this machine + bench-90m
-    "accounting": ("bench_accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
-    "models": ("model_report", "bench_models"),
-    "kv_variants": ("bench_kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
-    "quantization": ("quantization.bench", "bench_quantization"),
+    "generation": ("benchmarks.generation", "bench_generation"),
+    "roofline": ("benchmarks.roofline", "bench_roofline"),        # measured: this machine + bench-90m
+    "accounting": ("benchmarks.accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
+    "models": ("benchmarks.models", "bench_models"),
+    "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
+    "quantization": ("benchmarks.quantization", "bench_quantization"),
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import ContiguousKVCache, KVCache, check_kv_write
+from ..model.kv_cache import ContiguousKVCache, KVCache, check_kv_write
 from .fp8 import fp8_dtype
 
 KV_FORMATS = ("int8", "e4m3", "e5m2")

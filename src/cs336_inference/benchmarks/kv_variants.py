@@ -22,13 +22,13 @@ import time
 
 import torch
 
-from . import accounting
-from .benchmark import decode_step_seconds
-from .config import ModelConfig
-from .device import get_device, seed_everything
-from .figures import save_figure, save_json
-from .model import TransformerLM
-from .model_shapes import REAL_MODELS, ModelShape
+from ..accounting import formulas as accounting
+from .generation import decode_step_seconds
+from ..model.config import ModelConfig
+from ..device import get_device, seed_everything
+from ..figures import save_figure, save_json
+from ..model.transformer import TransformerLM
+from ..accounting.model_shapes import REAL_MODELS, ModelShape
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
 BASE = dict(vocab_size=257, context_length=256, d_model=64, num_layers=4, num_heads=4, d_ff=176)
@@ -97,8 +97,8 @@ def recall_digit_scores(model, distances, num_trials: int, seed: int = 0, num_it
     """A softer recall measure than exact match: for the same seeded probes `long_range_recall` uses,
     feed prompt + answer (teacher forcing) and score each answer digit: top-1 accuracy (chance 0.1)
     and negative log-likelihood (ln 10 = 2.30 for a model that cannot see the fact)."""
-    from .evaluation import recall_probes
-    from .generate import left_pad
+    from ..data.evaluation import recall_probes
+    from ..generation.generate import left_pad
 
     out = {}
     for d in distances:
@@ -117,8 +117,8 @@ def recall_digit_scores(model, distances, num_trials: int, seed: int = 0, num_it
 
 def _train_and_measure(name: str, config: ModelConfig, train_config, train_data, val_data, distances,
                        num_trials: int) -> dict:
-    from .evaluation import evaluate_lm, long_range_recall
-    from .train import train_lm
+    from ..data.evaluation import evaluate_lm, long_range_recall
+    from ..data.training import train_lm
 
     t0 = time.perf_counter()
     model, history = train_lm(config, train_config, train_data, val_data, desc=name)
@@ -186,8 +186,8 @@ def _time_variants(configs, B: int, S: int, steps: int, device, rounds: int) -> 
 def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int | None = None,
                       save: bool = True) -> dict:
     """Train every variant with the same budget, measure quality / cache bytes / decode latency."""
-    from .data import load_corpus
-    from .train import TrainConfig
+    from ..data.corpus import load_corpus
+    from ..data.training import TrainConfig
 
     device = get_device(device)
     seed_everything(0)
@@ -239,7 +239,7 @@ def ordered_variants(data: dict) -> list[tuple[str, dict]]:
 def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
     """Re-time decode for the variants in the committed figures/kv_variants[_quick].json (no retraining),
     e.g. on another machine; updates the JSON and figures."""
-    from .figures import figures_dir
+    from ..figures import figures_dir
 
     name = "kv_variants" + ("_quick" if quick else "")
     data = json.loads((figures_dir() / f"{name}.json").read_text())

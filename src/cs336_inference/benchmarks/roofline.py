@@ -16,13 +16,13 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter
 import torch
 
-from .accounting import decode_step_bytes, forward_flops
-from .config import ModelConfig
-from .device import default_dtype, get_device, seed_everything
-from .figures import save_figure, save_json
-from .model import TransformerLM
-from .roofline import (HardwareMeasurement, RooflineSweep, _element_size, median_seconds, measure_hardware,
-                       roofline_sweep)
+from ..accounting.formulas import decode_step_bytes, forward_flops
+from ..model.config import ModelConfig
+from ..device import default_dtype, get_device, seed_everything
+from ..figures import save_figure, save_json
+from ..model.transformer import TransformerLM
+from ..accounting.roofline import HardwareMeasurement, RooflineSweep, _element_size, measure_hardware, roofline_sweep
+from ..timing import median_seconds
 
 PRECISION_OF = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-from . import checkpoints
-from .data import load_corpus
-from .evaluation import compare_to_reference, evaluate_lm, long_range_recall, recall_nll
-from .figures import save_figure, save_json
-from .presets import EVAL
+from ..model import checkpoints
+from ..data.corpus import load_corpus
+from ..data.evaluation import compare_to_reference, evaluate_lm, long_range_recall, recall_nll
+from ..figures import save_figure, save_json
+from ..shipped_models import EVAL
 
 MODELS = ("target", "draft", "draft-scratch")
 DISTANCES = (100, 150, 200, 300, 400)

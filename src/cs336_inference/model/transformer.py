@@ -16,7 +16,10 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import GroupedQueryAttention, MultiHeadLatentAttention, SlidingWindowAttention, attention_mask
+from .attention import attention_mask
+from .gqa import GroupedQueryAttention
+from .mla import MultiHeadLatentAttention
+from .window import SlidingWindowAttention
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU

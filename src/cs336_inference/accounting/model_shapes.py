@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .config import ATTENTION_TYPES, ModelConfig
+from ..model.config import ATTENTION_TYPES, ModelConfig
 
 
 @dataclass(frozen=True)

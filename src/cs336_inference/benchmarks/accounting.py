@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from .accounting import (HARDWARE, REAL_MODELS, get_hardware, kv_cache_bytes_per_token, max_batch_size,
+from ..accounting.formulas import (HARDWARE, REAL_MODELS, get_hardware, kv_cache_bytes_per_token, max_batch_size,
                          num_parameters, transformer_performance_stats, with_kv_heads)
-from .figures import save_figure, save_json
+from ..figures import save_figure, save_json
 
 
 def batch_sweep(model="llama2-13b", hardware="H100", seq_len: int = 1024, batch_sizes=None,

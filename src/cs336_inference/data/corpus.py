@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import grammar
-from .tokenizer import ENDOFTEXT, ByteTokenizer
+from ..model.tokenizer import ENDOFTEXT, ByteTokenizer
 
 SPLITS = ("train", "val")
 VAL_EVERY = 20                    # document i is validation iff i % VAL_EVERY == VAL_EVERY - 1

@@ -11,13 +11,14 @@ import statistics
 
 import torch
 
-from .config import ModelConfig
-from .device import default_dtype, get_device, seed_everything
-from .figures import save_figure, save_json
-from .generate import decode_one_token, generate
-from .layers import few_row_split
-from .model import TransformerLM
-from .roofline import measure_memory_bandwidth, median_seconds
+from ..model.config import ModelConfig
+from ..device import default_dtype, get_device, seed_everything
+from ..figures import save_figure, save_json
+from ..generation.generate import decode_one_token, generate
+from ..model.layers import few_row_split
+from ..model.transformer import TransformerLM
+from ..accounting.roofline import measure_memory_bandwidth
+from ..timing import median_seconds
 
 
 def weight_bytes_per_step(model: TransformerLM) -> int:

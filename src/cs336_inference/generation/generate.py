@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_cache import KVCache
+from ..model.kv_cache import KVCache
 from .sampling import _check_sampling_args, sample_next_token
 
 

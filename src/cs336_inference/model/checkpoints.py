@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .model import TransformerLM
+from .transformer import TransformerLM
 
 FORMAT = "cs336-inference/v1"
-ASSETS = Path(__file__).parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
 _STATE_KEYS = ("model", "model_state_dict", "state_dict", "model_state")
 
 

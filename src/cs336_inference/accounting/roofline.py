@@ -7,34 +7,13 @@ we teach on are shared and noisy.
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import torch
 
-from .device import default_dtype, get_device
+from ..device import default_dtype, get_device
+from ..timing import median_seconds
 from .hardware import HardwareSpec
-
-
-def sync_device(device: torch.device) -> None:
-    """Wait for queued device work, so wall-clock timings measure the work itself."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> float:
-    """Median wall-clock seconds of `fn()` over `repeats` runs after `warmup` runs (device-synchronised)."""
-    for _ in range(warmup):
-        fn()
-    sync_device(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync_device(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7) -> float:

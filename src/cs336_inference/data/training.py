@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .config import ModelConfig
-from .data import get_batch, load_corpus
-from .device import get_device
+from ..model.config import ModelConfig
+from .corpus import get_batch, load_corpus
+from ..device import get_device
 from .evaluation import evaluate_lm
-from .model import TransformerLM
+from ..model.transformer import TransformerLM
 
 
 @dataclass

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .accounting_symbolic import (Cost, attention_cost, attention_intensity_generation,  # noqa: F401
+from .symbolic import (Cost, attention_cost, attention_intensity_generation,  # noqa: F401
                                   attention_intensity_prefill, generation_flops, matmul_cost,
                                   matmul_intensity_limit, mlp_cost, mlp_intensity_limit, parameter_count,
                                   decode_latency, decode_memory, decode_throughput, kv_cache_bytes_per_sequence)
-from .config import ModelConfig
+from ..model.config import ModelConfig
 from .hardware import HARDWARE, PRECISION_BYTES, HardwareSpec, get_hardware, precision_bytes  # noqa: F401
 from .model_shapes import REAL_MODELS, ModelShape, get_model_shape  # noqa: F401
 

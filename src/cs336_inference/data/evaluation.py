@@ -14,8 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .data import make_recall_probe
-from .generate import generate
+from .corpus import make_recall_probe
+from ..generation.generate import generate
 
 __all__ = ["compare_to_reference", "evaluate_lm", "eval_windows", "long_range_recall", "make_recall_probe",
            "recall_nll", "recall_probes"]

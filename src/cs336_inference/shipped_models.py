@@ -20,11 +20,11 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoints
-from .config import ModelConfig
-from .data import build_corpus, load_corpus
-from .evaluation import evaluate_lm
-from .train import TrainConfig, train_lm
+from .model import checkpoints
+from .model.config import ModelConfig
+from .data.corpus import build_corpus, load_corpus
+from .data.evaluation import evaluate_lm
+from .data.training import TrainConfig, train_lm
 
 # Validation settings behind the recorded numbers (the full one for reports, the quick one for tests).
 EVAL = dict(seq_len=512, batch_size=8, max_batches=8)
@@ -81,7 +81,7 @@ def train_preset(name: str, out: str | Path | None = None, steps: int | None = N
         if spec["method"] == "scratch":
             model, history = train_lm(model_cfg, train_cfg, desc=name)
         else:
-            from .pruning import distill, prune_model  # pruning imports train: keep the import local
+            from .compression.pruning import distill, prune_model  # pruning imports train: keep the import local
 
             teacher = checkpoints.load_pretrained(spec["teacher"], device=device)
             calibration = load_corpus("train", train_cfg.data_seed)[: spec["calibration_samples"] * 513]

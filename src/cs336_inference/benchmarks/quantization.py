@@ -19,12 +19,12 @@ import time
 import torch
 import torch.nn as nn
 
-from ..benchmark import decode_step_seconds
+from .generation import decode_step_seconds
 from ..device import get_device, seed_everything
 from ..figures import save_figure, save_json
-from .kv import quantize_kv_cache
-from .linear import model_nbytes
-from .model import quantize_model
+from ..quantization.kv import quantize_kv_cache
+from ..quantization.linear import model_nbytes
+from ..quantization.model import quantize_model
 
 
 def _group_for(model, wanted: int | None) -> int | None:
@@ -79,14 +79,14 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
                        name: str | None = None) -> dict:
     """Every row of `variants` on the target; --quick writes figures/quantization_quick.* so the
     committed full table is never overwritten by a smoke run."""
-    from ..data import load_corpus
-    from ..evaluation import compare_to_reference, evaluate_lm
+    from ..data.corpus import load_corpus
+    from ..data.evaluation import compare_to_reference, evaluate_lm
 
     name = name or ("quantization_quick" if quick else "quantization")
     device = get_device(device)
     seed_everything(0)
     if model is None:
-        from ..checkpoints import load_pretrained
+        from ..model.checkpoints import load_pretrained
         model = load_pretrained(model_name, device=device)
     model = model.to(device).eval()
     seq_len = min(512, model.config.context_length)   # the target records its val loss at 512

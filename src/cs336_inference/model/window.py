@@ -12,7 +12,7 @@ and on which positions the rolling buffer returns.
 
 from __future__ import annotations
 
-from .attention import GroupedQueryAttention
+from .gqa import GroupedQueryAttention
 from .config import ModelConfig
 from .kv_cache import RollingKVCache
 

@@ -1,0 +1,26 @@
+"""The model: config, layers, attention variants, KV caches, `TransformerLM`, checkpoints, tokenizers.
+
+One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, Linear),
+`attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
+`kv_cache` (one layer cache per variant + the model's cache), `transformer` (TransformerLM),
+`checkpoints` (save/load, shipped models, student checkpoints), `tokenizer`.
+"""
+
+from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
+from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
+from .config import PRESETS, ModelConfig
+from .gqa import GroupedQueryAttention
+from .kv_cache import ContiguousKVCache, KVCache, LatentKVCache, RollingKVCache
+from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
+from .mla import MultiHeadLatentAttention
+from .tokenizer import ByteTokenizer
+from .transformer import TransformerBlock, TransformerLM
+from .window import SlidingWindowAttention
+
+__all__ = [
+    "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
+    "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
+    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",
+    "save", "scaled_dot_product_attention",
+]

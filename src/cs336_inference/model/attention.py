@@ -1,0 +1,81 @@
+"""Attention kernels shared by every variant: scaled dot-product attention, the causal / window /
+padding mask, and grouped attention (N query heads over K key/value heads without copying K/V).
+
+The attention modules live next door, one variant per file: `gqa` (MHA/GQA/MQA and cross-layer
+sharing), `mla` (multi-head latent attention), `window` (sliding-window attention).
+"""
+
+from __future__ import annotations
+
+import torch
+from einops import rearrange
+
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v, scale = 1/sqrt(H) unless given (MLA's absorbed path needs its own).
+
+    q (..., T, H), k (..., S, H), v (..., S, Hv); mask (bool, True = may attend) broadcastable to
+    (..., T, S). Softmax runs in fp32 so bf16 inputs do not lose the normalisation.
+    """
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must share their last dim, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of positions, got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # (..., T, S)
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise TypeError(f"mask must be a bool tensor (True = attend), got {mask.dtype}")
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+    return probs @ v
+
+
+def attention_mask(num_new: int, num_keys: int, start_pos: int, pad: torch.Tensor | None = None,
+                   window: int | None = None, device=None, first_key: int = 0) -> torch.Tensor | None:
+    """Bool mask (B or 1, 1, T, S) for T new queries at positions start_pos.. over the S keys at
+    positions first_key .. first_key + S - 1 (first_key > 0 when a rolling buffer dropped older ones).
+
+    causal: key j <= query i; window: i - j < window; left padding: keys j < pad[b] are hidden from
+    real queries (padding queries see everything causal, so their rows stay finite).
+    Returns None when every key is visible (a plain decode step): the fast path.
+    """
+    if (num_new == 1 and pad is None and (window is None or num_keys <= window)
+            and first_key + num_keys == start_pos + 1):
+        return None
+    i = torch.arange(start_pos, start_pos + num_new, device=device)[:, None]   # (T, 1)
+    j = torch.arange(first_key, first_key + num_keys, device=device)[None, :]  # (1, S)
+    mask = j <= i
+    if window is not None:
+        mask = mask & (i - j < window)
+    mask = mask[None, None]                                                    # (1, 1, T, S)
+    if pad is not None:
+        pad = pad.to(device)[:, None, None, None]                              # (B, 1, 1, 1)
+        mask = mask & ((j >= pad) | (i < pad))
+    return mask
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
+    """q (B, N, T, H) over k (B, K, S, H), v (B, K, S, Hv) with N = K * G, without copying K/V G times."""
+    B, N, T, H = q.shape
+    G = N // k.shape[1]
+    q = rearrange(q, "B (K G) T H -> B K (G T) H", G=G)
+    if mask is not None:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S)
+        mask = rearrange(mask.expand(-1, -1, T, -1).unsqueeze(2).expand(-1, -1, G, -1, -1),
+                         "B one G T S -> B one (G T) S")
+    out = scaled_dot_product_attention(q, k, v, mask, scale)
+    return rearrange(out, "B K (G T) H -> B (K G) T H", G=G)
+
+
+def read_shared_kv(shared: dict | None, layer_idx: int, kv_source: int):
+    """What layer `kv_source` left in `shared` this forward (CLA), with a clear error if it did not."""
+    if shared is None or kv_source not in shared:
+        raise RuntimeError(f"layer {layer_idx} shares keys/values with layer {kv_source} (cross-layer "
+                           f"attention); run it inside TransformerLM.forward, after layer {kv_source}")
+    return shared[kv_source]
+
+
+__all__ = ["attention_mask", "grouped_attention", "read_shared_kv", "scaled_dot_product_attention"]

@@ -1,0 +1,1 @@
+"""Serving dynamic workloads: paged KV cache, schedulers (static / continuous batching), engine."""
