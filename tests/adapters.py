@@ -390,3 +390,33 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
 
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
+
+
+# --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
+
+
+def make_block_allocator(num_blocks: int, block_size: int):
+    from cs336_inference.serving import BlockAllocator
+    return BlockAllocator(num_blocks, block_size)
+
+
+def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
+    """Block tables of many sequences: allocate / append_slot / fork / free / cache_full_blocks."""
+    from cs336_inference.serving import BlockManager, chained_block_hash
+    return BlockManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
+
+
+def make_contiguous_allocator(num_slots: int):
+    from cs336_inference.serving import ContiguousAllocator
+    return ContiguousAllocator(num_slots)
+
+
+def get_out_of_blocks_error() -> type:
+    from cs336_inference.serving import OutOfBlocksError
+    return OutOfBlocksError
+
+
+def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None) -> torch.Tensor:
+    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
+    from cs336_inference.serving import paged_attention
+    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens)
