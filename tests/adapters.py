@@ -420,3 +420,20 @@ def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_len
     """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
     from cs336_inference.serving import paged_attention
     return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+
+
+def make_paged_kv_cache(model, num_blocks: int, block_size: int):
+    """K/V block pools for `model`; `.batch(tables, context_lens, query_lens)` is a cache for one forward."""
+    from cs336_inference.serving import PagedKVCache
+    return PagedKVCache(model, num_blocks, block_size)
+
+
+def make_request(request_id, prompt, max_new_tokens: int, arrival_time: float = 0.0, **sampling):
+    from cs336_inference.serving import Request, SamplingParams
+    return Request(request_id, tuple(prompt), max_new_tokens, arrival_time, SamplingParams(**sampling))
+
+
+def run_engine(model, requests, **config):
+    """Serve `requests` to completion; the result's `.outputs[i].tokens[j]` is sample j of request i."""
+    from cs336_inference.serving import Engine
+    return Engine(model, **config).run(requests)

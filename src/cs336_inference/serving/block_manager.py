@@ -40,6 +40,10 @@ class BlockManager:
             raise ValueError(f"unknown sequence {seq_id!r}: it was never allocated or is already freed")
         return self.tables[seq_id]
 
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
     def blocks_needed(self, token_ids) -> int:
         """Free blocks `allocate(seq, token_ids)` would take (prefix hits on blocks in use are free)."""
         token_ids = _check_tokens(token_ids)
@@ -50,9 +54,21 @@ class BlockManager:
         """Leading tokens of `token_ids` whose K/V a new sequence would take from the prefix cache."""
         return len(self._match_prefix(_check_tokens(token_ids))) * self.block_size
 
-    def can_allocate(self, token_ids, watermark: int = 0) -> bool:
-        """True if the sequence fits and `watermark` blocks stay free afterwards."""
-        return self.blocks_needed(token_ids) + watermark <= self.allocator.num_free
+    def can_allocate(self, token_ids, max_len: int | None = None, num_samples: int = 1, reserve: int = 0) -> bool:
+        """True if the sequence fits now with `reserve` blocks left free. Its num_samples - 1 forked
+        siblings share every block, but each will copy a partly filled last block on its first write."""
+        copies = (num_samples - 1) if len(token_ids) % self.block_size else 0
+        return self.blocks_needed(token_ids) + copies + reserve <= self.allocator.num_free
+
+    def growth(self, token_ids, max_len: int, num_samples: int = 1) -> int:
+        """Blocks the sequence (and its siblings) may still take after `allocate`, at worst: paging
+        allocates as tokens arrive, so everything up to max_len is still to come."""
+        return num_samples * blocks_for(max_len, self.block_size) - self.blocks_needed(token_ids)
+
+    def fits_empty(self, max_len: int, num_samples: int = 1, reserve: int = 0) -> bool:
+        """Could one sequence of max_len tokens run at all (alone, `reserve` blocks kept free)? Siblings
+        need not fit together: a sibling can be preempted and run later."""
+        return blocks_for(max_len, self.block_size) + reserve <= self.allocator.num_blocks
 
     def append_needs_block(self, seq_id: Hashable) -> bool:
         """True if the next `append_slot` takes a free block (new block, or a copy-on-write)."""
@@ -60,11 +76,13 @@ class BlockManager:
         return table.num_tokens == table.capacity or self.allocator.ref_count(table.blocks[-1]) > 1
 
     # --- operations ---------------------------------------------------------------------------
-    def allocate(self, seq_id: Hashable, token_ids) -> int:
+    def allocate(self, seq_id: Hashable, token_ids, max_len: int | None = None, num_samples: int = 1) -> int:
         """Give `seq_id` a table for `token_ids`; return the number of leading tokens already cached.
 
         The block holding the last token is never taken from the cache, so at least one token is
-        left to run through the model (its logits predict the next token).
+        left to run through the model (its logits predict the next token). Blocks are taken as
+        tokens arrive, so `max_len` (the most the sequence may grow to) and `num_samples` (siblings
+        share these blocks) play no part.
         """
         token_ids = _check_tokens(token_ids)
         if seq_id in self.tables:
@@ -105,14 +123,16 @@ class BlockManager:
         table.token_ids.append(token_id)
         return copy
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """`child_id` starts as a copy of `parent_id`, sharing all of its blocks (no data copied)."""
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
+        """`child_id` starts as a copy of `parent_id`, sharing all of its blocks: no data is copied
+        (the returned list of block copies is empty; copy-on-write comes later, in `append_slot`)."""
         parent = self.table(parent_id)
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id!r} already has a block table; free it first")
         for block in parent.blocks:
             self.allocator.incref(block)
         self.tables[child_id] = parent.copy()
+        return []
 
     def free(self, seq_id: Hashable) -> None:
         """Let go of every block of `seq_id` (last block first, so shared prefixes are evicted last)."""

@@ -1,7 +1,7 @@
 """PagedAttention in plain PyTorch: attention whose keys/values are read through block tables.
 
 Each sequence's K/V sit in fixed-size blocks scattered over a shared pool (vLLM, Kwon et al. 2023).
-Here the blocks a batch needs are gathered into a padded (B, K, S_max, H) view and attended with the
+Here the blocks a batch needs are gathered into a padded (B, K, S_max, H) copy and attended with the
 model's grouped attention, masked per sequence; a fused GPU kernel reads the blocks in place instead
 (no gather), which is the point of the real thing, but the arithmetic is the same.
 
@@ -9,9 +9,14 @@ Ragged batches: sequence b brings T_b new queries (T_b = prompt length for a pre
 step) and has S_b keys in total (cached + new). The queries come concatenated, [sum of T_b, N, H]:
 attention is the one operation that must be done per sequence, everything else in the model runs on
 the concatenated tokens (Orca's selective batching).
+
+`PagedLayout` is everything about a batch that does not depend on the layer (which blocks, which
+query goes where, the mask); the engine builds it once per step and every layer reuses it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from einops import rearrange
@@ -27,6 +32,53 @@ def padded_block_tables(block_tables, device=None) -> torch.Tensor:
     return torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.long, device=device)
 
 
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where the queries and keys of a ragged batch of B sequences live."""
+
+    tables: torch.Tensor        # (B, n): the blocks holding positions 0 .. S_max - 1 of each sequence
+    query_lens: torch.Tensor    # (B,) T_b, on the CPU
+    seq: torch.Tensor           # (sum T,) which sequence each query belongs to
+    row: torch.Tensor           # (sum T,) its index among that sequence's new tokens
+    mask: torch.Tensor          # (B, 1, T_max, S_max) True = may attend
+    block_size: int
+
+    @classmethod
+    def build(cls, block_tables, context_lens, query_lens, block_size: int, device=None) -> "PagedLayout":
+        """block_tables: (B, n) tensor or B lists of block ids; context_lens (B,) S_b; query_lens (B,) T_b."""
+        context_lens = torch.as_tensor(context_lens, dtype=torch.long).cpu()
+        B = context_lens.shape[0]
+        query_lens = (torch.ones(B, dtype=torch.long) if query_lens is None
+                      else torch.as_tensor(query_lens, dtype=torch.long).cpu())
+        _check_lengths(block_tables, context_lens, query_lens, block_size)
+        S_max, T_max = int(context_lens.max()), int(query_lens.max())
+        tables = padded_block_tables(block_tables, device)[:, :-(-S_max // block_size)]  # the blocks in use
+
+        # query t of sequence b is row (b, t) of the padded (B, T_max) layout
+        seq = torch.repeat_interleave(torch.arange(B), query_lens)                   # (sum T,)
+        row = torch.arange(int(query_lens.sum())) - (torch.cumsum(query_lens, 0) - query_lens)[seq]
+        # key j is visible to query t of sequence b iff j <= its position S_b - T_b + t (causal) and
+        # j < S_b (a real key); padding rows (t >= T_b) see all real keys and are dropped later
+        positions = (context_lens - query_lens)[:, None] + torch.arange(T_max)       # (B, T_max)
+        j = torch.arange(S_max)
+        mask = (j[None, None, :] <= positions[:, :, None]) & (j[None, None, :] < context_lens[:, None, None])
+        return cls(tables, query_lens, seq.to(device), row.to(device), mask[:, None].to(device), block_size)
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """q (sum T, N, H) over pools (num_blocks, block_size, K, H) -> (sum T, N, H)."""
+        _check_shapes(q, k_pool, v_pool, self)
+        B, _, T_max, S_max = self.mask.shape
+        k, v = _gather(k_pool, self.tables, S_max), _gather(v_pool, self.tables, S_max)  # (B, K, S_max, H)
+        if T_max == 1:  # a decode step: one query per sequence, nothing to scatter
+            out = grouped_attention(rearrange(q, "B N H -> B N 1 H"), k, v, self.mask, scale)
+            return rearrange(out, "B N 1 H -> B N H")
+        q_pad = q.new_zeros(B, T_max, *q.shape[1:])
+        q_pad[self.seq, self.row] = q
+        out = grouped_attention(rearrange(q_pad, "B T N H -> B N T H"), k, v, self.mask, scale)
+        return rearrange(out, "B N T H -> B T N H")[self.seq, self.row]
+
+
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables,
                     context_lens, query_lens=None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of new queries over K/V stored in blocks.
@@ -39,53 +91,26 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     query_lens (B,): T_b (default: all 1, a decode step).
     Returns (sum T_b, N, H).
     """
-    num_blocks, block_size, K, H = k_pool.shape
-    context_lens = torch.as_tensor(context_lens, dtype=torch.long)
+    if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4:
+        raise ValueError(f"k_pool must be (num_blocks, block_size, K, H), got {getattr(k_pool, 'shape', k_pool)}")
+    layout = PagedLayout.build(block_tables, context_lens, query_lens, k_pool.shape[1], q.device)
+    return layout.attend(q, k_pool, v_pool, scale)
+
+
+def _gather(pool: torch.Tensor, tables: torch.Tensor, S_max: int) -> torch.Tensor:
+    """pool (num_blocks, s, K, H), tables (B, n) -> (B, K, S_max, H): the blocks in table order."""
+    blocks = torch.index_select(pool, 0, tables.reshape(-1))  # (B n, s, K, H); faster than pool[tables]
+    return rearrange(blocks, "(B n) s K H -> B K (n s) H", B=tables.shape[0])[:, :, :S_max]
+
+
+def _check_lengths(block_tables, context_lens, query_lens, block_size) -> None:
     B = context_lens.shape[0]
-    query_lens = torch.ones(B, dtype=torch.long) if query_lens is None else torch.as_tensor(query_lens, dtype=torch.long)
-    _check(q, k_pool, v_pool, block_tables, context_lens, query_lens)
-    device = q.device
-    tables = padded_block_tables(block_tables, device)                          # (B, max blocks)
-    S_max, T_max = int(context_lens.max()), int(query_lens.max())
-    tables = tables[:, :-(-S_max // block_size)]                                # the blocks in use
-
-    # gather every sequence's blocks into one padded view: (B, K, S_max, H)
-    k = rearrange(k_pool[tables], "B n s K H -> B K (n s) H")[:, :, :S_max]
-    v = rearrange(v_pool[tables], "B n s K H -> B K (n s) H")[:, :, :S_max]
-
-    # scatter the concatenated queries into (B, N, T_max, H): query t of sequence b is row (b, t)
-    seq = torch.repeat_interleave(torch.arange(B, device=device), query_lens.to(device))  # (sum T,)
-    starts = torch.cumsum(query_lens, 0) - query_lens
-    row = torch.arange(q.shape[0], device=device) - starts.to(device)[seq]
-    q_pad = q.new_zeros(B, T_max, *q.shape[1:])
-    q_pad[seq, row] = q
-    q_pad = rearrange(q_pad, "B T N H -> B N T H")
-
-    # key j is visible to query t of sequence b iff j <= its position S_b - T_b + t (causal) and
-    # j < S_b (a real key); padding rows (t >= T_b) see all real keys and are dropped below
-    positions = (context_lens - query_lens).to(device)[:, None] + torch.arange(T_max, device=device)  # (B, T)
-    j = torch.arange(S_max, device=device)
-    mask = (j[None, None, :] <= positions[:, :, None]) & (j[None, None, :] < context_lens.to(device)[:, None, None])
-    out = grouped_attention(q_pad, k, v, mask[:, None], scale)                  # (B, N, T_max, H)
-    return rearrange(out, "B N T H -> B T N H")[seq, row]
-
-
-def _check(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> None:
-    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape:
-        raise ValueError(f"k_pool and v_pool must both be (num_blocks, block_size, K, H), got "
-                         f"{tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
-    num_blocks, block_size, K, H = k_pool.shape
-    if q.dim() != 3 or q.shape[2] != H or q.shape[1] % K != 0:
-        raise ValueError(f"q must be (sum of T, N, H={H}) with N a multiple of K={K}, got {tuple(q.shape)}")
-    B = context_lens.shape[0]
-    if context_lens.dim() != 1 or query_lens.shape != (B,):
-        raise ValueError(f"context_lens and query_lens must both be (B,), got {tuple(context_lens.shape)} "
-                         f"and {tuple(query_lens.shape)}")
+    if context_lens.dim() != 1 or B == 0 or query_lens.shape != (B,):
+        raise ValueError(f"context_lens and query_lens must both be (B,) with B >= 1, got "
+                         f"{tuple(context_lens.shape)} and {tuple(query_lens.shape)}")
     if int(query_lens.min()) < 1 or bool((query_lens > context_lens).any()):
         raise ValueError(f"need 1 <= query_lens <= context_lens, got query_lens {query_lens.tolist()}, "
                          f"context_lens {context_lens.tolist()}")
-    if int(query_lens.sum()) != q.shape[0]:
-        raise ValueError(f"q holds {q.shape[0]} queries but query_lens sum to {int(query_lens.sum())}")
     lengths = ([len(t) for t in block_tables] if not isinstance(block_tables, torch.Tensor)
                else [block_tables.shape[1]] * block_tables.shape[0])
     if len(lengths) != B:
@@ -96,4 +121,14 @@ def _check(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> None:
                              f"of {block_size}")
 
 
-__all__ = ["paged_attention", "padded_block_tables"]
+def _check_shapes(q, k_pool, v_pool, layout: PagedLayout) -> None:
+    if k_pool.dim() != 4 or v_pool.shape != k_pool.shape or k_pool.shape[1] != layout.block_size:
+        raise ValueError(f"k_pool and v_pool must both be (num_blocks, block_size={layout.block_size}, K, H), "
+                         f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
+    _, _, K, H = k_pool.shape
+    if q.dim() != 3 or q.shape[2] != H or q.shape[1] % K != 0 or q.shape[0] != layout.seq.shape[0]:
+        raise ValueError(f"q must be (sum of T = {layout.seq.shape[0]}, N, H={H}) with N a multiple of K={K}, "
+                         f"got {tuple(q.shape)}")
+
+
+__all__ = ["PagedLayout", "paged_attention", "padded_block_tables"]

@@ -7,7 +7,6 @@ existed on the host (the first one gives the time to first token, TTFT), and whe
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -89,10 +88,6 @@ class RequestOutput:
     @property
     def latency(self) -> float:
         return self.finish_time - self.arrival_time
-
-    def median_itl(self) -> float:
-        itl = self.inter_token_latencies
-        return statistics.median(itl) if itl else 0.0
 
 
 __all__ = ["Request", "RequestOutput", "SamplingParams"]

@@ -13,6 +13,9 @@ Each step: (1) make room for one more token of every running sequence, oldest fi
 is free, preempt the youngest running sequence (free its blocks; it recomputes later: vLLM's
 preemption by recompute); (2) admit waiting sequences (prefills) by the policy; (3) the engine runs
 prefills and decodes together in one forward.
+
+The memory is a `BlockManager` (paged) or a `ContiguousManager` (one reserved run per sequence):
+the schedulers only ask it `can_allocate` / `allocate` / `append_slot` / `fork` / `free`.
 """
 
 from __future__ import annotations
@@ -20,8 +23,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
-from .block_table import blocks_for
 from .block_allocator import check_positive_int
 from .sequence import Sequence, SequenceStatus
 
@@ -51,25 +52,25 @@ class Scheduler:
 
     policy = "base"
 
-    def __init__(self, manager: BlockManager, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
+    def __init__(self, manager, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  watermark_blocks: int | None = None):
         self.manager = manager
         self.max_num_seqs = check_positive_int("max_num_seqs", max_num_seqs)
         self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         # blocks kept free at admission so running sequences can grow without preempting at once
-        self.watermark_blocks = (max(1, manager.allocator.num_blocks // 100) if watermark_blocks is None
+        self.watermark_blocks = (max(1, manager.num_blocks // 100) if watermark_blocks is None
                                  else watermark_blocks)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # in admission order: the last one is preempted first
+        self._copies: list[tuple[int, int]] = []  # block copies owed by forks, done before the next step
 
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence (arrival order; its request's arrival_time says when it may run)."""
-        blocks = blocks_for(seq.max_len, self.manager.block_size)
-        usable = self.manager.allocator.num_blocks - self.watermark_blocks
-        if blocks > usable:
-            raise ValueError(f"request {seq.request.request_id!r} needs up to {blocks} KV blocks "
-                             f"(prompt {seq.prompt_len} + max_new_tokens {seq.request.max_new_tokens}), "
-                             f"more than the {usable} the engine can ever give one sequence")
+        if not self.manager.fits_empty(seq.max_len, seq.num_samples, self.watermark_blocks):
+            raise ValueError(f"request {seq.request.request_id!r} (prompt {seq.prompt_len} + max_new_tokens "
+                             f"{seq.request.max_new_tokens}, n={seq.num_samples}) needs more than the "
+                             f"{self.manager.num_blocks} KV blocks of {self.manager.block_size} tokens the "
+                             f"engine has ({self.watermark_blocks} kept free)")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
@@ -80,7 +81,8 @@ class Scheduler:
         return self.waiting[0].request.arrival_time if self.waiting else None
 
     def schedule(self, now: float) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch = ScheduledBatch(copies=self._copies)
+        self._copies = []
         self._reserve_decode_slots(batch)
         if not batch.preempted:  # no admission while memory is short
             self._admit(now, batch)
@@ -88,7 +90,7 @@ class Scheduler:
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (a sibling sample) shares all of `parent`'s blocks and runs right after it."""
-        self.manager.fork(parent.seq_id, child.seq_id)
+        self._copies.extend(self.manager.fork(parent.seq_id, child.seq_id))
         child.num_computed, child.status = parent.num_computed, SequenceStatus.RUNNING
         self.running.insert(self.running.index(parent) + 1, child)
 
@@ -104,6 +106,11 @@ class Scheduler:
         queue = deque(self.running)
         while queue:
             seq = queue.popleft()
+            if seq.status is SequenceStatus.FINISHED:  # a padding row of a static batch
+                if self.manager.table(seq.seq_id).num_tokens < seq.max_len:  # within its reservation
+                    self.manager.append_slot(seq.seq_id, seq.token_ids[-1])
+                    batch.decodes.append(seq)
+                continue
             while self.manager.append_needs_block(seq.seq_id) and self.manager.num_free_blocks == 0:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, batch)
@@ -135,9 +142,9 @@ class Scheduler:
         new_tokens = len(seq.token_ids) - self.manager.num_cached_tokens(seq.token_ids)
         if batch.num_tokens and batch.num_tokens + new_tokens > self.max_num_batched_tokens:
             return False
-        if self.manager.blocks_needed(seq.token_ids) + reserve_blocks > self.manager.num_free_blocks:
+        if not self.manager.can_allocate(seq.token_ids, seq.max_len, seq.num_samples, reserve_blocks):
             return False
-        seq.num_computed = self.manager.allocate(seq.seq_id, seq.token_ids)
+        seq.num_computed = self.manager.allocate(seq.seq_id, seq.token_ids, seq.max_len, seq.num_samples)
         seq.status = SequenceStatus.RUNNING
         self.waiting.popleft()
         self.running.append(seq)
@@ -153,19 +160,25 @@ class ContinuousScheduler(Scheduler):
 
     def _admit(self, now: float, batch: ScheduledBatch) -> None:
         while self.waiting and self.waiting[0].request.arrival_time <= now:
-            seq = self.waiting[0]
-            # siblings forked from a partly filled last block will each copy it on their first write
-            forks = seq.num_forks_pending if seq.prompt_len % self.manager.block_size else 0
-            if not self._try_admit(seq, batch, self.watermark_blocks + forks):
+            if not self._try_admit(self.waiting[0], batch, self.watermark_blocks):
                 return
 
 
 class StaticScheduler(Scheduler):
     """Request-level batching: a new batch only when the previous one has completely finished; a
     batch is what has arrived by then (up to the limits), each reserved for its longest possible
-    length so the batch never runs out of memory midway."""
+    length so the batch never runs out of memory midway. As in `generate` on a batch, a finished
+    sequence keeps its row until the batch's longest one is done: it is computed as padding (its
+    tokens discarded) and holds its memory."""
 
     policy = "static"
+
+    def finish(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.FINISHED
+        if all(s.status is SequenceStatus.FINISHED for s in self.running):  # the batch is done
+            for s in self.running:
+                self.manager.free(s.seq_id)
+            self.running.clear()
 
     def _admit(self, now: float, batch: ScheduledBatch) -> None:
         if self.running:
@@ -173,11 +186,10 @@ class StaticScheduler(Scheduler):
         reserved = 0
         while self.waiting and self.waiting[0].request.arrival_time <= now:
             seq = self.waiting[0]
-            future = seq.num_samples * blocks_for(seq.max_len, self.manager.block_size)
-            needed_now = self.manager.blocks_needed(seq.token_ids)
-            if not self._try_admit(seq, batch, reserved + future - needed_now):
+            growth = self.manager.growth(seq.token_ids, seq.max_len, seq.num_samples)
+            if not self._try_admit(seq, batch, reserved + growth):
                 return
-            reserved += future - needed_now
+            reserved += growth
 
 
 SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler}
