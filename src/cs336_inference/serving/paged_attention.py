@@ -33,15 +33,54 @@ def padded_block_tables(block_tables, device=None) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class PagedLayout:
-    """Where the queries and keys of a ragged batch of B sequences live."""
+class _PaddedGroup:
+    """Sequences attended together, padded to the group's longest query run and key run."""
 
-    tables: torch.Tensor        # (B, n): the blocks holding positions 0 .. S_max - 1 of each sequence
-    query_lens: torch.Tensor    # (B,) T_b, on the CPU
-    seq: torch.Tensor           # (sum T,) which sequence each query belongs to
+    tables: torch.Tensor        # (b, n): the blocks holding positions 0 .. S_max - 1 of each sequence
+    seq: torch.Tensor           # (sum T,) which sequence of the group each query belongs to
     row: torch.Tensor           # (sum T,) its index among that sequence's new tokens
-    mask: torch.Tensor          # (B, 1, T_max, S_max) True = may attend
+    mask: torch.Tensor          # (b, 1, T_max, S_max) True = may attend
+
+    @classmethod
+    def build(cls, tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
+              block_size: int, device) -> "_PaddedGroup":
+        S_max, T_max = int(context_lens.max()), int(query_lens.max())
+        b = context_lens.shape[0]
+        # query t of sequence i is row (i, t) of the padded (b, T_max) layout
+        seq = torch.repeat_interleave(torch.arange(b), query_lens)                   # (sum T,)
+        row = torch.arange(int(query_lens.sum())) - (torch.cumsum(query_lens, 0) - query_lens)[seq]
+        # key j is visible to query t of sequence i iff j <= its position S_i - T_i + t (causal) and
+        # j < S_i (a real key); padding rows (t >= T_i) see all real keys and are dropped later
+        positions = (context_lens - query_lens)[:, None] + torch.arange(T_max)       # (b, T_max)
+        j = torch.arange(S_max)
+        mask = (j[None, None, :] <= positions[:, :, None]) & (j[None, None, :] < context_lens[:, None, None])
+        return cls(tables[:, :-(-S_max // block_size)].to(device), seq.to(device), row.to(device),
+                   mask[:, None].to(device))
+
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale) -> torch.Tensor:
+        b, _, T_max, S_max = self.mask.shape
+        k, v = _gather(k_pool, self.tables, S_max), _gather(v_pool, self.tables, S_max)  # (b, K, S_max, H)
+        if T_max == 1:  # decodes: one query per sequence, nothing to scatter
+            out = grouped_attention(rearrange(q, "b N H -> b N 1 H"), k, v, self.mask, scale)
+            return rearrange(out, "b N 1 H -> b N H")
+        q_pad = q.new_zeros(b, T_max, *q.shape[1:])
+        q_pad[self.seq, self.row] = q
+        out = grouped_attention(rearrange(q_pad, "b T N H -> b N T H"), k, v, self.mask, scale)
+        return rearrange(out, "b N T H -> b T N H")[self.seq, self.row]
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """Where the queries and keys of a ragged batch of B sequences live.
+
+    Decodes (one query) and prefills (many) are attended in separate groups, as vLLM does: padding
+    one decode's single query to a 100-token prompt would multiply its attention work by 100.
+    """
+
+    query_lens: torch.Tensor    # (B,) T_b, on the CPU
+    groups: list                # (query rows of the group or None for all, _PaddedGroup)
     block_size: int
+    num_queries: int
 
     @classmethod
     def build(cls, block_tables, context_lens, query_lens, block_size: int, device=None) -> "PagedLayout":
@@ -51,32 +90,28 @@ class PagedLayout:
         query_lens = (torch.ones(B, dtype=torch.long) if query_lens is None
                       else torch.as_tensor(query_lens, dtype=torch.long).cpu())
         _check_lengths(block_tables, context_lens, query_lens, block_size)
-        S_max, T_max = int(context_lens.max()), int(query_lens.max())
-        tables = padded_block_tables(block_tables, device)[:, :-(-S_max // block_size)]  # the blocks in use
-
-        # query t of sequence b is row (b, t) of the padded (B, T_max) layout
-        seq = torch.repeat_interleave(torch.arange(B), query_lens)                   # (sum T,)
-        row = torch.arange(int(query_lens.sum())) - (torch.cumsum(query_lens, 0) - query_lens)[seq]
-        # key j is visible to query t of sequence b iff j <= its position S_b - T_b + t (causal) and
-        # j < S_b (a real key); padding rows (t >= T_b) see all real keys and are dropped later
-        positions = (context_lens - query_lens)[:, None] + torch.arange(T_max)       # (B, T_max)
-        j = torch.arange(S_max)
-        mask = (j[None, None, :] <= positions[:, :, None]) & (j[None, None, :] < context_lens[:, None, None])
-        return cls(tables, query_lens, seq.to(device), row.to(device), mask[:, None].to(device), block_size)
+        tables = padded_block_tables(block_tables)                                  # (B, n), CPU
+        starts = torch.cumsum(query_lens, 0) - query_lens                          # first query row of each
+        members = [torch.nonzero(query_lens == 1).flatten(), torch.nonzero(query_lens > 1).flatten()]
+        members = [m for m in members if len(m)]
+        groups = []
+        for m in members:
+            group = _PaddedGroup.build(tables[m], context_lens[m], query_lens[m], block_size, device)
+            rows = None if len(members) == 1 else torch.cat(
+                [torch.arange(int(starts[i]), int(starts[i] + query_lens[i])) for i in m.tolist()]).to(device)
+            groups.append((rows, group))
+        return cls(query_lens, groups, block_size, int(query_lens.sum()))
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:
         """q (sum T, N, H) over pools (num_blocks, block_size, K, H) -> (sum T, N, H)."""
         _check_shapes(q, k_pool, v_pool, self)
-        B, _, T_max, S_max = self.mask.shape
-        k, v = _gather(k_pool, self.tables, S_max), _gather(v_pool, self.tables, S_max)  # (B, K, S_max, H)
-        if T_max == 1:  # a decode step: one query per sequence, nothing to scatter
-            out = grouped_attention(rearrange(q, "B N H -> B N 1 H"), k, v, self.mask, scale)
-            return rearrange(out, "B N 1 H -> B N H")
-        q_pad = q.new_zeros(B, T_max, *q.shape[1:])
-        q_pad[self.seq, self.row] = q
-        out = grouped_attention(rearrange(q_pad, "B T N H -> B N T H"), k, v, self.mask, scale)
-        return rearrange(out, "B N T H -> B T N H")[self.seq, self.row]
+        if len(self.groups) == 1:
+            return self.groups[0][1].attend(q, k_pool, v_pool, scale)
+        out = torch.empty_like(q)
+        for rows, group in self.groups:
+            out[rows] = group.attend(q[rows], k_pool, v_pool, scale)
+        return out
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables,
@@ -126,8 +161,8 @@ def _check_shapes(q, k_pool, v_pool, layout: PagedLayout) -> None:
         raise ValueError(f"k_pool and v_pool must both be (num_blocks, block_size={layout.block_size}, K, H), "
                          f"got {tuple(k_pool.shape)} and {tuple(v_pool.shape)}")
     _, _, K, H = k_pool.shape
-    if q.dim() != 3 or q.shape[2] != H or q.shape[1] % K != 0 or q.shape[0] != layout.seq.shape[0]:
-        raise ValueError(f"q must be (sum of T = {layout.seq.shape[0]}, N, H={H}) with N a multiple of K={K}, "
+    if q.dim() != 3 or q.shape[2] != H or q.shape[1] % K != 0 or q.shape[0] != layout.num_queries:
+        raise ValueError(f"q must be (sum of T = {layout.num_queries}, N, H={H}) with N a multiple of K={K}, "
                          f"got {tuple(q.shape)}")
 
 
