@@ -317,3 +317,20 @@ def test_paged_attention_refuses_short_block_tables():
     k = torch.zeros(4, 2, 1, 8)
     with pytest.raises(ValueError, match="maps only 1 blocks"):
         adapters.run_paged_attention(torch.zeros(1, 1, 8), k, k, [[0]], [3])
+
+
+def test_contiguous_manager_reserves_every_sample_and_copies_on_fork():
+    from cs336_inference.serving.contiguous_manager import ContiguousManager
+    m = ContiguousManager(30)
+    assert m.can_allocate([1, 2, 3], max_len=10, num_samples=3) and not m.can_allocate([1], 10, num_samples=4)
+    assert m.allocate("a", [1, 2, 3], max_len=10, num_samples=2) == 0   # no prefix cache
+    assert m.memory_stats().reserved_tokens == 20                        # its run + one for a sibling
+    copies = m.fork("a", "b")
+    assert copies == list(zip(m.table("a").blocks, m.table("b").blocks)) and len(copies) == 3
+    assert set(m.table("a").blocks).isdisjoint(m.table("b").blocks)      # nothing shared
+    with pytest.raises(OutOfBlocksError, match="no reserved run"):
+        m.fork("a", "c")
+    assert m.append_needs_block("a") is False and m.append_slot("a", 4) is None
+    assert m.table("a").blocks == list(range(m.table("a").blocks[0], m.table("a").blocks[0] + 4))
+    m.free("a"), m.free("b")
+    assert m.memory_stats().reserved_tokens == 0 and m.num_free_blocks == 30
