@@ -276,7 +276,7 @@ def reduce_kv_cache_size():
         with torch.no_grad():
             cache = model.new_cache(2, 12)
             model(ids[:, :8], cache=cache)
-            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache, start_pos=t) for t in range(8, 12)], 1)
+            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(8, 12)], 1)
     max_diff = (logits[True] - logits[False]).abs().max().item()  # @inspect max_diff
     assert max_diff < 1e-4
     text(f"  absorbed vs naive decode: max |difference| = {max_diff:.1e} (float rounding).")
@@ -308,7 +308,7 @@ def reduce_kv_cache_size():
     with torch.no_grad():
         model(torch.randint(0, 257, (1, 20)), cache=cache)
         for t in range(20, 40):
-            model(torch.randint(0, 257, (1, 1)), cache=cache, start_pos=t)
+            model(torch.randint(0, 257, (1, 1)), cache=cache)
             held.append(cache.nbytes)
     assert len(set(held)) == 1 and held[0] == kv_cache_bytes(local, 1, 64, 4) == 8 * cache.bytes_per_token
     text(f"  tiny model, window 8: after 40 tokens the cache still holds {held[-1]} bytes = 8 positions.")

@@ -83,7 +83,7 @@ for name, model in models.items():
         cache = model.new_cache(B, P + STEPS)
         pieces = [model(tokens[:, :P], cache=cache)]
         for t in range(P, P + STEPS):
-            pieces.append(model(tokens[:, t:t + 1], cache=cache, start_pos=t))
+            pieces.append(model(tokens[:, t:t + 1], cache=cache))
     err = (torch.cat(pieces, 1) - full).abs().max().item()
     assert err < 1e-4, (name, err)
     print(f"{name:<34} max |cached - full| = {err:.1e}")
@@ -116,7 +116,7 @@ for absorb in (False, True):
     with torch.no_grad():
         cache = mla.new_cache(B, P + STEPS)
         pieces = [mla(tokens[:, :P], cache=cache)]
-        pieces += [mla(tokens[:, t:t + 1], cache=cache, start_pos=t) for t in range(P, P + STEPS)]
+        pieces += [mla(tokens[:, t:t + 1], cache=cache) for t in range(P, P + STEPS)]
     outs[absorb] = torch.cat(pieces, 1)
 print("max |absorbed - naive| =", f"{(outs[True] - outs[False]).abs().max().item():.1e}")
 
@@ -147,7 +147,7 @@ cache = local.new_cache(1, S_max)
 held = []
 with torch.no_grad():
     for t in range(S_max):
-        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache, start_pos=t)
+        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache)
         held.append(cache.nbytes)
 full_cfg = configs["MHA"]
 fig, ax = plt.subplots(figsize=(6, 3.5))

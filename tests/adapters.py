@@ -41,12 +41,13 @@ def make_model(config: ModelConfig, seed: int = 0) -> TransformerLM:
     return TransformerLM(config).eval()
 
 
-def run_model(model, token_ids, cache=None, start_pos: int = 0, **kwargs) -> torch.Tensor:
-    return model(token_ids, cache=cache, start_pos=start_pos, **kwargs)
+def run_model(model, token_ids, cache=None, **kwargs) -> torch.Tensor:
+    """A forward: without a cache, or appending at cache.length (start_pos/pad pass through as keywords)."""
+    return model(token_ids, cache=cache, **kwargs)
 
 
-def make_kv_cache(model, batch_size: int, max_seq_len: int | None = None):
-    return model.new_cache(batch_size, max_seq_len)
+def make_kv_cache(model, batch_size: int, max_seq_len: int | None = None, **kwargs):
+    return model.new_cache(batch_size, max_seq_len, **kwargs)
 
 
 def run_scaled_dot_product_attention(q, k, v, mask=None) -> torch.Tensor:
@@ -177,13 +178,15 @@ def run_attention_module(module, x, positions, mask=None):
     """x (B, T, D) at integer positions (T,) through one attention layer without a cache."""
     rope_dim = getattr(module, "rope_head_dim", None) or module.head_dim
     cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
-    return module(x, (cos[positions], sin[positions]), None, 0, mask)
+    out, _ = module(x, (cos[positions], sin[positions]), mask)
+    return out
 
 
 def run_block(block, x, positions, mask, rope_dim: int) -> torch.Tensor:
     """One TransformerBlock without a cache, with the mask the caller chose."""
     cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
-    return block(x, (cos[positions], sin[positions]), None, 0, mask, shared={})
+    out, _ = block(x, (cos[positions], sin[positions]), mask)
+    return out
 
 
 def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_len):

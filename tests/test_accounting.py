@@ -198,9 +198,9 @@ def test_parameters_flops_and_kv_bytes_match_the_model_we_run(variant):
     assert counted_flops(lambda: model(ids)) == adapters.run_forward_flops(config, 2, 12)
     absorbed = config.attention_type == "mla"
     cache = adapters.make_kv_cache(model, 2, 20)
-    prefill = counted_flops(lambda: model(ids, cache=cache, start_pos=0, last_only=True))
+    prefill = counted_flops(lambda: model(ids, cache=cache, last_only=True))
     assert prefill == adapters.run_forward_flops(config, 2, 12, 0, last_only=True, mla_absorbed=absorbed)
-    decode = counted_flops(lambda: model(ids[:, :1], cache=cache, start_pos=12))
+    decode = counted_flops(lambda: model(ids[:, :1], cache=cache))
     assert decode == adapters.run_forward_flops(config, 2, 1, 12, mla_absorbed=absorbed)
     element = model.lm_head.weight.element_size()
     assert cache.bytes_per_token == adapters.run_kv_cache_bytes_per_token(config, element)

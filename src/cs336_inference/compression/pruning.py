@@ -87,7 +87,7 @@ def importance_scores(model: TransformerLM, calibration, seq_len: int = 256, bat
 
     def block_hook(i):
         def hook(module, args, output):
-            block_bi[i] += (1 - F.cosine_similarity(args[0].float(), output.float(), dim=-1)).sum().cpu()
+            block_bi[i] += (1 - F.cosine_similarity(args[0].float(), output[0].float(), dim=-1)).sum().cpu()
         return hook
 
     handles = []
@@ -127,7 +127,7 @@ def _without_layer(model: TransformerLM, skip: int):
     """model's forward with block `skip` replaced by the identity (weights shared, nothing copied)."""
     class _Skip(torch.nn.Module):
         def forward(self, x, *args, **kwargs):
-            return x
+            return x, None  # a block returns (x, keys/values); a skipped layer has none
 
     def run(x):
         original = model.layers[skip]

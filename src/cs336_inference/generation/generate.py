@@ -48,18 +48,21 @@ class GenerationResult:
         return self.token_times[-1] if self.token_times else 0.0
 
 
-def prefill(model, prompt_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V)."""
+def prefill(model, prompt_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V).
+
+    pad (B,): left-padding slots per prompt (`left_pad`); pass the same pad to every `decode_one_token`.
+    """
     if cache.length != 0:
         raise ValueError(f"prefill expects an empty cache, this one holds {cache.length} tokens")
-    return model(prompt_ids, cache=cache, start_pos=0, last_only=True)[:, -1]
+    return model(prompt_ids, cache=cache, pad=pad, last_only=True)[:, -1]
 
 
-def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token."""
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
-    return model(token_ids[:, None], cache=cache, start_pos=cache.length)[:, -1]
+    return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
 
 
 def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,14 +117,14 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         result.finish_reasons = ["length"] * B
         return result
     ids = ids.to(model.device)
-    model._check_tokens(ids, 0)  # range-check the prompt before any work
+    model._check_tokens(ids)  # range-check the prompt before any work
     pad_arg = pad if int(pad.max()) > 0 else None
     done = [False] * B
     t0 = time.perf_counter()
 
     if use_cache:
-        cache = model.new_cache(B, max_seq_len=P + max_new_tokens, pad=pad_arg)
-        logits = prefill(model, ids, cache)
+        cache = model.new_cache(B, max_seq_len=P + max_new_tokens)
+        logits = prefill(model, ids, cache, pad=pad_arg)
     else:
         sequence = ids
         logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
@@ -137,7 +140,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         if all(done) or step == max_new_tokens - 1:
             break
         if use_cache:
-            logits = decode_one_token(model, next_ids, cache)
+            logits = decode_one_token(model, next_ids, cache, pad=pad_arg)
         else:
             sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
             logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]

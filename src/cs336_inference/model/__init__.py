@@ -10,7 +10,7 @@ from .attention import attention_mask, grouped_attention, scaled_dot_product_att
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
-from .kv_cache import ContiguousKVCache, KVCache, LatentKVCache, RollingKVCache
+from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LatentKVCache, LayerCache, RollingKVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
 from .tokenizer import ByteTokenizer
@@ -18,7 +18,7 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
+    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "LayerCache", "Linear",
     "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",

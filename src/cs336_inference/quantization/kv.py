@@ -5,9 +5,8 @@ weights, dominates the bytes moved (Hooper et al. 2024, KVQuant; Liu et al. 2024
 8 bits halves those bytes relative to bf16 (quarters them relative to fp32). Each (sequence, head,
 position) vector of H values gets its own absmax scale, so one large token cannot spoil the rest.
 
-`QuantizedKVCache` follows the per-layer cache protocol of `kv_cache.ContiguousKVCache`
-(`update(k, v, start_pos)`, `read(length)`, `check_truncate(n)`, `truncate(n)`, `nbytes`,
-`bytes_per_token`), and
+`QuantizedKVCache` implements the layer-cache interface (`model.kv_cache.LayerCache`: `update(k, v,
+step)`, `mask(step)`, `commit`, `check_truncate(n)`, `truncate(n)`, `nbytes`, `bytes_per_token`), and
 `quantize_kv_cache(model.new_cache(...))` swaps it into a model's `KVCache` in place of the
 full-precision layers, so `forward`, `prefill` and `decode_one_token` use it unchanged.
 """
@@ -16,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..model.kv_cache import ContiguousKVCache, KVCache, check_kv_write
+from ..model.kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache, check_kv_write
 from .fp8 import fp8_dtype
 
 KV_FORMATS = ("int8", "e4m3", "e5m2")
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(LayerCache):
     """One layer's keys and values in 8 bits, (B, K, S_max, H), with fp16 scales (B, K, S_max, 1)."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device=None,
@@ -56,11 +55,11 @@ class QuantizedKVCache:
         y = (x.float() / scale.float()).clamp(-self.qmax, self.qmax)      # scale as stored, so decode matches
         return (torch.round(y).to(torch.int8) if self.fmt == "int8" else y.to(self.k.dtype)), scale
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and write k, v (B, K, T, H) at [start_pos, start_pos + T); return all (dequantized)."""
-        end = check_kv_write(k, v, start_pos, self.k, self.max_seq_len)
-        self.k[:, :, start_pos:end], self.k_scale[:, :, start_pos:end] = self._encode(k)
-        self.v[:, :, start_pos:end], self.v_scale[:, :, start_pos:end] = self._encode(v)
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and write k, v (B, K, T, H) at [start, start + T); return all (dequantized)."""
+        end = check_kv_write(k, v, step, self.k, self.max_seq_len)
+        self.k[:, :, step.start:end], self.k_scale[:, :, step.start:end] = self._encode(k)
+        self.v[:, :, step.start:end], self.v_scale[:, :, step.start:end] = self._encode(v)
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +68,9 @@ class QuantizedKVCache:
         v = (self.v[:, :, :length].float() * self.v_scale[:, :, :length].float()).to(self.dtype)
         return k, v
 
-    def check_truncate(self, n: int) -> None:
-        """Every position < max_seq_len stays intact until overwritten, so any rollback is fine."""
-
-    def truncate(self, n: int) -> None:
-        """Nothing to free: positions >= n are overwritten by the next update."""
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def nbytes(self) -> int:
