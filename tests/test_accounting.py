@@ -229,7 +229,7 @@ def test_kv_bytes_per_token_match_the_real_cache(num_kv_heads):
 # --- bad inputs -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(batch_size=0), "batch_size"), (dict(batch_size=-3), "batch_size"), (dict(batch_size=1.5), "batch_size"),
+    (dict(batch_size=0), "batch_size"), (dict(batch_size=-3), "batch_size"),
     (dict(seq_len=0), "seq_len"), (dict(seq_len=10**6), "context_length"),
     (dict(hardware="H900"), "unknown hardware.*H100"), (dict(precision="fp12"), "unknown precision.*bf16"),
     (dict(config="llama9"), "unknown model.*llama2-13b"),
@@ -238,6 +238,11 @@ def test_bad_inputs_raise_clear_errors(kwargs, match):
     args = dict(config="llama2-13b", hardware="H100", batch_size=1, seq_len=1024, precision="bf16") | kwargs
     with pytest.raises(ValueError, match=match):
         adapters.run_transformer_performance_stats(**args)
+
+
+def test_a_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="batch_size must be a positive int, got float 1.5"):
+        adapters.run_transformer_performance_stats("llama2-13b", "H100", 1.5, 1024, "bf16")
 
 
 def test_more_bad_inputs():

@@ -128,9 +128,9 @@ def test_latent_cache_overflow_is_refused_before_writing():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(sliding_window=0), "sliding_window must be positive"),
-    (dict(sliding_window=-3), "sliding_window must be positive"),
-    (dict(attention_type="mla", kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank must be positive"),
+    (dict(sliding_window=0), "sliding_window must be a positive int"),
+    (dict(sliding_window=-3), "sliding_window must be a positive int"),
+    (dict(attention_type="mla", kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank must be a positive int"),
     (dict(attention_type="mla", rope_head_dim=4), "needs kv_lora_rank"),
     (dict(attention_type="mla", kv_lora_rank=8), "needs rope_head_dim"),
     (dict(attention_type="mla", kv_lora_rank=8, rope_head_dim=3), "rope_head_dim must be even"),

@@ -11,14 +11,15 @@ import random
 import numpy as np
 import torch
 
+from . import _checks
+
 _KNOWN = ("cuda", "mps", "cpu")
 
 
 def get_device(prefer: str | torch.device | None = None) -> torch.device:
     """Return `prefer` if given and available, else the best available: cuda, then mps, then cpu."""
     if prefer is not None:
-        if not isinstance(prefer, (str, torch.device)):
-            raise TypeError(f"prefer must be a str, torch.device or None, got {type(prefer).__name__}")
+        _checks.instance("prefer", prefer, (str, torch.device), "a str, torch.device or None")
         try:
             device = torch.device(prefer)
         except RuntimeError:
@@ -52,10 +53,7 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch; return a CPU `torch.Generator` seeded the same way."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+    _checks.non_negative_int("seed", seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

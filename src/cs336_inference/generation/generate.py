@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _checks
 from ..model.kv_cache import KVCache
 from .sampling import _check_sampling_args, sample_next_token
 
@@ -68,20 +69,14 @@ def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache, pad: torch.
 def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """list of id lists (or a (B, T) / (T,) tensor) -> (B, T_max) left-padded ids and pad counts (B,)."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
-            raise TypeError(f"prompt_ids must hold integer token ids, got dtype {prompts.dtype}")
-        if prompts.dim() == 1:
-            prompts = prompts[None]
-        if prompts.dim() != 2:
-            raise ValueError(f"prompt_ids tensor must be (B, T) or (T,), got {tuple(prompts.shape)}")
-        prompts = prompts.tolist()
+        prompts = _checks.token_ids("prompt_ids", prompts)
+        prompts = (prompts[None] if prompts.dim() == 1 else prompts).tolist()
     elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompt_ids must be a non-empty list of token-id lists or a tensor")
     for b, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in p):
-            raise TypeError(f"prompt {b} must be a list of int token ids, got {type(p).__name__}")
+        _checks.token_list(f"prompt_ids[{b}]", p)
         if len(p) == 0:
             raise ValueError(f"prompt {b} is empty; every prompt needs at least one token")
     width = max(len(p) for p in prompts)
@@ -99,10 +94,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     temperature 0 is greedy. A sequence stops at the first token in `stop_tokens`; the call ends when
     all have stopped or `max_new_tokens` steps have run.
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
     stop = set(int(t) for t in (stop_tokens or []))
     ids, pad = left_pad(prompt_ids, pad_id)

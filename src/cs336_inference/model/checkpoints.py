@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .. import _checks
 from .config import ModelConfig
 from .transformer import TransformerLM
 
@@ -23,8 +24,7 @@ _STATE_KEYS = ("model", "model_state_dict", "state_dict", "model_state")
 def save(path: str | os.PathLike, model: TransformerLM, extra: dict | None = None,
          dtype: torch.dtype | None = None) -> None:
     """Write {format, config, model (state dict), extra} to `path`; `dtype` (e.g. bf16) shrinks the file."""
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    _checks.instance("model", model, TransformerLM, "a TransformerLM")
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().clone()
              for k, v in model.state_dict().items()}
     torch.save({"format": FORMAT, "config": model.config.to_dict(), "model": state, "extra": extra or {}}, path)
@@ -97,8 +97,7 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
     Accepts a raw state dict or a dict with the weights under "model"/"model_state_dict"/...
     (an "optimizer" entry is ignored), with or without torch.compile's `_orig_mod.` prefix.
     """
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    _checks.instance("config", config, ModelConfig, "a ModelConfig")
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)

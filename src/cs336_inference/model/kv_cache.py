@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _checks
 from .attention import attention_mask
 
 
@@ -140,12 +141,6 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, step: CacheStep, buffer: to
     return step.end
 
 
-def _check_positive(**values) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-
-
 class _KVBuffers(LayerCache):
     """Storage accounting shared by caches that keep K and V buffers of shape (B, K, slots, H)."""
 
@@ -176,7 +171,7 @@ class ContiguousKVCache(_KVBuffers):
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32):
-        _check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len)
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len)
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -208,10 +203,9 @@ class RollingKVCache(_KVBuffers):
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32, spare: int = 0):
-        _check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         window=window, max_seq_len=max_seq_len)
-        if isinstance(spare, bool) or not isinstance(spare, int) or spare < 0:
-            raise ValueError(f"spare must be a non-negative int (extra ring slots), got {spare!r}")
+        _checks.non_negative_int("spare", spare)
         self.window, self.max_seq_len = window, max_seq_len
         self.capacity = min(window + spare, max_seq_len)
         shape = (batch_size, num_kv_heads, self.capacity, head_dim)
@@ -297,7 +291,7 @@ class LatentKVCache(LayerCache):
 
     def __init__(self, batch_size: int, kv_lora_rank: int, rope_head_dim: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32):
-        _check_positive(batch_size=batch_size, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
+        _checks.positive_ints(batch_size=batch_size, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
                         max_seq_len=max_seq_len)
         self.kv_lora_rank, self.rope_head_dim, self.max_seq_len = kv_lora_rank, rope_head_dim, max_seq_len
         self.latent = torch.zeros(batch_size, 1, max_seq_len, kv_lora_rank + rope_head_dim, device=device, dtype=dtype)
@@ -391,10 +385,7 @@ class KVCache:
 
     def truncate(self, n: int) -> None:
         """Roll back to the first n tokens (speculative decoding discards rejected drafts this way)."""
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"n must be an int, got {type(n).__name__}")
-        if not 0 <= n <= self.length:
-            raise ValueError(f"n must be in [0, {self.length}] (the cached length), got {n}")
+        _checks.integer("n", n, 0, self.length, allowed=f"an int in [0, {self.length}] (the cached length)")
         layers = self.unique_layers()
         for layer in layers:  # every layer agrees before any changes (rolling buffers may refuse)
             layer.check_truncate(n)

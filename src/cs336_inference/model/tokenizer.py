@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 
+from .. import _checks
+
 ENDOFTEXT = "<|endoftext|>"
 
 
@@ -33,8 +35,7 @@ class ByteTokenizer:
         return self.special_to_id[ENDOFTEXT]
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _checks.instance("text", text, str, "a str")
         pieces = self._split.split(text) if self._split else [text]
         ids: list[int] = []
         for piece in pieces:

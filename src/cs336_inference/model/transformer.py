@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
+from .. import _checks
 from .attention import attention_mask
 from .gqa import GroupedQueryAttention
 from .mla import MultiHeadLatentAttention
@@ -56,8 +57,7 @@ class TransformerBlock(nn.Module):
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        _checks.instance("config", config, ModelConfig, "a ModelConfig")
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -103,13 +103,10 @@ class TransformerLM(nn.Module):
         (speculative decoding: gamma + 1); only sliding-window rings need extra slots for it.
         """
         max_seq_len = self.config.context_length if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 0 < max_seq_len <= self.config.context_length:
-            raise ValueError(f"max_seq_len must be an int in [1, context_length={self.config.context_length}], "
-                             f"got {max_seq_len!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-        if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback <= 0:
-            raise ValueError(f"max_rollback must be a positive int, got {max_rollback!r}")
+        _checks.integer("max_seq_len", max_seq_len, 1, self.config.context_length,
+                        allowed=f"an int in [1, context_length={self.config.context_length}]")
+        _checks.positive_int("batch_size", batch_size)
+        _checks.positive_int("max_rollback", max_rollback)
         layers = []
         for i, block in enumerate(self.layers):
             source = self.config.kv_source_layer(i)
@@ -134,9 +131,7 @@ class TransformerLM(nn.Module):
         token_ids = self._check_tokens(token_ids)
         B, T = token_ids.shape
         if cache is None:
-            start = 0 if start_pos is None else start_pos
-            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
-                raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
+            start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
             self._check_length(start, T)
             step = CacheStep.new(start, T, B, pad)
         else:
@@ -168,8 +163,7 @@ class TransformerLM(nn.Module):
         return logits[0] if squeeze else logits
 
     def _check_cache(self, cache, batch_size: int) -> None:
-        if not isinstance(cache, KVCache):
-            raise TypeError(f"cache must be a KVCache (from model.new_cache), got {type(cache).__name__}")
+        _checks.instance("cache", cache, KVCache, "a KVCache (from model.new_cache)")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
 
@@ -179,18 +173,6 @@ class TransformerLM(nn.Module):
                              f"context_length {self.config.context_length}")
 
     def _check_tokens(self, token_ids) -> torch.Tensor:
-        if not isinstance(token_ids, torch.Tensor):
-            raise TypeError(f"token_ids must be a torch.Tensor of integer ids, got {type(token_ids).__name__}")
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-            raise TypeError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
-        if token_ids.dim() == 1:
-            token_ids = token_ids[None]
-        if token_ids.dim() != 2:
-            raise ValueError(f"token_ids must have shape (B, T) or (T,), got {tuple(token_ids.shape)}")
-        B, T = token_ids.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"token_ids must be non-empty, got shape {tuple(token_ids.shape)}")
-        lo, hi = int(token_ids.min()), int(token_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got values in [{lo}, {hi}]")
-        return token_ids.to(self.device)
+        """(B, T) or (T,) integer ids in [0, vocab_size) -> (B, T) int64 on the model's device."""
+        token_ids = _checks.token_ids("token_ids", token_ids, self.config.vocab_size)
+        return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)

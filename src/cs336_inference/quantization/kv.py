@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from ..model.kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache, check_kv_write
 from .fp8 import fp8_dtype
 
@@ -26,12 +27,9 @@ class QuantizedKVCache(LayerCache):
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device=None,
                  dtype: torch.dtype = torch.float32, fmt: str = "int8", scale_dtype: torch.dtype = torch.float16):
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _checks.one_of("fmt", fmt, KV_FORMATS)
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              max_seq_len=max_seq_len)
         self.fmt, self.dtype, self.max_seq_len = fmt, dtype, max_seq_len
         store = torch.int8 if fmt == "int8" else fp8_dtype(fmt)
         self.qmax = 127.0 if fmt == "int8" else torch.finfo(store).max
@@ -88,12 +86,10 @@ def quantize_kv_cache(cache: KVCache, fmt: str = "int8") -> KVCache:
 
     Layers that share one cache (cross-layer sharing) keep sharing the replacement. Returns `cache`.
     """
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache from model.new_cache, got {type(cache).__name__}")
+    _checks.instance("cache", cache, KVCache, "a KVCache from model.new_cache")
     if cache.length != 0:
         raise ValueError(f"quantize an empty cache (this one already holds {cache.length} tokens)")
-    if fmt not in KV_FORMATS:
-        raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
+    _checks.one_of("fmt", fmt, KV_FORMATS)
     replaced = {id(layer): QuantizedKVCache.like(layer, fmt) for layer in cache.unique_layers()}
     cache.layers = [replaced[id(layer)] for layer in cache.layers]
     return cache

@@ -16,6 +16,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from .. import _checks
 from .awq import awq_search_scales
 from .core import check_bits, quantize_tensor
 from .gptq import gptq_quantize
@@ -50,15 +51,8 @@ def _check_calibration(calibration, vocab_size: int) -> list[torch.Tensor]:
         raise ValueError("calibration data is empty: give at least one sequence of token ids")
     out = []
     for i, b in enumerate(batches):
-        b = torch.as_tensor(b)
-        if b.dtype.is_floating_point or b.dtype == torch.bool:
-            raise TypeError(f"calibration batch {i} must hold integer token ids, got dtype {b.dtype}")
-        b = b[None] if b.dim() == 1 else b
-        if b.dim() != 2 or b.numel() == 0:
-            raise ValueError(f"calibration batch {i} must be a non-empty (B, T) or (T,) tensor, got shape {tuple(b.shape)}")
-        if int(b.min()) < 0 or int(b.max()) >= vocab_size:
-            raise ValueError(f"calibration batch {i} has token ids outside [0, {vocab_size})")
-        out.append(b.long())
+        b = _checks.token_ids(f"calibration batch {i}", torch.as_tensor(b), vocab_size)
+        out.append(b[None] if b.dim() == 1 else b)
     return out
 
 
@@ -70,8 +64,7 @@ def _target_linears(model: nn.Module, quantize_lm_head: bool) -> list[str]:
 def _check_args(model, method, bits, group_size, calibration, quantize_embedding, quantize_lm_head):
     if not isinstance(model, nn.Module) or not hasattr(model, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _checks.one_of("method", method, METHODS)
     if method in ("fp8", "llm_int8"):
         if bits != 8:
             raise ValueError(f"method {method!r} stores 8-bit weights; bits must be 8, got {bits!r}")
@@ -82,8 +75,7 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
     if quantize_embedding:
         dims.add(model.token_embeddings.embedding_dim)
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-            raise ValueError(f"group_size must be a positive int or None (per channel), got {group_size!r}")
+        _checks.optional_positive_int("group_size", group_size)
         bad = sorted(d for d in dims if d % group_size)
         if bad:
             raise ValueError(f"group_size {group_size} does not divide the input dimension(s) {bad} of the "
