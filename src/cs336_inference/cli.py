@@ -46,20 +46,23 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
                    help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
-    p.add_argument("--out", default=None, help="output file (default: the package's assets/PRESET.pt)")
+    p.add_argument("--out", default=None,
+                   help="output file (default: a new file ./trained/PRESET.pt; the shipped models in the "
+                        "package's assets/ are replaced only if --out names one)")
     p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs only)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
 def _run_train(args) -> int:
-    from .shipped_models import train_preset
+    from .shipped_models import output_path, train_preset
 
-    _, extra = train_preset(args.preset, out=args.out, steps=args.steps, device=args.device,
+    out = output_path(args.preset, args.out)  # checked before training starts
+    _, extra = train_preset(args.preset, out=out, steps=args.steps, device=args.device,
                             progress=not args.no_progress)
     val = extra["val"]
     print(f"{args.preset}: {extra['num_parameters']:,} parameters, val loss {val['loss']:.4f} nats, "
-          f"{val['bits_per_byte']:.4f} bits/byte, trained in {extra['train_time_s']:.0f} s")
+          f"{val['bits_per_byte']:.4f} bits/byte, trained in {extra['train_time_s']:.0f} s; saved to {out}")
     return 0
 
 
@@ -90,7 +93,7 @@ def _run_figures(args) -> int:
 COMMANDS: dict[str, tuple] = {
     "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
                 _lecture_args, _run_lecture),
-    "train": ("train a shipped model from its preset (reproduces src/cs336_inference/assets/NAME.pt)",
+    "train": ("train a shipped model from its preset (--out src/cs336_inference/assets/NAME.pt reproduces it)",
               _train_args, _run_train),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,6 +112,20 @@ def save_training_state(path, model, optimizer, step: int, generator: torch.Gene
     os.replace(tmp, path)
 
 
+def load_training_state(path) -> dict:
+    """Read a file written by `save_training_state`. Only tensors and plain data are unpickled
+    (`weights_only=True`): a resume file from elsewhere cannot run code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} is not a training state written by this library (it holds objects other "
+                         f"than tensors and plain data, which are never unpickled): {e}") from None
+    keys = ("model_config", "model", "optimizer", "step", "generator", "history")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ValueError(f"{path} is not a training state written by this library (expected keys {keys})")
+    return state
+
+
 def train_model(model: TransformerLM, train_config: TrainConfig, train_data: torch.Tensor | None = None,
                 val_data: torch.Tensor | None = None, loss_fn: Callable | None = None, resume: bool = False,
                 stop_at: int | None = None, desc: str = "train") -> tuple[TransformerLM, dict]:
@@ -138,7 +153,7 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     history, start = _empty_history(), 0
     if resume:
-        state = torch.load(cfg.checkpoint_path, map_location="cpu", weights_only=False)
+        state = load_training_state(cfg.checkpoint_path)
         if state["model_config"] != model.config.to_dict():
             raise ValueError(f"checkpoint {cfg.checkpoint_path} was made for a different model config")
         model.load_state_dict(state["model"])

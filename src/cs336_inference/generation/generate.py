@@ -52,10 +52,14 @@ class GenerationResult:
 def prefill(model, prompt_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
     """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V).
 
-    pad (B,): left-padding slots per prompt (`left_pad`); pass the same pad to every `decode_one_token`.
+    A 1-D prompt (T,) is one sequence: logits (1, V). pad (B,): left-padding slots per prompt
+    (`left_pad`); pass the same pad to every `decode_one_token`.
     """
     if cache.length != 0:
         raise ValueError(f"prefill expects an empty cache, this one holds {cache.length} tokens")
+    prompt_ids = _checks.token_ids("prompt_ids", prompt_ids)
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
     return model(prompt_ids, cache=cache, pad=pad, last_only=True)[:, -1]
 
 
@@ -85,18 +89,46 @@ def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pad
 
 
+def stop_token_set(stop_tokens, vocab_size: int) -> set[int]:
+    """None, one id (int or 0-d tensor), an integer tensor of ids, or a list/tuple/set of int ids -> set."""
+    if stop_tokens is None:
+        return set()
+    if isinstance(stop_tokens, torch.Tensor):
+        if stop_tokens.dtype.is_floating_point or stop_tokens.dtype.is_complex or stop_tokens.dtype == torch.bool:
+            raise TypeError(f"stop_tokens must hold integer token ids, got a tensor of dtype {stop_tokens.dtype}")
+        ids = stop_tokens.reshape(-1).tolist()
+    elif isinstance(stop_tokens, int) and not isinstance(stop_tokens, bool):
+        ids = [stop_tokens]
+    elif isinstance(stop_tokens, (list, tuple, set, frozenset)):
+        ids = list(stop_tokens)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"stop_tokens must be int token ids, got {type(t).__name__} {t!r} in {stop_tokens!r}")
+    else:
+        raise TypeError(f"stop_tokens must be None, an int, an integer tensor or a list of ints, "
+                        f"got {type(stop_tokens).__name__} {stop_tokens!r}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens must be in [0, vocab_size={vocab_size}), got {bad}")
+    return set(ids)
+
+
 @torch.inference_mode()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens=None, generator: torch.Generator | None = None,
              use_cache: bool = True, pad_id: int = 0) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Prompts may differ in length (left-padded).
 
-    temperature 0 is greedy. A sequence stops at the first token in `stop_tokens`; the call ends when
-    all have stopped or `max_new_tokens` steps have run.
+    temperature 0 is greedy. A sequence stops at the first token in `stop_tokens` (an id, a list or a
+    tensor of ids); the call ends when all have stopped or `max_new_tokens` steps have run. pad_id
+    fills the left of shorter prompts (masked out, never attended to).
     """
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
-    stop = set(int(t) for t in (stop_tokens or []))
+    _checks.generator("generator", generator)
+    V = model.config.vocab_size
+    stop = stop_token_set(stop_tokens, V)
+    _checks.integer("pad_id", pad_id, 0, V - 1, allowed=f"a token id in [0, vocab_size={V})")
     ids, pad = left_pad(prompt_ids, pad_id)
     B, P = ids.shape
     prompt_lengths = (P - pad).tolist()

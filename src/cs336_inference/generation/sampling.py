@@ -53,6 +53,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     """logits (B, V) or (V,) -> token ids (B,) or () ; temperature 0 means greedy (argmax)."""
     _check_logits(logits)
     _check_sampling_args(temperature, top_k, top_p)
+    _checks.generator("generator", generator)
     if temperature == 0:
         return logits.argmax(-1)
     probs = logits_to_probs(logits, temperature, top_k, top_p)

@@ -46,6 +46,10 @@ class GroupedQueryAttention(nn.Module):
         """True if this layer projects keys/values itself (and owns a cache); False for CLA followers."""
         return self.kv_source == self.layer_idx
 
+    def cache_spec(self) -> tuple:
+        """(K, H, window): the `LayerCache.spec` this layer's cache must have."""
+        return (self.num_kv_heads, self.head_dim, self.window)
+
     def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None,
                   max_rollback: int = 1) -> ContiguousKVCache:
         return ContiguousKVCache(batch_size, self.num_kv_heads, self.head_dim, max_seq_len,

@@ -109,6 +109,11 @@ class LayerCache:
         """Nothing to free: positions >= n are simply overwritten by the next update."""
 
     @property
+    def spec(self) -> tuple:
+        """(key/value heads K, key dim, window or None): what the model checks the cache was built for."""
+        raise NotImplementedError
+
+    @property
     def device(self) -> torch.device:
         raise NotImplementedError
 
@@ -119,6 +124,11 @@ class LayerCache:
     @property
     def bytes_per_token(self) -> int:
         raise NotImplementedError
+
+
+def _with_new(buffer: torch.Tensor, new: torch.Tensor, step: CacheStep) -> torch.Tensor:
+    """Positions [0, start) from the buffer (constants) followed by the new ones as computed (with grad)."""
+    return torch.cat([buffer[:, :, :step.start], new], dim=2)
 
 
 def _check_kv(name: str, x: torch.Tensor, batch: int, heads: int, dim: int) -> None:
@@ -146,6 +156,11 @@ class _KVBuffers(LayerCache):
 
     k: torch.Tensor
     v: torch.Tensor
+    window: int | None = None
+
+    @property
+    def spec(self) -> tuple:
+        return (self.k.shape[1], self.k.shape[3], self.window)
 
     @property
     def device(self) -> torch.device:
@@ -180,8 +195,10 @@ class ContiguousKVCache(_KVBuffers):
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v (B, K, T, H) at positions [start, start + T); return all keys/values (B, K, end, H)."""
         end = check_kv_write(k, v, step, self.k, self.max_seq_len)
-        self.k[:, :, step.start:end] = k
-        self.v[:, :, step.start:end] = v
+        self.k[:, :, step.start:end] = k.detach()   # the cache stores values, never an autograd graph
+        self.v[:, :, step.start:end] = v.detach()
+        if k.requires_grad or v.requires_grad:       # grad enabled: gradients reach this step's k, v only
+            return _with_new(self.k, k, step), _with_new(self.v, v, step)
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -237,7 +254,7 @@ class RollingKVCache(_KVBuffers):
         keys = torch.cat([self.k[:, :, slots], k], dim=2)      # (B, K, S_w, H), in position order
         values = torch.cat([self.v[:, :, slots], v], dim=2)
         keep = min(step.num_new, C)                            # only the last C new positions fit
-        self._staged = (step, k[:, :, step.num_new - keep:], v[:, :, step.num_new - keep:])
+        self._staged = (step, k.detach()[:, :, step.num_new - keep:], v.detach()[:, :, step.num_new - keep:])
         return keys, values
 
     def mask(self, step: CacheStep) -> torch.Tensor | None:
@@ -306,12 +323,19 @@ class LatentKVCache(LayerCache):
         if v.data_ptr() != k.data_ptr() or v.stride() != k.stride():
             raise ValueError("LatentKVCache stores the latent once: v must be k[..., :kv_lora_rank] (a view of k)")
         end = check_kv_write(k, k, step, self.latent, self.max_seq_len)
-        self.latent[:, :, step.start:end] = k
+        self.latent[:, :, step.start:end] = k.detach()
+        if k.requires_grad:
+            keys = _with_new(self.latent, k, step)
+            return keys, keys[..., :C]
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         keys = self.latent[:, :, :length]
         return keys, keys[..., :self.kv_lora_rank]
+
+    @property
+    def spec(self) -> tuple:
+        return (1, self.latent.shape[-1], None)
 
     @property
     def device(self) -> torch.device:

@@ -66,6 +66,10 @@ class MultiHeadLatentAttention(nn.Module):
     def owns_kv(self) -> bool:
         return self.kv_source == self.layer_idx
 
+    def cache_spec(self) -> tuple:
+        """(1, C + R, None): one shared latent key head, global."""
+        return (1, self.kv_lora_rank + self.rope_head_dim, None)
+
     def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None,
                   max_rollback: int = 1) -> LatentKVCache:
         return LatentKVCache(batch_size, self.kv_lora_rank, self.rope_head_dim, max_seq_len,

@@ -163,7 +163,27 @@ class TransformerLM(nn.Module):
         return logits[0] if squeeze else logits
 
     def _check_cache(self, cache, batch_size: int) -> None:
+        """Refuse a cache built for another model (layer count, sharing, heads, dims, windows) or batch."""
         _checks.instance("cache", cache, KVCache, "a KVCache (from model.new_cache)")
+        fix = "build the cache with this model's new_cache(...)"
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers but this model has {len(self.layers)}; {fix}")
+        owners = set()
+        for i, (layer, block) in enumerate(zip(cache.layers, self.layers)):
+            source = self.config.kv_source_layer(i)
+            if source != i:
+                if layer is not cache.layers[source]:
+                    raise ValueError(f"layer {i} shares layer {source}'s keys/values (kv_share_group="
+                                     f"{self.config.kv_share_group}) but the cache gives it its own; {fix}")
+                continue
+            if id(layer) in owners:
+                raise ValueError(f"cache layer {i} is shared with an earlier layer, but this model's layer {i} "
+                                 f"computes its own keys/values; {fix}")
+            owners.add(id(layer))
+            expected = block.attn.cache_spec()
+            if layer.spec != expected:
+                raise ValueError(f"cache layer {i} holds (K heads, key dim, window) = {layer.spec} but this model's "
+                                 f"layer {i} needs {expected}; {fix}")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
 

@@ -120,8 +120,9 @@ def quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool | None = Non
     qmin, qmax = qrange(bits, symmetric)
     scale = _expand(torch.as_tensor(scale, dtype=torch.float32, device=x.device), x.shape)
     zero_point = _expand(torch.as_tensor(zero_point, dtype=torch.float32, device=x.device), x.shape)
-    if torch.any(torch.as_tensor(scale) <= 0):
-        raise ValueError("scale must be positive")
+    if not torch.isfinite(scale).all() or torch.any(scale <= 0):
+        raise ValueError(f"scale must be finite and positive, got values in [{scale.min().item()}, "
+                         f"{scale.max().item()}] (NaN/Inf or <= 0)")
     q = torch.round(x.float() / scale) + zero_point
     return q.clamp(qmin, qmax).to(torch.int32)
 

@@ -56,8 +56,8 @@ class QuantizedKVCache(LayerCache):
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize and write k, v (B, K, T, H) at [start, start + T); return all (dequantized)."""
         end = check_kv_write(k, v, step, self.k, self.max_seq_len)
-        self.k[:, :, step.start:end], self.k_scale[:, :, step.start:end] = self._encode(k)
-        self.v[:, :, step.start:end], self.v_scale[:, :, step.start:end] = self._encode(v)
+        self.k[:, :, step.start:end], self.k_scale[:, :, step.start:end] = self._encode(k.detach())
+        self.v[:, :, step.start:end], self.v_scale[:, :, step.start:end] = self._encode(v.detach())
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +65,10 @@ class QuantizedKVCache(LayerCache):
         k = (self.k[:, :, :length].float() * self.k_scale[:, :, :length].float()).to(self.dtype)
         v = (self.v[:, :, :length].float() * self.v_scale[:, :, :length].float()).to(self.dtype)
         return k, v
+
+    @property
+    def spec(self) -> tuple:
+        return (self.k.shape[1], self.k.shape[3], None)
 
     @property
     def device(self) -> torch.device:

@@ -20,7 +20,7 @@ from .. import _checks
 from .awq import awq_search_scales
 from .core import check_bits, quantize_tensor
 from .gptq import gptq_quantize
-from .linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
+from .linear import QUANTIZED_LINEAR_TYPES, Fp8Linear, LLMInt8Linear, QuantizedLinear
 from .qat import qat_finetune
 
 METHODS = ("rtn", "gptq", "awq", "qat", "fp8", "llm_int8")
@@ -65,6 +65,11 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
     if not isinstance(model, nn.Module) or not hasattr(model, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     _checks.one_of("method", method, METHODS)
+    done = [n for n, m in model.named_modules() if isinstance(m, QUANTIZED_LINEAR_TYPES + (QuantizedEmbedding,))]
+    if done or getattr(model, "quantization", None):
+        raise ValueError(f"model is already quantized ({getattr(model, 'quantization', None) or done[:3]}); "
+                         f"quantize the full-precision model instead (quantizing twice compounds the error "
+                         f"and mislabels the bits)")
     if method in ("fp8", "llm_int8"):
         if bits != 8:
             raise ValueError(f"method {method!r} stores 8-bit weights; bits must be 8, got {bits!r}")
@@ -202,7 +207,8 @@ def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_orde
                 lin = q.get_submodule(n)
                 res = gptq_quantize(lin.weight, inputs=inputs[n], bits=bits, group_size=group_size,
                                     symmetric=symmetric, block_size=block_size, damp=damp, act_order=act_order)
-                _set(q, n, QuantizedLinear(res.quantized, scale_dtype=scale_dtype, out_dtype=lin.weight.dtype))
+                _set(q, n, QuantizedLinear(res.quantized, scale_dtype=scale_dtype, out_dtype=lin.weight.dtype,
+                                           bias=lin.bias))
             continue
         # AWQ: one shared scale per group of linears reading the same input. Search the groups whose
         # producer is a linear of this stage first (w2's 1/s lands in w3's rows before w3 is searched).
@@ -221,4 +227,4 @@ def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_orde
             granularity = "channel" if group_size is None else "group"
             qt = quantize_tensor(lin.weight.detach(), bits, symmetric, granularity, group_size)
             _set(q, n, QuantizedLinear(qt, input_scale=explicit.get(n), scale_dtype=scale_dtype,
-                                       out_dtype=lin.weight.dtype))
+                                       out_dtype=lin.weight.dtype, bias=lin.bias))
