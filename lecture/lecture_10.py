@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/_openmp.py)
 import json  # noqa: E402
 import math  # noqa: E402
 
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 
 from lecture_util import Reference, image, link, section, text  # noqa: E402
 
-from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
+                             get_device, seed_everything)
 from cs336_inference.model import load_pretrained  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
@@ -49,6 +51,7 @@ minitron = Reference(title="Compact Language Models via Pruning and Knowledge Di
 
 
 def main():
+    apply_thread_policy(parallel=False)  # tiny models: one CPU thread is fastest, and immune to a busy machine
     # 1. Understanding the inference workload
     landscape()
     review_transformer()

@@ -20,6 +20,8 @@
 # predictions against a real ~88M-parameter model. Everything comes from `cs336_inference`.
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+# isort: split
 import matplotlib.pyplot as plt
 import sympy as sp
 import torch
@@ -30,13 +32,13 @@ from cs336_inference.accounting import symbolic as sym
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, forward_flops, kv_cache_bytes_per_token,
                                         num_parameters, transformer_performance_stats, with_kv_heads)
 from cs336_inference.benchmarks.accounting import batch_sweep, plot_kv_memory, plot_latency_throughput
-from cs336_inference.benchmarks.roofline import (measure_decode, measure_prefill, plot_model, plot_roofline,
-                                            threads_for_timing)
+from cs336_inference.benchmarks.roofline import measure_decode, measure_prefill, plot_model, plot_roofline
 from cs336_inference.figures import save_figure
 from cs336_inference.accounting import measure_hardware, roofline_sweep
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy(parallel=True))  # timing below: every core, passive waits
 seed_everything(0)
 
 # %% [markdown]
@@ -105,12 +107,11 @@ print("saved", save_figure(fig, "01_kv_memory_mha_vs_gqa"))
 # Two numbers describe the machine: peak matmul FLOP/s and streaming memory bandwidth. Their ratio
 # is its accelerator intensity. Then Y = X @ W with a W larger than the caches, for growing B:
 # achieved FLOP/s should follow min(peak, intensity x bandwidth). (Shared machines are noisy:
-# these are medians; on a CPU that other programs keep busy we time with one thread, because
-# OpenMP threads that spin-wait for each other make small matmuls ten times slower.)
+# these are medians. We time with every core and OpenMP's passive wait policy, set when
+# `cs336_inference` was imported before torch: threads that spin-wait for each other stall when
+# another program holds a core, and make small matmuls ten times slower.)
 
 # %%
-torch.set_num_threads(threads_for_timing(device))
-print("timing threads:", torch.get_num_threads())
 hw = measure_hardware(device)
 print(hw.summary())
 sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(10)], repeats=2, hardware=hw)

@@ -30,6 +30,8 @@
 # | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+# isort: split
 import json
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from cs336_inference.figures import figures_dir, save_figure
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 dtype = torch.float32  # exact comparisons below; bf16 would need looser tolerances
 

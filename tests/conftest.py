@@ -1,3 +1,5 @@
+import cs336_inference  # noqa: F401  (before torch: OpenMP's passive wait policy, see cs336_inference/_openmp.py)
+# isort: split
 import pytest
 import torch
 

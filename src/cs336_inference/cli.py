@@ -20,6 +20,9 @@ def _lecture_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_lecture(args) -> int:
+    from .device import apply_thread_policy
+
+    apply_thread_policy(parallel=False)  # the lecture's models are tiny: one thread (see device.py)
     path = Path(args.path)
     if not path.is_file():
         print(f"lecture file not found: {path} (run from a source checkout)", file=sys.stderr)
@@ -35,6 +38,9 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_bench(args) -> int:
+    from .device import apply_thread_policy
+
+    apply_thread_policy(parallel=args.which in PARALLEL_BENCHMARKS)
     module_name, func_name = BENCHMARKS[args.which]
     module = __import__(f"cs336_inference.{module_name}", fromlist=[func_name])
     getattr(module, func_name)(quick=args.quick, device=args.device)
@@ -76,6 +82,30 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "quantization": ("benchmarks.quantization", "bench_quantization"),
 }
 
+# Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
+# toy models, where one thread is as fast and immune to a busy machine.
+PARALLEL_BENCHMARKS = {"generation", "roofline"}
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
+
+
+def _run_info(args) -> int:
+    """Print where the library runs and how it threads (after applying the thread policy)."""
+    import torch
+
+    from .device import apply_thread_policy, default_dtype, get_device, thread_report
+
+    apply_thread_policy(parallel=args.parallel)
+    device = get_device()
+    print(f"device: {device} ({default_dtype(device)})")
+    print(f"torch: {torch.__version__}")
+    for key, value in thread_report().items():
+        print(f"{key}: {value}")
+    return 0
+
+
 def _figures_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
@@ -98,6 +128,7 @@ COMMANDS: dict[str, tuple] = {
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
     "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
+    "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
 }
 
 

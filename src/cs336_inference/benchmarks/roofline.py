@@ -18,7 +18,7 @@ import torch
 
 from ..accounting.formulas import decode_step_bytes, forward_flops
 from ..model.config import ModelConfig
-from ..device import default_dtype, get_device, seed_everything
+from ..device import apply_thread_policy, default_dtype, get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..model.transformer import TransformerLM
 from ..accounting.roofline import HardwareMeasurement, RooflineSweep, _element_size, measure_hardware, roofline_sweep
@@ -143,26 +143,11 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     return fig
 
 
-def threads_for_timing(device: torch.device) -> int:
-    """CPU threads to time with: all of torch's, unless the machine is oversubscribed.
-
-    When other processes already keep every core busy (load average >= cores), OpenMP threads that
-    spin-wait for each other get descheduled and small matmuls slow down 10x or more; one thread
-    then measures the hardware far more faithfully than two.
-    """
-    if device.type != "cpu":
-        return torch.get_num_threads()
-    return 1 if os.getloadavg()[0] >= (os.cpu_count() or 1) else torch.get_num_threads()
-
-
 def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     """Measure, sweep, time the model; print tables; write JSON and two figures."""
     device = get_device(device)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
-    if torch.get_num_threads() != threads_before:
-        print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores: timing with 1 thread "
-              "(spin-waiting OpenMP threads on an oversubscribed machine distort every number)")
+    apply_thread_policy(parallel=True)   # big matmuls: every core, idle OpenMP workers sleep (device.py)
     try:
         return _bench_roofline(quick, device)
     finally:
