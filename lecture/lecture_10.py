@@ -34,7 +34,7 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
                                                  decode_throughput, generation_flops, matmul_cost,
                                                  matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
                                                  parameter_count)
-from cs336_inference.benchmarks.kv_variants import format_table  # noqa: E402
+from cs336_inference.tables import kv_variants_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -310,7 +310,7 @@ def reduce_kv_cache_size():
     held = []
     with torch.no_grad():
         model(torch.randint(0, 257, (1, 20)), cache=cache)
-        for t in range(20, 40):
+        for _ in range(20, 40):
             model(torch.randint(0, 257, (1, 1)), cache=cache)
             held.append(cache.nbytes)
     assert len(set(held)) == 1 and held[0] == kv_cache_bytes(local, 1, 64, 4) == 8 * cache.bytes_per_token
@@ -342,7 +342,7 @@ def kv_experiment_summary():
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
-    table = format_table(results)  # @inspect table
+    table = kv_variants_table(results)  # @inspect table
     text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
     variants = results["variants"]

@@ -20,7 +20,7 @@
 # one-token forward pass.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
 import matplotlib.pyplot as plt
 

@@ -30,7 +30,7 @@
 # | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
 import json
 from pathlib import Path
@@ -40,8 +40,8 @@ import torch
 
 from cs336_inference import ModelConfig, TransformerLM, get_device, seed_everything
 from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
-from cs336_inference.benchmarks.kv_variants import format_table
 from cs336_inference.figures import figures_dir, save_figure
+from cs336_inference.tables import kv_variants_table
 
 device = get_device()
 print("device:", device)
@@ -177,7 +177,7 @@ if not path.exists():
 if path.exists():
     results = json.loads(path.read_text())
     print(f"window = {results['window']}, {results['train']['steps']} steps, device {results['device']}")
-    print(format_table(results))
+    print(kv_variants_table(results))
 else:
     print("no committed results: run `python -m cs336_inference bench kv_variants --quick`")
 

@@ -22,7 +22,7 @@
 # method on the shipped target model (`python -m cs336_inference bench quantization`).
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
 import json
 from pathlib import Path

@@ -23,10 +23,9 @@
 # --preset draft`) and `draft-scratch` (same shape, trained from scratch for the same steps).
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy; see device.py)
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
 import matplotlib.pyplot as plt
-import torch
 
 from cs336_inference import get_device, seed_everything
 from cs336_inference.model import checkpoints

@@ -197,6 +197,12 @@ def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
     return LatentKVCache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len)
 
 
+def make_cache_step(start: int, num_new: int, pad=None):
+    """What one forward writes into a layer cache: T = num_new tokens appended at position `start`."""
+    from cs336_inference.model import CacheStep
+    return CacheStep(start, num_new, pad)
+
+
 # --- accounting and roofline: symbolic and numeric FLOP/byte accounting, measured hardware ------
 
 from cs336_inference.accounting import roofline  # noqa: E402
@@ -241,14 +247,6 @@ def get_real_model(name: str):
 
 def run_num_parameters(model, **kwargs) -> int:
     return accounting.num_parameters(model, **kwargs)
-
-
-def run_kv_cache_bytes_per_token(config, bytes_per_element=2):
-    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
-
-
-def run_kv_cache_bytes(config, batch_size, seq_len, bytes_per_element=2):
-    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
 
 
 def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False, mla_absorbed=False) -> int:
@@ -384,6 +382,14 @@ def run_quantize_model(model, method="rtn", bits=4, group_size=None, calibration
 def get_model_nbytes(model) -> int:
     from cs336_inference.quantization import model_nbytes
     return model_nbytes(model)
+
+
+def make_quantized_linear(linear, kind: str = "int4", **kwargs):
+    """An nn.Linear replaced by a quantized one: "int4" (RTN, group 16 unless given), "fp8" or "llm_int8"."""
+    from cs336_inference.quantization.linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
+    if kind == "int4":
+        return QuantizedLinear.from_linear(linear, bits=4, group_size=kwargs.pop("group_size", 16), **kwargs)
+    return {"fp8": Fp8Linear, "llm_int8": LLMInt8Linear}[kind](linear, **kwargs)
 
 
 def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):

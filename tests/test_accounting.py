@@ -258,6 +258,7 @@ def test_more_bad_inputs():
     with pytest.raises(ValueError, match="divide num_heads"):
         adapters.run_with_kv_heads(adapters.get_real_model("llama2-13b"), 7)
     with pytest.raises(ValueError, match="peak_flops"):
-        type(adapters.get_hardware_table()["H100"])("x", peak_flops=-1.0, memory_bandwidth=1.0, memory_bytes=None, source="")
+        spec = type(adapters.get_hardware_table()["H100"])
+        spec("x", peak_flops=-1.0, memory_bandwidth=1.0, memory_bytes=None, source="")
     with pytest.raises(ValueError, match="num_layers"):
         adapters.get_real_model("llama2-13b").replace(num_layers=0)

@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 import torch.nn as nn
-from adapters import (get_tokenizer, make_config, make_kv_cache, make_model, make_train_config, run_generate,
-                      run_load_checkpoint, run_model, run_prefill, run_quantize, run_quantize_model,
+from adapters import (get_tokenizer, make_config, make_kv_cache, make_model, make_quantized_linear, make_train_config,
+                      run_generate, run_load_checkpoint, run_model, run_prefill, run_quantize, run_quantize_model,
                       run_sample_next_token, run_save_checkpoint, run_train_lm)
 
 CFG = dict(vocab_size=257, context_length=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48)
@@ -205,25 +205,22 @@ def test_quantizing_an_already_quantized_model_is_refused(model):
 
 
 def test_llm_int8_threshold_is_checked_at_construction():
-    from cs336_inference.quantization.linear import LLMInt8Linear
     with pytest.raises(ValueError, match="threshold"):
-        LLMInt8Linear(nn.Linear(8, 4, bias=False), threshold=-1.0)
+        make_quantized_linear(nn.Linear(8, 4, bias=False), "llm_int8", threshold=-1.0)
 
 
 @pytest.mark.parametrize("kind", ["int4", "fp8", "llm_int8"])
 def test_quantized_linears_keep_the_bias(kind):
-    from cs336_inference.quantization.linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
     torch.manual_seed(0)
     linear = nn.Linear(32, 8)
     without = nn.Linear(32, 8, bias=False)
     with torch.no_grad():
         linear.bias.copy_(torch.randn(8))
         without.weight.copy_(linear.weight)
-    make = {"int4": lambda lin: QuantizedLinear.from_linear(lin, bits=4, group_size=16),
-            "fp8": Fp8Linear, "llm_int8": LLMInt8Linear}[kind]
     x = torch.randn(5, 32)
     with torch.no_grad():   # the same weight path, plus exactly the bias
-        torch.testing.assert_close(make(linear)(x) - make(without)(x), linear.bias.expand(5, 8), atol=1e-5, rtol=0)
+        got = make_quantized_linear(linear, kind)(x) - make_quantized_linear(without, kind)(x)
+    torch.testing.assert_close(got, linear.bias.expand(5, 8), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0])

@@ -3,9 +3,8 @@ and overflow, and invalid variant combinations are refused with clear errors."""
 
 import pytest
 import torch
-from adapters import (make_config, make_kv_cache, make_latent_kv_cache, make_model, make_rolling_kv_cache,
-                      run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
-from cs336_inference.model import CacheStep
+from adapters import (make_cache_step, make_config, make_kv_cache, make_latent_kv_cache, make_model,
+                      make_rolling_kv_cache, run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
 from test_kv_variants import BASE, VARIANTS, WINDOW
 
 
@@ -76,7 +75,7 @@ def test_rolling_buffer_allows_any_rollback_before_it_wraps():
 
 def _write(cache, k, start):
     """One forward's worth of a layer cache: update then commit (what KVCache does per layer)."""
-    step = CacheStep(start, k.shape[2])
+    step = make_cache_step(start, k.shape[2])
     out = cache.update(k, k[..., :cache.kv_lora_rank] if hasattr(cache, "kv_lora_rank") else k, step)
     cache.commit(step)
     return out
@@ -108,10 +107,10 @@ def test_rolling_buffer_writes_its_ring_only_at_commit():
     cache = make_rolling_kv_cache(1, 1, 2, window=2, max_seq_len=8)
     _write(cache, torch.randn(1, 1, 2, 2), 0)
     snapshot = cache.k.clone()
-    cache.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), CacheStep(2, 3))   # never committed
+    cache.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), make_cache_step(2, 3))   # never committed
     assert torch.equal(snapshot, cache.k) and cache.oldest == 0
     with pytest.raises(RuntimeError, match="not staged"):
-        cache.commit(CacheStep(2, 3))
+        cache.commit(make_cache_step(2, 3))
 
 
 def test_latent_cache_overflow_is_refused_before_writing():
@@ -123,7 +122,7 @@ def test_latent_cache_overflow_is_refused_before_writing():
         _write(cache, torch.ones(2, 1, 1, 6), 3)
     latent = torch.ones(2, 1, 1, 8)
     with pytest.raises(ValueError, match="view of k"):              # the values are the latent's first C dims
-        cache.update(latent, latent[..., :6].clone(), CacheStep(3, 1))
+        cache.update(latent, latent[..., :6].clone(), make_cache_step(3, 1))
     assert cache.latent[:, :, 3].abs().sum() == 0 and cache.bytes_per_token == 8 * 4
 
 

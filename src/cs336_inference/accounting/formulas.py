@@ -210,7 +210,8 @@ class TransformerPerformanceStats:
     def summary(self) -> str:
         fits = "" if self.fits_in_memory is None else (" (fits)" if self.fits_in_memory else " (DOES NOT FIT)")
         return (f"{self.model} on {self.hardware}, B={self.batch_size}, S={self.seq_len}, {self.precision}: "
-                f"memory {self.total_memory_bytes / 1e9:.1f} GB{fits}, latency {self.latency_per_token_s * 1e3:.1f} ms/token "
+                f"memory {self.total_memory_bytes / 1e9:.1f} GB{fits}, "
+                f"latency {self.latency_per_token_s * 1e3:.1f} ms/token "
                 f"({self.bound}-bound), throughput {self.throughput_tokens_per_s:,.0f} tokens/s, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms")
 
@@ -247,7 +248,8 @@ def transformer_performance_stats(config, hardware: str | HardwareSpec = "H100",
         num_parameters=params, weight_bytes=weights, kv_cache_bytes_per_sequence=kv_seq, kv_cache_bytes=kv,
         total_memory_bytes=memory, memory_capacity_bytes=hw.memory_bytes,
         fits_in_memory=None if hw.memory_bytes is None else memory <= hw.memory_bytes,
-        decode_bytes=decode_bytes, decode_flops=decode_flops, decode_memory_time_s=t_mem, decode_compute_time_s=t_compute,
+        decode_bytes=decode_bytes, decode_flops=decode_flops, decode_memory_time_s=t_mem,
+        decode_compute_time_s=t_compute,
         latency_per_token_s=latency, throughput_tokens_per_s=batch_size / latency,
         bound="memory" if t_mem >= t_compute else "compute",
         prefill_flops=prefill_flops, prefill_time_s=prefill_time, ttft_s=prefill_time)
@@ -279,3 +281,10 @@ def max_batch_size(config, hardware: str | HardwareSpec = "H100", seq_len: int =
     nbytes = precision_bytes(precision)
     free = hw.memory_bytes - weight_bytes(s, precision)
     return max(0, int(free // kv_cache_bytes(s, 1, seq_len, nbytes)))
+
+
+def batch_sweep(model="llama2-13b", hardware="H100", seq_len: int = 1024, batch_sizes=None,
+                precision: str = "bf16") -> list:
+    """`TransformerPerformanceStats` for each batch size (default 1, 2, 4, ..., 512)."""
+    batch_sizes = batch_sizes or [2**i for i in range(10)]
+    return [transformer_performance_stats(model, hardware, b, seq_len, precision) for b in batch_sizes]

@@ -177,14 +177,15 @@ def roofline_sweep(device=None, batch_sizes=tuple(2**i for i in range(11)), d_in
         _checks.positive_int("batch_sizes[i]", b)
     _checks.positive_int("repeats", repeats)
     if hardware is not None:
-        _checks.instance("hardware", hardware, HardwareMeasurement, "a HardwareMeasurement (from measure_hardware) or None")
+        _checks.instance("hardware", hardware, HardwareMeasurement,
+                         "a HardwareMeasurement (from measure_hardware) or None")
     hardware = hardware or measure_hardware(device, dtype=dtype)
     w = torch.randn(d_in, d_out, device=device, dtype=dtype)
     e = w.element_size()
     seconds, intensity, achieved, predicted = [], [], [], []
     for b in batch_sizes:
         x = torch.randn(b, d_in, device=device, dtype=dtype)
-        t = median_seconds(lambda: x @ w, device, repeats)
+        t = median_seconds(lambda x=x: x @ w, device, repeats)
         flops = 2 * b * d_in * d_out
         ai = flops / (e * (b * d_in + d_in * d_out + b * d_out))
         seconds.append(t)

@@ -25,6 +25,7 @@ from ..figures import save_figure, save_json
 from ..quantization.kv import quantize_kv_cache
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
+from ..tables import print_table
 
 
 def _group_for(model, wanted: int | None) -> int | None:
@@ -156,26 +157,15 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
                   small_group_size=small_group, kv_cache=kv, rows=rows,
                   note=("decode tok/s measured batch 1 on a shared CPU (medians of interleaved rounds); "
                         "dequantize-on-the-fly in PyTorch is slower than fp32 here, see the module docstring"))
-    _print_table(rows)
+    print_table(rows, [("variant", "variant", None), ("model_bytes", "bytes", "{:,}"),
+                       ("bytes_ratio_vs_fp32", "ratio", "{:.2f}x"), ("val_bits_per_byte", "bpb", "{:.4f}"),
+                       ("delta_bits_per_byte", "d bpb", "{:+.4f}"), ("kl_to_fp32", "KL", "{:.4f}"),
+                       ("top1_agreement", "top1", "{:.3f}"), ("decode_tok_per_s", "tok/s", "{:.0f}"),
+                       ("quantize_seconds", "quant s", "{:.1f}")])
     print(f"\nKV cache bytes per token: fp32 {kv['fp32_bytes_per_token']}, int8 {kv['int8_bytes_per_token']}")
     save_json(result, name)
     _plot(result, name)
     return result
-
-
-def _print_table(rows: list[dict]) -> None:
-    cols = [("variant", "{}", 22), ("model_bytes", "{:,}", 11), ("bytes_ratio_vs_fp32", "{:.2f}x", 7),
-            ("val_bits_per_byte", "{:.4f}", 7), ("delta_bits_per_byte", "{:+.4f}", 8), ("kl_to_fp32", "{:.4f}", 7),
-            ("top1_agreement", "{:.3f}", 6), ("decode_tok_per_s", "{:.0f}", 7), ("quantize_seconds", "{:.1f}", 6)]
-    heads = ["variant", "bytes", "ratio", "bpb", "d bpb", "KL", "top1", "tok/s", "quant s"]
-    print("\n" + "  ".join(f"{h:>{w}}" if i else f"{h:<{w}}" for i, (h, (_, _, w)) in enumerate(zip(heads, cols))))
-    for r in rows:
-        cells = []
-        for i, (key, fmt, w) in enumerate(cols):
-            v = r.get(key)
-            s = "-" if v is None else fmt.format(v)
-            cells.append(f"{s:<{w}}" if i == 0 else f"{s:>{w}}")
-        print("  ".join(cells))
 
 
 def _plot(result: dict, name: str) -> None:

@@ -45,7 +45,8 @@ def distill(student: TransformerLM, teacher: TransformerLM, train_config: TrainC
     _checks.instance("student", student, TransformerLM, "a TransformerLM")
     _checks.instance("teacher", teacher, TransformerLM, "a TransformerLM")
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise ValueError(f"vocab sizes differ: student {student.config.vocab_size}, teacher {teacher.config.vocab_size}")
+        raise ValueError(f"vocab sizes differ: student {student.config.vocab_size}, "
+                         f"teacher {teacher.config.vocab_size}")
     _checks.probability("alpha", alpha)
     _checks.finite_positive_float("temperature", temperature)
     teacher.eval()

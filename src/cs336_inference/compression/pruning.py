@@ -143,7 +143,8 @@ def _target(name: str, value, current: int, ratio) -> int:
     """The number of `name` units to keep: an explicit int, else current * (1 - ratio), else current."""
     if value is None:
         return current if ratio is None else max(1, round(current * (1 - ratio)))
-    return _checks.integer(name, value, 1, current, allowed=f"an int in [1, {current}] (how many to keep; the model has {current})")
+    return _checks.integer(name, value, 1, current,
+                           allowed=f"an int in [1, {current}] (how many to keep; the model has {current})")
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -75,7 +75,8 @@ def compare_to_reference(model, reference, data: torch.Tensor, seq_len: int = 25
     _check_model_fits(model, seq_len)
     _check_model_fits(reference, seq_len)
     if model.config.vocab_size != reference.config.vocab_size:
-        raise ValueError(f"vocab sizes differ: model {model.config.vocab_size}, reference {reference.config.vocab_size}")
+        raise ValueError(f"vocab sizes differ: model {model.config.vocab_size}, "
+                         f"reference {reference.config.vocab_size}")
     states = model.training, reference.training
     model.eval(), reference.eval()
     kl_sum, agree, count = 0.0, 0, 0

@@ -7,9 +7,10 @@ Two levels:
 - `KVCache` is the model's cache. It owns the position: `length` tokens are cached per sequence and
   the next forward appends at `length`. `begin(T, pad)` describes one forward as a `CacheStep`,
   `commit(step)` makes it permanent, `truncate(n)` rolls back.
-- a *layer cache* (`LayerCache`) holds one layer's tensors: `ContiguousKVCache` (MHA/GQA/MQA),
-  `RollingKVCache` (sliding-window layers), `LatentKVCache` (MLA), and `QuantizedKVCache`
-  (`quantization.kv`). Layers that share keys/values (cross-layer attention) share one object.
+- a *layer cache* (`LayerCache`) holds one layer's tensors: `ContiguousKVCache` (MHA/GQA/MQA, here),
+  `RollingKVCache` (sliding-window layers, `rolling_kv_cache`), `LatentKVCache` (MLA, `latent_kv_cache`)
+  and `QuantizedKVCache` (`quantization.kv`). Layers that share keys/values (cross-layer attention)
+  share one object.
 """
 
 from __future__ import annotations
@@ -144,7 +145,8 @@ def check_kv_write(k: torch.Tensor, v: torch.Tensor, step: CacheStep, buffer: to
     _check_kv("k", k, B, K, H)
     _check_kv("v", v, B, K, H)
     if k.shape[2] != step.num_new or v.shape[2] != step.num_new:
-        raise ValueError(f"k and v must hold the step's {step.num_new} new positions, got {k.shape[2]} and {v.shape[2]}")
+        raise ValueError(f"k and v must hold the step's {step.num_new} new positions, "
+                         f"got {k.shape[2]} and {v.shape[2]}")
     if step.start < 0 or step.end > max_seq_len:
         raise ValueError(f"cache overflow: writing positions [{step.start}, {step.end}) into a cache of "
                          f"max_seq_len {max_seq_len}")
@@ -186,7 +188,8 @@ class ContiguousKVCache(_KVBuffers):
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
                  device=None, dtype: torch.dtype = torch.float32):
-        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim, max_seq_len=max_seq_len)
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              max_seq_len=max_seq_len)
         shape = (batch_size, num_kv_heads, max_seq_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -204,151 +207,6 @@ class ContiguousKVCache(_KVBuffers):
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first `length` positions, as views (B, K, length, H)."""
         return self.k[:, :, :length], self.v[:, :, :length]
-
-
-class RollingKVCache(_KVBuffers):
-    """Sliding-window attention's cache: a ring buffer of min(window + spare, max_seq_len) positions.
-
-    Position p lives in slot p % capacity (Mistral 7B, Jiang et al. 2023), so memory stays flat however
-    long the sequence grows. A query at position i sees keys i - window + 1 .. i, so `update` returns
-    the keys of positions first_key(start) .. start + T - 1 in order: the older ones gathered from the
-    ring, the T new ones as given (a long prefill needs new keys that the ring cannot hold at once),
-    and `mask` is the band over exactly those positions. The ring is written at `commit`, so a forward
-    that fails midway overwrites nothing. `spare` extra slots let `truncate` remove up to spare + 1
-    positions after any forward (speculative decoding verifies gamma + 1 tokens, then rolls back).
-    """
-
-    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, max_seq_len: int,
-                 device=None, dtype: torch.dtype = torch.float32, spare: int = 0):
-        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        window=window, max_seq_len=max_seq_len)
-        _checks.non_negative_int("spare", spare)
-        self.window, self.max_seq_len = window, max_seq_len
-        self.capacity = min(window + spare, max_seq_len)
-        shape = (batch_size, num_kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.oldest = 0       # oldest position whose slot still holds it (older ones were overwritten)
-        self._staged = None   # (step, k, v) written to the ring at commit
-
-    def first_key(self, start: int) -> int:
-        """Oldest position a query at `start` may attend to (the first key `update` returns)."""
-        return max(0, start - self.window + 1)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return keys/values (B, K, S_w, H) of positions first_key(start) .. start + T - 1; stage the new
-        k, v (B, K, T, H) for `commit`."""
-        B, K, C, H = self.k.shape
-        _check_kv("k", k, B, K, H)
-        _check_kv("v", v, B, K, H)
-        if k.shape[2] != step.num_new or v.shape[2] != step.num_new:
-            raise ValueError(f"k and v must hold the step's {step.num_new} new positions, got {k.shape[2]}")
-        if step.end > self.max_seq_len:
-            raise ValueError(f"cache overflow: writing positions [{step.start}, {step.end}) into a cache of "
-                             f"max_seq_len {self.max_seq_len}")
-        first = self.first_key(step.start)
-        if first < self.oldest:
-            raise ValueError(f"the ring no longer holds positions [{first}, {self.oldest}) that a query at "
-                             f"{step.start} needs (oldest intact position: {self.oldest})")
-        slots = torch.arange(first, step.start, device=self.k.device) % C
-        keys = torch.cat([self.k[:, :, slots], k], dim=2)      # (B, K, S_w, H), in position order
-        values = torch.cat([self.v[:, :, slots], v], dim=2)
-        keep = min(step.num_new, C)                            # only the last C new positions fit
-        self._staged = (step, k.detach()[:, :, step.num_new - keep:], v.detach()[:, :, step.num_new - keep:])
-        return keys, values
-
-    def mask(self, step: CacheStep) -> torch.Tensor | None:
-        first = self.first_key(step.start)
-        return attention_mask(step.num_new, step.end - first, step.start, step.pad, window=self.window,
-                              device=self.device, first_key=first)
-
-    def commit(self, step: CacheStep) -> None:
-        if self._staged is None or self._staged[0] is not step:
-            raise RuntimeError("RollingKVCache.commit: this step was not staged by update (commit follows "
-                               "update within one forward)")
-        _, k, v = self._staged
-        slots = torch.arange(step.end - k.shape[2], step.end, device=self.k.device) % self.capacity
-        self.k[:, :, slots] = k
-        self.v[:, :, slots] = v
-        self.oldest = max(self.oldest, step.end - self.capacity)
-        self._staged = None
-
-    def held_positions(self, length: int) -> range:
-        """Positions whose keys/values the ring holds intact when `length` tokens are cached, oldest first."""
-        return range(min(self.oldest, length), length)
-
-    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values (B, K, n, H) of the held positions before `length`, oldest first."""
-        slots = torch.arange(self.oldest, length, device=self.k.device) % self.capacity
-        return self.k[:, :, slots], self.v[:, :, slots]
-
-    def check_truncate(self, n: int) -> None:
-        if self.first_key(n) < self.oldest:
-            raise ValueError(
-                f"cannot roll a sliding-window cache back to {n} tokens: the next query needs positions "
-                f"[{self.first_key(n)}, {n}) but the ring buffer of {self.capacity} slots no longer holds "
-                f"positions before {self.oldest} (overwritten); the shortest length it can roll back to is "
-                f"{self.oldest + self.window - 1}; re-prefill to go further back, or build the cache with "
-                f"spare slots (model.new_cache(..., max_rollback=...))")
-
-    def truncate(self, n: int) -> None:
-        """Positions >= n are forgotten; the slots of [oldest, n) stay intact."""
-        self.check_truncate(n)
-        self._staged = None
-
-
-class LatentKVCache(LayerCache):
-    """Multi-head latent attention's cache (DeepSeek-V2): per token, the latent c (C dims) and the
-    decoupled RoPE key (R dims, shared by all heads), stored side by side as (B, 1, S_max, C + R).
-
-    To attention it is one shared key head of C + R dims whose values are its first C dims (MQA over
-    latents), so `update(k, v, step)` has the shape of every other cache: k (B, 1, T, C + R) and
-    v = k[..., :C] (a view, not stored twice).
-    """
-
-    def __init__(self, batch_size: int, kv_lora_rank: int, rope_head_dim: int, max_seq_len: int,
-                 device=None, dtype: torch.dtype = torch.float32):
-        _checks.positive_ints(batch_size=batch_size, kv_lora_rank=kv_lora_rank, rope_head_dim=rope_head_dim,
-                        max_seq_len=max_seq_len)
-        self.kv_lora_rank, self.rope_head_dim, self.max_seq_len = kv_lora_rank, rope_head_dim, max_seq_len
-        self.latent = torch.zeros(batch_size, 1, max_seq_len, kv_lora_rank + rope_head_dim, device=device, dtype=dtype)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k = [c, k_rope] (B, 1, T, C + R) at positions start..; return (B, 1, end, C + R) and its
-        first C dims as the values (B, 1, end, C)."""
-        B, _, _, E = self.latent.shape
-        C = self.kv_lora_rank
-        _check_kv("k", k, B, 1, E)
-        _check_kv("v", v, B, 1, C)
-        if v.data_ptr() != k.data_ptr() or v.stride() != k.stride():
-            raise ValueError("LatentKVCache stores the latent once: v must be k[..., :kv_lora_rank] (a view of k)")
-        end = check_kv_write(k, k, step, self.latent, self.max_seq_len)
-        self.latent[:, :, step.start:end] = k.detach()
-        if k.requires_grad:
-            keys = _with_new(self.latent, k, step)
-            return keys, keys[..., :C]
-        return self.read(end)
-
-    def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        keys = self.latent[:, :, :length]
-        return keys, keys[..., :self.kv_lora_rank]
-
-    @property
-    def spec(self) -> tuple:
-        return (1, self.latent.shape[-1], None)
-
-    @property
-    def device(self) -> torch.device:
-        return self.latent.device
-
-    @property
-    def nbytes(self) -> int:
-        return self.latent.nbytes
-
-    @property
-    def bytes_per_token(self) -> int:
-        """(C + R) * element size: the latent plus the shared RoPE key, whatever the head count."""
-        return self.latent.shape[-1] * self.latent.element_size()
 
 
 class KVCache:

@@ -28,7 +28,8 @@ from einops import einsum, rearrange
 
 from .attention import grouped_attention, require_shared_kv, scaled_dot_product_attention
 from .config import ModelConfig
-from .kv_cache import CacheStep, LatentKVCache, LayerCache
+from .kv_cache import CacheStep, LayerCache
+from .latent_kv_cache import LatentKVCache
 from .layers import Linear, apply_rope
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .gqa import GroupedQueryAttention
 from .config import ModelConfig
-from .kv_cache import RollingKVCache
+from .rolling_kv_cache import RollingKVCache
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
