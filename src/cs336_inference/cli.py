@@ -33,7 +33,9 @@ def _run_lecture(args) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark to run")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes, for a smoke run (writes figures/scratch/NAME_quick.*, "
+                        "never the committed results)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
 
 

@@ -16,7 +16,8 @@ from ..tables import print_table
 
 
 def bench_accounting(quick: bool = False, device: str | None = None) -> dict:
-    """Print the tables, write figures/accounting.json and the two figures. (quick/device unused.)"""
+    """Print the tables, write figures/accounting.json and the two figures (formulas only: --quick computes
+    the same numbers but writes them to the scratch folder; device is unused)."""
     seq_len = 1024
     rows = []
     for name in REAL_MODELS:
@@ -43,15 +44,16 @@ def bench_accounting(quick: bool = False, device: str | None = None) -> dict:
                  ("throughput_tokens_per_s", "tokens/s", "{:,.0f}"),
                  ("fits_in_memory", "fits", lambda v: "fits" if v else "does NOT fit")],
                 title="\nLlama 2 13B on H100, S=1024")
-    paths = [save_figure(plot_latency_throughput(sweep), "accounting_latency_throughput"),
-             save_figure(plot_kv_memory("llama2-13b", "H100", seq_len), "accounting_kv_memory")]
+    paths = [save_figure(plot_latency_throughput(sweep), "accounting_latency_throughput", result=True, quick=quick),
+             save_figure(plot_kv_memory("llama2-13b", "H100", seq_len), "accounting_kv_memory", result=True,
+                         quick=quick)]
     data = {"seq_len": seq_len, "models": rows, "llama2_13b_h100_sweep": [s.to_dict() for s in sweep],
             "llama2_13b_kv_heads_sweep": gqa,
             "hardware": {k: dict(peak_flops=v.peak_flops, memory_bandwidth=v.memory_bandwidth,
                                  memory_bytes=v.memory_bytes, source=v.source,
                                  accelerator_intensity=v.accelerator_intensity) for k, v in HARDWARE.items()},
             "model_sources": {k: v.source for k, v in REAL_MODELS.items()}}
-    paths.append(save_json(data, "accounting"))
+    paths.append(save_json(data, "accounting", result=True, quick=quick))
     for p in paths:
         print("wrote", p)
     return data

@@ -88,13 +88,12 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     rows["naive_over_cached"] = naive.total_time / cached.total_time
 
     print_mapping(rows)
-    name = "generation_quick" if quick else "generation"  # a smoke run never overwrites the real table
-    save_json(rows, name)
-    _plot(rows, cached, naive, name)
+    save_json(rows, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
+    _plot(rows, cached, naive, quick)
     return rows
 
 
-def _plot(rows: dict, cached, naive, name: str) -> None:
+def _plot(rows: dict, cached, naive, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -110,5 +109,5 @@ def _plot(rows: dict, cached, naive, name: str) -> None:
     ax2.set_title("Per-step latency, batch 1")
     ax2.legend()
     fig.tight_layout()
-    save_figure(fig, name)
+    save_figure(fig, "generation", result=True, quick=quick)
     plt.close(fig)

@@ -225,8 +225,8 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
     }
     print_table(data)
     if save:
-        path = save_json(data, "kv_variants" + ("_quick" if quick else ""))
-        plot_results(data, suffix="_quick" if quick else "")
+        path = save_json(data, "kv_variants", result=True, quick=quick)
+        plot_results(data, quick)
         print(f"wrote {path}")
     return data
 
@@ -234,10 +234,9 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
 def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
     """Re-time decode for the variants in the committed figures/kv_variants[_quick].json (no retraining),
     e.g. on another machine; updates the JSON and figures."""
-    from ..figures import figures_dir
+    from ..figures import output_path
 
-    name = "kv_variants" + ("_quick" if quick else "")
-    data = json.loads((figures_dir() / f"{name}.json").read_text())
+    data = json.loads(output_path("kv_variants", ".json", result=True, quick=quick).read_text())
     data.setdefault("variant_order", [v for v in VARIANTS if v in data["variants"]])
     device = get_device(device)
     configs = {v: ModelConfig.from_dict(r["config"]) for v, r in data["variants"].items()}
@@ -245,8 +244,8 @@ def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
         data["variants"][v].update(timing)
     data["latency_device"] = str(device)
     print_table(data)
-    save_json(data, name)
-    plot_results(data, suffix="_quick" if quick else "")
+    save_json(data, "kv_variants", result=True, quick=quick)
+    plot_results(data, quick)
     return data
 
 
@@ -254,7 +253,7 @@ def print_table(data: dict) -> None:
     print(kv_variants_table(data))
 
 
-def plot_results(data: dict, suffix: str = "") -> None:
+def plot_results(data: dict, quick: bool = False) -> None:
     """Left: recall beyond the window vs cache bytes of one full-context sequence; right: recall vs distance."""
     import matplotlib.pyplot as plt
 
@@ -289,12 +288,12 @@ def plot_results(data: dict, suffix: str = "") -> None:
     ax2.set_title(f"long-range recall vs distance ({data['train']['steps']} training steps)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants" + suffix)
+    save_figure(fig, "kv_variants", result=True, quick=quick)
     plt.close(fig)
-    plot_scale(data["scale"])
+    plot_scale(data["scale"], quick)
 
 
-def plot_scale(scale: dict) -> None:
+def plot_scale(scale: dict, quick: bool = False) -> None:
     import matplotlib.pyplot as plt
 
     lengths = scale["context_lengths"]
@@ -309,7 +308,7 @@ def plot_scale(scale: dict) -> None:
         ax.set_title(f"{model_name} attention shape (accounting only)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants_scale")
+    save_figure(fig, "kv_variants_scale", result=True, quick=quick)
     plt.close(fig)
 
 

@@ -86,12 +86,12 @@ def _bench_models(quick: bool, device: str | None) -> dict:
                  ("train_time_s", "train s", "{:.0f}"), ("recall", "recall@" + ",".join(map(str, DISTANCES)), None),
                  ("nll", "nats/digit", None)])
     print(f"unigram baseline: {unigram_bpb:.3f} bits/byte; recall chance 0.001 (ln 10 = 2.30 nats/digit)")
-    save_json(result, "models")
-    _plot(models, rows)
+    save_json(result, "models", result=True, quick=quick)
+    _plot(models, rows, quick)
     return result
 
 
-def _plot(models, rows) -> None:
+def _plot(models, rows, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -106,7 +106,7 @@ def _plot(models, rows) -> None:
             ax.plot(hist["step"], bpb, alpha=0.3, color=line[0].get_color(), label=f"{name} (train)")
     ax.set(xlabel="step", ylabel="bits per byte", yscale="log", title="training curves")
     ax.legend(fontsize=8)
-    save_figure(fig, "models_loss_curves")
+    save_figure(fig, "models_loss_curves", result=True, quick=quick)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -117,5 +117,5 @@ def _plot(models, rows) -> None:
     ax.set(xlabel="distance from fact to query (tokens)", ylabel="exact recall accuracy",
            title="long-range recall probe (4 facts, greedy)", ylim=(-0.02, 1.02))
     ax.legend(fontsize=8)
-    save_figure(fig, "models_recall")
+    save_figure(fig, "models_recall", result=True, quick=quick)
     plt.close(fig)

@@ -78,12 +78,12 @@ def variants(group: int | None, small_group: int | None) -> list[tuple[str, dict
 
 def bench_quantization(quick: bool = False, device: str | None = None, model=None, model_name: str = "target",
                        name: str | None = None) -> dict:
-    """Every row of `variants` on the target; --quick writes figures/quantization_quick.* so the
-    committed full table is never overwritten by a smoke run."""
+    """Every row of `variants` on the target; writes figures/NAME.json/.png (NAME = `name` or
+    "quantization"); --quick writes NAME_quick.* to the scratch folder, never the committed table."""
     from ..data.corpus import load_corpus
     from ..data.evaluation import compare_to_reference, evaluate_lm
 
-    name = name or ("quantization_quick" if quick else "quantization")
+    name = name or "quantization"
     device = get_device(device)
     seed_everything(0)
     if model is None:
@@ -163,12 +163,12 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
                        ("top1_agreement", "top1", "{:.3f}"), ("decode_tok_per_s", "tok/s", "{:.0f}"),
                        ("quantize_seconds", "quant s", "{:.1f}")])
     print(f"\nKV cache bytes per token: fp32 {kv['fp32_bytes_per_token']}, int8 {kv['int8_bytes_per_token']}")
-    save_json(result, name)
-    _plot(result, name)
+    save_json(result, name, result=True, quick=quick)
+    _plot(result, name, quick)
     return result
 
 
-def _plot(result: dict, name: str) -> None:
+def _plot(result: dict, name: str, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
@@ -200,5 +200,5 @@ def _plot(result: dict, name: str) -> None:
     ax2.set_xlabel(f"decode tokens/s, batch 1 ({result['device']}, shared machine)")
     ax2.set_title("Dequantize-on-the-fly speed in plain PyTorch")
     fig.tight_layout()
-    save_figure(fig, name)
+    save_figure(fig, name, result=True, quick=quick)
     plt.close(fig)

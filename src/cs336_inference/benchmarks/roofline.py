@@ -95,9 +95,9 @@ def _bench_roofline(quick: bool, device: torch.device) -> dict:
                    decode=decode),
         load_average_at_end=list(os.getloadavg()), threads=torch.get_num_threads(),
         note="medians of repeats; on a shared machine other processes compete (see load_average_at_end)")
-    paths = [save_figure(plot_roofline(sweep), f"roofline_matmul_{suffix}"),
-             save_figure(plot_model(prefill, decode), f"roofline_model_{suffix}"),
-             save_json(data, f"roofline_{suffix}")]
+    paths = [save_figure(plot_roofline(sweep), f"roofline_matmul_{suffix}", result=True, quick=quick),
+             save_figure(plot_model(prefill, decode), f"roofline_model_{suffix}", result=True, quick=quick),
+             save_json(data, f"roofline_{suffix}", result=True, quick=quick)]
     for p in paths:
         print("wrote", p)
     plt.close("all")
