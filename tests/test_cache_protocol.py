@@ -6,7 +6,8 @@ References are fresh runs: a new cache fed the same tokens, or the full forward 
 
 import pytest
 import torch
-from adapters import make_config, make_kv_cache, make_model, make_quantized_kv_cache, run_decode_one_token, run_model
+from adapters import (make_cache_step, make_config, make_kv_cache, make_model, make_quantized_kv_cache,
+                      run_decode_one_token, run_model)
 from test_kv_variants import BASE, VARIANTS, WINDOW
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -129,3 +130,32 @@ def test_padding_is_an_argument_of_every_forward_not_state_of_the_cache():
         padded = run_model(model, nxt, cache, pad=pad)[:, 0]
         alone_a = run_model(model, torch.cat([a, nxt[0]])[None])[0, -1]
     torch.testing.assert_close(padded[0], alone_a, atol=1e-5, rtol=0)
+
+
+def test_the_hooks_a_paged_cache_needs_attend_and_select_last():
+    """A layer cache may run attention over its own storage (`attend`), and a step may choose which
+    rows feed the LM head (`select_last`, for ragged batches run as one row): the model uses both."""
+    model, new_cache = _setup("shared")            # CLA: followers attend through their owner's cache
+    x = torch.randint(0, 257, (1, 9))
+    calls = []
+    with torch.no_grad():
+        cache = new_cache(1, 20)
+        base = type(cache.layers[0])
+
+        class Recording(base):
+            def attend(self, q, kv, mask, step, scale=None):
+                calls.append(step.start)
+                return super().attend(q, kv, mask, step, scale)
+        for layer in cache.unique_layers():
+            layer.__class__ = Recording
+        step_type = type(make_cache_step(0, 1))
+
+        class FirstRow(step_type):
+            def select_last(self, h):
+                return h[:, :1]
+        cache.begin = lambda num_new, pad=None, start_pos=None: FirstRow(cache.length, num_new)
+        got = run_model(model, x, cache, last_only=True)
+        want = run_model(model, x)[:, :1]
+    assert calls == [0] * 4, calls                  # every layer, owners and followers, attended through it
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert cache.length == 9

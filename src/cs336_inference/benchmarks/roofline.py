@@ -18,11 +18,17 @@ import torch
 from ..accounting.model_roofline import matvec_bandwidth, measure_decode, measure_prefill
 from ..accounting.plots import plot_model, plot_roofline
 from ..accounting.roofline import measure_hardware, roofline_sweep
-from ..device import apply_thread_policy, default_dtype, get_device, seed_everything
+from ..device import apply_thread_policy, default_dtype, get_device, seed_everything, thread_policy
 from ..figures import save_figure, save_json
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
 from ..tables import print_table
+
+
+def threads_for_timing(device: torch.device) -> int:
+    """Threads a benchmark times large work with: `device.thread_policy(parallel=True)` (kept for the
+    benchmarks written against this name; new code calls `apply_thread_policy(parallel=True)`)."""
+    return thread_policy(parallel=True) if torch.device(device).type == "cpu" else torch.get_num_threads()
 
 
 def bench_roofline(quick: bool = False, device: str | None = None) -> dict:

@@ -74,5 +74,5 @@ class GroupedQueryAttention(nn.Module):
                 kv = cache.update(*kv, step)  # (B, K, S, H): every key the new queries may see
         else:
             kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
-        out = grouped_attention(q, *kv, mask)
+        out = grouped_attention(q, *kv, mask) if cache is None else cache.attend(q, kv, mask, step)
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv

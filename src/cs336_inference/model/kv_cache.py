@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
-from .attention import attention_mask
+from .attention import attention_mask, grouped_attention
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,10 @@ class CacheStep:
         if self.pad is not None:
             positions = (positions[None, :] - self.pad.to(device)[:, None]).clamp(min=0)  # (B, T)
         return positions
+
+    def select_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D) -> (B, 1, D): the hidden state whose logits predict each sequence's next token."""
+        return x[:, -1:]
 
     @classmethod
     def new(cls, start: int, num_new: int, batch_size: int, pad: torch.Tensor | None = None) -> "CacheStep":
@@ -79,7 +83,9 @@ class LayerCache:
        first C dims (a view) as v. `update` must not destroy anything a later forward needs: write only
        at positions >= step.start, or stage the write (the rolling ring does), so that an exception
        mid-forward leaves the cache as it was;
-    3. once every layer has run, `KVCache.commit(step)` calls `commit(step)` on each layer (the ring
+    3. the attention attends through `attend(q, kv, mask, step)` (default: `grouped_attention` over
+       the keys/values `update` returned; CLA followers pass their group owner's);
+    4. once every layer has run, `KVCache.commit(step)` calls `commit(step)` on each layer (the ring
        writes its slots now) and advances the length.
 
     `check_truncate(n)` raises if rolling back to n tokens is impossible (before anything changes);
@@ -87,10 +93,14 @@ class LayerCache:
     the allocated tensor bytes, `bytes_per_token` what one more token of one sequence adds.
 
     Speculative decoding verifies several draft tokens in one forward (T = gamma + 1), then truncates.
-    A paged cache fits the same contract: its `begin` returns a step subclass that carries block
-    tables, its `positions()` gives per-token positions for a ragged batch run as one concatenated
-    sequence, its layers' `update` writes through the block tables and returns the gathered keys, and
-    `mask` keeps each token inside its own sequence (block-diagonal and causal).
+    A paged cache fits the same contract without another model forward: its `begin` returns a step
+    subclass that carries block tables, whose `positions()` gives each token's position in its own
+    sequence for a ragged batch run as one concatenated row (B = 1), whose `end` is the longest
+    sequence (checked against the context length) and whose `select_last` picks each sequence's last
+    token for `last_only`; its layers' `update` writes through the block tables, and either `mask`
+    keeps each token inside its own sequence (block-diagonal, causal) or `attend` runs attention per
+    sequence over the blocks. `spec` must match the model layer's `cache_spec()` (the model refuses a
+    cache built for another shape).
     """
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,6 +109,11 @@ class LayerCache:
     def mask(self, step: CacheStep) -> torch.Tensor | None:
         """Causal mask (B|1, 1, T, end) over positions 0 .. step.end - 1, padding hidden; None if all visible."""
         return attention_mask(step.num_new, step.end, step.start, step.pad, device=self.device)
+
+    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
+               step: CacheStep, scale: float | None = None) -> torch.Tensor:
+        """q (B, N, T, Hk) over kv = (keys (B, K, S', Hk), values (B, K, S', Hv)) -> (B, N, T, Hv)."""
+        return grouped_attention(q, *kv, mask, scale)
 
     def commit(self, step: CacheStep) -> None:
         """Make the step's write permanent (caches that write in place in `update` have nothing to do)."""

@@ -104,7 +104,7 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
         if cache is not None and self.absorb:
-            out = self.attend_absorbed(q_nope, q_rope, kv[0], mask)
+            out = self.attend_absorbed(q_nope, q_rope, kv[0], mask, cache, step)
         else:
             out = self.attend_naive(q_nope, q_rope, kv[0], mask)
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv
@@ -119,7 +119,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)                        # (B, N, T, H + R)
         return scaled_dot_product_attention(q, k, v, mask)             # scale 1/sqrt(H + R)
 
-    def attend_absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
+    def attend_absorbed(self, q_nope, q_rope, latent, mask, cache=None, step=None) -> torch.Tensor:
         """Attend over the latents (B, 1, S, C + R) themselves: W_UK folded into q, W_UV applied after. (B, N, T, H)."""
         N, C = self.num_heads, self.kv_lora_rank
         w_uk = rearrange(self.k_up_proj.weight, "(N H) C -> N H C", N=N)
@@ -128,5 +128,9 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_latent, q_rope], dim=-1)                      # (B, N, T, C + R)
         # One shared "key head" [c, k_rope] and value head c: MQA over the cache, no copies.
         scale = (self.head_dim + self.rope_head_dim) ** -0.5           # the scores are the naive ones
-        out_latent = grouped_attention(q, latent, latent[..., :C], mask, scale=scale)   # (B, N, T, C)
+        kv = (latent, latent[..., :C])
+        if cache is None:
+            out_latent = grouped_attention(q, *kv, mask, scale=scale)              # (B, N, T, C)
+        else:
+            out_latent = cache.attend(q, kv, mask, step, scale=scale)
         return einsum(out_latent, w_uv, "B N T C, N H C -> B N T H")   # W_UV,n o_n

@@ -132,12 +132,13 @@ class TransformerLM(nn.Module):
         B, T = token_ids.shape
         if cache is None:
             start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
-            self._check_length(start, T)
             step = CacheStep.new(start, T, B, pad)
         else:
             self._check_cache(cache, B)
-            self._check_length(cache.length, T)
             step = cache.begin(T, pad, start_pos)
+        if step.end > self.config.context_length:
+            raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
+                             f"context_length {self.config.context_length}")
         rope = self.rope.angles(step.positions(self.device))
         masks = {}  # without a cache: one causal mask per distinct window (None = global)
 
@@ -156,7 +157,7 @@ class TransformerLM(nn.Module):
             follower = self.config.kv_source_layer(i) != i
             x, kv = block(x, rope, mask, layer_cache, step, kv if follower else None)
         if last_only:
-            x = x[:, -1:]
+            x = step.select_last(x)  # (B, 1, D): the position whose logits predict the next token
         logits = self.lm_head(self.ln_final(x))  # (B, T, V)
         if cache is not None:
             cache.commit(step)  # only now: an exception above leaves the cache as it was
@@ -186,11 +187,6 @@ class TransformerLM(nn.Module):
                                  f"layer {i} needs {expected}; {fix}")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
-
-    def _check_length(self, start: int, num_new: int) -> None:
-        if start + num_new > self.config.context_length:
-            raise ValueError(f"sequence too long: start position {start} + {num_new} tokens exceeds "
-                             f"context_length {self.config.context_length}")
 
     def _check_tokens(self, token_ids) -> torch.Tensor:
         """(B, T) or (T,) integer ids in [0, vocab_size) -> (B, T) int64 on the model's device."""
