@@ -22,6 +22,8 @@
 # method on the shipped target model (`python -m cs336_inference bench quantization`).
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import json
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from cs336_inference.quantization import (
 
 device = get_device("cpu")  # the table below was measured on the CPU; everything here is cheap
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 
 # %% [markdown]
