@@ -554,7 +554,6 @@ def continuous_batching():
     section("continuous_batching")
     from cs336_inference.data import load_corpus
     from cs336_inference.serving import Engine, TraceConfig, make_trace
-    from cs336_inference.timing import num_threads
 
     text("Handling dynamic workloads. So far every batch was given: same start, known lengths. Live "
          "traffic differs in three ways: requests arrive at different times, have different lengths "
@@ -563,7 +562,7 @@ def continuous_batching():
          "done) leaves the hardware idle and users waiting.")
     model = load_pretrained("target").eval()
     corpus = load_corpus("val")
-    trace_config = TraceConfig(num_requests=24, rate=100.0, prompt_len=(16, 96), max_new_tokens=64,
+    trace_config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96,
                                stop_tokens=(10,), system_prompt_fraction=0.5, sampled_fraction=0.2, seed=0)
     requests = make_trace(corpus[1000:], trace_config, system_prompt=corpus[:64].tolist())
     prompt_lens = sorted(len(r.prompt) for r in requests)  # @inspect prompt_lens
@@ -571,14 +570,12 @@ def continuous_batching():
     sampled = sum(r.sampling.n > 1 for r in requests)  # @inspect sampled
     text(f"A trace: {len(requests)} requests arriving as a Poisson process over {span:.2f} s, prompts of "
          f"{prompt_lens[0]} to {prompt_lens[-1]} tokens (half behind the same 64-token system prompt), "
-         f"answers that end with their line or after 64 tokens, {sampled} requests asking for 4 samples.")
+         f"answers that end with their line or after 96 tokens, {sampled} requests asking for 4 samples.")
 
     text("Orca (iteration-level scheduling): decide who runs before every decode step, not once per batch. "
          "A finished sequence leaves at once and a waiting request takes its place at the next step.")
     link(orca)
-    with torch.inference_mode(), num_threads(1):  # one steady thread on a shared CPU
-        runs = {policy: Engine(model, scheduler=policy, max_num_seqs=12).run(requests)
-                for policy in ("static", "continuous")}
+    runs = {policy: Engine(model, scheduler=policy, max_num_seqs=12).run(requests) for policy in ("static", "continuous")}
     static, continuous = runs["static"].summary(), runs["continuous"].summary()
     speedup = continuous["throughput_tok_per_s"] / static["throughput_tok_per_s"]  # @inspect speedup
     greedy = [i for i, r in enumerate(requests) if r.sampling.temperature == 0]
@@ -604,7 +601,6 @@ def paged_attention():
     section("paged_attention")
     from cs336_inference.serving import BlockManager, Engine, TraceConfig, make_trace
     from cs336_inference.data import load_corpus
-    from cs336_inference.timing import num_threads
 
     text("Continuous batching fills the batch only if the KV memory lets it. Reserving each request's "
          "maximum length (prompt + max_new_tokens) up front wastes memory twice: the tail a request never "
@@ -633,9 +629,8 @@ def paged_attention():
     requests = make_trace(corpus[1000:], TraceConfig(num_requests=24, rate=100.0, prompt_len=(16, 96),
                                                      max_new_tokens=128, stop_tokens=(10,), sampled_fraction=0.2,
                                                      seed=0), system_prompt=corpus[:64].tolist())
-    with torch.inference_mode(), num_threads(1):
-        runs = {layout: Engine(model, kv_layout=layout, block_size=16, num_blocks=128, max_num_seqs=64,
-                               watermark_blocks=0).run(requests).summary() for layout in ("paged", "contiguous")}
+    runs = {layout: Engine(model, kv_layout=layout, block_size=16, num_blocks=128, max_num_seqs=64,
+                           watermark_blocks=0).run(requests).summary() for layout in ("paged", "contiguous")}
     paged, contiguous = runs["paged"], runs["contiguous"]
     waste = {k: round(100 * v["kv_waste_fraction"], 1) for k, v in runs.items()}  # @inspect waste
     concurrent = {k: v["max_running"] for k, v in runs.items()}  # @inspect concurrent

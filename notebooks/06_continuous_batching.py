@@ -27,8 +27,9 @@
 # looks at who waited, who ran, and what came out.
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import matplotlib.pyplot as plt
-import torch
 
 from cs336_inference import generate, get_device, seed_everything
 from cs336_inference.data import load_corpus
@@ -40,20 +41,21 @@ from cs336_inference.serving.plots import plot_batch_size, plot_timeline
 device = get_device()
 print("device:", device)
 seed_everything(0)
-torch.set_num_threads(1)  # tiny model, shared CPU: one steady thread (timings below are real)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny model: one steady thread (timings are real)
 model = load_pretrained("target", device=device).eval()
 tokenizer = ByteTokenizer()
 
 # %% [markdown]
 # ## A trace
-# 24 requests arrive as a Poisson process (30 per second on average). Each prompt is a slice of the
-# validation text; half of them start with the same 64-token "system prompt"; an answer ends with its
-# line (stop token `\n`) or after 64 tokens; two in ten ask for 4 samples at temperature 0.8.
+# 32 requests arrive as a Poisson process (60 per second on average: faster than this CPU serves
+# them, so a queue forms). Each prompt is a slice of the validation text; half of them start with the
+# same 64-token "system prompt"; an answer ends with its line (stop token `\n`) or after 96 tokens;
+# two in ten ask for 4 samples at temperature 0.8.
 
 # %%
 text = load_corpus("val")
 system_prompt = text[:64].tolist()
-config = TraceConfig(num_requests=24, rate=30.0, prompt_len=(16, 96), max_new_tokens=64, stop_tokens=(10,),
+config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96, stop_tokens=(10,),
                      system_prompt_fraction=0.5, sampled_fraction=0.2, n_samples=4, seed=0)
 requests = make_trace(text[1000:], config, system_prompt=system_prompt)
 for r in requests[:6]:
@@ -116,8 +118,8 @@ for i in greedy:
     alone = generate(model, [list(r.prompt)], r.max_new_tokens, stop_tokens=list(r.sampling.stop_tokens)).tokens[0]
     assert runs["static"].outputs[i].tokens == runs["continuous"].outputs[i].tokens == [alone]
 print(f"{len(greedy)} greedy requests: identical to generate(), token for token")
-r = requests[greedy[0]]
-print(repr(tokenizer.decode(list(r.prompt[-40:]))), "->", repr(tokenizer.decode(runs["continuous"].outputs[greedy[0]].tokens[0])))
+r, out = requests[greedy[0]], runs["continuous"].outputs[greedy[0]]
+print(repr(tokenizer.decode(list(r.prompt[-40:]))), "->", repr(tokenizer.decode(out.tokens[0])))
 
 # %% [markdown]
 # ## When memory runs out: preemption by recompute

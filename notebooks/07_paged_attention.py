@@ -26,6 +26,8 @@
 # copy-on-write, prefix sharing, paged attention, and then the memory of a real serving run.
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import matplotlib.pyplot as plt
 import torch
 
@@ -39,8 +41,8 @@ from cs336_inference.serving.plots import plot_batch_size, plot_memory
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny model: one thread is fastest
 seed_everything(0)
-torch.set_num_threads(1)
 
 # %% [markdown]
 # ## Blocks, a free list and reference counts
@@ -70,7 +72,8 @@ m.allocate("parent", list(range(10)))            # 10 tokens: blocks of 4 + 4 + 
 m.fork("parent", "child")
 print("after fork:   parent", m.table("parent").blocks, " child", m.table("child").blocks)
 copy = m.append_slot("child", 99)                 # writes position 10, in the shared last block
-print(f"child writes: copy block {copy[0]} -> {copy[1]}; parent {m.table('parent').blocks}, child {m.table('child').blocks}")
+print(f"child writes: copy block {copy[0]} -> {copy[1]};",
+      f"parent {m.table('parent').blocks}, child {m.table('child').blocks}")
 print("parent writes without a copy:", m.append_slot("parent", 7))
 stats = m.memory_stats()
 print(f"{stats.logical_tokens} tokens in two sequences, {stats.used_tokens} slots hold them "

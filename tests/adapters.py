@@ -420,6 +420,12 @@ def make_contiguous_allocator(num_slots: int):
     return ContiguousAllocator(num_slots)
 
 
+def make_contiguous_manager(num_slots: int):
+    """The contiguous layout behind the engine's memory interface (one reserved run per sequence)."""
+    from cs336_inference.serving import ContiguousManager
+    return ContiguousManager(num_slots)
+
+
 def get_out_of_blocks_error() -> type:
     from cs336_inference.serving import OutOfBlocksError
     return OutOfBlocksError
@@ -440,6 +446,12 @@ def make_paged_kv_cache(model, num_blocks: int, block_size: int):
 def make_request(request_id, prompt, max_new_tokens: int, arrival_time: float = 0.0, **sampling):
     from cs336_inference.serving import Request, SamplingParams
     return Request(request_id, tuple(prompt), max_new_tokens, arrival_time, SamplingParams(**sampling))
+
+
+def make_poisson_trace(source_ids, system_prompt=(), **trace_config):
+    """Requests with Poisson arrivals, prompts cut from source_ids (see serving.TraceConfig)."""
+    from cs336_inference.serving import TraceConfig, make_trace
+    return make_trace(source_ids, TraceConfig(**trace_config), system_prompt=system_prompt)
 
 
 def run_engine(model, requests, **config):

@@ -11,7 +11,9 @@ def test_bench_serving_quick_writes_json_and_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
     from cs336_inference.benchmarks.serving import bench_serving
     bench_serving(quick=True, device="cpu")
-    assert {"serving_quick.json", "serving_quick.png", "serving_quick_memory.png"} <= {p.name for p in tmp_path.iterdir()}
+    written = {p.name for p in tmp_path.iterdir()}
+    assert {"serving_quick.json", "serving_quick.png", "serving_memory_quick.png"} <= written
     data = json.loads((tmp_path / "serving_quick.json").read_text())
-    assert data["static_generated_tokens"] == data["continuous_generated_tokens"] > 0
-    assert data["contiguous_max_running"] <= data["paged_b16_max_running"]
+    s, layouts = data["scheduling"], data["memory"]["layouts"]
+    assert s["static"]["generated_tokens"] == s["continuous"]["generated_tokens"] > 0
+    assert layouts["contiguous"]["max_running"] <= layouts["paged, block 16"]["max_running"]

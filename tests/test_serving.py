@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from tests import adapters
+import adapters
 from cs336_inference.model import load_pretrained
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -25,8 +25,7 @@ def model():
 @pytest.fixture(scope="module")
 def trace():
     """12 requests arriving over ~0.2 s; half start with the same 40-token system prompt."""
-    from cs336_inference.data import load_corpus
-    text = load_corpus("val")[:20_000].tolist()
+    text = adapters.run_load_corpus("val")[:20_000].tolist()
     rng = random.Random(0)
     system = text[:40]
     requests, t = [], 0.0
@@ -137,11 +136,9 @@ def test_forked_samples_equal_seeded_generate(model, trace, kv_layout):
 
 
 def test_both_schedulers_finish_a_poisson_trace_and_agree(model):
-    from cs336_inference.data import load_corpus
-    from cs336_inference.serving.trace import TraceConfig, make_trace
-    text = load_corpus("val")[:5000]
-    requests = make_trace(text, TraceConfig(num_requests=10, rate=100.0, prompt_len=(4, 20), max_new_tokens=10,
-                                            seed=3), system_prompt=text[:20].tolist())
+    text = adapters.run_load_corpus("val")[:5000]
+    requests = adapters.make_poisson_trace(text, system_prompt=text[:20].tolist(), num_requests=10, rate=100.0,
+                                           prompt_len=(4, 20), max_new_tokens=10, seed=3)
     static = adapters.run_engine(model, requests, scheduler="static", max_num_seqs=4)
     continuous = adapters.run_engine(model, requests, scheduler="continuous", max_num_seqs=4)
     assert [o.tokens for o in static.outputs] == [o.tokens for o in continuous.outputs]

@@ -12,6 +12,7 @@ from .block_allocator import BlockAllocator, OutOfBlocksError
 from .block_manager import BlockManager
 from .block_table import BlockTable, blocks_for
 from .contiguous_allocator import ContiguousAllocator
+from .contiguous_manager import ContiguousManager
 from .engine import Engine, EngineConfig, EngineResult, StepRecord
 from .memory_stats import KVMemoryStats
 from .metrics import summarize
@@ -24,10 +25,10 @@ from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_trace, poisson_arrivals
 
 __all__ = [
-    "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContinuousScheduler", "Engine",
-    "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError", "PagedBatch", "PagedKVCache",
-    "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestOutput", "SamplingParams",
-    "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord",
-    "TraceConfig", "blocks_for", "chained_block_hash", "make_trace", "paged_attention", "poisson_arrivals",
-    "summarize",
+    "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContiguousManager",
+    "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError",
+    "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestOutput",
+    "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler",
+    "StepRecord", "TraceConfig", "blocks_for", "chained_block_hash", "make_trace", "paged_attention",
+    "poisson_arrivals", "summarize",
 ]

@@ -13,23 +13,19 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from .. import _checks
+
 
 class OutOfBlocksError(RuntimeError):
     """No free KV block: the caller should wait, preempt a sequence, or reserve fewer tokens."""
-
-
-def check_positive_int(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 class BlockAllocator:
     """`num_blocks` physical blocks of `block_size` token slots; hands out block ids 0..num_blocks-1."""
 
     def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks = check_positive_int("num_blocks", num_blocks)
-        self.block_size = check_positive_int("block_size", block_size)
+        self.num_blocks = _checks.positive_int("num_blocks", num_blocks)
+        self.block_size = _checks.positive_int("block_size", block_size)
         self._ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
 
@@ -94,13 +90,11 @@ class BlockAllocator:
         assert self.num_free + self.num_used == self.num_blocks
 
     def _check_block(self, block) -> int:
-        if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
-            raise ValueError(f"block must be an int in [0, {self.num_blocks}), got {block!r}")
-        return block
+        return _checks.integer("block", block, 0, self.num_blocks - 1)
 
     def __repr__(self) -> str:
         return (f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"free={self.num_free})")
 
 
-__all__ = ["BlockAllocator", "OutOfBlocksError", "check_positive_int"]
+__all__ = ["BlockAllocator", "OutOfBlocksError"]

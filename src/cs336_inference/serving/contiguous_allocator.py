@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable
 
-from .block_allocator import OutOfBlocksError, check_positive_int
+from .. import _checks
+from .block_allocator import OutOfBlocksError
 from .memory_stats import KVMemoryStats
 
 
@@ -26,7 +27,7 @@ class ContiguousAllocator:
     """`num_slots` token slots; each sequence owns one run [start, start + reserved)."""
 
     def __init__(self, num_slots: int):
-        self.num_slots = check_positive_int("num_slots", num_slots)
+        self.num_slots = _checks.positive_int("num_slots", num_slots)
         self.regions: dict[Hashable, Region] = {}
 
     def free_runs(self) -> list[tuple[int, int]]:
@@ -45,7 +46,7 @@ class ContiguousAllocator:
 
     def allocate(self, seq_id: Hashable, num_reserved: int, num_used: int = 0) -> int:
         """Reserve `num_reserved` adjacent slots (first fit) for `seq_id`; return the start slot."""
-        check_positive_int("num_reserved", num_reserved)
+        _checks.positive_int("num_reserved", num_reserved)
         if seq_id in self.regions:
             raise ValueError(f"sequence {seq_id!r} already has a region; free it first")
         if not 0 <= num_used <= num_reserved:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation.sampling import sample_next_token
-from .block_allocator import check_positive_int
+from .. import _checks
 from .block_manager import BlockManager
 from .contiguous_manager import ContiguousManager
 from .metrics import summarize
@@ -53,9 +53,9 @@ class EngineConfig:
         if self.kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            check_positive_int(name, getattr(self, name))
+            _checks.positive_int(name, getattr(self, name))
         if self.num_blocks is not None:
-            check_positive_int("num_blocks", self.num_blocks)
+            _checks.positive_int("num_blocks", self.num_blocks)
         if self.num_blocks is not None and self.kv_budget_bytes is not None:
             raise ValueError("give num_blocks or kv_budget_bytes, not both")
 

@@ -22,7 +22,7 @@ import torch
 from einops import rearrange
 
 from ..model.kv_cache import CacheStep, KVCache, LayerCache
-from .block_allocator import check_positive_int
+from .. import _checks
 from .paged_attention import PagedLayout
 
 
@@ -70,10 +70,16 @@ class PagedLayerCache(LayerCache):
     def mask(self, step: PagedStep) -> None:
         return None  # `attend` keeps each token inside its own sequence and causal
 
-    def attend(self, q: torch.Tensor, kv, mask, step: PagedStep) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv, mask, step: PagedStep, scale: float | None = None) -> torch.Tensor:
         """q (1, N, sum T, H) -> (1, N, sum T, H): attention per sequence through its block table."""
-        out = step.layout.attend(rearrange(q[0], "N T H -> T N H"), *kv)
+        out = step.layout.attend(rearrange(q[0], "N T H -> T N H"), *kv, scale)
         return rearrange(out, "T N H -> N T H")[None]
+
+    @property
+    def spec(self) -> tuple:
+        """(K, H, window): what the model checks against its layer's `cache_spec()` (global layers only)."""
+        _, _, K, H = self.k.shape
+        return (K, H, None)
 
     @property
     def device(self) -> torch.device:
@@ -98,8 +104,8 @@ class PagedKVCache:
             raise ValueError("PagedKVCache supports global GQA/MHA/MQA layers (attention_type='gqa', no "
                              f"sliding_window), got attention_type={config.attention_type!r}, "
                              f"sliding_window={config.sliding_window!r}")
-        self.num_blocks = check_positive_int("num_blocks", num_blocks)
-        self.block_size = check_positive_int("block_size", block_size)
+        self.num_blocks = _checks.positive_int("num_blocks", num_blocks)
+        self.block_size = _checks.positive_int("block_size", block_size)
         self.layers = []
         for i in range(config.num_layers):
             source = config.kv_source_layer(i)

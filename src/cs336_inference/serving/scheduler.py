@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_allocator import check_positive_int
+from .. import _checks
 from .sequence import Sequence, SequenceStatus
 
 
@@ -55,8 +55,8 @@ class Scheduler:
     def __init__(self, manager, max_num_seqs: int = 32, max_num_batched_tokens: int = 2048,
                  watermark_blocks: int | None = None):
         self.manager = manager
-        self.max_num_seqs = check_positive_int("max_num_seqs", max_num_seqs)
-        self.max_num_batched_tokens = check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        self.max_num_seqs = _checks.positive_int("max_num_seqs", max_num_seqs)
+        self.max_num_batched_tokens = _checks.positive_int("max_num_batched_tokens", max_num_batched_tokens)
         # blocks kept free at admission so running sequences can grow without preempting at once
         self.watermark_blocks = (max(1, manager.num_blocks // 100) if watermark_blocks is None
                                  else watermark_blocks)
