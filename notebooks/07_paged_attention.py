@@ -153,7 +153,7 @@ for layout, result in runs.items():
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
 for (layout, result), color in zip(runs.items(), ("C0", "C3")):
     plot_memory(ax1, result, layout, color)
-    plot_batch_size(ax2, result, layout)
+    plot_batch_size(ax2, result, layout, color=color)
 ax1.set_title("KV memory over time (2048 slots)")
 ax1.legend(fontsize=8)
 ax2.set_title("sequences running")

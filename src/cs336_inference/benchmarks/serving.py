@@ -103,12 +103,11 @@ def sharing_savings(model, quick: bool) -> dict:
     for caching in (True, False):
         s = Engine(model, prefix_caching=caching).run(requests).summary()
         out[f"system prompt, prefix cache {'on' if caching else 'off'}"] = {
-            "shared_pct": 100 * s["kv_shared_fraction"], "cached_prompt_tokens": s["cached_prompt_tokens"],
-            "throughput_tok_per_s": s["throughput_tok_per_s"]}
+            "shared_pct": 100 * s["kv_shared_fraction"], "cached_prompt_tokens": s["cached_prompt_tokens"]}
     requests, _ = serving_trace(quick, sampled_fraction=1.0, system_prompt_fraction=0.0)
     s = Engine(model).run(requests).summary()
-    out["4 samples per request (fork)"] = {"shared_pct": 100 * s["kv_shared_fraction"], "cached_prompt_tokens": 0,
-                                           "throughput_tok_per_s": s["throughput_tok_per_s"]}
+    out["4 samples per request (fork)"] = {"shared_pct": 100 * s["kv_shared_fraction"],
+                                           "cached_prompt_tokens": s["cached_prompt_tokens"]}
     return out
 
 
@@ -165,8 +164,7 @@ def print_results(results: dict) -> None:
                 title=f"\ncontinuous batching in {m['budget_tokens']} KV token slots")
     print_table([{"case": k, **v} for k, v in results["sharing"].items()],
                 [("case", "sharing", None), ("shared_pct", "% of tokens stored once for several", "{:.1f}"),
-                 ("cached_prompt_tokens", "prompt tokens from the prefix cache", None),
-                 ("throughput_tok_per_s", "tok/s", "{:,.0f}")], title="\nKV sharing")
+                 ("cached_prompt_tokens", "prompt tokens from the prefix cache", None)], title="\nKV sharing")
     print("\ngoals: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["goals"].items()))
 
 
@@ -195,7 +193,7 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> No
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
     for (label, result), color in zip(layout_runs.items(), ("C0", "C2", "C3")):
         plot_memory(ax1, result, label, color)
-        plot_batch_size(ax2, result, label)
+        plot_batch_size(ax2, result, label, color=color)
     ax1.set_title(f"KV memory over time ({results['memory']['budget_tokens']} token slots)")
     ax1.legend(fontsize=7)
     ax2.set_title("running sequences in the same budget")

@@ -21,14 +21,14 @@ def plot_timeline(ax, result: EngineResult, title: str = "") -> None:
     ax.invert_yaxis()
 
 
-def plot_batch_size(ax, result: EngineResult, label: str, useful_only: bool = True) -> None:
+def plot_batch_size(ax, result: EngineResult, label: str, useful_only: bool = True, color: str | None = None) -> None:
     """Sequences running in each step over time (by default without a static batch's padding rows)."""
     times, sizes = [], []
     for r in result.steps:
         times += [r.start, r.end]
         n = r.num_prefills + r.num_decodes - (r.num_padding if useful_only else 0)
         sizes += [n, n]
-    ax.plot(times, sizes, label=label)
+    ax.plot(times, sizes, label=label, color=color)
     ax.set_xlabel("time (s)")
     ax.set_ylabel("sequences in the step")
 
