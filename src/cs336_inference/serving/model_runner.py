@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from .block_manager import BlockManager
 from .paged_kv_cache import PagedKVCache
 from .scheduler import ScheduledBatch
 
@@ -44,8 +43,9 @@ class ModelRunner:
         return self.cache.bytes_per_token
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, manager: BlockManager) -> torch.Tensor:
-        """Run every scheduled token once; logits (B, V) at the last token of each sequence."""
+    def execute(self, batch: ScheduledBatch, manager) -> torch.Tensor:
+        """Run every scheduled token once; logits (B, V) at the last token of each sequence.
+        `manager` (a `BlockManager` or `ContiguousManager`) holds the block tables."""
         self.cache.copy_blocks(batch.copies)  # copy-on-write before anything writes the copies
         ids, tables, context_lens, query_lens = [], [], [], []
         rows = [(seq, seq.num_computed) for seq in batch.prefills] + [(seq, -1) for seq in batch.decodes]

@@ -4,7 +4,8 @@ Both schedulers share the queues, the paged memory and preemption; they differ o
 waiting requests may join:
 - `StaticScheduler` (request-level batching, e.g. a plain `generate` over a batch): form a batch from
   whatever has arrived, run it until its longest sequence finishes, only then take the next batch.
-  Early finishers leave holes nobody can fill, and late arrivals wait for the whole batch.
+  Early finishers leave holes nobody can fill, and late arrivals wait for the whole batch. (Prompts
+  still run unpadded, as one concatenated row: only the decode side pays for the batch's shape.)
 - `ContinuousScheduler` (Orca, Yu et al. 2022: iteration-level scheduling): before *every* step,
   admit arrived requests while KV blocks and the batch limits allow, so a finished sequence's slot
   is refilled at the very next step.
@@ -76,9 +77,6 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def next_arrival(self) -> float | None:
-        return self.waiting[0].request.arrival_time if self.waiting else None
 
     def schedule(self, now: float) -> ScheduledBatch:
         batch = ScheduledBatch(copies=self._copies)
