@@ -390,3 +390,16 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
 
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
+
+
+def make_quantized_linear(weight, bits=4, group_size=None, symmetric=False, kernel="auto", **kwargs):
+    """A `QuantizedLinear` quantizing `weight` (O, I) by round to nearest (group_size None = per channel)."""
+    from cs336_inference.quantization import QuantizedLinear, quantize_tensor
+    granularity = "channel" if group_size is None else "group"
+    qt = quantize_tensor(weight, bits, symmetric, granularity, group_size)
+    return QuantizedLinear(qt, kernel=kernel, **kwargs)
+
+
+def run_set_quantized_kernel(model, kernel):
+    from cs336_inference.quantization import set_quantized_kernel
+    return set_quantized_kernel(model, kernel)

@@ -82,11 +82,12 @@ class TransformerLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.ln_final.weight.device   # a norm weight: present even when lm_head is quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activation dtype (quantized layers store codes, so ask a norm)."""
+        return self.ln_final.weight.dtype
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
