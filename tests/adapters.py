@@ -403,3 +403,20 @@ def make_quantized_linear(weight, bits=4, group_size=None, symmetric=False, kern
 def run_set_quantized_kernel(model, kernel):
     from cs336_inference.quantization import set_quantized_kernel
     return set_quantized_kernel(model, kernel)
+
+
+# --- decode speed options: fused projections, attention kernel ---
+
+
+def run_fuse_projections(model):
+    """In place: q/k/v and w1/w3 each as one matmul; returns the model."""
+    return model.fuse_projections()
+
+
+def run_unfuse_projections(model):
+    return model.unfuse_projections()
+
+
+def run_set_attention_kernel(model, kernel: str):
+    """kernel: "reference" (hand-written) or "sdpa" (torch's fused attention); returns the model."""
+    return model.set_attention_kernel(kernel)

@@ -15,7 +15,7 @@ from einops import rearrange
 from .attention import grouped_attention, read_shared_kv
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache
-from .layers import Linear, apply_rope
+from .layers import Linear, apply_rope, fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
 
 
 class GroupedQueryAttention(nn.Module):
@@ -26,6 +26,7 @@ class GroupedQueryAttention(nn.Module):
     """
 
     window: int | None = None  # global attention; `SlidingWindowAttention` sets it
+    attention_kernel: str = "reference"   # or "sdpa" (`TransformerLM.set_attention_kernel`)
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
@@ -38,6 +39,16 @@ class GroupedQueryAttention(nn.Module):
             self.k_proj = Linear(D, K * H, device=device, dtype=dtype)
             self.v_proj = Linear(D, K * H, device=device, dtype=dtype)
         self.output_proj = Linear(N * H, D, device=device, dtype=dtype)
+        keep_unfused_state_dict_keys(self)
+
+    def fuse_projections(self) -> None:
+        """q, k and v (same input) as one matmul, `qkv_proj`; the state dict keeps q/k/v_proj."""
+        if self.owns_kv and "qkv_proj" not in self._modules:
+            fuse_linears(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+    def unfuse_projections(self) -> None:
+        if "qkv_proj" in self._modules:
+            unfuse_linears(self, "qkv_proj")
 
     @property
     def owns_kv(self) -> bool:
@@ -53,11 +64,15 @@ class GroupedQueryAttention(nn.Module):
         """x (B, T, D) -> (B, T, D). rope = (cos, sin) for the T new positions; cache = this layer's cache;
         shared: per-forward dict layer -> keys/values, filled by owners and read by CLA followers."""
         cos, sin = rope
-        q = rearrange(self.q_proj(x), "B T (N H) -> B N T H", H=self.head_dim)
+        if "qkv_proj" in self._modules:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), *((self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None))
+        q = rearrange(q, "B T (N H) -> B N T H", H=self.head_dim)
         q = apply_rope(q, cos, sin)
         if self.owns_kv:
-            k = rearrange(self.k_proj(x), "B T (K H) -> B K T H", H=self.head_dim)
-            v = rearrange(self.v_proj(x), "B T (K H) -> B K T H", H=self.head_dim)
+            k = rearrange(k, "B T (K H) -> B K T H", H=self.head_dim)
+            v = rearrange(v, "B T (K H) -> B K T H", H=self.head_dim)
             k = apply_rope(k, cos, sin)
             if cache is not None:
                 k, v = cache.update(k, v, start_pos)  # (B, K, S, H): every key this query may see
@@ -65,5 +80,5 @@ class GroupedQueryAttention(nn.Module):
                 shared[self.layer_idx] = (k, v)
         else:
             k, v = read_shared_kv(shared, self.layer_idx, self.kv_source)
-        out = grouped_attention(q, k, v, mask)
+        out = grouped_attention(q, k, v, mask, kernel=self.attention_kernel)
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)"))

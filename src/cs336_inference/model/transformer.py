@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import attention_mask
+from .attention import attention_mask, check_attention_kernel
 from .gqa import GroupedQueryAttention
 from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
@@ -88,6 +88,31 @@ class TransformerLM(nn.Module):
     def dtype(self) -> torch.dtype:
         """The activation dtype (quantized layers store codes, so ask a norm)."""
         return self.ln_final.weight.dtype
+
+    def fuse_projections(self) -> "TransformerLM":
+        """Decode option: q/k/v and SwiGLU's w1/w3 each as one matmul (fewer calls per step). The
+        state dict keeps the CS336 keys, so saving and loading are unchanged. Fuse before quantizing."""
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "fuse_projections"):
+                    part.fuse_projections()
+        return self
+
+    def unfuse_projections(self) -> "TransformerLM":
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "unfuse_projections"):
+                    part.unfuse_projections()
+        return self
+
+    def set_attention_kernel(self, kernel: str) -> "TransformerLM":
+        """"reference" (the hand-written attention) or "sdpa" (torch's fused kernel) for every
+        grouped-query / sliding-window layer (MLA keeps its own kernels)."""
+        check_attention_kernel(kernel)
+        for block in self.layers:
+            if hasattr(block.attn, "attention_kernel"):
+                block.attn.attention_kernel = kernel
+        return self
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
