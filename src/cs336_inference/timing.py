@@ -7,7 +7,10 @@ repeat it, and report the median; compare variants side by side in one run.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -44,3 +47,27 @@ def num_threads(n: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or None where the OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def busy_cpu(processes: int = 1):
+    """Run the body while `processes` Python busy loops hold a core each: the machine other people's
+    jobs make. The loops are this process's children and are ended (by their pid) on exit."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"processes must be a non-negative int, got {processes!r}")
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.2)   # let the scheduler see them
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
