@@ -93,3 +93,25 @@ def test_sdpa_kernel_equals_the_hand_written_attention(variant):
                                    rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="attention kernel"):
         adapters.run_set_attention_kernel(plain, "flash")
+
+
+@pytest.mark.slow
+def test_compiled_decode_has_no_graph_break_and_matches_eager():
+    """fullgraph=True makes any graph break an error; positions 8.. and two batch sizes reuse one graph."""
+    from cs336_inference.generation import compile_decode
+
+    torch._dynamo.reset()
+    model = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
+    step = compile_decode(model)             # fullgraph=True, dynamic=True
+    for B in (1, 3):
+        ids = torch.randint(0, 97, (B, 14))
+        eager_cache = adapters.make_kv_cache(model, B, 14)
+        cache = adapters.make_kv_cache(model, B, 14)
+        with torch.no_grad():
+            adapters.run_model(model, ids[:, :8], eager_cache, 0)
+            adapters.run_model(model, ids[:, :8], cache, 0)
+            for t in range(8, 14):
+                expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
+                torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="token ids"):
+        step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))

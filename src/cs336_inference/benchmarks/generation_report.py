@@ -18,12 +18,14 @@ def print_generation(result: dict) -> None:
           f"{_fmt(result['load_average_decode'], '.2f')} after the decode rounds")
     print(f"greedy tokens: fast == plain {result['greedy_fast_equals_plain']}, "
           f"== Hugging Face {result.get('greedy_equals_peer', 'not run (no transformers)')}")
-    head = (f"{'variant':<11}{'B':>3}{'ms/step':>9}{'(min-max)':>15}{'tok/s':>8}{'MB/step':>9}{'GB/s':>7}"
+    if result.get("compile_seconds"):
+        print("torch.compile time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["compile_seconds"].items()))
+    head = (f"{'variant':<14}{'B':>3}{'ms/step':>9}{'(min-max)':>15}{'tok/s':>8}{'MB/step':>9}{'GB/s':>7}"
             f"{'of bw':>7}{'vs fp32':>8}{'vs HF':>7}{'KL':>9}{'top1':>6}")
     print("\n" + head)
     for r in result["rows"]:
         spread = f"({r['ms_min']:.1f}-{r['ms_max']:.1f})"
-        print(f"{r['variant']:<11}{r['batch']:>3}{r['ms_per_step']:>9.1f}"
+        print(f"{r['variant']:<14}{r['batch']:>3}{r['ms_per_step']:>9.1f}"
               f"{spread:>15}{r['tok_per_s']:>8.1f}"
               f"{r['weight_bytes_per_step'] / 1e6:>9.1f}{r['GBps']:>7.1f}{r['fraction_of_bandwidth']:>7.0%}"
               f"{r['speedup_vs_fp32']:>7.2f}x{_fmt(r.get('speedup_vs_hf_fp32'), '>6.2f')}x"
@@ -36,7 +38,7 @@ def print_generation(result: dict) -> None:
     print("\ngoals:")
     for goal, v in result["goals"].items():
         state = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]
-        print(f"  {goal:<58} {_fmt(v['value'], '.2f'):>6}  {state}")
+        print(f"  {goal:<48} {_fmt(v['value'], '.2f'):>6} (target >= {v['target']:g}, {v['variant']})  {state}")
     if "naive_over_cached" in result:
         print(f"\nprefill {result['prefill_tok_per_s_prompt32']:.0f} tok/s (prompt 32); {result['new_tokens']} tokens "
               f"naive {result['naive_generation_s']:.1f} s vs cached {result['cached_generation_s']:.1f} s "

@@ -206,6 +206,8 @@ class TransformerLM(nn.Module):
         if start_pos + T > self.config.context_length:
             raise ValueError(f"sequence too long: start_pos {start_pos} + {T} tokens exceeds "
                              f"context_length {self.config.context_length}")
+        if torch.compiler.is_compiling():   # reading values back is a graph break: compiled callers
+            return token_ids.to(self.device)  # (`compile_decode`) check the ids before the graph runs
         lo, hi = int(token_ids.min()), int(token_ids.max())
         if lo < 0 or hi >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got values in [{lo}, {hi}]")
