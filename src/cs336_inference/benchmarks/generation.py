@@ -145,7 +145,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     if quick:
         config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
     model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
-    rounds, steps, batches = (1, 4, (1, 8)) if quick else (3, 16, (1, 8))
+    rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
               "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
               "parameters": model.num_parameters(), "cpu_bf16_matmul": _bf16_unit(device),

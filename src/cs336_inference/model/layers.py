@@ -219,6 +219,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     The pair (x[2k], x[2k+1]) is the complex number x[2k] + i x[2k+1]; rotating it by angle a is
     multiplying by cos a + i sin a: one complex multiply instead of a dozen real ops per call.
     """
+    if torch.compiler.is_compiling():   # the compiler fuses real ops but cannot generate complex ones
+        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)                               # (..., T, H/2) each
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
     rotation = torch.complex(cos.float(), sin.float())                                  # (..., T, H/2)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())         # (..., T, H/2)
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)                 # (..., T, H)

@@ -54,6 +54,8 @@ def packed_unsupported_reason(bits: int, symmetric: bool, group_size: int, out_f
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         return f"no packed kernels on {device.type}"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "torch's packed CUDA kernels need compute capability 8.0 (Ampere) or newer"
     if bits == 8:
         if group_size != in_features:
             return f"int8 packed kernel needs one scale per output row (per channel), got group_size {group_size}"
