@@ -115,3 +115,28 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
                 torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="token ids"):
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
+
+
+def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
+    """The formula on controlled samples: (all CPUs' busy seconds - ours) / wall seconds."""
+    from cs336_inference.timing import _OtherLoad
+
+    meter = _OtherLoad(interval=0.0)
+    samples = iter([(10.0, 100.0, 5.0), (12.0, 103.0, 6.5), (13.0, 104.0, 7.0)])   # (wall, all busy, ours)
+    monkeypatch.setattr(meter, "_sample", lambda: next(samples))
+    assert meter() is None                       # one sample: no interval yet
+    assert meter() == pytest.approx((3.0 - 1.5) / 2.0)
+    assert meter() == pytest.approx((1.0 - 0.5) / 1.0)
+
+
+def test_a_busy_process_is_seen_as_contention():
+    from cs336_inference.timing import _OtherLoad, busy_cpu
+
+    meter = _OtherLoad(interval=0.0)
+    if meter() is None and meter._sample() is None:
+        pytest.skip("no /proc/stat here")
+    with busy_cpu(1):
+        meter()
+        import time
+        time.sleep(0.6)
+        assert meter() >= 0.5                   # the loop holds (nearly) a whole core

@@ -13,9 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..timing import cpu_contended
+
 # Rows at or below which the CPU few-row path of `Linear` beats one MKL gemm call (measured here on
 # the weights of a 330 MB model, 2 idle threads: 1 row 18 -> 10 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
-# On an oversubscribed CPU (other processes busy) any 2-thread kernel stalls; use 1 thread there.
+# On an oversubscribed CPU (other processes busy) the split waits for its slowest thread, which
+# shares a core: it then loses to MKL's one-thread kernel, so it is skipped while other processes
+# keep a core busy (`timing.cpu_contended`, re-read at most once a second).
 _SPLIT_MAX_ROWS = 64
 _SPLIT_ENABLED = True
 
@@ -51,7 +55,7 @@ class Linear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (_SPLIT_ENABLED and P > 1 and 0 < rows <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
                 and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
-                and x.dtype == w.dtype):
+                and x.dtype == w.dtype and not cpu_contended()):
             blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
             x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
             y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
