@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/_openmp.py)
 import json  # noqa: E402
 import math  # noqa: E402
 
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 
 from lecture_util import Reference, image, link, section, text  # noqa: E402
 
-from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
+                             get_device, seed_everything)
 from cs336_inference.model import load_pretrained  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
@@ -32,7 +34,7 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
                                                  decode_throughput, generation_flops, matmul_cost,
                                                  matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
                                                  parameter_count)
-from cs336_inference.benchmarks.kv_variants import format_table  # noqa: E402
+from cs336_inference.tables import kv_variants_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -49,6 +51,7 @@ minitron = Reference(title="Compact Language Models via Pruning and Knowledge Di
 
 
 def main():
+    apply_thread_policy(parallel=False)  # tiny models: one CPU thread is fastest, and immune to a busy machine
     # 1. Understanding the inference workload
     landscape()
     review_transformer()
@@ -276,7 +279,7 @@ def reduce_kv_cache_size():
         with torch.no_grad():
             cache = model.new_cache(2, 12)
             model(ids[:, :8], cache=cache)
-            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache, start_pos=t) for t in range(8, 12)], 1)
+            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(8, 12)], 1)
     max_diff = (logits[True] - logits[False]).abs().max().item()  # @inspect max_diff
     assert max_diff < 1e-4
     text(f"  absorbed vs naive decode: max |difference| = {max_diff:.1e} (float rounding).")
@@ -307,8 +310,8 @@ def reduce_kv_cache_size():
     held = []
     with torch.no_grad():
         model(torch.randint(0, 257, (1, 20)), cache=cache)
-        for t in range(20, 40):
-            model(torch.randint(0, 257, (1, 1)), cache=cache, start_pos=t)
+        for _ in range(20, 40):
+            model(torch.randint(0, 257, (1, 1)), cache=cache)
             held.append(cache.nbytes)
     assert len(set(held)) == 1 and held[0] == kv_cache_bytes(local, 1, 64, 4) == 8 * cache.bytes_per_token
     text(f"  tiny model, window 8: after 40 tokens the cache still holds {held[-1]} bytes = 8 positions.")
@@ -339,7 +342,7 @@ def kv_experiment_summary():
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
-    table = format_table(results)  # @inspect table
+    table = kv_variants_table(results)  # @inspect table
     text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
     variants = results["variants"]

@@ -22,13 +22,19 @@
 # method on the shipped target model (`python -m cs336_inference bench quantization`).
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import json
+import statistics
+import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-from cs336_inference import ByteTokenizer, generate, get_device, seed_everything
+from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything
+from cs336_inference.generation import decode_one_token
+from cs336_inference.timing import num_threads
 from cs336_inference.model import load_pretrained
 from cs336_inference.data import load_corpus
 from cs336_inference.figures import save_figure
@@ -40,6 +46,7 @@ from cs336_inference.quantization import (
 
 device = get_device("cpu")  # the table below was measured on the CPU; everything here is cheap
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 
 # %% [markdown]
@@ -220,13 +227,6 @@ save_figure(fig, "03_quantization_kl_vs_bytes")
 # Variants alternate round by round (the machine is shared) on one thread; medians are printed.
 
 # %%
-import statistics
-import time
-
-from cs336_inference import ModelConfig, TransformerLM
-from cs336_inference.generation import decode_one_token
-from cs336_inference.timing import num_threads
-
 seed_everything(0)
 big = TransformerLM(ModelConfig.from_name("bench-90m")).eval()
 variants = {"fp32": big,

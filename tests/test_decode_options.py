@@ -20,8 +20,8 @@ def _model(**overrides):
 def _cached_logits(model, ids, prompt=8):
     """Prefill `prompt` tokens, then decode the rest one by one: logits (B, T, V)."""
     cache = adapters.make_kv_cache(model, ids.shape[0], ids.shape[1])
-    steps = [adapters.run_model(model, ids[:, :prompt], cache, 0)]
-    steps += [adapters.run_model(model, ids[:, t:t + 1], cache, t) for t in range(prompt, ids.shape[1])]
+    steps = [adapters.run_model(model, ids[:, :prompt], cache)]
+    steps += [adapters.run_model(model, ids[:, t:t + 1], cache) for t in range(prompt, ids.shape[1])]
     return torch.cat(steps, 1)
 
 
@@ -108,8 +108,8 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
         eager_cache = adapters.make_kv_cache(model, B, 14)
         cache = adapters.make_kv_cache(model, B, 14)
         with torch.no_grad():
-            adapters.run_model(model, ids[:, :8], eager_cache, 0)
-            adapters.run_model(model, ids[:, :8], cache, 0)
+            adapters.run_model(model, ids[:, :8], eager_cache)
+            adapters.run_model(model, ids[:, :8], cache)
             for t in range(8, 14):
                 expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
                 torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)

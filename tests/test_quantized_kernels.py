@@ -41,7 +41,7 @@ LAYOUTS = [(4, 32, False), (4, 64, False), (4, 128, False), (4, 64, True), (4, 1
 def test_packed_matches_reference_fp32_activations(bits, group_size, symmetric):
     weight = torch.randn(48, 256) * torch.linspace(0.1, 3.0, 256)   # uneven column ranges
     x = torch.randn(2, 3, 256)
-    layer = adapters.make_quantized_linear(weight, bits, group_size, symmetric, kernel="packed",
+    layer = adapters.make_quantized_linear_from_weight(weight, bits, group_size, symmetric, kernel="packed",
                                            scale_dtype=torch.float32, compute_dtype=torch.float32)
     y_ref, bound = _reference(x, weight, bits, group_size, symmetric)
     with torch.no_grad():
@@ -54,9 +54,9 @@ def test_packed_matches_reference_fp32_activations(bits, group_size, symmetric):
 def test_packed_matches_reference_bf16_activations(bits, group_size, symmetric):
     weight = torch.randn(64, 256)
     x = torch.randn(5, 256)
-    layer = adapters.make_quantized_linear(weight, bits, group_size, symmetric, kernel="packed",
+    layer = adapters.make_quantized_linear_from_weight(weight, bits, group_size, symmetric, kernel="packed",
                                            scale_dtype=torch.float32)
-    reference = adapters.make_quantized_linear(weight, bits, group_size, symmetric, kernel="reference",
+    reference = adapters.make_quantized_linear_from_weight(weight, bits, group_size, symmetric, kernel="reference",
                                                scale_dtype=torch.float32)
     y_ref, bound = _reference(x, weight, bits, group_size, symmetric)
     with torch.no_grad():
@@ -70,7 +70,7 @@ def test_int4_kernel_uses_the_zero_point():
     """An affine grid whose zero point is far from the middle code: a wrong zero convention shows."""
     weight = torch.rand(32, 128) * 2.0 + 1.0           # all positive: zero point 0, min far from 0
     x = torch.randn(4, 128)
-    layer = adapters.make_quantized_linear(weight, 4, 32, False, kernel="packed", scale_dtype=torch.float32,
+    layer = adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="packed", scale_dtype=torch.float32,
                                            compute_dtype=torch.float32)
     y_ref, bound = _reference(x, weight, 4, 32, False)
     with torch.no_grad():
@@ -79,25 +79,25 @@ def test_int4_kernel_uses_the_zero_point():
 
 def test_auto_falls_back_where_no_kernel_fits_and_packed_refuses():
     weight = torch.randn(40, 64)                        # 40 rows: not a multiple of 16 (CPU int4)
-    auto = adapters.make_quantized_linear(weight, 4, 32, False, kernel="auto", scale_dtype=torch.float32)
+    auto = adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="auto", scale_dtype=torch.float32)
     assert auto.packed_weight(torch.device("cpu")) is None
     x = torch.randn(3, 64)
     y_ref, bound = _reference(x, weight, 4, 32, False)
     with torch.no_grad():
         _check(auto(x), y_ref, bound, FP32_TOL)
     with pytest.raises(ValueError, match="out_features"):
-        adapters.make_quantized_linear(weight, 4, 32, False, kernel="packed")
+        adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="packed")
     with pytest.raises(ValueError, match="group_size"):
-        adapters.make_quantized_linear(torch.randn(32, 64), 4, 16, False, kernel="packed")
+        adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 16, False, kernel="packed")
     with pytest.raises(ValueError, match="per channel"):
-        adapters.make_quantized_linear(torch.randn(32, 64), 8, 32, True, kernel="packed")
+        adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 8, 32, True, kernel="packed")
     with pytest.raises(ValueError, match="kernel"):
-        adapters.make_quantized_linear(torch.randn(32, 64), 4, 32, False, kernel="fast")
+        adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 32, False, kernel="fast")
 
 
 def test_packed_layout_is_rebuilt_after_load_state_dict():
-    a = adapters.make_quantized_linear(torch.randn(32, 64), 4, 32, False, kernel="packed")
-    b = adapters.make_quantized_linear(torch.randn(32, 64), 4, 32, False, kernel="packed")
+    a = adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 32, False, kernel="packed")
+    b = adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 32, False, kernel="packed")
     x = torch.randn(2, 64)
     with torch.no_grad():
         a(x)                                            # builds a's kernel layout
@@ -128,7 +128,7 @@ def test_quantized_model_kernels_agree_and_refusal_leaves_model_unchanged():
 def test_packed_matches_reference_on_cuda(bits, group_size, symmetric):
     weight = torch.randn(64, 256)
     x = torch.randn(5, 256)
-    layer = adapters.make_quantized_linear(weight, bits, group_size, symmetric, kernel="packed",
+    layer = adapters.make_quantized_linear_from_weight(weight, bits, group_size, symmetric, kernel="packed",
                                            scale_dtype=torch.float32).cuda()
     assert layer.packed_weight(torch.device("cuda")) is not None
     y_ref, bound = _reference(x, weight, bits, group_size, symmetric)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import statistics
 import time
 
@@ -31,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from ..accounting.roofline import measure_memory_bandwidth
+from .._openmp import wait_policy
 from ..device import get_device, seed_everything
 from ..figures import save_json
 from ..generation.compiled import compile_decode
@@ -147,7 +147,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
-              "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"),
+              "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
               "parameters": model.num_parameters(), "cpu_bf16_matmul": _bf16_unit(device),
               "load_average_start": load_average()}
 
@@ -223,10 +223,9 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     result |= dict(new_tokens=new_tokens, cached_generation_s=cached.total_time, naive_generation_s=naive.total_time,
                    naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
-    name = "generation_quick" if quick else "generation"   # a smoke run never overwrites the real table
     print_generation(result)
-    save_json(result, name)
-    plot_generation(result, name)
+    save_json(result, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
+    plot_generation(result, quick)
     return result
 
 

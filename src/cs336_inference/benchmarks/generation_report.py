@@ -45,7 +45,7 @@ def print_generation(result: dict) -> None:
               f"({result['naive_over_cached']:.1f}x)")
 
 
-def plot_generation(result: dict, name: str) -> None:
+def plot_generation(result: dict, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -67,5 +67,5 @@ def plot_generation(result: dict, name: str) -> None:
     ax3.tick_params(axis="x", rotation=30)
     ax3.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, name)
+    save_figure(fig, "generation", result=True, quick=quick)
     plt.close(fig)

@@ -9,5 +9,5 @@ from .compiled import compile_decode
 from .generate import GenerationResult, decode_one_token, generate, left_pad, prefill
 from .sampling import logits_to_probs, sample_next_token
 
-__all__ = ["GenerationResult", "compile_decode", "decode_one_token", "generate", "left_pad", "logits_to_probs", "prefill",
-           "sample_next_token"]
+__all__ = ["GenerationResult", "compile_decode", "decode_one_token", "generate", "left_pad", "logits_to_probs",
+           "prefill", "sample_next_token"]

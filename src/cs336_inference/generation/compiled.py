@@ -30,6 +30,6 @@ def compile_decode(model, **compile_options):
             raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
             raise ValueError(f"token ids must be in [0, vocab_size={vocab}), got {token_ids.tolist()}")
-        return compiled(token_ids[:, None], cache=cache, start_pos=cache.length)[:, -1]
+        return compiled(token_ids[:, None], cache=cache)[:, -1]
 
     return step

@@ -96,7 +96,8 @@ def fuse_linears(module: nn.Module, fused_name: str, part_names: tuple[str, ...]
     if bad:
         raise TypeError(f"can only fuse bias-free full-precision linears, got {bad}; fuse before quantizing "
                         f"(quantize_model works on a fused model)")
-    if len({m.in_features for m in parts.values()}) != 1 or len({(m.weight.dtype, m.weight.device) for m in parts.values()}) != 1:
+    kinds = {(m.in_features, m.weight.dtype, m.weight.device) for m in parts.values()}
+    if len(kinds) != 1:
         raise ValueError(f"{part_names} must share in_features, dtype and device to be fused")
     fused = FusedLinear(parts)
     fused.unfused_order = tuple(module._modules)   # children before fusing: the state-dict order

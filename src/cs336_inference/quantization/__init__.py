@@ -30,9 +30,11 @@ from .qat import FakeQuantLinear, qat_finetune, ste_fake_quantize
 
 __all__ = [
     "AWQResult", "FP8_DTYPES", "KERNELS", "PackedWeight", "pack_weight", "packed_matmul",
-    "packed_unsupported_reason", "set_quantized_kernel", "FakeQuantLinear", "Fp8Linear", "GPTQResult", "GRANULARITIES", "LLMInt8Linear",
+    "packed_unsupported_reason", "set_quantized_kernel",
+    "FakeQuantLinear", "Fp8Linear", "GPTQResult", "GRANULARITIES", "LLMInt8Linear",
     "METHODS", "QuantizedEmbedding", "QuantizedKVCache", "QuantizedLinear", "QuantizedTensor", "SUPPORTED_BITS",
-    "absmax_int8", "awq_quantize", "capture_linear_inputs", "awq_search_scales", "compute_scale_zero_point", "dequantize",
+    "absmax_int8", "awq_quantize", "capture_linear_inputs", "awq_search_scales", "compute_scale_zero_point",
+    "dequantize",
     "dequantize_fp8", "fake_quantize", "fp8_range", "fp8_round_trip", "gptq_quantize", "hessian_from_inputs",
     "layer_output_error", "llm_int8_matmul", "model_nbytes", "outlier_columns", "pack_bits", "pack_int4",
     "planted_outlier_demo", "qat_finetune", "qrange", "quantize", "quantize_fp8", "quantize_kv_cache",

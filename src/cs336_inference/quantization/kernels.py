@@ -66,7 +66,8 @@ def packed_unsupported_reason(bits: int, symmetric: bool, group_size: int, out_f
         if device.type == "cpu" and out_features % 16:
             return f"int4 CPU kernel needs out_features divisible by 16, got {out_features}"
         if device.type == "cuda" and (out_features % 8 or in_features % 32):
-            return f"int4 CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0, got {out_features}, {in_features}"
+            return (f"int4 CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0, "
+                    f"got {out_features}, {in_features}")
         return None
     return f"no packed kernel for {bits}-bit codes (only 4 and 8)"
 
