@@ -401,6 +401,36 @@ def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
 
 
+def make_quantized_linear_from_weight(weight, bits=4, group_size=None, symmetric=False, kernel="auto", **kwargs):
+    """A `QuantizedLinear` quantizing `weight` (O, I) by round to nearest (group_size None = per channel)."""
+    from cs336_inference.quantization import QuantizedLinear, quantize_tensor
+    granularity = "channel" if group_size is None else "group"
+    qt = quantize_tensor(weight, bits, symmetric, granularity, group_size)
+    return QuantizedLinear(qt, kernel=kernel, **kwargs)
+
+
+def run_set_quantized_kernel(model, kernel):
+    from cs336_inference.quantization import set_quantized_kernel
+    return set_quantized_kernel(model, kernel)
+
+
+# --- decode speed options: fused projections, attention kernel ---
+
+
+def run_fuse_projections(model):
+    """In place: q/k/v and w1/w3 each as one matmul; returns the model."""
+    return model.fuse_projections()
+
+
+def run_unfuse_projections(model):
+    return model.unfuse_projections()
+
+
+def run_set_attention_kernel(model, kernel: str):
+    """kernel: "reference" (hand-written) or "sdpa" (torch's fused attention); returns the model."""
+    return model.set_attention_kernel(kernel)
+
+
 # --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
 
 
@@ -431,10 +461,10 @@ def get_out_of_blocks_error() -> type:
     return OutOfBlocksError
 
 
-def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None) -> torch.Tensor:
+def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None, **kwargs) -> torch.Tensor:
     """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
     from cs336_inference.serving import paged_attention
-    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens, **kwargs)
 
 
 def make_paged_kv_cache(model, num_blocks: int, block_size: int):

@@ -290,8 +290,9 @@ def _naive_attention(q, k_pool, v_pool, tables, context_lens, query_lens):
     return out
 
 
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
 @pytest.mark.parametrize("seed", range(8))
-def test_paged_attention_matches_naive_attention(seed):
+def test_paged_attention_matches_naive_attention(seed, kernel):
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     bs = rng.choice([1, 2, 3, 4, 16])
@@ -309,7 +310,7 @@ def test_paged_attention_matches_naive_attention(seed):
     k_pool = torch.randn(num_blocks, bs, K, H, generator=g)
     v_pool = torch.randn(num_blocks, bs, K, H, generator=g)
     q = torch.randn(sum(query_lens), K * G, H, generator=g)
-    got = adapters.run_paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
+    got = adapters.run_paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens, kernel=kernel)
     want = _naive_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 

@@ -46,9 +46,11 @@ def reference(model, trace):
             for r in trace]
 
 
-def test_paged_forward_of_a_ragged_batch_matches_the_plain_forward(model):
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
+def test_paged_forward_of_a_ragged_batch_matches_the_plain_forward(kernel):
     """Three sequences, part already cached, run as one row: the last-token logits of each equal a
-    full forward of that sequence alone."""
+    full forward of that sequence alone (with either attention kernel of the model)."""
+    model = adapters.run_set_attention_kernel(load_pretrained("target").eval(), kernel)
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (13, 5, 20)]
     bs = 4

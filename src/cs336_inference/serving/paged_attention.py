@@ -57,15 +57,15 @@ class _PaddedGroup:
         return cls(tables[:, :-(-S_max // block_size)].to(device), seq.to(device), row.to(device),
                    mask[:, None].to(device))
 
-    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, scale, kernel: str) -> torch.Tensor:
         b, _, T_max, S_max = self.mask.shape
         k, v = _gather(k_pool, self.tables, S_max), _gather(v_pool, self.tables, S_max)  # (b, K, S_max, H)
         if T_max == 1:  # decodes: one query per sequence, nothing to scatter
-            out = grouped_attention(rearrange(q, "b N H -> b N 1 H"), k, v, self.mask, scale)
+            out = grouped_attention(rearrange(q, "b N H -> b N 1 H"), k, v, self.mask, scale, kernel=kernel)
             return rearrange(out, "b N 1 H -> b N H")
         q_pad = q.new_zeros(b, T_max, *q.shape[1:])
         q_pad[self.seq, self.row] = q
-        out = grouped_attention(rearrange(q_pad, "b T N H -> b N T H"), k, v, self.mask, scale)
+        out = grouped_attention(rearrange(q_pad, "b T N H -> b N T H"), k, v, self.mask, scale, kernel=kernel)
         return rearrange(out, "b N T H -> b T N H")[self.seq, self.row]
 
 
@@ -103,19 +103,20 @@ class PagedLayout:
         return cls(query_lens, groups, block_size, int(query_lens.sum()))
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
-        """q (sum T, N, H) over pools (num_blocks, block_size, K, H) -> (sum T, N, H)."""
+               scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
+        """q (sum T, N, H) over pools (num_blocks, block_size, K, H) -> (sum T, N, H); kernel as in
+        `grouped_attention` ("reference" or torch's fused "sdpa")."""
         _check_shapes(q, k_pool, v_pool, self)
         if len(self.groups) == 1:
-            return self.groups[0][1].attend(q, k_pool, v_pool, scale)
+            return self.groups[0][1].attend(q, k_pool, v_pool, scale, kernel)
         out = torch.empty_like(q)
         for rows, group in self.groups:
-            out[rows] = group.attend(q[rows], k_pool, v_pool, scale)
+            out[rows] = group.attend(q[rows], k_pool, v_pool, scale, kernel)
         return out
 
 
-def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables,
-                    context_lens, query_lens=None, scale: float | None = None) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables, context_lens,
+                    query_lens=None, scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
     """Causal attention of new queries over K/V stored in blocks.
 
     q (sum T_b, N, H): the new tokens' queries, sequence after sequence (positions S_b - T_b .. S_b - 1);
@@ -123,13 +124,14 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     block_tables: (B, max blocks) tensor or list of block-id lists, logical block i of sequence b
       -> physical block block_tables[b][i];
     context_lens (B,): S_b, keys of sequence b (the new tokens' keys already written);
-    query_lens (B,): T_b (default: all 1, a decode step).
+    query_lens (B,): T_b (default: all 1, a decode step);
+    kernel: "reference" (hand-written softmax attention) or "sdpa" (torch's fused kernel).
     Returns (sum T_b, N, H).
     """
     if not isinstance(k_pool, torch.Tensor) or k_pool.dim() != 4:
         raise ValueError(f"k_pool must be (num_blocks, block_size, K, H), got {getattr(k_pool, 'shape', k_pool)}")
     layout = PagedLayout.build(block_tables, context_lens, query_lens, k_pool.shape[1], q.device)
-    return layout.attend(q, k_pool, v_pool, scale)
+    return layout.attend(q, k_pool, v_pool, scale, kernel)
 
 
 def _gather(pool: torch.Tensor, tables: torch.Tensor, S_max: int) -> torch.Tensor:

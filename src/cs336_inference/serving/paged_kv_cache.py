@@ -70,9 +70,10 @@ class PagedLayerCache(LayerCache):
     def mask(self, step: PagedStep) -> None:
         return None  # `attend` keeps each token inside its own sequence and causal
 
-    def attend(self, q: torch.Tensor, kv, mask, step: PagedStep, scale: float | None = None) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, kv, mask, step: PagedStep, scale: float | None = None,
+               kernel: str = "reference") -> torch.Tensor:
         """q (1, N, sum T, H) -> (1, N, sum T, H): attention per sequence through its block table."""
-        out = step.layout.attend(rearrange(q[0], "N T H -> T N H"), *kv, scale)
+        out = step.layout.attend(rearrange(q[0], "N T H -> T N H"), *kv, scale, kernel)
         return rearrange(out, "T N H -> N T H")[None]
 
     @property
