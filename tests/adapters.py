@@ -390,3 +390,20 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
 
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
+
+
+# --- the real pretrained model (SmolLM2-135M from its GGUF) -----------------------------------
+
+
+def run_load_pretrained(name: str, **kwargs):
+    return checkpoints.load_pretrained(name, **kwargs)
+
+
+def get_model_tokenizer(name: str):
+    from cs336_inference.model import load_tokenizer
+    return load_tokenizer(name)
+
+
+def run_load_gguf_weights(path, dtype=torch.float32, cache_as=None):
+    from cs336_inference.model.real_models import load_gguf_weights
+    return load_gguf_weights(path, dtype, cache_as=cache_as)

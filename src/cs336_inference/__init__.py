@@ -18,12 +18,12 @@ One sub-package per part of the lecture, imports pointing downward only:
 from .device import default_dtype, get_device, seed_everything
 from .generation import GenerationResult, decode_one_token, generate, prefill, sample_next_token
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    scaled_dot_product_attention)
+                    load_tokenizer, scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "decode_one_token",
-    "default_dtype", "generate", "get_device", "load_cs336_checkpoint", "load_pretrained", "prefill",
+    "default_dtype", "generate", "get_device", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "prefill",
     "sample_next_token", "scaled_dot_product_attention", "seed_everything",
 ]

@@ -3,7 +3,9 @@
 One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, Linear),
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
 `kv_cache` (one layer cache per variant + the model's cache), `transformer` (TransformerLM),
-`checkpoints` (save/load, shipped models, student checkpoints), `tokenizer`.
+`checkpoints` (save/load, shipped models, student checkpoints), `tokenizer` (bytes; `load_tokenizer`),
+`bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
+tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk).
 """
 
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
@@ -13,14 +15,16 @@ from .gqa import GroupedQueryAttention
 from .kv_cache import ContiguousKVCache, KVCache, LatentKVCache, RollingKVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
-from .tokenizer import ByteTokenizer
+from .bpe_tokenizer import BPETokenizer
+from .real_models import REAL_MODELS
+from .tokenizer import ByteTokenizer, load_tokenizer
 from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
-    "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "BPETokenizer", "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
+    "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
-    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",
+    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "rope_angles",
     "save", "scaled_dot_product_attention",
 ]

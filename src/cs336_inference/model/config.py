@@ -31,6 +31,8 @@ class ModelConfig:
     sliding_window: int | None = None  # local attention window (positions incl. the current one)
     global_every: int | None = None   # with sliding_window: layer i is global iff (i+1) % n == 0
     kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
+    # --- output layer ---
+    tie_embeddings: bool = False      # lm_head reuses token_embeddings.weight (SmolLM2, Gemma); assignment 1 unties
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -55,6 +57,9 @@ class ModelConfig:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
         if self.attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise TypeError(f"tie_embeddings must be a bool, got {type(self.tie_embeddings).__name__} "
+                            f"({self.tie_embeddings!r})")
         self._check_variant()
 
     def _check_variant(self) -> None:

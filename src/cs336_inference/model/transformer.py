@@ -1,7 +1,8 @@
 """`TransformerLM`: the CS336 assignment-1 language model, plus a KV cache and attention variants.
 
 Layout (so a student's assignment-1 checkpoint loads unchanged): token embedding, L pre-norm
-blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases.
+blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases
+(`config.tie_embeddings` makes lm_head share the embedding table, as SmolLM2 does).
 One `forward(token_ids, cache=None, start_pos=0)` serves all three uses:
 full forward (no cache), prefill (cache, T = prompt length) and decode (cache, T = 1).
 The attention variant of each layer (GQA/MHA/MQA, MLA, sliding window, hybrids, cross-layer KV
@@ -61,8 +62,15 @@ class TransformerLM(nn.Module):
             TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        self.tie_weights()
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """With config.tie_embeddings, make lm_head use the very Parameter of token_embeddings (one
+        V x D table, not a copy). Call again after anything that replaces either parameter."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
 
     @property
     def rope_dim(self) -> int:
@@ -89,6 +97,7 @@ class TransformerLM(nn.Module):
         return self.lm_head.weight.dtype
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied table counts once; excluding it then drops lm_head too)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 
