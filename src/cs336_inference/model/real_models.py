@@ -138,7 +138,6 @@ def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float3
     state = gguf_state_dict(gf, config)
     if entry is not None:
         _write_atomic(entry / "config.json", lambda p: Path(p).write_text(json.dumps(config.to_dict(), indent=1)))
-        _write_atomic(entry / "tokenizer.json", lambda p: Path(p).write_text(json.dumps(gguf_tokenizer_spec(gf))))
         _write_atomic(entry / "weights-float32.pt", lambda p: torch.save(state, p))
     state = {k: v.to(dtype) for k, v in state.items()}
     if entry is not None and dtype != torch.float32:
