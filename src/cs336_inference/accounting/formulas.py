@@ -66,7 +66,10 @@ def kv_cache_bytes(config: ModelConfig | ModelShape, batch_size: int, seq_len: i
     per_layer = _layer_elements_per_token(config) * bytes_per_element
     total = 0
     for layer in _cache_owning_layers(config):
-        held = min(seq_len, config.sliding_window) if _is_local(config, layer) else seq_len
+        if _is_local(config, layer):
+            held = min(seq_len, config.sliding_window + config.attention_sinks)  # window + its sinks
+        else:
+            held = seq_len
         total += per_layer * held
     return batch_size * total
 

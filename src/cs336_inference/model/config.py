@@ -30,6 +30,7 @@ class ModelConfig:
     rope_head_dim: int | None = None  # MLA decoupled RoPE key dim (shared across heads)
     sliding_window: int | None = None  # local attention window (positions incl. the current one)
     global_every: int | None = None   # with sliding_window: layer i is global iff (i+1) % n == 0
+    attention_sinks: int = 0          # with sliding_window: the first positions every local layer keeps (StreamingLLM)
     kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
     # --- output layer ---
     tie_embeddings: bool = False      # lm_head reuses token_embeddings.weight (SmolLM2, Gemma); assignment 1 unties
@@ -81,6 +82,11 @@ class ModelConfig:
         elif mla_only:
             raise ValueError(f"{mla_only} only apply to attention_type='mla', got attention_type="
                              f"{self.attention_type!r}; drop them or set attention_type='mla'")
+        if isinstance(self.attention_sinks, bool) or not isinstance(self.attention_sinks, int) or self.attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be a non-negative int, got {self.attention_sinks!r}")
+        if self.attention_sinks and self.sliding_window is None:
+            raise ValueError("attention_sinks needs sliding_window (sinks are the positions a local layer keeps "
+                             "beyond its window)")
         if self.global_every is not None:
             if self.sliding_window is None:
                 raise ValueError("global_every needs sliding_window (it says which layers stay global)")

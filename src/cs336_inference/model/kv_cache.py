@@ -96,35 +96,51 @@ def _check_positive(**values) -> None:
 
 
 class RollingKVCache(_KVBuffers):
-    """Sliding-window attention's cache: a ring buffer of exactly min(window, max_seq_len) positions.
+    """Sliding-window attention's cache: a ring buffer of exactly min(window, max_seq_len) positions,
+    plus, with `sinks` > 0, the first `sinks` positions kept apart for good (attention sinks).
 
     Position p lives in slot p % capacity (Mistral 7B, Jiang et al. 2023), so memory stays flat however
-    long the sequence grows. A query at position i sees keys i - window + 1 .. i, so `update` returns
-    the keys of positions max(0, start_pos - window + 1) .. start_pos + T - 1 in order: the older ones
-    gathered from the ring, the T new ones as given (a long prefill needs new keys that the ring
-    cannot hold at once). The model builds its band mask over exactly those positions.
+    long the sequence grows. A query at position i sees keys i - window + 1 .. i (and the sinks), so
+    `update` returns the keys of the sink positions 0 .. sink_keys(start_pos) - 1, then of positions
+    max(0, start_pos - window + 1) .. start_pos + T - 1 in order: the older ones gathered from the ring,
+    the T new ones as given (a long prefill needs new keys that the ring cannot hold at once). The
+    model builds its band mask over exactly those positions.
     Rollback (`truncate`) only works while the positions the next query needs are still in the ring.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, max_seq_len: int,
-                 device=None, dtype: torch.dtype = torch.float32):
+                 device=None, dtype: torch.dtype = torch.float32, sinks: int = 0):
         _check_positive(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                         window=window, max_seq_len=max_seq_len)
-        self.window, self.max_seq_len = window, max_seq_len
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks must be a non-negative int, got {sinks!r}")
+        self.window, self.max_seq_len, self.sinks = window, max_seq_len, sinks
         self.capacity = min(window, max_seq_len)
         shape = (batch_size, num_kv_heads, self.capacity, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
+        # sinks only need their own slots once the window can slide past them
+        sink_shape = (batch_size, num_kv_heads, min(sinks, max(0, max_seq_len - window)), head_dim)
+        self.sink_k = torch.zeros(sink_shape, device=device, dtype=dtype)
+        self.sink_v = torch.zeros(sink_shape, device=device, dtype=dtype)
         self.length = 0   # positions written so far (the next start_pos)
         self.oldest = 0   # oldest position not yet overwritten
 
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.sink_k.nbytes + self.sink_v.nbytes
+
     def first_key(self, start_pos: int) -> int:
-        """Oldest position a query at start_pos may attend to (the first key `update` returns)."""
+        """Oldest position of the window a query at start_pos attends to."""
         return max(0, start_pos - self.window + 1)
 
+    def sink_keys(self, start_pos: int) -> int:
+        """Sink positions returned ahead of the window: those that fell out of it."""
+        return min(self.sinks, self.first_key(start_pos))
+
     def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v (B, K, T, H) for positions start_pos..; return keys/values (B, K, S_w, H) of positions
-        first_key(start_pos) .. start_pos + T - 1."""
+        """Write k, v (B, K, T, H) for positions start_pos..; return keys/values (B, K, S_w, H) of the sink
+        positions 0 .. sink_keys(start_pos) - 1, then of first_key(start_pos) .. start_pos + T - 1."""
         B, K, C, H = self.k.shape
         _check_kv("k", k, B, K, H)
         _check_kv("v", v, B, K, H)
@@ -136,8 +152,13 @@ class RollingKVCache(_KVBuffers):
             raise ValueError(f"cache overflow: writing positions [{start_pos}, {end}) into a cache of "
                              f"max_seq_len {self.max_seq_len}")
         slots = torch.arange(self.first_key(start_pos), start_pos, device=self.k.device) % C
-        keys = torch.cat([self.k[:, :, slots], k], dim=2)      # (B, K, S_w, H), in position order
-        values = torch.cat([self.v[:, :, slots], v], dim=2)
+        n_sink = self.sink_keys(start_pos)
+        keys = torch.cat([self.sink_k[:, :, :n_sink], self.k[:, :, slots], k], dim=2)  # in position order
+        values = torch.cat([self.sink_v[:, :, :n_sink], self.v[:, :, slots], v], dim=2)
+        if start_pos < self.sink_k.shape[2]:                   # the first positions also go to the sinks
+            stop = min(end, self.sink_k.shape[2])
+            self.sink_k[:, :, start_pos:stop] = k[:, :, :stop - start_pos]
+            self.sink_v[:, :, start_pos:stop] = v[:, :, :stop - start_pos]
         keep = min(T, C)                                       # only the last C new positions fit
         new_slots = torch.arange(end - keep, end, device=self.k.device) % C
         self.k[:, :, new_slots] = k[:, :, T - keep:]

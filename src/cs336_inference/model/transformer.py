@@ -139,6 +139,9 @@ class TransformerLM(nn.Module):
             cache.check_room(T, start_pos)
             pad = cache.pad if pad is None else pad
         pad = _check_pad(pad, B, start_pos + T)
+        if pad is not None and self.config.attention_sinks:
+            raise ValueError("attention_sinks cannot be combined with left padding (the sinks would be padding "
+                             "slots, not the first real tokens); run such sequences unpadded")
 
         positions = torch.arange(start_pos, start_pos + T, device=self.device)      # (T,)
         if pad is not None:
@@ -163,14 +166,16 @@ class TransformerLM(nn.Module):
 
     def _mask(self, T: int, start_pos: int, pad, window: int | None, cached: bool):
         """The mask over the keys a layer attends to: with a cache, global layers see positions
-        0 .. start_pos + T - 1 and local ones those their rolling buffer returns (from
-        start_pos - window + 1); without a cache, just the T new positions."""
+        0 .. start_pos + T - 1 and local ones those their rolling buffer returns (its sinks, then
+        from start_pos - window + 1); without a cache, just the T new positions."""
+        sinks = self.config.attention_sinks if window is not None else 0
         if not cached:
-            first = start_pos
+            first, sink_keys = start_pos, 0
         else:
             first = 0 if window is None else max(0, start_pos - window + 1)  # = RollingKVCache.first_key
-        return attention_mask(T, start_pos + T - first, start_pos, pad, window=window, device=self.device,
-                              first_key=first)
+            sink_keys = min(sinks, first)                                    # = RollingKVCache.sink_keys
+        return attention_mask(T, sink_keys + start_pos + T - first, start_pos, pad, window=window,
+                              device=self.device, first_key=first, sinks=sinks, sink_keys=sink_keys)
 
     def _check_tokens(self, token_ids, start_pos) -> torch.Tensor:
         if not isinstance(token_ids, torch.Tensor):

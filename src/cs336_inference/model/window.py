@@ -4,6 +4,9 @@ Longformer (Beltagy et al. 2020) and Mistral 7B (Jiang et al. 2023): the cache n
 the context, it is a ring buffer of `window` positions (`RollingKVCache`); information from further
 back can still arrive indirectly, one window per layer, so the receptive field grows linearly with
 depth. Hybrids (Gemma 2/3, Character.AI) keep some layers global (`ModelConfig.global_every`).
+Attention sinks (StreamingLLM, Xiao et al. 2024; `ModelConfig.attention_sinks`): trained models park
+much attention on the first tokens, so a window that drops them breaks; keeping those few positions
+beside the ring repairs it at the cost of a few more cached positions.
 
 The module is grouped-query attention with a different cache; the band mask is built by the model
 (`attention.attention_mask(..., window=..., first_key=...)`) because it depends on the batch's padding
@@ -28,10 +31,11 @@ class SlidingWindowAttention(GroupedQueryAttention):
                              f"use GroupedQueryAttention for it")
         super().__init__(config, layer_idx, device=device, dtype=dtype)
         self.window = window
+        self.sinks = config.attention_sinks
 
     def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> RollingKVCache:
         return RollingKVCache(batch_size, self.num_kv_heads, self.head_dim, self.window, max_seq_len,
-                              device=device, dtype=dtype or self.q_proj.weight.dtype)
+                              device=device, dtype=dtype or self.q_proj.weight.dtype, sinks=self.sinks)
 
     def extra_repr(self) -> str:
-        return f"window={self.window}"
+        return f"window={self.window}" + (f", sinks={self.sinks}" if self.sinks else "")
