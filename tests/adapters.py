@@ -407,3 +407,13 @@ def get_model_tokenizer(name: str):
 def run_load_gguf_weights(path, dtype=torch.float32, cache_as=None):
     from cs336_inference.model.real_models import load_gguf_weights
     return load_gguf_weights(path, dtype, cache_as=cache_as)
+
+
+def run_with_attention(model, **changes):
+    from cs336_inference.model.convert import with_attention
+    return with_attention(model, **changes)
+
+
+def run_mean_pool_kv_heads(model, num_kv_heads: int):
+    from cs336_inference.model.convert import mean_pool_kv_heads
+    return mean_pool_kv_heads(model, num_kv_heads)

@@ -54,7 +54,7 @@ def load_pretrained(name: str, device=None, dtype: torch.dtype | None = None) ->
     real one read from an installed package ("smollm2-135m", see `real_models`). dtype: default fp32."""
     if name in REAL_MODELS:
         config, state = load_real_weights(name, dtype or torch.float32)
-        return _assemble(config, state, device, dtype, copy=False)
+        return from_state_dict(config, state, device, dtype, copy=False)
     names = available_pretrained()
     if name not in names:
         raise ValueError(f"unknown pretrained model {name!r}; shipped models: {names}; real models (from "
@@ -123,13 +123,13 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)
-    return _assemble(config, extract_state_dict(obj), device, dtype, copy=True)
+    return from_state_dict(config, extract_state_dict(obj), device, dtype, copy=True)
 
 
-def _assemble(config: ModelConfig, state: dict[str, torch.Tensor], device, dtype: torch.dtype | None,
-              copy: bool) -> TransformerLM:
+def from_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], device=None, dtype: torch.dtype | None = None,
+                    copy: bool = True) -> TransformerLM:
     """A model whose parameters are `state`'s tensors (cast to dtype, default fp32); copy=False lets
-    them alias the given tensors (the memory-mapped cache of a real model: no second copy in RAM)."""
+    them alias the given tensors (a memory-mapped cache, or another model's weights: no second copy)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
     model = TransformerLM(config, device="meta")  # shapes only: no random init of weights we replace
