@@ -388,6 +388,12 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
     return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)
 
 
+def run_quantize_kv_cache(cache, fmt="int8", group_size=None):
+    """Quantize a model's KVCache in place (an empty one, or one that already holds a prefill)."""
+    from cs336_inference.quantization import quantize_kv_cache
+    return quantize_kv_cache(cache, fmt, group_size)
+
+
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
 
