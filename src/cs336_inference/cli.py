@@ -71,6 +71,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "models": ("benchmarks.models", "bench_models"),
     "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
     "quantization": ("benchmarks.quantization", "bench_quantization"),
+    "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
