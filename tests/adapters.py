@@ -423,3 +423,8 @@ def run_with_attention(model, **changes):
 def run_mean_pool_kv_heads(model, num_kv_heads: int):
     from cs336_inference.model.convert import mean_pool_kv_heads
     return mean_pool_kv_heads(model, num_kv_heads)
+
+
+def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0.75, 1.0), seed=0):
+    from cs336_inference.data.passkey import passkey_trials
+    return passkey_trials(tokenizer, context, num_trials, depths, seed)

@@ -128,3 +128,14 @@ def test_clear_errors_for_missing_package_bad_dtype_and_damaged_files(monkeypatc
         run_load_pretrained(NAME)
     with pytest.raises(ModuleNotFoundError, match=INSTALL):
         get_model_tokenizer(NAME)
+
+
+@pytest.mark.slow
+def test_chat_answers_the_capital_of_france(model, tokenizer):
+    from adapters import run_generate
+
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    out = run_generate(model, [tokenizer.encode(prompt)], 24, stop_tokens=tokenizer.stop_ids)
+    answer = tokenizer.decode(out.tokens[0])
+    assert "Paris" in answer, answer
+    assert out.finish_reasons == ["stop"] and out.tokens[0][-1] == tokenizer.special_to_id["<|im_end|>"]

@@ -17,13 +17,15 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
          "I will quiz you about the important information there.")
 FILLER = [" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.", " There and back again."]
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "\n\nWhat is the pass key? The pass key is"
+# The prompt ends with the space before the key (a token of its own, as digits are split one by one), so
+# the first answer token is already a digit: the test is recall, not the model's choice of phrasing.
+QUESTION = "\n\nWhat is the pass key? The pass key is "
 
 
 @dataclass(frozen=True)
 class PasskeyTrial:
     prompt_ids: list[int]
-    answer_ids: list[int]      # " 12345": what greedy decoding must produce, token by token
+    answer_ids: list[int]      # "12345" (one token per digit): what greedy decoding must produce
     key: str
     depth: float               # requested depth in [0, 1]
     needle_position: int       # index of the needle's first token in the prompt
@@ -43,7 +45,7 @@ def make_passkey_trial(tokenizer, context: int, depth: float, seed: int) -> Pass
         raise ValueError(f"depth must be in [0, 1], got {depth!r}")
     key = str(random.Random(seed).randint(10000, 99999))
     head, needle, question = (tokenizer.encode(t) for t in (INTRO, NEEDLE.format(key=key), QUESTION))
-    answer = tokenizer.encode(f" {key}")
+    answer = tokenizer.encode(key)
     room = context - len(head) - len(needle) - len(question) - len(answer)
     if room < 0:
         raise ValueError(f"context={context} is too short for the passkey prompt: it needs at least "
