@@ -428,3 +428,8 @@ def run_mean_pool_kv_heads(model, num_kv_heads: int):
 def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0.75, 1.0), seed=0):
     from cs336_inference.data.passkey import passkey_trials
     return passkey_trials(tokenizer, context, num_trials, depths, seed)
+
+
+def make_chat_session(model, tokenizer, **kwargs):
+    from cs336_inference.generation import ChatSession
+    return ChatSession(model, tokenizer, **kwargs)
