@@ -182,6 +182,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
     "quantization": ("benchmarks.quantization", "bench_quantization"),
     "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
+    "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
