@@ -22,8 +22,10 @@ from ..timing import median_seconds
 
 
 def weight_bytes_per_step(model: TransformerLM) -> int:
-    """Bytes of weights one decode step reads: all of them except the embedding table (one row)."""
-    return sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("token_embeddings"))
+    """Bytes of weights one decode step reads: all of them except the embedding table (one row); a tied
+    table is still read in full, as the lm_head."""
+    return sum(p.nbytes for name, p in model.named_parameters(remove_duplicate=False)
+               if not name.startswith("token_embeddings"))
 
 
 @torch.inference_mode()
