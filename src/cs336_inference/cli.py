@@ -183,6 +183,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "quantization": ("benchmarks.quantization", "bench_quantization"),
     "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
     "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
+    "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
