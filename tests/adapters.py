@@ -433,3 +433,13 @@ def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0
 def make_chat_session(model, tokenizer, **kwargs):
     from cs336_inference.generation import ChatSession
     return ChatSession(model, tokenizer, **kwargs)
+
+
+def run_count_activation_outliers(model, batches, threshold=6.0):
+    from cs336_inference.quantization import count_activation_outliers
+    return count_activation_outliers(model, batches, threshold)
+
+
+def run_gguf_round_trip(weight, qtype="Q4_1"):
+    from cs336_inference.model.gguf import gguf_round_trip
+    return gguf_round_trip(weight, qtype)

@@ -120,3 +120,18 @@ def test_tied_model_saves_one_table_and_refuses_a_different_head(tmp_path):
         run_load_cs336_checkpoint(state, config)
     with pytest.raises(TypeError, match="tie_embeddings"):
         make_config(tie_embeddings=1)
+
+
+def test_gguf_round_trip_is_idempotent_and_within_half_a_step():
+    from adapters import run_gguf_round_trip
+
+    w = torch.randn(8, 96) * 0.3
+    once = run_gguf_round_trip(w, "Q4_1")
+    assert torch.equal(run_gguf_round_trip(once, "Q4_1"), once)       # already on the grid: bit for bit
+    blocks = w.reshape(-1, 32)
+    half = ((blocks.amax(1) - blocks.amin(1)) / 15 / 2)[:, None] * 1.01 + 1e-3   # fp16 scale/min rounding
+    assert ((once - w).reshape(-1, 32).abs() <= half).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        run_gguf_round_trip(torch.randn(4, 40))
+    with pytest.raises(ValueError, match="unknown GGUF"):
+        run_gguf_round_trip(w, "Q9_9")

@@ -3,8 +3,8 @@ retrieving it from ~1000 tokens back, its KV-cache variants doing what their mas
 
 import pytest
 import torch
-from adapters import (get_model_tokenizer, get_tokenizer, run_load_pretrained, run_passkey_trials, run_quantize_kv_cache,
-                      run_with_attention)
+from adapters import (get_model_tokenizer, get_tokenizer, run_generate, run_load_pretrained, run_passkey_trials,
+                      run_quantize_kv_cache, run_with_attention)
 from smollm2_reference import requires_smollm2
 
 
@@ -48,5 +48,7 @@ def test_smollm2_retrieves_a_passkey_from_1000_tokens_and_a_window_cannot():
         return torch.cat([last[None], rest]).argmax(-1).tolist() == trial.answer_ids
 
     assert all(retrieved(model, t) for t in trials), "full attention must find every key"
+    greedy = run_generate(model, [trials[0].prompt_ids], 5).tokens[0]   # what the check above stands for
+    assert tok.decode(greedy) == trials[0].key
     assert all(retrieved(model, t, "int8") for t in trials), "an int8 cache must still find every key"
     assert not any(retrieved(window, t) for t in trials), "a 256-token window cannot see ~500+ tokens back"

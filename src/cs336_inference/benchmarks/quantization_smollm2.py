@@ -29,7 +29,9 @@ from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
 from ..device import get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
+from ..model.gguf import gguf_round_trip
 from ..quantization.kv import quantize_kv_cache
+from ..quantization.llm_int8 import count_activation_outliers
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
 from .quantization import WithQuantizedKV
@@ -41,17 +43,12 @@ G = 96  # stands in for g128: 128 does not divide D = 576
 
 
 def requantize_q4_1(model: nn.Module) -> nn.Module:
-    """A copy whose block linears went through llama.cpp's Q4_1 quantizer again (via `gguf.quants`)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
-
+    """A copy whose block linears went through llama.cpp's Q4_1 quantizer again."""
     q = copy.deepcopy(model)
     with torch.no_grad():
         for m in q.layers.modules():
             if isinstance(m, nn.Linear):
-                w = m.weight.detach().float().cpu().numpy()
-                again = dequantize(quantize(w, GGMLQuantizationType.Q4_1), GGMLQuantizationType.Q4_1)
-                m.weight.copy_(torch.from_numpy(again).to(m.weight))
+                m.weight.copy_(gguf_round_trip(m.weight, "Q4_1"))
     return q
 
 
@@ -112,33 +109,6 @@ def compare_on_text(models: dict, reference, windows: torch.Tensor, nbytes: torc
     return {name: dict(bits_per_byte=t["nll"] / math.log(2) / byte_count, nll_per_token=t["nll"] / count,
                        kl_to_reference=t["kl"] / count, top1_agreement=t["agree"] / count, tokens=count,
                        bytes=byte_count) for name, t in totals.items()}
-
-
-@torch.inference_mode()
-def count_outliers(model, windows: torch.Tensor, threshold: float = THRESHOLD) -> list[dict]:
-    """Per layer and per linear input (attention in = ln1 output, attention out, MLP in = ln2 output,
-    MLP down = SwiGLU hidden): entries with |x| > threshold, feature dims holding any, and max |x|."""
-    inputs = {"attn_in": "attn.q_proj", "attn_out": "attn.output_proj", "mlp_in": "ffn.w1", "mlp_down": "ffn.w2"}
-    stats = [{k: dict(count=0, total=0, columns=set(), max_abs=0.0) for k in inputs} for _ in model.layers]
-    hooks = []
-    for i, block in enumerate(model.layers):
-        for kind, name in inputs.items():
-            def hook(module, args, s=stats[i][kind]):
-                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
-                big = x.abs() > threshold
-                s["count"] += int(big.sum())
-                s["total"] += x.numel()
-                s["columns"].update(big.any(0).nonzero().flatten().tolist())
-                s["max_abs"] = max(s["max_abs"], float(x.abs().max()))
-            hooks.append(block.get_submodule(name).register_forward_pre_hook(hook))
-    try:
-        for window in windows:
-            model(window[None, :-1].to(model.device))
-    finally:
-        for h in hooks:
-            h.remove()
-    return [{k: dict(count=s["count"], fraction=s["count"] / s["total"], outlier_dims=len(s["columns"]),
-                     max_abs=s["max_abs"]) for k, s in layer.items()} for layer in stats]
 
 
 def grid_comparison(model, requantized, rtn) -> dict:
@@ -206,7 +176,8 @@ def _bench(quick: bool, device: torch.device) -> dict:
         model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(), seq_len=seq_len,
         eval_windows=n_eval, eval_tokens=int(windows[:, 1:].numel()), calibration_tokens=n_calib * calib_len,
         awq_grid=awq_grid, kv_cache_bytes_per_token=kv_bytes, text="pydoc_data.topics (CPython's help text): every 4th topic evaluates, the rest calibrate",
-        rows=rows, outlier_threshold=THRESHOLD, outliers=count_outliers(reference, windows[: max(1, n_eval // 2)]),
+        rows=rows, outlier_threshold=THRESHOLD,
+        outliers=count_activation_outliers(reference, windows[: max(1, n_eval // 2), None, :-1], THRESHOLD),
         grids=grid_comparison(reference, models["Q4_1 again (llama.cpp's grid)"], rtn32) if rtn32 is not None else {},
         load_average_end=list(os.getloadavg()), wall_seconds=time.perf_counter() - t_start,
         note=("reference = the published SmolLM2-135M-Instruct weights (GGUF Q4_1) dequantized to fp32; "

@@ -167,3 +167,20 @@ def gguf_tokenizer_spec(gf: GGUFFile) -> dict:
                 pre=meta.get("tokenizer.ggml.pre", "gpt2"),
                 bos_id=meta.get("tokenizer.ggml.bos_token_id"), eos_id=meta.get("tokenizer.ggml.eos_token_id"),
                 chat_template=meta.get("tokenizer.chat_template"))
+
+
+def gguf_round_trip(weight: torch.Tensor, qtype: str = "Q4_1") -> torch.Tensor:
+    """`weight` (..., I) through llama.cpp's own quantizer and back (`gguf.quants`, blocks of 32 along I):
+    what storing it as a GGUF `qtype` ("Q4_1", "Q8_0", ...) would keep. A weight already on that grid
+    comes back bit for bit."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    kind = getattr(GGMLQuantizationType, qtype, None)
+    if kind is None:
+        raise ValueError(f"unknown GGUF quantization type {qtype!r} (e.g. 'Q4_1', 'Q8_0')")
+    if weight.shape[-1] % 32:
+        raise ValueError(f"GGUF blocks hold 32 values: the last dim must be a multiple of 32, got {tuple(weight.shape)}")
+    array = weight.detach().float().cpu().numpy()
+    back = dequantize(quantize(array, kind), kind)
+    return torch.from_numpy(np.array(back, dtype=np.float32)).to(weight.device, weight.dtype)
