@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/_openmp.py)
 import json  # noqa: E402
 import math  # noqa: E402
 
@@ -22,7 +23,8 @@ import torch  # noqa: E402
 
 from lecture_util import Reference, image, link, section, text  # noqa: E402
 
-from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything  # noqa: E402
+from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
+                             get_device, seed_everything)
 from cs336_inference.model import load_pretrained, load_tokenizer  # noqa: E402
 from cs336_inference.model.real_models import gguf_path  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
@@ -33,7 +35,7 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
                                                  decode_throughput, generation_flops, matmul_cost,
                                                  matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
                                                  parameter_count)
-from cs336_inference.benchmarks.kv_variants import format_table  # noqa: E402
+from cs336_inference.tables import kv_variants_table, long_context_table, quantization_smollm2_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -54,6 +56,7 @@ minitron = Reference(title="Compact Language Models via Pruning and Knowledge Di
 
 
 def main():
+    apply_thread_policy(parallel=False)  # tiny models: one CPU thread is fastest, and immune to a busy machine
     # 1. Understanding the inference workload
     landscape()
     review_transformer()
@@ -317,7 +320,7 @@ def reduce_kv_cache_size():
         with torch.no_grad():
             cache = model.new_cache(2, 12)
             model(ids[:, :8], cache=cache)
-            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache, start_pos=t) for t in range(8, 12)], 1)
+            logits[absorb] = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(8, 12)], 1)
     max_diff = (logits[True] - logits[False]).abs().max().item()  # @inspect max_diff
     assert max_diff < 1e-4
     text(f"  absorbed vs naive decode: max |difference| = {max_diff:.1e} (float rounding).")
@@ -348,8 +351,8 @@ def reduce_kv_cache_size():
     held = []
     with torch.no_grad():
         model(torch.randint(0, 257, (1, 20)), cache=cache)
-        for t in range(20, 40):
-            model(torch.randint(0, 257, (1, 1)), cache=cache, start_pos=t)
+        for _ in range(20, 40):
+            model(torch.randint(0, 257, (1, 1)), cache=cache)
             held.append(cache.nbytes)
     assert len(set(held)) == 1 and held[0] == kv_cache_bytes(local, 1, 64, 4) == 8 * cache.bytes_per_token
     text(f"  tiny model, window 8: after 40 tokens the cache still holds {held[-1]} bytes = 8 positions.")
@@ -381,7 +384,7 @@ def kv_experiment_summary():
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
-    table = format_table(results)  # @inspect table
+    table = kv_variants_table(results)  # @inspect table
     text(table, verbatim=True)
     image("figures/kv_variants.png", width=800)
     variants = results["variants"]
@@ -439,11 +442,7 @@ def kv_cuts_on_a_real_model():
     results = json.loads(path.read_text())
     rows = {r["variant"]: r for r in results["rows"]}
     contexts, longest = results["contexts"], str(max(results["contexts"]))
-    lines = [f"{'variant':<34} {'KV MB':>6} " + " ".join(f"{c:>5}" for c in contexts) + "  ms/step"]
-    for r in results["rows"]:
-        acc = " ".join(f"{r['accuracy'][str(c)]['accuracy']:5.2f}" for c in contexts)
-        lines.append(f"{r['variant']:<34} {r['kv_bytes_at_longest'] / 1e6:6.2f} {acc}  {r['decode_ms_at_longest']['median']:7.1f}")
-    table = "\n".join(lines)  # @inspect table
+    table = long_context_table(results)  # @inspect table
     text(f"`python -m cs336_inference bench long_context` ({results['trials_per_context']} trials per context, "
          f"needle at depths {results['depths']}, {results['dtype']}, {results['device']}; KV MB and decode ms "
          f"at {longest} tokens):", verbatim=False)
@@ -637,11 +636,7 @@ def quantization_on_a_real_model():
         return
     results = json.loads(path.read_text())
     rows = {r["variant"]: r for r in results["rows"]}
-    lines = [f"{'variant':<38} {'MB':>6} {'bits/byte':>9} {'KL':>7} {'top-1':>6}"]
-    for r in results["rows"]:
-        lines.append(f"{r['variant']:<38} {r['model_bytes'] / 1e6:6.1f} {r['bits_per_byte']:9.4f} "
-                     f"{r['kl_to_reference']:7.4f} {r['top1_agreement']:6.1%}")
-    table = "\n".join(lines)  # @inspect table
+    table = quantization_smollm2_table(results)  # @inspect table
     text(f"`python -m cs336_inference bench quantization_smollm2` ({results['eval_tokens']:,} held-out tokens of "
          f"CPython's documentation; KL and top-1 against the published model):")
     text(table, verbatim=True)

@@ -31,19 +31,26 @@
 # | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import json
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
 
-from cs336_inference import ModelConfig, TransformerLM, get_device, seed_everything
+from cs336_inference import ModelConfig, TransformerLM, generate, get_device, seed_everything
 from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
-from cs336_inference.benchmarks.kv_variants import format_table
+from cs336_inference.data.passkey import passkey_trials
 from cs336_inference.figures import figures_dir, save_figure
+from cs336_inference.model import load_pretrained, load_tokenizer
+from cs336_inference.model.convert import with_attention
+from cs336_inference.model.real_models import gguf_path
+from cs336_inference.tables import kv_variants_table, long_context_table
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 dtype = torch.float32  # exact comparisons below; bf16 would need looser tolerances
 
@@ -84,7 +91,7 @@ for name, model in models.items():
         cache = model.new_cache(B, P + STEPS)
         pieces = [model(tokens[:, :P], cache=cache)]
         for t in range(P, P + STEPS):
-            pieces.append(model(tokens[:, t:t + 1], cache=cache, start_pos=t))
+            pieces.append(model(tokens[:, t:t + 1], cache=cache))
     err = (torch.cat(pieces, 1) - full).abs().max().item()
     assert err < 1e-4, (name, err)
     print(f"{name:<34} max |cached - full| = {err:.1e}")
@@ -117,7 +124,7 @@ for absorb in (False, True):
     with torch.no_grad():
         cache = mla.new_cache(B, P + STEPS)
         pieces = [mla(tokens[:, :P], cache=cache)]
-        pieces += [mla(tokens[:, t:t + 1], cache=cache, start_pos=t) for t in range(P, P + STEPS)]
+        pieces += [mla(tokens[:, t:t + 1], cache=cache) for t in range(P, P + STEPS)]
     outs[absorb] = torch.cat(pieces, 1)
 print("max |absorbed - naive| =", f"{(outs[True] - outs[False]).abs().max().item():.1e}")
 
@@ -148,7 +155,7 @@ cache = local.new_cache(1, S_max)
 held = []
 with torch.no_grad():
     for t in range(S_max):
-        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache, start_pos=t)
+        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache)
         held.append(cache.nbytes)
 full_cfg = configs["MHA"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -175,7 +182,7 @@ if not path.exists():
 if path.exists():
     results = json.loads(path.read_text())
     print(f"window = {results['window']}, {results['train']['steps']} steps, device {results['device']}")
-    print(format_table(results))
+    print(kv_variants_table(results))
 else:
     print("no committed results: run `python -m cs336_inference bench kv_variants --quick`")
 
@@ -203,12 +210,6 @@ else:
 # the trained weights (`model.convert.with_attention`, `mean_pool_kv_heads`, `quantize_kv_cache`).
 
 # %%
-from cs336_inference import generate
-from cs336_inference.data.passkey import passkey_trials
-from cs336_inference.model import load_pretrained, load_tokenizer
-from cs336_inference.model.convert import with_attention
-from cs336_inference.model.real_models import gguf_path
-
 try:
     gguf_path("smollm2-135m")
     have_smollm2 = True
@@ -236,13 +237,8 @@ if not path.exists():
     path = figures_dir() / "long_context.json"
 if path.exists():
     lc = json.loads(path.read_text())
-    contexts, longest = lc["contexts"], str(max(lc["contexts"]))
-    print(f"{lc['model']} ({lc['dtype']}, {lc['device']}); accuracy per context, KV MB and ms per decode step at "
-          f"{longest} tokens")
-    print(f"{'variant':<34} {'KV MB':>6} " + " ".join(f"{c:>5}" for c in contexts) + "  ms/step")
-    for r in lc["rows"]:
-        acc = " ".join(f"{r['accuracy'][str(c)]['accuracy']:5.2f}" for c in contexts)
-        print(f"{r['variant']:<34} {r['kv_bytes_at_longest'] / 1e6:6.2f} {acc}  {r['decode_ms_at_longest']['median']:7.1f}")
+    print(f"{lc['model']} ({lc['dtype']}, {lc['device']}), {lc['trials_per_context']} trials per context")
+    print(long_context_table(lc))
     by_name = {r["variant"]: r for r in lc["rows"]}
     for w in (128, 256, 512):
         found = [t["distance"] for t in by_name[f"window {w} + {lc['sinks']} sinks"]["trials"] if t["correct"]]

@@ -23,6 +23,8 @@
 # pretrained model, SmolLM2-135M, and real English text (`bench quantization_smollm2`).
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import json
 from pathlib import Path
 
@@ -30,17 +32,22 @@ import matplotlib.pyplot as plt
 import torch
 
 from cs336_inference import ByteTokenizer, generate, get_device, seed_everything
-from cs336_inference.model import load_pretrained
+from cs336_inference.data.real_text import pydoc_documents
+from cs336_inference.model import load_pretrained, load_tokenizer
+from cs336_inference.model.gguf import gguf_round_trip
+from cs336_inference.model.real_models import gguf_path
+from cs336_inference.tables import quantization_smollm2_table
 from cs336_inference.data import load_corpus
 from cs336_inference.figures import save_figure
 from cs336_inference.quantization import (
-    awq_search_scales, capture_linear_inputs, dequantize, fp8_range, fp8_round_trip, gptq_quantize,
-    layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize, quantize_kv_cache,
-    quantize_model, quantize_tensor,
+    awq_search_scales, capture_linear_inputs, count_activation_outliers, dequantize, fp8_range, fp8_round_trip,
+    gptq_quantize, layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize,
+    quantize_kv_cache, quantize_model, quantize_tensor,
 )
 
 device = get_device("cpu")  # the table below was measured on the CPU; everything here is cheap
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 
 # %% [markdown]
@@ -225,12 +232,6 @@ save_figure(fig, "03_quantization_kl_vs_bytes")
 # grid it adds a second rounding error.
 
 # %%
-from cs336_inference.data.real_text import pydoc_documents
-from cs336_inference.model import load_tokenizer
-from cs336_inference.model.gguf import gguf_round_trip
-from cs336_inference.model.real_models import gguf_path
-from cs336_inference.quantization import count_activation_outliers
-
 try:
     gguf_path("smollm2-135m")
     have_smollm2 = True
@@ -274,10 +275,7 @@ path = Path.cwd().parent / "figures" / "quantization_smollm2.json"
 if path.exists():
     real = json.loads(path.read_text())
     print(f"{real['model']}, {real['eval_tokens']:,} eval tokens, {real['calibration_tokens']:,} calibration tokens")
-    print(f"{'variant':<38}{'MB':>7}{'bits/byte':>10}{'KL':>8}{'top-1':>7}")
-    for r in real["rows"]:
-        print(f"{r['variant']:<38}{r['model_bytes'] / 1e6:>7.1f}{r['bits_per_byte']:>10.4f}"
-              f"{r['kl_to_reference']:>8.4f}{r['top1_agreement']:>7.3f}")
+    print(quantization_smollm2_table(real))
 else:
     print("no committed results: run `python -m cs336_inference bench quantization_smollm2 --quick`")
 

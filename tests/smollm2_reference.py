@@ -146,8 +146,9 @@ def reference_logits(ids: list[int]) -> torch.Tensor:
         return out
 
     for layer in range(L):
-        w = {k: tensor(f"blk.{layer}.{k}.weight") for k in ("attn_norm", "attn_q", "attn_k", "attn_v",
-                                                                "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+        names = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up",
+                 "ffn_down")
+        w = {k: tensor(f"blk.{layer}.{k}.weight") for k in names}
         h = norm(x, w["attn_norm"])
         q, k, v = h @ w["attn_q"].T, h @ w["attn_k"].T, h @ w["attn_v"].T
         heads = []

@@ -3,7 +3,6 @@ turns (only new tokens prefilled) with answers equal to a fresh re-prefill, spli
 and the `generate`/`chat` commands on a shipped toy model."""
 
 import pytest
-import torch
 from adapters import get_tokenizer, make_chat_session, run_generate
 
 from cs336_inference.generation import TextStream

@@ -7,7 +7,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from adapters import make_config, make_model, run_load_checkpoint, run_load_cs336_checkpoint, run_load_gguf_weights, run_save_checkpoint
+from adapters import (make_config, make_model, run_load_checkpoint, run_load_cs336_checkpoint, run_load_gguf_weights,
+                      run_save_checkpoint)
 from gguf.quants import quantize
 
 Q = gguf.GGMLQuantizationType

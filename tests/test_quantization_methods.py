@@ -107,8 +107,9 @@ def test_activation_outliers_counted_per_layer_and_input():
     # by hand: run the blocks and look at the MLP input of layer 1
     causal, rope = torch.ones(12, 12, dtype=torch.bool).tril()[None, None], model.rope.angles(torch.arange(12))
     with torch.no_grad():
-        x = model.layers[0](model.token_embeddings(batch), rope, mask=causal)
-        h = model.layers[1].ln2(x + model.layers[1].attn(model.layers[1].ln1(x), rope, mask=causal))
+        x, _ = model.layers[0](model.token_embeddings(batch), rope, causal)
+        attn_out, _ = model.layers[1].attn(model.layers[1].ln1(x), rope, causal)
+        h = model.layers[1].ln2(x + attn_out)                 # what layer 1's w1 receives
     big = h.abs() > 6.0
     assert stats[1]["mlp_in"]["count"] == int(big.sum()) > 0
     assert stats[1]["mlp_in"]["outlier_dims"] == int(big.reshape(-1, 32).any(0).sum())

@@ -42,8 +42,8 @@ def test_quantized_cached_decode_equals_its_full_forward(model, method, bits, gr
     with torch.no_grad():
         full = run_model(q, x)
         cache = make_kv_cache(q, 2)
-        steps = [run_model(q, x[:, :12], cache, 0)]
-        steps += [run_model(q, x[:, t:t + 1], cache, t) for t in range(12, 20)]
+        steps = [run_model(q, x[:, :12], cache)]
+        steps += [run_model(q, x[:, t:t + 1], cache) for t in range(12, 20)]
         ref = run_model(model, x)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=0)
     assert not torch.equal(full, ref), "the quantized model should differ from the original"
@@ -113,10 +113,10 @@ def test_int8_kv_cache_protocol_bytes_and_accuracy(model, fmt):
     with torch.no_grad():
         ref = run_model(model, x)
         cache = make_quantized_kv_cache(model, 2, 32, fmt)
-        out = [run_model(model, x[:, :10], cache, 0)] + [run_model(model, x[:, t:t + 1], cache, t) for t in range(10, 16)]
+        out = [run_model(model, x[:, :10], cache)] + [run_model(model, x[:, t:t + 1], cache) for t in range(10, 16)]
         # roll back speculative-style and redo: same protocol as the full-precision cache
         cache.truncate(12)
-        redo = run_model(model, x[:, 12:], cache, 12)
+        redo = run_model(model, x[:, 12:], cache)
     got = torch.cat(out, 1)
     assert float((got.softmax(-1) - ref.softmax(-1)).abs().max()) < 0.02
     torch.testing.assert_close(redo, got[:, 12:], atol=1e-5, rtol=0)
@@ -142,11 +142,11 @@ def test_quantizing_a_prefilled_cache_stores_the_prompt_in_low_bits(model, fmt, 
     with torch.no_grad():
         ref = run_model(model, x)
         cache = make_kv_cache(model, 2, 24)
-        prefill = run_model(model, x[:, :12], cache, 0)
+        prefill = run_model(model, x[:, :12], cache)
         full_k, full_v = cache.layers[1].read(12)
         run_quantize_kv_cache(cache, fmt, group_size=group)
         got_k, got_v = cache.layers[1].read(12)
-        steps = [run_model(model, x[:, t:t + 1], cache, t) for t in range(12, 20)]
+        steps = [run_model(model, x[:, t:t + 1], cache) for t in range(12, 20)]
     torch.testing.assert_close(got_k, _absmax_round_trip(full_k, bits, group), atol=1e-6, rtol=0)
     torch.testing.assert_close(got_v, _absmax_round_trip(full_v, bits, group), atol=1e-6, rtol=0)
     torch.testing.assert_close(prefill, ref[:, :12])     # the prompt itself ran in full precision

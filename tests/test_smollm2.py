@@ -76,7 +76,8 @@ def test_weights_are_the_gguf_tensors_dequantized(model):
     assert model.lm_head.weight is model.token_embeddings.weight  # tied: one 49152 x 576 table
     assert model.num_parameters() == 134_515_008
     cfg = model.config
-    assert (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff, cfg.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    sizes = (cfg.num_layers, cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.d_ff, cfg.vocab_size)
+    assert sizes == (30, 576, 9, 3, 1536, 49152)
     assert (cfg.rope_theta, cfg.context_length, cfg.tie_embeddings) == (100000.0, 8192, True)
 
 
@@ -104,7 +105,8 @@ def test_bf16_load_is_the_fp32_model_rounded(model):
     bf16 = run_load_pretrained(NAME, dtype=torch.bfloat16)
     assert bf16.dtype == torch.bfloat16 and bf16.lm_head.weight is bf16.token_embeddings.weight
     for name in ("layers.0.attn.q_proj.weight", "token_embeddings.weight", "ln_final.weight"):
-        torch.testing.assert_close(bf16.get_parameter(name), model.get_parameter(name).to(torch.bfloat16), atol=0, rtol=0)
+        want = model.get_parameter(name).to(torch.bfloat16)
+        torch.testing.assert_close(bf16.get_parameter(name), want, atol=0, rtol=0)
 
 
 def test_clear_errors_for_missing_package_bad_dtype_and_damaged_files(monkeypatch, tmp_path):

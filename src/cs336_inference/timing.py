@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from . import _checks
+
 
 def sync_device(device: torch.device) -> None:
     """Wait for queued device work, so wall-clock timings measure the work itself."""
@@ -36,8 +38,7 @@ def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> f
 @contextlib.contextmanager
 def num_threads(n: int):
     """Run the body with torch using `n` intra-op threads, then restore the previous count."""
-    if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
-        raise ValueError(f"n must be a positive int (a thread count), got {n!r}")
+    _checks.positive_int("n", n)
     previous = torch.get_num_threads()
     torch.set_num_threads(n)
     try:

@@ -18,6 +18,7 @@ from ..generation.generate import decode_one_token, generate
 from ..model.layers import few_row_split
 from ..model.transformer import TransformerLM
 from ..accounting.roofline import measure_memory_bandwidth
+from ..tables import print_mapping
 from ..timing import median_seconds
 
 
@@ -88,22 +89,13 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     rows["naive_generation_s"] = naive.total_time
     rows["naive_over_cached"] = naive.total_time / cached.total_time
 
-    _print_table(rows)
-    name = "generation_quick" if quick else "generation"  # a smoke run never overwrites the real table
-    save_json(rows, name)
-    _plot(rows, cached, naive, name)
+    print_mapping(rows)
+    save_json(rows, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
+    _plot(rows, cached, naive, quick)
     return rows
 
 
-def _print_table(rows: dict) -> None:
-    width = max(map(len, rows))
-    print(f"\n{'quantity':<{width}}  value")
-    for key, value in rows.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else f"{value:,}" if isinstance(value, int) else value
-        print(f"{key:<{width}}  {shown}")
-
-
-def _plot(rows: dict, cached, naive, name: str) -> None:
+def _plot(rows: dict, cached, naive, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -119,5 +111,5 @@ def _plot(rows: dict, cached, naive, name: str) -> None:
     ax2.set_title("Per-step latency, batch 1")
     ax2.legend()
     fig.tight_layout()
-    save_figure(fig, name)
+    save_figure(fig, "generation", result=True, quick=quick)
     plt.close(fig)

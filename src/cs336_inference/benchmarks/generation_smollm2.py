@@ -18,12 +18,12 @@ import torch
 
 from ..accounting import decode_step_bytes, forward_flops
 from ..accounting.roofline import measure_matmul_flops, measure_memory_bandwidth
-from ..device import get_device, seed_everything
+from ..device import apply_thread_policy, get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..generation.generate import generate
 from ..model import load_pretrained
+from ..tables import print_table
 from .generation import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
-from .roofline import threads_for_timing
 
 MODEL = "smollm2-135m"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -32,7 +32,7 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 def bench_generation_smollm2(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
+    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
     try:
         return _bench(quick, device)
     finally:
@@ -67,10 +67,12 @@ def _bench(quick: bool, device: torch.device) -> dict:
                 precision=p, batch_size=b, context=context, ms_per_step=1e3 * seconds,
                 ms_per_step_min=1e3 * min(times[(p, b)]), ms_per_step_max=1e3 * max(times[(p, b)]),
                 tokens_per_second=b / seconds, weight_bytes=weights, kv_bytes=kv, bytes_per_step=weights + kv,
-                accounting_bytes=decode_step_bytes(config, b, context + 1, p), achieved_GBps=(weights + kv) / seconds / 1e9,
+                accounting_bytes=decode_step_bytes(config, b, context + 1, p),
+                achieved_GBps=(weights + kv) / seconds / 1e9,
                 fraction_of_bandwidth=(weights + kv) / seconds / bandwidth, flops_per_step=flops,
-                intensity_flops_per_byte=flops / (weights + kv), machine_balance_flops_per_byte=peaks[p] / bandwidth,
-                memory_bound_ms=1e3 * (weights + kv) / bandwidth, prefill_tokens_per_second=statistics.median(prefill[p])))
+                intensity_flops_per_byte=flops / (weights + kv),
+                machine_balance_flops_per_byte=peaks[p] / bandwidth, memory_bound_ms=1e3 * (weights + kv) / bandwidth,
+                prefill_tokens_per_second=statistics.median(prefill[p])))
     new_tokens = 16 if quick else 64
     ids = torch.randint(0, config.vocab_size, (1, 32)).tolist()
     cached = generate(models["fp32"], ids, new_tokens, use_cache=True)
@@ -85,25 +87,24 @@ def _bench(quick: bool, device: torch.device) -> dict:
                                 naive_step_ms=[1e3 * t for t in naive.inter_token_latencies]),
                 load_average_start=list(load0), load_average_end=list(os.getloadavg()),
                 wall_seconds=time.perf_counter() - t_start,
-                note="medians over alternating rounds on a shared CPU; bytes per step = every weight + the KV cache read")
+                note=("medians over alternating rounds on a shared CPU; bytes per step = every weight + the KV "
+                      "cache read"))
     _print(data)
-    name = "generation_smollm2_quick" if quick else "generation_smollm2"
-    save_json(data, name)
-    save_figure(_plot(data), name)
-    print(f"wrote figures/{name}.json and .png")
+    path = save_json(data, "generation_smollm2", result=True, quick=quick)
+    save_figure(_plot(data), "generation_smollm2", result=True, quick=quick)
+    print(f"wrote {path} and its .png")
     return data
 
 
 def _print(data: dict) -> None:
     print(f"streaming bandwidth {data['measured_bandwidth_GBps']:.1f} GB/s; matmul peak "
           + ", ".join(f"{p} {v:.0f} GFLOP/s" for p, v in data["peak_GFLOPs"].items()))
-    print(f"{'prec':>5} {'B':>3} {'ms/step':>8} {'tok/s':>7} {'MB/step':>8} {'GB/s':>6} {'% of bw':>7} "
-          f"{'FLOP/B':>7} {'balance':>8} {'prefill tok/s':>13}")
-    for r in data["rows"]:
-        print(f"{r['precision']:>5} {r['batch_size']:3d} {r['ms_per_step']:8.1f} {r['tokens_per_second']:7.1f} "
-              f"{r['bytes_per_step'] / 1e6:8.1f} {r['achieved_GBps']:6.1f} {100 * r['fraction_of_bandwidth']:6.0f}% "
-              f"{r['intensity_flops_per_byte']:7.2f} {r['machine_balance_flops_per_byte']:8.1f} "
-              f"{r['prefill_tokens_per_second']:13.0f}")
+    print_table(data["rows"], [
+        ("precision", "prec", None), ("batch_size", "B", "{:d}"), ("ms_per_step", "ms/step", "{:.1f}"),
+        ("tokens_per_second", "tok/s", "{:.1f}"), ("bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"),
+        ("achieved_GBps", "GB/s", "{:.1f}"), ("fraction_of_bandwidth", "% of bw", lambda f: f"{100 * f:.0f}%"),
+        ("intensity_flops_per_byte", "FLOP/byte", "{:.2f}"), ("machine_balance_flops_per_byte", "balance", "{:.1f}"),
+        ("prefill_tokens_per_second", "prefill tok/s", "{:.0f}")])
     g = data["generation"]
     print(f"{g['new_tokens']} new tokens (fp32, greedy): cached {g['cached_s']:.2f} s, naive {g['naive_s']:.2f} s "
           f"({g['naive_over_cached']:.1f}x)")

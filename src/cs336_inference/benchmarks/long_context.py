@@ -33,13 +33,14 @@ import torch
 
 from ..accounting import kv_cache_bytes
 from ..data.passkey import passkey_trials
-from ..device import get_device
+from ..device import apply_thread_policy, get_device
 from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
+from ..tables import long_context_table
 from ..timing import sync_device
-from .roofline import threads_for_timing
+from .long_context_plot import plot_long_context
 
 MODEL = "smollm2-135m"
 CONTEXTS, QUICK_CONTEXTS = (256, 512, 1024, 2048), (256, 512)
@@ -164,8 +165,10 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
                 accuracy=sum(r["correct"] for r in cell) / len(cell), trials=len(cell),
                 mean_answer_logprob=statistics.fmean(r["answer_logprob"] for r in cell),
                 copied_from_full=all(r.get("copied_from_full", False) for r in cell))
-        by_depth = {str(d): sum(r["correct"] for r in trials if r["depth"] == d) / max(1, sum(r["depth"] == d for r in trials))
-                    for d in DEPTHS}
+        by_depth = {}
+        for d in DEPTHS:
+            at_depth = [r["correct"] for r in trials if r["depth"] == d]
+            by_depth[str(d)] = sum(at_depth) / max(1, len(at_depth))
         nbytes = _kv_bytes(model, spec, longest)
         decode = decode_seconds.get(spec["name"], [])
         rows.append(dict(
@@ -182,7 +185,7 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
 def bench_long_context(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
+    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
     try:
         return _bench(quick, device)
     finally:
@@ -212,21 +215,13 @@ def _bench(quick: bool, device: torch.device) -> dict:
                       "the cache after a bf16 prefill; decode ms = one B=1 step at the longest context, medians on a "
                       "shared CPU (see load averages)"))
     _print_table(data)
-    name = "long_context_quick" if quick else "long_context"
-    save_json(data, name)
-    from .long_context_plot import plot_long_context
-    save_figure(plot_long_context(data), name)
-    print(f"wrote figures/{name}.json and .png ({data['wall_seconds'] / 60:.1f} min)")
+    path = save_json(data, "long_context", result=True, quick=quick)
+    save_figure(plot_long_context(data), "long_context", result=True, quick=quick)
+    print(f"wrote {path} and its .png ({data['wall_seconds'] / 60:.1f} min)")
     return data
 
 
 def _print_table(data: dict) -> None:
-    contexts = data["contexts"]
-    head = f"{'variant':<34} {'KV B/token':>10} {'KV MB':>7} " + " ".join(f"{c:>6d}" for c in contexts) + f" {'ms/step':>8}"
-    print(f"\npasskey accuracy ({data['trials_per_context']} trials per context; KV bytes and decode at "
-          f"{max(contexts)} tokens)\n{head}")
-    for r in data["rows"]:
-        acc = " ".join(f"{r['accuracy'][str(c)]['accuracy']:6.2f}" for c in contexts)
-        ms = r["decode_ms_at_longest"]["median"] if r["decode_ms_at_longest"] else float("nan")
-        print(f"{r['variant']:<34} {r['kv_bytes_per_context_token']:10.0f} {r['kv_bytes_at_longest'] / 1e6:7.2f} "
-              f"{acc} {ms:8.1f}")
+    print(f"\npasskey accuracy ({data['trials_per_context']} trials per context; KV cache and decode at "
+          f"{max(data['contexts'])} tokens)")
+    print(long_context_table(data))

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
-from ..device import get_device, seed_everything
+from ..device import apply_thread_policy, get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.gguf import gguf_round_trip
@@ -34,8 +34,9 @@ from ..quantization.kv import quantize_kv_cache
 from ..quantization.llm_int8 import count_activation_outliers
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
+from ..tables import quantization_smollm2_table
 from .quantization import WithQuantizedKV
-from .roofline import threads_for_timing
+from .quantization_smollm2_plot import plot_quantization_smollm2
 
 MODEL = "smollm2-135m"
 THRESHOLD = 6.0
@@ -116,7 +117,7 @@ def grid_comparison(model, requantized, rtn) -> dict:
     out = {}
     for label, other in (("q4_1_again", requantized), ("int4_rtn_g32_affine", rtn)):
         diff, ref, changed, total = 0.0, 0.0, 0, 0
-        for (name, m), (_, o) in zip(model.layers.named_modules(), other.layers.named_modules()):
+        for m, o in zip(model.layers.modules(), other.layers.modules()):
             if not isinstance(m, nn.Linear):
                 continue
             w = m.weight.detach().float()
@@ -132,7 +133,7 @@ def grid_comparison(model, requantized, rtn) -> dict:
 def bench_quantization_smollm2(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
+    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
     try:
         return _bench(quick, device)
     finally:
@@ -175,7 +176,8 @@ def _bench(quick: bool, device: torch.device) -> dict:
     data = dict(
         model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(), seq_len=seq_len,
         eval_windows=n_eval, eval_tokens=int(windows[:, 1:].numel()), calibration_tokens=n_calib * calib_len,
-        awq_grid=awq_grid, kv_cache_bytes_per_token=kv_bytes, text="pydoc_data.topics (CPython's help text): every 4th topic evaluates, the rest calibrate",
+        awq_grid=awq_grid, kv_cache_bytes_per_token=kv_bytes,
+        text="pydoc_data.topics (CPython's help text): every 4th topic evaluates, the rest calibrate",
         rows=rows, outlier_threshold=THRESHOLD,
         outliers=count_activation_outliers(reference, windows[: max(1, n_eval // 2), None, :-1], THRESHOLD),
         grids=grid_comparison(reference, models["Q4_1 again (llama.cpp's grid)"], rtn32) if rtn32 is not None else {},
@@ -184,23 +186,20 @@ def _bench(quick: bool, device: torch.device) -> dict:
               "embedding/lm_head (tied) stay fp32 in every weight-quantized variant; KL = KL(reference || variant) "
               "in nats per token"))
     _print(data)
-    name = "quantization_smollm2_quick" if quick else "quantization_smollm2"
-    save_json(data, name)
-    from .quantization_smollm2_plot import plot_quantization_smollm2
-    save_figure(plot_quantization_smollm2(data), name)
-    print(f"wrote figures/{name}.json and .png ({data['wall_seconds'] / 60:.1f} min)")
+    path = save_json(data, "quantization_smollm2", result=True, quick=quick)
+    save_figure(plot_quantization_smollm2(data), "quantization_smollm2", result=True, quick=quick)
+    print(f"wrote {path} and its .png ({data['wall_seconds'] / 60:.1f} min)")
     return data
 
 
 def _print(data: dict) -> None:
-    print(f"\n{'variant':<38} {'MB':>7} {'bits/byte':>9} {'KL':>8} {'top-1':>6}")
-    for r in data["rows"]:
-        print(f"{r['variant']:<38} {r['model_bytes'] / 1e6:7.1f} {r['bits_per_byte']:9.4f} "
-              f"{r['kl_to_reference']:8.4f} {r['top1_agreement']:6.3f}")
+    print()
+    print(quantization_smollm2_table(data))
     for label, g in data["grids"].items():
         print(f"re-quantizing the published weights, {label}: relative RMS change {g['relative_rms_change']:.2e}, "
               f"{100 * g['fraction_of_weights_changed']:.1f}% of weights changed")
     print(f"activations above {data['outlier_threshold']} (entries per layer, attn_in/attn_out/mlp_in/mlp_down):")
     for i, layer in enumerate(data["outliers"]):
-        print(f"  layer {i:2d}: " + "  ".join(f"{k} {v['count']:6d} ({v['outlier_dims']:3d} dims, max {v['max_abs']:6.1f})"
-                                              for k, v in layer.items()))
+        cells = (f"{k} {v['count']:6d} ({v['outlier_dims']:3d} dims, max {v['max_abs']:6.1f})"
+                 for k, v in layer.items())
+        print(f"  layer {i:2d}: " + "  ".join(cells))

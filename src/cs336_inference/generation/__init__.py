@@ -9,5 +9,5 @@ from .chat import ChatSession, TextStream, extend, stream
 from .generate import GenerationResult, decode_one_token, generate, left_pad, prefill
 from .sampling import logits_to_probs, sample_next_token
 
-__all__ = ["ChatSession", "GenerationResult", "TextStream", "extend", "stream", "decode_one_token", "generate", "left_pad", "logits_to_probs", "prefill",
-           "sample_next_token"]
+__all__ = ["ChatSession", "GenerationResult", "TextStream", "decode_one_token", "extend", "generate", "left_pad",
+           "logits_to_probs", "prefill", "sample_next_token", "stream"]

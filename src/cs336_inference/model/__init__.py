@@ -2,17 +2,21 @@
 
 One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, Linear),
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
-`kv_cache` (one layer cache per variant + the model's cache), `transformer` (TransformerLM),
+`kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
+`rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
 `checkpoints` (save/load, shipped models, student checkpoints), `tokenizer` (bytes; `load_tokenizer`),
 `bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
-tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk).
+tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk), `convert`
+(post-hoc attention changes of a trained model).
 """
 
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
-from .kv_cache import ContiguousKVCache, KVCache, LatentKVCache, RollingKVCache
+from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache
+from .latent_kv_cache import LatentKVCache
+from .rolling_kv_cache import RollingKVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
 from .bpe_tokenizer import BPETokenizer
@@ -22,9 +26,11 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "BPETokenizer", "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
-    "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "BPETokenizer", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache",
+    "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "REAL_MODELS",
+    "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
-    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "rope_angles",
+    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
+    "rope_angles",
     "save", "scaled_dot_product_attention",
 ]

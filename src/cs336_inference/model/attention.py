@@ -98,12 +98,14 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return rearrange(out, "B K (G T) H -> B (K G) T H", G=G)
 
 
-def read_shared_kv(shared: dict | None, layer_idx: int, kv_source: int):
-    """What layer `kv_source` left in `shared` this forward (CLA), with a clear error if it did not."""
-    if shared is None or kv_source not in shared:
+def require_shared_kv(shared_kv, layer_idx: int, kv_source: int):
+    """The keys/values a CLA follower attends over (its group owner's), with a clear error if missing."""
+    if shared_kv is None:
         raise RuntimeError(f"layer {layer_idx} shares keys/values with layer {kv_source} (cross-layer "
-                           f"attention); run it inside TransformerLM.forward, after layer {kv_source}")
-    return shared[kv_source]
+                           f"attention); pass that layer's returned keys/values as shared_kv (TransformerLM "
+                           f"does this)")
+    return shared_kv
 
 
-__all__ = ["attention_mask", "fused_attention", "grouped_attention", "read_shared_kv", "scaled_dot_product_attention"]
+__all__ = ["attention_mask", "fused_attention", "grouped_attention", "require_shared_kv",
+           "scaled_dot_product_attention"]

@@ -71,14 +71,16 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
     """The `ModelConfig` of a llama-architecture GGUF (refusing what `TransformerLM` cannot run)."""
     arch = gf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{gf.path.name}: architecture {arch!r} is not supported; supported: {SUPPORTED_ARCHITECTURES}")
+        raise ValueError(f"{gf.path.name}: architecture {arch!r} is not supported; "
+                         f"supported: {SUPPORTED_ARCHITECTURES}")
     meta = gf.metadata
     required = [f"{arch}.{k}" for k in ("block_count", "context_length", "embedding_length", "feed_forward_length",
                                         "attention.head_count")]
     missing = [k for k in required if k not in meta]
     if missing:
         raise ValueError(f"{gf.path.name}: header lacks {missing}")
-    unsupported = [k for k in (f"{arch}.expert_count", f"{arch}.rope.scaling.type") if meta.get(k) not in (None, 0, "none")]
+    unsupported = [k for k in (f"{arch}.expert_count", f"{arch}.rope.scaling.type")
+                   if meta.get(k) not in (None, 0, "none")]
     if unsupported:
         raise ValueError(f"{gf.path.name}: {unsupported} are set (mixture of experts / RoPE scaling); "
                          f"TransformerLM implements neither")
@@ -180,7 +182,8 @@ def gguf_round_trip(weight: torch.Tensor, qtype: str = "Q4_1") -> torch.Tensor:
     if kind is None:
         raise ValueError(f"unknown GGUF quantization type {qtype!r} (e.g. 'Q4_1', 'Q8_0')")
     if weight.shape[-1] % 32:
-        raise ValueError(f"GGUF blocks hold 32 values: the last dim must be a multiple of 32, got {tuple(weight.shape)}")
+        raise ValueError(f"GGUF blocks hold 32 values: the last dim must be a multiple of 32, "
+                         f"got {tuple(weight.shape)}")
     array = weight.detach().float().cpu().numpy()
     back = dequantize(quantize(array, kind), kind)
     return torch.from_numpy(np.array(back, dtype=np.float32)).to(weight.device, weight.dtype)

@@ -98,7 +98,8 @@ def _entry(name: str, path: Path) -> Path:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), got {dtype!r}")
+        raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), "
+                        f"got {dtype!r}")
     return str(dtype).removeprefix("torch.")
 
 
@@ -115,7 +116,8 @@ def _write_atomic(path: Path, write) -> None:
             if os.path.exists(tmp):
                 os.remove(tmp)
     except OSError as e:
-        warnings.warn(f"could not cache {path.name} in {path.parent} ({e}); the next load converts again")
+        warnings.warn(f"could not cache {path.name} in {path.parent} ({e}); the next load converts again",
+                      stacklevel=3)
 
 
 def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
@@ -153,7 +155,8 @@ def _read_cached(entry: Path, dtype_name: str):
         cfg = ModelConfig.from_dict(json.loads(config.read_text()))
         state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:  # a truncated or foreign file: rebuild it from the GGUF
-        warnings.warn(f"ignoring a damaged cache entry {weights} ({type(e).__name__}: {e}); converting again")
+        warnings.warn(f"ignoring a damaged cache entry {weights} ({type(e).__name__}: {e}); converting again",
+                      stacklevel=3)
         return None
     return cfg, state
 

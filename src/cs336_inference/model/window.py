@@ -8,16 +8,16 @@ Attention sinks (StreamingLLM, Xiao et al. 2024; `ModelConfig.attention_sinks`):
 much attention on the first tokens, so a window that drops them breaks; keeping those few positions
 beside the ring repairs it at the cost of a few more cached positions.
 
-The module is grouped-query attention with a different cache; the band mask is built by the model
-(`attention.attention_mask(..., window=..., first_key=...)`) because it depends on the batch's padding
-and on which positions the rolling buffer returns.
+The module is grouped-query attention with a different cache. The rolling cache alone knows the
+window's geometry: which positions `update` returns and the band mask over them (`mask(step)`); the
+model asks it. Without a cache the model builds the causal band from the layer's window.
 """
 
 from __future__ import annotations
 
 from .gqa import GroupedQueryAttention
 from .config import ModelConfig
-from .kv_cache import RollingKVCache
+from .rolling_kv_cache import RollingKVCache
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -33,9 +33,16 @@ class SlidingWindowAttention(GroupedQueryAttention):
         self.window = window
         self.sinks = config.attention_sinks
 
-    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> RollingKVCache:
+    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None,
+                  max_rollback: int = 1) -> RollingKVCache:
+        """A ring of window + max_rollback - 1 slots: `truncate` can always remove max_rollback positions."""
         return RollingKVCache(batch_size, self.num_kv_heads, self.head_dim, self.window, max_seq_len,
-                              device=device, dtype=dtype or self.q_proj.weight.dtype, sinks=self.sinks)
+                              device=device, dtype=dtype or self.q_proj.weight.dtype,
+                              spare=max(0, max_rollback - 1), sinks=self.sinks)
+
+    def cache_spec(self) -> tuple:
+        """(K, H, window, sinks): the `LayerCache.spec` this layer's rolling cache must have."""
+        return (self.num_kv_heads, self.head_dim, self.window, self.sinks)
 
     def extra_repr(self) -> str:
         return f"window={self.window}" + (f", sinks={self.sinks}" if self.sinks else "")

@@ -6,9 +6,8 @@ weights, dominates the bytes moved (Hooper et al. 2024, KVQuant; Liu et al. 2024
 position) vector of H values gets its own absmax scale, so one large token cannot spoil the rest;
 int4 (two codes per byte, `packing.pack_int4`) needs finer scales: one per group of 32 values.
 
-`QuantizedKVCache` follows the per-layer cache protocol of `kv_cache.ContiguousKVCache`
-(`update(k, v, start_pos)`, `read(length)`, `check_truncate(n)`, `truncate(n)`, `nbytes`,
-`bytes_per_token`), and
+`QuantizedKVCache` implements the layer-cache interface (`model.kv_cache.LayerCache`: `update(k, v,
+step)`, `mask(step)`, `commit`, `check_truncate(n)`, `truncate(n)`, `nbytes`, `bytes_per_token`), and
 `quantize_kv_cache(model.new_cache(...))` swaps it into a model's `KVCache` in place of the
 full-precision layers, so `forward`, `prefill` and `decode_one_token` use it unchanged. Given a cache
 that already holds a prefill, it stores those positions quantized: the prompt's own attention ran in
@@ -19,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..model.kv_cache import ContiguousKVCache, KVCache, check_kv_write
+from .. import _checks
+from ..model.kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache, check_kv_write
 from .fp8 import fp8_dtype
 from .packing import pack_int4, unpack_int4
 
@@ -27,19 +27,16 @@ KV_FORMATS = ("int8", "e4m3", "e5m2", "int4")
 INT4_GROUP = 32  # int4 values per scale (16 levels cannot span a whole 64-128-dim head's range well)
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(LayerCache):
     """One layer's keys and values as codes (B, K, S_max, H) (int4: two per byte, (B, K, S_max, H/2))
     with fp16 absmax scales (B, K, S_max, H / group_size): group_size = H (one per head) unless given."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device=None,
                  dtype: torch.dtype = torch.float32, fmt: str = "int8", scale_dtype: torch.dtype = torch.float16,
                  group_size: int | None = None):
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _checks.one_of("fmt", fmt, KV_FORMATS)
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              max_seq_len=max_seq_len)
         if group_size is None:
             group_size = min(INT4_GROUP, head_dim) if fmt == "int4" else head_dim
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0 or head_dim % group_size:
@@ -83,11 +80,11 @@ class QuantizedKVCache:
         groups = q.float().unflatten(-1, (-1, self.group_size)) * scale.float()[..., None]
         return groups.flatten(-2).to(self.dtype)
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and write k, v (B, K, T, H) at [start_pos, start_pos + T); return all (dequantized)."""
-        end = check_kv_write(k, v, start_pos, self._layout, self.max_seq_len)
-        self.k[:, :, start_pos:end], self.k_scale[:, :, start_pos:end] = self._encode(k)
-        self.v[:, :, start_pos:end], self.v_scale[:, :, start_pos:end] = self._encode(v)
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and write k, v (B, K, T, H) at [start, start + T); return all (dequantized)."""
+        end = check_kv_write(k, v, step, self._layout, self.max_seq_len)
+        self.k[:, :, step.start:end], self.k_scale[:, :, step.start:end] = self._encode(k.detach())
+        self.v[:, :, step.start:end], self.v_scale[:, :, step.start:end] = self._encode(v.detach())
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,11 +92,13 @@ class QuantizedKVCache:
         return (self._decode(self.k[:, :, :length], self.k_scale[:, :, :length]),
                 self._decode(self.v[:, :, :length], self.v_scale[:, :, :length]))
 
-    def check_truncate(self, n: int) -> None:
-        """Every position < max_seq_len stays intact until overwritten, so any rollback is fine."""
+    @property
+    def spec(self) -> tuple:
+        return (self.k.shape[1], self._layout.shape[3], None)
 
-    def truncate(self, n: int) -> None:
-        """Nothing to free: positions >= n are overwritten by the next update."""
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def nbytes(self) -> int:
@@ -120,14 +119,12 @@ def quantize_kv_cache(cache: KVCache, fmt: str = "int8", group_size: int | None 
     Layers that share one cache (cross-layer sharing) keep sharing the replacement. Every check runs
     before any layer is replaced.
     """
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache from model.new_cache, got {type(cache).__name__}")
-    if fmt not in KV_FORMATS:
-        raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
+    _checks.instance("cache", cache, KVCache, "a KVCache from model.new_cache")
+    _checks.one_of("fmt", fmt, KV_FORMATS)
     replaced = {id(layer): QuantizedKVCache.like(layer, fmt, group_size) for layer in cache.unique_layers()}
     if cache.length:
+        step = CacheStep.new(0, cache.length, cache.batch_size)
         for layer in cache.unique_layers():
-            k, v = layer.read(cache.length)
-            replaced[id(layer)].update(k, v, 0)
+            replaced[id(layer)].update(*layer.read(cache.length), step)
     cache.layers = [replaced[id(layer)] for layer in cache.layers]
     return cache

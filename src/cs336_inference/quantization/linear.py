@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
 from .fp8 import fp8_dtype, quantize_fp8
 from .llm_int8 import absmax_int8, llm_int8_matmul
@@ -29,10 +30,13 @@ class QuantizedLinear(nn.Module):
     """y = (x / input_scale) @ W_hat^T with W_hat = (q - zero_point) * scale per group of the input dim."""
 
     def __init__(self, qt: QuantizedTensor, input_scale: torch.Tensor | None = None,
-                 scale_dtype: torch.dtype = torch.float16, out_dtype: torch.dtype | None = None):
+                 scale_dtype: torch.dtype = torch.float16, out_dtype: torch.dtype | None = None,
+                 bias: torch.Tensor | None = None):
         super().__init__()
         if qt.q.dim() != 2 or qt.group_size is None:
             raise ValueError("QuantizedLinear needs a 2-D weight quantized per channel or per group")
+        if not torch.isfinite(qt.scale).all():
+            raise ValueError("qt.scale contains NaN/Inf: the weight's scales must be finite (was the weight?)")
         self.out_features, self.in_features = qt.q.shape
         self.bits, self.symmetric, self.group_size = check_bits(qt.bits), qt.symmetric, qt.group_size
         self.out_dtype = out_dtype
@@ -42,6 +46,7 @@ class QuantizedLinear(nn.Module):
         # Affine zero points are integers in [0, 2^b - 1]: one byte each. Symmetric: none stored.
         self.register_buffer("zero_point", None if qt.symmetric else qt.zero_point.to(torch.uint8))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().to(scale_dtype))
+        self.register_buffer("bias", _bias(bias, self.out_features))
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
@@ -49,7 +54,8 @@ class QuantizedLinear(nn.Module):
         """Round-to-nearest (RTN) quantization of an `nn.Linear` (group_size None = per channel)."""
         w = linear.weight.detach()
         granularity = "channel" if group_size is None else "group"
-        return cls(quantize_tensor(w, bits, symmetric, granularity, group_size), out_dtype=w.dtype, **kwargs)
+        return cls(quantize_tensor(w, bits, symmetric, granularity, group_size), out_dtype=w.dtype,
+                   bias=linear.bias, **kwargs)
 
     def _pack(self, q: torch.Tensor) -> torch.Tensor:
         if self.bits == 8:
@@ -82,7 +88,7 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "affine"
@@ -100,12 +106,13 @@ class Fp8Linear(nn.Module):
         w8, scale = quantize_fp8(linear.weight.detach(), fmt, per_channel=True)
         self.register_buffer("weight8", w8)
         self.register_buffer("scale", scale)
+        self.register_buffer("bias", _bias(linear.bias, self.out_features))
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         return (self.weight8.float() * self.scale).to(dtype or self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype))
+        return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {fp8_dtype(self.fmt)}"
@@ -117,22 +124,37 @@ class LLMInt8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, threshold: float | None = 6.0):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.threshold = threshold
+        self.threshold = None if threshold is None else _checks.finite_positive_float("threshold", threshold)
         w_q, w_scale = absmax_int8(linear.weight.detach(), dim=-1)
         self.register_buffer("w_q", w_q)                # (O, I) int8
         self.register_buffer("w_scale", w_scale)        # (O, 1) fp32
+        self.register_buffer("bias", _bias(linear.bias, self.out_features))
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.w_q.float() * self.w_scale).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return llm_int8_matmul(x, threshold=self.threshold, w_q=self.w_q, w_scale=self.w_scale)
+        y = llm_int8_matmul(x, threshold=self.threshold, w_q=self.w_q, w_scale=self.w_scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 vector-wise, threshold={self.threshold}"
 
 
 QUANTIZED_LINEAR_TYPES = (QuantizedLinear, Fp8Linear, LLMInt8Linear)
+
+
+def _bias(bias: torch.Tensor | None, out_features: int) -> torch.Tensor | None:
+    """The replaced layer's bias, kept in full precision (O values: nothing to gain by quantizing it)."""
+    if bias is None:
+        return None
+    if bias.shape != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},), got {tuple(bias.shape)}")
+    return bias.detach().clone()
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if t is None else t.to(dtype)
 
 
 def model_nbytes(model: nn.Module) -> int:
