@@ -1,5 +1,8 @@
 """`python -m cs336_inference bench generation_smollm2`: prefill vs decode on a real model, on this machine.
 
+First, what loading costs: converting the GGUF (parse + dequantize, no cache) and loading the
+converted weights from the disk cache (memory-mapped), in fp32 and bf16, with the bytes they occupy.
+
 SmolLM2-135M in fp32 and bf16: prefill tokens/s, decode tokens/s at B = 1 and B = 8, the bytes a decode
 step must read (every weight once, the tied 49152 x 576 table included as the lm_head, plus the KV
 cache) against the streaming bandwidth measured in the same run, where a decode step sits on this
@@ -22,6 +25,7 @@ from ..device import apply_thread_policy, get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..generation.generate import generate
 from ..model import load_pretrained
+from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
 from .generation import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
@@ -39,9 +43,38 @@ def bench_generation_smollm2(quick: bool = False, device: str | None = None) -> 
         torch.set_num_threads(threads_before)
 
 
+def _rss_mb() -> float | None:
+    """This process's resident memory (Linux), for the load table."""
+    try:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def measure_loading(device: torch.device) -> dict:
+    """Seconds to convert the GGUF without the cache, and to load each dtype through it (warm)."""
+    t0 = time.perf_counter()
+    load_gguf_weights(gguf_path(MODEL), torch.float32)          # parse + dequantize, nothing cached
+    out = dict(convert_gguf_s=time.perf_counter() - t0)
+    for p, dt in PRECISIONS.items():
+        load_pretrained(MODEL, device=device, dtype=dt)          # make sure this dtype's cache file exists
+        rss0, t0 = _rss_mb(), time.perf_counter()
+        model = load_pretrained(MODEL, device=device, dtype=dt)
+        out[f"load_{p}_s"] = time.perf_counter() - t0
+        out[f"parameters_{p}_MB"] = sum(t.nbytes for t in model.parameters()) / 1e6
+        rss1 = _rss_mb()
+        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else rss1 - rss0
+        del model
+    return out
+
+
 def _bench(quick: bool, device: torch.device) -> dict:
     t_start = time.perf_counter()
     seed_everything(0)
+    loading = measure_loading(device)
     models = {p: load_pretrained(MODEL, device=device, dtype=dt) for p, dt in PRECISIONS.items()}
     config = models["fp32"].config
     rounds, steps, context, prompt = (1, 4, 64, 128) if quick else (3, 16, 128, 512)
@@ -78,7 +111,7 @@ def _bench(quick: bool, device: torch.device) -> dict:
     cached = generate(models["fp32"], ids, new_tokens, use_cache=True)
     naive = generate(models["fp32"], ids, new_tokens, use_cache=False)
     assert cached.tokens == naive.tokens, "cached and naive greedy generation disagree"
-    data = dict(model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(),
+    data = dict(model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(), loading=loading,
                 measured_bandwidth_GBps=bandwidth / 1e9, peak_GFLOPs={p: v / 1e9 for p, v in peaks.items()},
                 prompt_len=prompt, rounds=rounds, steps=steps, rows=rows,
                 generation=dict(precision="fp32", prompt_len=32, new_tokens=new_tokens, cached_s=cached.total_time,
@@ -97,6 +130,10 @@ def _bench(quick: bool, device: torch.device) -> dict:
 
 
 def _print(data: dict) -> None:
+    ld = data["loading"]
+    print(f"loading: convert the GGUF {ld['convert_gguf_s']:.1f} s; from the cache fp32 {ld['load_fp32_s']:.2f} s "
+          f"({ld['parameters_fp32_MB']:.0f} MB of parameters), bf16 {ld['load_bf16_s']:.2f} s "
+          f"({ld['parameters_bf16_MB']:.0f} MB)")
     print(f"streaming bandwidth {data['measured_bandwidth_GBps']:.1f} GB/s; matmul peak "
           + ", ".join(f"{p} {v:.0f} GFLOP/s" for p, v in data["peak_GFLOPs"].items()))
     print_table(data["rows"], [
