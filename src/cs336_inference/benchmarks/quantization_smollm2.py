@@ -146,7 +146,7 @@ def _bench(quick: bool, device: torch.device) -> dict:
     reference = load_pretrained(MODEL, device=device, dtype=torch.float32)
     tokenizer = load_tokenizer(MODEL)
     eos = tokenizer.special_to_id["<|endoftext|>"]
-    seq_len, n_eval, n_calib, calib_len, awq_grid = (256, 2, 4, 128, 5) if quick else (512, 12, 32, 256, 20)
+    seq_len, n_eval, n_calib, calib_len, awq_grid = (256, 2, 4, 128, 5) if quick else (512, 8, 16, 256, 20)
     evaluation = token_stream(tokenizer, pydoc_documents("eval"), eos)
     calib_stream = token_stream(tokenizer, pydoc_documents("calibration"), eos)
     windows = evaluation[: n_eval * (seq_len + 1)].view(n_eval, seq_len + 1)    # consecutive, non-overlapping
