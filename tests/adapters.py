@@ -452,3 +452,13 @@ def run_count_activation_outliers(model, batches, threshold=6.0):
 def run_gguf_round_trip(weight, qtype="Q4_1"):
     from cs336_inference.model.gguf import gguf_round_trip
     return gguf_round_trip(weight, qtype)
+
+
+def run_pydoc_documents(split):
+    from cs336_inference.data.real_text import pydoc_documents
+    return pydoc_documents(split)
+
+
+def run_bytes_per_token(tokenizer):
+    from cs336_inference.data.real_text import bytes_per_token
+    return bytes_per_token(tokenizer)
