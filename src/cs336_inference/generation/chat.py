@@ -129,11 +129,11 @@ class ChatSession:
         self.cache.truncate(reused)                      # drop what the new rendering does not share
         logits = extend(self.model, self.cache, ids[reused:])
         stop = list(getattr(self.tokenizer, "stop_ids", []))
-        text, generated, first = TextStream(self.tokenizer), [], None
+        detok, generated, first = TextStream(self.tokenizer), [], None
         for token in stream(self.model, self.cache, logits, max_new_tokens, temperature, top_k, top_p, stop, generator):
             first = first or time.perf_counter()
             generated.append(token)
-            piece = "" if token in stop else text.push(token)
+            piece = "" if token in stop else detok.push(token)
             if piece:
                 yield piece
         last = time.perf_counter()
