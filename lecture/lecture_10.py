@@ -450,24 +450,37 @@ def kv_cuts_on_a_real_model():
     image("figures/long_context.png", width=800)
     full = rows["full attention (GQA, K=3)"]
     assert min(full["accuracy"][str(c)]["accuracy"] for c in contexts) >= 0.9
-    for w in (128, 256, 512):  # with sinks, a window finds exactly the keys it still holds
-        found = [t["distance"] for t in rows[f"window {w} + {results['sinks']} sinks"]["trials"] if t["correct"]]
-        assert max(found, default=0) <= w + 32, (w, max(found))
-    sinks_help = [rows[f"window {w} + {results['sinks']} sinks"]["overall_accuracy"] - rows[f"window {w}"]["overall_accuracy"]
-                  for w in (128, 256, 512)]  # @inspect sinks_help
-    assert min(sinks_help) >= 0
+    sinks = results["sinks"]
+    for w in (128, 256, 512):
+        with_sinks = [t for t in rows[f"window {w} + {sinks} sinks"]["trials"] if not t.get("copied_from_full")]
+        # the key sits ~5 tokens into the needle: found iff it is still inside the window
+        assert all(t["correct"] == (t["distance"] <= w + 5) for t in with_sinks if abs(t["distance"] - w) > 32)
+        plain = [t for t in rows[f"window {w}"]["trials"] if t["distance"] < 64 and not t["correct"]]
+        assert plain, f"window {w} without sinks found every nearby key"
+    near_misses = sum(1 for t in rows["window 128"]["trials"] if t["distance"] < 64 and not t["correct"])  # @inspect near_misses
+    hybrid = rows["hybrid W128 + sinks, 1 global in 2"]["accuracy"][longest]["accuracy"]  # @inspect hybrid
+    window128 = rows[f"window 128 + {sinks} sinks"]["accuracy"][longest]["accuracy"]  # @inspect window128
     int8, int4, mqa = rows["int8 KV cache"], rows["int4 KV cache"], rows["MQA (mean-pooled KV heads, K=1)"]
-    assert abs(int8["overall_accuracy"] - full["overall_accuracy"]) <= 0.05 and mqa["overall_accuracy"] < 0.2
-    text(f"Full attention finds the key at every length ({full['accuracy'][longest]['accuracy']:.0%} at {longest}). "
-         "A window keeps only what it still holds: with 4 sink tokens, every key a window found sat within its "
-         "W tokens of the question, so accuracy falls as the context outgrows W. Without the sinks the window "
-         f"loses even nearby keys (sinks add {min(sinks_help):+.2f} to {max(sinks_help):+.2f} accuracy): trained models "
-         "park attention on the first tokens, and evicting them breaks the softmax (StreamingLLM). "
-         f"Hybrids with a few global layers recover part of it post hoc; MQA by mean-pooling the 3 KV heads, "
-         f"without GQA's uptraining, breaks the model ({mqa['overall_accuracy']:.0%}). Quantizing the cache is the "
-         f"cheap win: int8 keeps {int8['overall_accuracy']:.0%} (full: {full['overall_accuracy']:.0%}) at "
-         f"{int8['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x the bytes, int4 "
-         f"{int4['overall_accuracy']:.0%} at {int4['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x.")
+    assert window128 < hybrid < full["accuracy"][longest]["accuracy"] and mqa["overall_accuracy"] < 0.05
+    assert int8["overall_accuracy"] == int4["overall_accuracy"] == full["overall_accuracy"]
+    decode_ms = {name: r["decode_ms_at_longest"]["median"] for name, r in rows.items()}  # @inspect decode_ms
+    ms_full, ms_window, ms_int8 = (decode_ms[n] for n in ("full attention (GQA, K=3)", "window 128 + 4 sinks",
+                                                           "int8 KV cache"))
+    text(f"Full attention finds the key at every length. With {sinks} sink tokens a window finds exactly the keys it "
+         "still holds: every key within W tokens of the question, none further back, so accuracy falls to the "
+         "share of needles near the end as the context outgrows W. Without the sinks it also loses keys right "
+         f"next to the question ({near_misses} such misses for W = 128): trained models park attention on the "
+         "first tokens, and evicting them distorts every softmax (StreamingLLM's attention sinks). A hybrid "
+         f"with every 2nd layer global recovers part of the rest post hoc ({hybrid:.0%} vs {window128:.0%} at "
+         f"{longest}; Gemma 2 and Character.AI train their hybrids that way from the start). MQA by mean-pooling the 3 KV heads, without GQA's "
+         f"uptraining, breaks the model ({mqa['overall_accuracy']:.0%}). Quantizing the cache is the cheap win: "
+         f"int8 and int4 keep every key at {int8['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x and "
+         f"{int4['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x the bytes.")
+    text(f"Time per decode step at {longest} tokens and B = 1 barely moves ({ms_full:.0f} ms full, {ms_window:.0f} ms "
+         f"with the 128-token window): the {model.num_parameters() * 2 / 1e6:.0f} MB of bf16 weights dominate the "
+         f"{full['kv_bytes_at_longest'] / 1e6:.0f} MB cache. The cache's bytes matter at large batch and long "
+         f"context, where it outgrows the weights. The int8 cache is even slower here ({ms_int8:.0f} ms): plain "
+         "PyTorch dequantizes the whole cache every step, where a fused kernel would read the codes directly.")
     link(streaming_llm)
 
 

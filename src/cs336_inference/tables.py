@@ -90,7 +90,7 @@ def long_context_table(data: dict) -> str:
              **{f"acc_{c}": r["accuracy"][str(c)]["accuracy"] for c in contexts},
              "ms": (r["decode_ms_at_longest"] or {}).get("median")} for r in data["rows"]]
     columns = [("variant", "variant", None), ("kv_mb", f"KV MB@{longest}", "{:.2f}"),
-               ("per_token", "KV B/token", "{:,.0f}"), *[(f"acc_{c}", f"acc@{c}", "{:.2f}") for c in contexts],
+               ("per_token", f"B/token@{longest}", "{:,.0f}"), *[(f"acc_{c}", f"acc@{c}", "{:.2f}") for c in contexts],
                ("ms", f"ms/step@{longest}", "{:.1f}")]
     return format_table(rows, columns)
 
