@@ -9,7 +9,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import adapters
-from cs336_inference.model.attention import fused_attention
 
 SYM = adapters.get_symbols()
 B, S, T, D, F, N, K, H, L, V, P = (SYM[c] for c in "BSTDFNKHLVP")
@@ -182,9 +181,7 @@ def test_other_llamas_have_their_published_size(name, billions):
 # --- cross-checks against the model we run ----------------------------------------------------
 
 def counted_flops(fn) -> int:
-    # The readable attention kernel: FlopCounterMode has no formula for the fused CPU kernel (it would
-    # count its q k^T and p v matmuls as 0), and both compute the same products.
-    with torch.no_grad(), fused_attention(False), FlopCounterMode(display=False) as counter:
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
         fn()
     return counter.get_total_flops()
 

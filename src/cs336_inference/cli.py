@@ -101,7 +101,7 @@ def _load_model(args):
     apply_thread_policy(parallel=args.model in REAL_MODELS)  # a real model is large work: every core
     device = get_device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
-    model = load_pretrained(args.model, device=device, dtype=dtype)
+    model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
     return model, load_tokenizer(args.model), generator
 

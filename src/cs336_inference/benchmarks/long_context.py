@@ -196,7 +196,7 @@ def _bench(quick: bool, device: torch.device) -> dict:
     contexts, num_trials = (QUICK_CONTEXTS, QUICK_TRIALS) if quick else (CONTEXTS, TRIALS)
     dtype = torch.bfloat16  # the inference default; the CPU here has bf16 matmul instructions
     t0 = time.perf_counter()
-    model = load_pretrained(MODEL, device=device, dtype=dtype)
+    model = load_pretrained(MODEL, device=device, dtype=dtype).set_attention_kernel("sdpa")  # long prompts: fused
     tokenizer = load_tokenizer(MODEL)
     specs = variants()
     load0 = os.getloadavg()

@@ -143,7 +143,7 @@ def bench_quantization_smollm2(quick: bool = False, device: str | None = None) -
 def _bench(quick: bool, device: torch.device) -> dict:
     t_start = time.perf_counter()
     seed_everything(0)
-    reference = load_pretrained(MODEL, device=device, dtype=torch.float32)
+    reference = load_pretrained(MODEL, device=device, dtype=torch.float32).set_attention_kernel("sdpa")
     tokenizer = load_tokenizer(MODEL)
     eos = tokenizer.special_to_id["<|endoftext|>"]
     seq_len, n_eval, n_calib, calib_len, awq_grid = (256, 2, 4, 128, 5) if quick else (512, 8, 16, 256, 20)

@@ -25,6 +25,11 @@ def _check_model(model) -> None:
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
 
 
+def _same_kernel(new: TransformerLM, model: TransformerLM) -> TransformerLM:
+    """The converted model computes attention with the kernel the original was set to."""
+    return new.set_attention_kernel(getattr(model.layers[0].attn, "attention_kernel", "reference"))
+
+
 def with_attention(model: TransformerLM, **changes) -> TransformerLM:
     """`model` with other sliding_window / global_every / attention_sinks settings, sharing its weights.
 
@@ -40,7 +45,8 @@ def with_attention(model: TransformerLM, **changes) -> TransformerLM:
     if "sliding_window" in changes and changes["sliding_window"] is None:  # back to global: drop its knobs
         changes = {"global_every": None, "attention_sinks": 0, **changes}
     config = model.config.replace(**changes)
-    return from_state_dict(config, model.state_dict(), device=model.device, dtype=model.dtype, copy=False)
+    new = from_state_dict(config, model.state_dict(), device=model.device, dtype=model.dtype, copy=False)
+    return _same_kernel(new, model)
 
 
 def mean_pool_kv_heads(model: TransformerLM, num_kv_heads: int) -> TransformerLM:
@@ -61,5 +67,6 @@ def mean_pool_kv_heads(model: TransformerLM, num_kv_heads: int) -> TransformerLM
     for key in [k for k in state if k.endswith(("attn.k_proj.weight", "attn.v_proj.weight"))]:
         pooled = reduce(state[key].float(), "(K g H) D -> (K H) D", "mean", K=num_kv_heads, H=config.head_dim)
         state[key] = pooled.to(state[key].dtype)
-    return from_state_dict(config.replace(num_kv_heads=num_kv_heads), state, device=model.device,
-                           dtype=model.dtype, copy=False)
+    new = from_state_dict(config.replace(num_kv_heads=num_kv_heads), state, device=model.device,
+                          dtype=model.dtype, copy=False)
+    return _same_kernel(new, model)
