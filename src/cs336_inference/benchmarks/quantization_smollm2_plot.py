@@ -10,16 +10,18 @@ def plot_quantization_smollm2(data: dict):
     import matplotlib.pyplot as plt
 
     rows = data["rows"]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.2))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), gridspec_kw=dict(width_ratios=[1.2, 1]))
     floor = 1e-5
-    for r in rows:
-        x, y = r["model_bytes"] / 1e6, max(r["kl_to_reference"], floor)
-        ax1.scatter(x, y, color=COLORS[r["family"]], s=45)
-        ax1.annotate(r["variant"], (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points")
-    ax1.set(yscale="log", xlabel="stored MB (codes + scales + zero points; the tied 49152 x 576 table stays fp32)",
-            ylabel=f"KL(reference || variant), nats/token ({floor:g} = identical)",
+    ys = range(len(rows))
+    ax1.barh(ys, [max(r["kl_to_reference"], floor) for r in rows], color=[COLORS[r["family"]] for r in rows])
+    for y, r in zip(ys, rows):
+        ax1.text(max(r["kl_to_reference"], floor) * 1.15, y, f"{r['model_bytes'] / 1e6:.0f} MB, "
+                 f"{r['bits_per_byte']:.3f} bits/byte", va="center", fontsize=7)
+    ax1.set_yticks(list(ys), [r["variant"] for r in rows], fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set(xscale="log", xlim=(floor / 2, 30), xlabel=f"KL(reference || variant), nats/token ({floor:g} = identical)",
             title=f"{data['model']} on held-out English ({data['eval_tokens']} tokens)")
-    ax1.grid(alpha=0.3)
+    ax1.grid(alpha=0.3, axis="x")
     layers = range(len(data["outliers"]))
     for kind, color in (("attn_in", "tab:blue"), ("attn_out", "tab:orange"), ("mlp_in", "tab:green"),
                         ("mlp_down", "tab:red")):
