@@ -86,7 +86,11 @@ def build(model, kwargs, calibration, awq_grid: int) -> nn.Module:
         return requantize_q4_1(model)
     if special in ("kv_int8", "kv_int4"):
         return WithQuantizedKV(model, special.removeprefix("kv_"))
+    # quality of the quantization grid itself: exact dequantize-then-matmul in fp32 (the packed kernels'
+    # bf16 activations would add their own small error on top)
     extra = dict(calibration=calibration) if kwargs["method"] in ("gptq", "awq") else {}
+    if kwargs["method"] in ("rtn", "gptq", "awq"):
+        extra["kernel"] = "reference"
     if kwargs["method"] == "awq":
         extra["awq_grid"] = awq_grid
     return quantize_model(model, **kwargs, **extra)
