@@ -163,3 +163,23 @@ def test_engine_refuses_bad_requests_and_configs(model):
         adapters.make_request("n0", [1], 3, n=0)
     with pytest.raises(ValueError, match="block_size"):
         adapters.run_engine(model, [ok], block_size=0)
+
+
+@pytest.mark.slow
+def test_engine_on_smollm2_equals_generate():
+    """The real model (tied embeddings, 30 layers, K=3 of N=9 heads) through the engine: chat requests,
+    one with 2 greedy samples (fork), outputs equal `generate` alone."""
+    from smollm2_reference import INSTALL, smollm2_file
+    if smollm2_file() is None:
+        pytest.skip(f"SmolLM2 not installed: {INSTALL}")
+    model = adapters.run_load_pretrained("smollm2-135m")
+    tokenizer = adapters.get_model_tokenizer("smollm2-135m")
+    stop = tuple(tokenizer.stop_ids)
+    questions = ["What is the capital of France?", "Name one use of a KV cache.", "Why is the sky blue?"]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}])) for q in questions]
+    requests = [adapters.make_request(i, p, 12, 0.01 * i, stop_tokens=stop, n=2 if i == 1 else 1)
+                for i, p in enumerate(prompts)]
+    result = adapters.run_engine(model, requests, block_size=16, max_num_seqs=8)
+    for request, output in zip(requests, result.outputs):
+        want = adapters.run_generate(model, [list(request.prompt)], 12, stop_tokens=list(stop)).tokens[0]
+        assert output.tokens == [want] * request.sampling.n

@@ -16,6 +16,10 @@ parameters, context 512).
 3. Sharing: the trace with every prompt behind a 128-token system prompt, prefix caching on vs off;
    and with every request asking for 4 samples: the share of the sequences' tokens that need no KV
    slot of their own.
+4. The real model (full runs only, when its package is installed): SmolLM2-135M-Instruct serving
+   chat requests (summarize a slice of CPython's documentation in one sentence; half behind a
+   shared system prompt, the others behind the template's default one; answers end at <|im_end|>):
+   static vs continuous batching, and paged vs contiguous memory in a tight budget.
 One CPU thread throughout (a shared machine stalls spinning OpenMP threads); the load average
 before and after is recorded.
 """
@@ -26,10 +30,12 @@ import os
 import statistics
 
 from ..data.corpus import load_corpus
+from ..data.real_text import pydoc_documents, token_stream
 from ..device import get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..model.checkpoints import load_pretrained
-from ..serving import Engine, TraceConfig, make_trace
+from ..model.tokenizer import load_tokenizer
+from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
 from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..tables import print_table
 from ..timing import num_threads
@@ -52,13 +58,29 @@ def serving_trace(quick: bool = False, system=None, **overrides):
     return make_trace(text[1000:], config, system_prompt=system), config
 
 
-def compare_schedulers(model, requests, repeats: int, max_num_seqs: int = 16) -> tuple[dict, dict]:
+REAL_MODEL = "smollm2-135m"
+REAL_SYSTEM_PROMPT = ("You are a concise assistant for a course on language-model inference. Answer in one short "
+                      "sentence of plain English, without lists, code or follow-up questions. When the text is "
+                      "about Python, say what the feature does and when a programmer would use it.")
+
+
+def real_model_trace(tokenizer, quick: bool = False):
+    """Chat requests for the real model (see the module docstring), and their config."""
+    config = TraceConfig(num_requests=8 if quick else 24, rate=8.0, prompt_len=(32, 160), max_new_tokens=64,
+                         system_prompt_fraction=0.5, sampled_fraction=0.125, n_samples=4, seed=0)
+    source = token_stream(tokenizer, pydoc_documents("eval"))
+    return make_chat_trace(tokenizer, source, config, REAL_SYSTEM_PROMPT), config
+
+
+def compare_schedulers(model, requests, repeats: int, max_num_seqs: int = 16,
+                       num_blocks: int | None = None) -> tuple[dict, dict]:
     """Static and continuous batching alternated `repeats` times on the same trace: per policy the
     median of each metric with its (min, max), and the throughput ratio of side-by-side pairs."""
     runs = {"static": [], "continuous": []}
     for _ in range(repeats):
         for policy in runs:
-            runs[policy].append(Engine(model, scheduler=policy, max_num_seqs=max_num_seqs).run(requests))
+            engine = Engine(model, scheduler=policy, max_num_seqs=max_num_seqs, num_blocks=num_blocks)
+            runs[policy].append(engine.run(requests))
     greedy = [i for i, r in enumerate(requests) if r.sampling.temperature == 0]
     a, b = runs["static"][0].outputs, runs["continuous"][0].outputs
     assert all(a[i].tokens == b[i].tokens for i in greedy), "static and continuous greedy outputs differ"
@@ -77,11 +99,13 @@ def compare_schedulers(model, requests, repeats: int, max_num_seqs: int = 16) ->
     return out, {policy: results[0] for policy, results in runs.items()}
 
 
-def compare_layouts(model, requests, budget_tokens: int) -> tuple[dict, dict]:
+LAYOUTS = {"paged, block 16": dict(kv_layout="paged", block_size=16),
+           "paged, block 8": dict(kv_layout="paged", block_size=8),
+           "contiguous": dict(kv_layout="contiguous", block_size=16)}
+
+
+def compare_layouts(model, requests, budget_tokens: int, layouts: dict = LAYOUTS) -> tuple[dict, dict]:
     """Continuous batching in one KV budget: paged (block 16, block 8) vs contiguous reservation."""
-    layouts = {"paged, block 16": dict(kv_layout="paged", block_size=16),
-               "paged, block 8": dict(kv_layout="paged", block_size=8),
-               "contiguous": dict(kv_layout="contiguous", block_size=16)}
     out, results = {"budget_tokens": budget_tokens, "layouts": {}}, {}
     for name, layout in layouts.items():
         result = Engine(model, max_num_seqs=64, num_blocks=budget_tokens // layout["block_size"],
@@ -123,11 +147,12 @@ def bench_serving(quick: bool = False, device: str | None = None, model_name: st
         scheduling, sched_runs = compare_schedulers(model, requests, repeats=1 if quick else 3)
         memory, layout_runs = compare_layouts(model, requests, budget_tokens=2048)
         sharing = sharing_savings(model, quick)
+        real, real_runs = ({"skipped": "full runs only"}, None) if quick else real_model_results(device)
     results = {"device": str(device), "model": model_name, "threads": 1, "load_avg_before": list(load_before),
                "load_avg_after": list(os.getloadavg()),
                "trace": {**config.__dict__, "prompt_len": list(config.prompt_len),
                          "stop_tokens": list(config.stop_tokens)},
-               "scheduling": scheduling, "memory": memory, "sharing": sharing}
+               "scheduling": scheduling, "memory": memory, "sharing": sharing, REAL_MODEL: real}
     paged16 = memory["layouts"]["paged, block 16"]["waste_pct"]
     results["goals"] = {"continuous >= 2x static throughput": scheduling["throughput_ratio"] >= 2,
                         "continuous has the lower p99 TTFT":
@@ -137,13 +162,48 @@ def bench_serving(quick: bool = False, device: str | None = None, model_name: st
     print_results(results)
     save_json(results, "serving", result=True, quick=quick)  # --quick: scratch serving_quick.*
     _plot(sched_runs, layout_runs, results, quick)
+    if real_runs is not None:
+        _plot_real(*real_runs, real)
     return results
 
 
-def print_results(results: dict) -> None:
-    """The three tables of a `bench serving` result."""
-    s = results["scheduling"]
+def real_model_results(device) -> tuple[dict, tuple | None]:
+    """Static vs continuous batching (2 alternated pairs) and paged vs contiguous memory (1024 token
+    slots) on SmolLM2-135M; {"skipped": why} when its package is not installed."""
+    try:
+        model = load_pretrained(REAL_MODEL, device=device).eval().set_attention_kernel("sdpa")
+        tokenizer = load_tokenizer(REAL_MODEL)
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        print(f"\n{REAL_MODEL} skipped: {e}")
+        return {"skipped": str(e)}, None
+    requests, config = real_model_trace(tokenizer)
+    scheduling, sched_runs = compare_schedulers(model, requests, repeats=2, num_blocks=512)  # 8192 slots
+    layouts = {k: LAYOUTS[k] for k in ("paged, block 16", "contiguous")}
+    memory, layout_runs = compare_layouts(model, requests, budget_tokens=1024, layouts=layouts)
+    out = {"trace": {**config.__dict__, "prompt_len": list(config.prompt_len), "stop_tokens": list(tokenizer.stop_ids),
+                     "prompt_tokens": [min(len(r.prompt) for r in requests), max(len(r.prompt) for r in requests)]},
+           "kv_bytes_per_token": sched_runs["continuous"].bytes_per_token,
+           "scheduling": scheduling, "memory": memory}
+    return out, (sched_runs, layout_runs)
 
+
+def print_results(results: dict) -> None:
+    """The tables of a `bench serving` result."""
+    load = f"load average {results['load_avg_before'][0]:.1f} -> {results['load_avg_after'][0]:.1f}"
+    _print_scheduling(results["scheduling"], f"\n{results['model']} on {results['device']}, "
+                      f"{results['trace']['num_requests']} requests", load)
+    _print_memory(results["memory"])
+    print_table([{"case": k, **v} for k, v in results["sharing"].items()],
+                [("case", "sharing", None), ("shared_pct", "% of tokens stored once for several", "{:.1f}"),
+                 ("cached_prompt_tokens", "prompt tokens from the prefix cache", None)], title="\nKV sharing")
+    real = results[REAL_MODEL]
+    if "skipped" not in real:
+        _print_scheduling(real["scheduling"], f"\n{REAL_MODEL}, {real['trace']['num_requests']} chat requests", load)
+        _print_memory(real["memory"])
+    print("\ngoals: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["goals"].items()))
+
+
+def _print_scheduling(s: dict, title: str, load: str) -> None:
     def cell(policy, key, fmt):
         lo, hi = s[policy][f"{key}_range"]
         return f"{fmt.format(s[policy][key])} ({fmt.format(lo)}..{fmt.format(hi)})"
@@ -153,21 +213,18 @@ def print_results(results: dict) -> None:
     lo, hi = s["throughput_ratio_range"]
     print_table(rows, [("metric", "metric", None), ("static", "static batching", None),
                        ("continuous", "continuous batching", None)],
-                title=f"\n{results['model']} on {results['device']}, {results['trace']['num_requests']} requests, "
-                      f"batch limit {s['max_num_seqs']}, median (min..max) of {s['repeats']} alternated runs; "
-                      f"continuous / static throughput {s['throughput_ratio']:.2f}x ({lo:.2f}..{hi:.2f}); "
-                      f"load average {results['load_avg_before'][0]:.1f} -> {results['load_avg_after'][0]:.1f}")
-    m = results["memory"]
+                title=f"{title}, batch limit {s['max_num_seqs']}, median (min..max) of {s['repeats']} alternated "
+                      f"runs; continuous / static throughput {s['throughput_ratio']:.2f}x ({lo:.2f}..{hi:.2f}); "
+                      f"{load}")
+
+
+def _print_memory(m: dict) -> None:
     print_table([{"layout": k, **v} for k, v in m["layouts"].items()],
                 [("layout", "KV layout", None), ("waste_pct", "waste % of reserved", "{:.1f}"),
                  ("reserved_pct_of_pool", "reserved % of pool", "{:.0f}"), ("max_running", "most running", None),
                  ("throughput_tok_per_s", "tok/s", "{:,.0f}"), ("ttft_p99_s", "TTFT p99 (s)", "{:.2f}"),
                  ("preemptions", "preemptions", None)],
                 title=f"\ncontinuous batching in {m['budget_tokens']} KV token slots")
-    print_table([{"case": k, **v} for k, v in results["sharing"].items()],
-                [("case", "sharing", None), ("shared_pct", "% of tokens stored once for several", "{:.1f}"),
-                 ("cached_prompt_tokens", "prompt tokens from the prefix cache", None)], title="\nKV sharing")
-    print("\ngoals: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in results["goals"].items()))
 
 
 def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> None:
@@ -205,5 +262,27 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> No
     plt.close(fig)
 
 
-__all__ = ["bench_serving", "compare_layouts", "compare_schedulers", "print_results", "serving_trace",
-           "sharing_savings"]
+def _plot_real(sched_runs: dict, layout_runs: dict, real: dict) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    for ax, policy in zip(axes[:2], ("static", "continuous")):
+        s = sched_runs[policy].summary()
+        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.1f} tok/s, "
+                                              f"p99 TTFT {s['ttft_p99_s']:.1f} s")
+    end = max(r.steps[-1].end for r in sched_runs.values())
+    for ax in axes[:2]:
+        ax.set_xlim(0, end)
+    for (label, result), color in zip(layout_runs.items(), ("C0", "C3")):
+        plot_memory(axes[2], result, label, color)
+    axes[2].set_title(f"KV memory, continuous batching ({real['memory']['budget_tokens']} token slots)")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"{REAL_MODEL}: chat requests, static vs continuous batching "
+                 f"({real['scheduling']['throughput_ratio']:.1f}x throughput)")
+    fig.tight_layout()
+    save_figure(fig, "serving_smollm2", result=True)
+    plt.close(fig)
+
+
+__all__ = ["bench_serving", "compare_layouts", "compare_schedulers", "print_results", "real_model_results",
+           "real_model_trace", "serving_trace", "sharing_savings"]

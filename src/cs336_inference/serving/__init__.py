@@ -22,13 +22,13 @@ from .prefix_cache import PrefixCache, chained_block_hash
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
-from .trace import TraceConfig, make_trace, poisson_arrivals
+from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 
 __all__ = [
     "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError",
     "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestOutput",
     "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler",
-    "StepRecord", "TraceConfig", "blocks_for", "chained_block_hash", "make_trace", "paged_attention",
+    "StepRecord", "TraceConfig", "blocks_for", "chained_block_hash", "make_chat_trace", "make_trace", "paged_attention",
     "poisson_arrivals", "summarize",
 ]

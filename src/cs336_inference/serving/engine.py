@@ -40,7 +40,7 @@ class EngineConfig:
                                          # max_new_tokens per sequence; the same bytes, for comparison)
     block_size: int = 16                 # tokens per KV block
     num_blocks: int | None = None        # KV pool size; None: from kv_budget_bytes, else room for
-                                         # max_num_seqs sequences of the model's context_length
+                                         # max_num_seqs sequences of min(context_length, 2048) tokens
     kv_budget_bytes: int | None = None   # alternative to num_blocks: the pool's size in bytes
     max_num_seqs: int = 32               # sequences running at once
     max_num_batched_tokens: int = 2048   # tokens per forward (limits how many prefills join a step)
@@ -117,7 +117,7 @@ class Engine:
         c = self.config
         self.runner = ModelRunner.for_model(model, c.block_size, num_blocks=c.num_blocks,
                                             kv_budget_bytes=c.kv_budget_bytes,
-                                            default_tokens=c.max_num_seqs * model.config.context_length)
+                                            default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
         if c.kv_layout == "contiguous":  # the same token slots, one slot per "block"
             self.runner = ModelRunner(model, self.runner.num_blocks * c.block_size, block_size=1)
 

@@ -71,4 +71,26 @@ def make_trace(source_ids, config: TraceConfig = TraceConfig(), system_prompt=()
     return requests
 
 
-__all__ = ["TraceConfig", "make_trace", "poisson_arrivals"]
+
+def make_chat_trace(tokenizer, source_ids, config: TraceConfig = TraceConfig(), system_prompt: str | None = None,
+                    instruction: str = "Summarize this text in one sentence.") -> list[Request]:
+    """Chat requests for an instruction-tuned model: `make_trace`'s arrivals, lengths and sampling,
+    each user message = `instruction` + a slice of `source_ids` (decoded), formatted with the
+    tokenizer's chat template; a share `config.system_prompt_fraction` of them carry `system_prompt`
+    (the others get the template's default one). Answers end at the tokenizer's stop tokens."""
+    raw = make_trace(source_ids, TraceConfig(**{**config.__dict__, "system_prompt_fraction": 0.0}))
+    rng = random.Random(config.seed + 1)
+    stop = tuple(tokenizer.stop_ids)
+    requests = []
+    for r in raw:
+        messages = [{"role": "user", "content": f"{instruction}\n\n{tokenizer.decode(list(r.prompt))}"}]
+        if system_prompt is not None and rng.random() < config.system_prompt_fraction:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
+        sampling = SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.n,
+                                  r.sampling.seed, stop)
+        requests.append(Request(r.request_id, tuple(prompt), r.max_new_tokens, r.arrival_time, sampling))
+    return requests
+
+
+__all__ = ["TraceConfig", "make_chat_trace", "make_trace", "poisson_arrivals"]
