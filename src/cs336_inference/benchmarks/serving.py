@@ -17,9 +17,10 @@ parameters, context 512).
    and with every request asking for 4 samples: the share of the sequences' tokens that need no KV
    slot of their own.
 4. The real model (full runs only, when its package is installed): SmolLM2-135M-Instruct serving
-   chat requests (summarize a slice of CPython's documentation in one sentence; half behind a
-   shared system prompt, the others behind the template's default one; answers end at <|im_end|>):
-   static vs continuous batching, and paged vs contiguous memory in a tight budget.
+   24 chat requests at 8 per second (explain a 16-64-token slice of CPython's documentation in a
+   short paragraph; half behind a shared system prompt, the others behind the template's default
+   one; answers end at <|im_end|> or after 128 tokens): static vs continuous batching, and paged vs
+   contiguous memory in a tight budget (1536 token slots).
 One CPU thread throughout (a shared machine stalls spinning OpenMP threads); the load average
 before and after is recorded.
 """
@@ -66,10 +67,11 @@ REAL_SYSTEM_PROMPT = ("You are a concise assistant for a course on language-mode
 
 def real_model_trace(tokenizer, quick: bool = False):
     """Chat requests for the real model (see the module docstring), and their config."""
-    config = TraceConfig(num_requests=8 if quick else 24, rate=8.0, prompt_len=(32, 160), max_new_tokens=64,
+    config = TraceConfig(num_requests=8 if quick else 24, rate=8.0, prompt_len=(16, 64), max_new_tokens=128,
                          system_prompt_fraction=0.5, sampled_fraction=0.125, n_samples=4, seed=0)
     source = token_stream(tokenizer, pydoc_documents("eval"))
-    return make_chat_trace(tokenizer, source, config, REAL_SYSTEM_PROMPT), config
+    return make_chat_trace(tokenizer, source, config, REAL_SYSTEM_PROMPT,
+                           instruction="Explain what this text is about in a short paragraph."), config
 
 
 def compare_schedulers(model, requests, repeats: int, max_num_seqs: int = 16,
@@ -168,8 +170,9 @@ def bench_serving(quick: bool = False, device: str | None = None, model_name: st
 
 
 def real_model_results(device) -> tuple[dict, tuple | None]:
-    """Static vs continuous batching (2 alternated pairs) and paged vs contiguous memory (1024 token
-    slots) on SmolLM2-135M; {"skipped": why} when its package is not installed."""
+    """Static vs continuous batching (2 alternated pairs) and paged vs contiguous memory (1536 token
+    slots: 4 samples of the longest request must fit side by side contiguously) on SmolLM2-135M;
+    {"skipped": why} when its package is not installed."""
     try:
         model = load_pretrained(REAL_MODEL, device=device).eval().set_attention_kernel("sdpa")
         tokenizer = load_tokenizer(REAL_MODEL)
@@ -179,7 +182,7 @@ def real_model_results(device) -> tuple[dict, tuple | None]:
     requests, config = real_model_trace(tokenizer)
     scheduling, sched_runs = compare_schedulers(model, requests, repeats=2, num_blocks=512)  # 8192 slots
     layouts = {k: LAYOUTS[k] for k in ("paged, block 16", "contiguous")}
-    memory, layout_runs = compare_layouts(model, requests, budget_tokens=1024, layouts=layouts)
+    memory, layout_runs = compare_layouts(model, requests, budget_tokens=1536, layouts=layouts)
     out = {"trace": {**config.__dict__, "prompt_len": list(config.prompt_len), "stop_tokens": list(tokenizer.stop_ids),
                      "prompt_tokens": [min(len(r.prompt) for r in requests), max(len(r.prompt) for r in requests)]},
            "kv_bytes_per_token": sched_runs["continuous"].bytes_per_token,
