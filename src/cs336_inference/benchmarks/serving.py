@@ -283,7 +283,7 @@ def _plot_real(sched_runs: dict, layout_runs: dict, real: dict) -> None:
     fig.suptitle(f"{REAL_MODEL}: chat requests, static vs continuous batching "
                  f"({real['scheduling']['throughput_ratio']:.1f}x throughput)")
     fig.tight_layout()
-    save_figure(fig, "serving_smollm2", result=True)
+    save_figure(fig, "serving_smollm2", result=True, quick=False)  # full runs only
     plt.close(fig)
 
 
