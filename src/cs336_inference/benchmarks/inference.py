@@ -1,0 +1,211 @@
+"""`bench inference`: the complete inference benchmark the lecture's last section asks for.
+
+For one model on one device it serves request traces with the serving `Engine` (continuous batching,
+paged KV cache) and sweeps what an operator chooses: the lecture's three operating points (interactive
+chat, offline batch, RL rollouts), then concurrency, prompt length and output length, each at every
+precision (fp32, bf16, weight-only int8 and int4), and the paged vs contiguous KV cache on the chat
+point. Per run it records vLLM's serving metrics and a little more (`serving.metrics`):
+
+  TTFT   arrival -> first output token                      (mean, median, p99 over requests)
+  ITL    gap between consecutive output tokens (chunks)     (pooled over every request's gaps)
+  TPOT   (E2E - TTFT) / (output tokens - 1)                 (requests with more than one token)
+  E2E    arrival -> last output token
+  throughput: output tokens / s and (prompt + output) tokens / s over the run, requests / s
+  split: each request's queueing (arrival -> first scheduled), prefill (-> first token) and decode
+         (-> last token); communication is 0 (one device, no multi-device path in this package)
+  memory: CUDA allocator peak on a GPU; on a CPU the weight bytes + KV pool bytes and the process's
+          peak resident set (Linux VmHWM, reset per run)
+  quality: bits per byte of held-out text and KL(fp32 || precision) per token, against fp32.
+
+Where ours differ from vLLM's `vllm bench serve`: the clock is the engine's (measured compute time
+per step; idle gaps between arrivals are skipped, not slept through), there is no HTTP, network or
+detokenization in any latency, token counts are exact, and a request asking for n > 1 samples is
+timed from its first token of any sample to its last (see `serving/metrics.py`).
+
+Speculative decoding is an axis of the sweep (`SPECULATIVE` in `inference_config`); until the
+speculative module is on main only "off" exists and the result says the axis is pending.
+
+One CPU thread for the shipped toy model (spinning OpenMP threads stall on a shared machine), the
+parallel thread policy for a real model; the load average before and after is in the result.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import _checks
+from ..device import apply_thread_policy, default_dtype, get_device, seed_everything
+from ..figures import output_path, save_figure, save_json
+from ..model.checkpoints import load_pretrained
+from ..model.real_models import REAL_MODELS
+from ..model.tokenizer import load_tokenizer
+from ..quantization.linear import model_nbytes
+from ..serving.metrics import request_metrics
+from .inference_config import (PRECISIONS, SPECULATIVE, SPECULATIVE_PENDING, RunSpec, Workload, check_preset,
+                               sweep_config)
+from .inference_report import plot_operating_points, plot_ttft, print_inference
+from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
+                             source_tokens, stop_tokens)
+from .machine import describe_machine, load_avg
+
+NAME = "inference"
+
+
+def precision_order(device: torch.device) -> tuple[str, ...]:
+    """Every precision, the device's full-precision default first (fp32 on a CPU, bf16 on a GPU): the
+    first is the base for the KV-layout comparison and the reference for the plots' ordering."""
+    base = "bf16" if default_dtype(device) == torch.bfloat16 else "fp32"
+    return (base,) + tuple(p for p in PRECISIONS if p != base)
+
+
+def _override(workload: Workload, concurrency: int | None, output_len: int | None) -> Workload:
+    changes = {k: v for k, v in (("concurrency", concurrency), ("output_len", output_len)) if v is not None}
+    return workload.replace(**changes) if changes else workload
+
+
+def check_arguments(model: str, preset, concurrency, output_len) -> None:
+    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
+    _checks.instance("model", model, str)
+    if preset is not None:
+        check_preset(preset)
+    for name, value in (("concurrency", concurrency), ("output_len", output_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            why = ("at least one sequence must run" if name == "concurrency"
+                   else "a request generates at least one token")
+            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
+    if (concurrency is not None or output_len is not None) and preset is None:
+        raise ValueError("concurrency / output_len override one operating point: give preset too "
+                         f"(one of {list(sweep_config(False).presets)})")
+
+
+def _per_request(outputs) -> list[dict]:
+    """Each request's split and latencies (seconds), for the operating-point runs."""
+    rows = []
+    for o in outputs:
+        m = request_metrics(o)
+        rows.append({"id": m.request_id, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
+                     "queueing_s": m.queueing, "prefill_s": m.prefill, "decode_s": m.decode, "ttft_s": m.ttft,
+                     "tpot_s": m.tpot, "e2el_s": m.e2el})
+    return rows
+
+
+def one_run(spec: RunSpec, model, source, tokenizer, stop, device) -> dict:
+    """Serve one run of the sweep and return its row (and the per-request split for operating points)."""
+    w = spec.workload
+    requests = make_requests(w, source, tokenizer, stop)
+    row, outputs = run_benchmark(model, requests, w.concurrency, spec.kv_layout, device, spec.speculative)
+    row = {"axis": spec.axis, "workload": w.name, "precision": spec.precision, "kv_layout": spec.kv_layout,
+           "speculative": spec.speculative, "concurrency": w.concurrency, "prompt_len_lo": w.prompt_len[0],
+           "prompt_len_hi": w.prompt_len[1], "output_len": w.output_len, "num_requests": w.num_requests,
+           "samples": w.samples, "workload_spec": w.describe(), **row}
+    if spec.axis == "preset":
+        row["requests"] = _per_request(outputs)
+    return row
+
+
+def warm_up(models: dict, workload: Workload, source, tokenizer, stop, device) -> None:
+    """A short untimed run per precision: kernel layouts, allocator pools and caches get built here."""
+    for model in models.values():
+        run_benchmark(model, make_requests(workload, source, tokenizer, stop), workload.concurrency, "paged", device)
+
+
+def _finite(value):
+    """NaN/inf -> None, recursively (strict JSON has no NaN; 'no value' is what they mean here)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def csv_rows(result: dict) -> list[dict]:
+    """One flat row per run (scalars only), each with the machine it ran on."""
+    m = result["machine"]
+    machine = {"model": result["model"], "device": result["device"], "cpu": m["cpu"],
+               "torch_threads": m["torch_threads"],
+               "torch": m["torch"], "gpu": m.get("gpu"), "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
+    rows = []
+    for r in result["rows"]:
+        flat = {k: v for k, v in r.items() if not isinstance(v, (dict, list))}
+        rows.append({**machine, **flat})
+    return rows
+
+
+def save_csv(rows: list[dict], name: str, quick: bool) -> str:
+    path = output_path(name, ".csv", result=True, quick=quick)
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return str(path)
+
+
+def bench_inference(quick: bool = False, device: str | None = None, model: str = "target", preset: str | None = None,
+                    concurrency: int | None = None, output_len: int | None = None, progress: bool = True) -> dict:
+    """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
+    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
+    tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
+    *_quick.* in figures/scratch). Returns the result dict."""
+    check_arguments(model, preset, concurrency, output_len)
+    device = get_device(device)
+    seed_everything(0)
+    real = model in REAL_MODELS
+    name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
+    if preset is not None:
+        name += f"_{preset}"
+    config = sweep_config(real, quick).with_precisions(precision_order(device))
+    runs = config.runs(only_preset=preset)
+    if preset is not None:
+        runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
+                        s.speculative) for s in runs]
+    threads_before = torch.get_num_threads()
+    threads = apply_thread_policy(parallel=real) if device.type == "cpu" else threads_before
+    load_before = load_avg()
+    try:
+        reference = load_pretrained(model, device=device).eval()
+        tokenizer = load_tokenizer(model)
+        text, stop = source_tokens(tokenizer, real), stop_tokens(tokenizer, real)
+        source = text.tolist()
+        models = {p: build_precision(reference, p, device) for p in config.precisions}
+        windows = quality_windows(text, *config.quality_windows)
+        quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
+        del reference
+        warm_up(models, config.warmup, source, tokenizer, stop, device)
+        rows = []
+        for spec in tqdm(runs, desc=f"bench inference ({model})", disable=not progress, unit="run"):
+            rows.append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
+        machine = describe_machine(device)   # while the benchmark's thread count is set
+    finally:
+        if device.type == "cpu":
+            torch.set_num_threads(threads_before)
+    result = _finite({
+        "benchmark": NAME, "model": model, "device": str(device), "quick": quick, "preset": preset,
+        "threads": threads, "machine": machine, "load_avg_before": load_before,
+        "load_avg_after": load_avg(), "base_precision": config.precisions[0], "precisions": list(config.precisions),
+        "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
+        "quality_tokens": int(windows[:, 1:].numel()),
+        "speculative": {"modes": list(SPECULATIVE), "pending": SPECULATIVE_PENDING},
+        "sweep": config.describe(), "rows": rows})
+    print_inference(result)
+    save_json(result, name, result=True, quick=quick)
+    save_csv(csv_rows(result), name, quick)
+    if any(r["axis"] == "concurrency" for r in rows) or preset is not None:
+        fig = plot_operating_points(result)
+        save_figure(fig, f"{name}_operating_points", result=True, quick=quick)
+    if any(r["axis"] == "prompt_len" for r in rows):
+        fig = plot_ttft(result)
+        save_figure(fig, f"{name}_ttft", result=True, quick=quick)
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+    return result
+
+
+__all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]
