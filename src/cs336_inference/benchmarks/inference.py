@@ -45,8 +45,8 @@ from ..model.real_models import REAL_MODELS
 from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
-from .inference_config import (PRECISIONS, SPECULATIVE, SPECULATIVE_PENDING, RunSpec, Workload, check_preset,
-                               sweep_config)
+from .inference_config import (PRECISIONS, SPECULATIVE, SPECULATIVE_PENDING, RunSpec, SweepConfig, Workload,
+                               check_preset, sweep_config)
 from .inference_report import plot_operating_points, plot_ttft, print_inference
 from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
                              source_tokens, stop_tokens)
@@ -148,19 +148,23 @@ def save_csv(rows: list[dict], name: str, quick: bool) -> str:
 
 
 def bench_inference(quick: bool = False, device: str | None = None, model: str = "target", preset: str | None = None,
-                    concurrency: int | None = None, output_len: int | None = None, progress: bool = True) -> dict:
+                    concurrency: int | None = None, output_len: int | None = None, progress: bool = True,
+                    sweep: SweepConfig | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
     tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
-    *_quick.* in figures/scratch). Returns the result dict."""
+    *_quick.* in figures/scratch). `sweep`: another SweepConfig than the model's (default
+    `sweep_config(real_model, quick)`). Returns the result dict."""
     check_arguments(model, preset, concurrency, output_len)
+    if sweep is not None:
+        _checks.instance("sweep", sweep, SweepConfig)
     device = get_device(device)
     seed_everything(0)
     real = model in REAL_MODELS
     name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
     if preset is not None:
         name += f"_{preset}"
-    config = sweep_config(real, quick).with_precisions(precision_order(device))
+    config = (sweep or sweep_config(real, quick)).with_precisions(precision_order(device))
     runs = config.runs(only_preset=preset)
     if preset is not None:
         runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
