@@ -60,7 +60,7 @@ def tiny_sweep() -> SweepConfig:
                        concurrency_base=Workload("concurrency", (8, 8), 3, 1, 2), prompt_lens=(8, 24),
                        prompt_base=Workload("prompt_len", (8, 8), 2, 1, 2, rate=SPARSE_RATE), output_lens=(1, 3),
                        output_base=Workload("output_len", (8, 8), 1, 2, 2), presets=points,
-                       warmup=Workload("warmup", (8, 8), 2, 1, 1), quality_windows=(16, 1))
+                       warmup=Workload("warmup", (8, 8), 2, 1, 1), quality_windows=(16, 1), repeats=2)
 
 
 def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_thread):
@@ -81,6 +81,7 @@ def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_
     assert set(data["quality"]) == {"fp32", "int8"}
     assert data["quality"]["fp32"]["kl_to_fp32"] == pytest.approx(0, abs=1e-6)
     for r in rows:
+        assert r["repeats"] == 2 and r["output_throughput_min"] <= r["output_throughput"] <= r["output_throughput_max"]
         tokens = r["input_tokens"] + r["output_tokens"]
         assert r["total_token_throughput"] * r["duration_s"] == pytest.approx(tokens)
         assert r["weight_bytes"] > 0 and r["rss_peak_bytes"] > 0

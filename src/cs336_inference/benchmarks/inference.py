@@ -107,6 +107,20 @@ def one_run(spec: RunSpec, model, source, tokenizer, stop, device) -> dict:
     return row
 
 
+RANGED = ("output_throughput", "ttft_median_s", "tpot_median_s", "itl_median_s", "e2el_median_s")
+
+
+def median_run(rows: list[dict]) -> dict:
+    """The repeat with the median duration (the lower middle of an even count), so every number of a row
+    comes from one run and stays consistent; with the min and max of the main metrics over repeats."""
+    chosen = sorted(rows, key=lambda r: r["duration_s"])[(len(rows) - 1) // 2]
+    out = {**chosen, "repeats": len(rows)}
+    for key in RANGED:
+        values = [r[key] for r in rows if r[key] is not None and math.isfinite(r[key])]
+        out[f"{key}_min"], out[f"{key}_max"] = (min(values), max(values)) if values else (None, None)
+    return out
+
+
 def warm_up(models: dict, workload: Workload, source, tokenizer, stop, device) -> None:
     """A short untimed run per precision: kernel layouts, allocator pools and caches get built here."""
     for model in models.values():
@@ -182,9 +196,12 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
         quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
         del reference
         warm_up(models, config.warmup, source, tokenizer, stop, device)
-        rows = []
-        for spec in tqdm(runs, desc=f"bench inference ({model})", disable=not progress, unit="run"):
-            rows.append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
+        repeats = [[] for _ in runs]
+        order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
+        for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
+            spec = runs[i]
+            repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
+        rows = [median_run(r) for r in repeats]
         machine = describe_machine(device)   # while the benchmark's thread count is set
     finally:
         if device.type == "cpu":

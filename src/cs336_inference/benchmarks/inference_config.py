@@ -116,12 +116,13 @@ def _toy_points() -> dict[str, Workload]:
 
 
 def _real_points() -> dict[str, Workload]:
-    """The same three operating points sized for a ~135M-parameter model on a 2-core CPU."""
+    """The same three operating points sized for a ~135M-parameter model on a shared 2-core CPU (a decode
+    step takes ~0.1-0.4 s there): chat messages with the model's template, answers ending at its stop token."""
     return {
-        "chat": Workload("chat", prompt_len=(16, 48), output_len=48, concurrency=4, num_requests=8, rate=2.0,
+        "chat": Workload("chat", prompt_len=(16, 48), output_len=32, concurrency=4, num_requests=6, rate=2.0,
                          stop_at_eos=True, system_prompt_fraction=0.5, chat=True),
-        "batch": Workload("batch", prompt_len=(128, 256), output_len=24, concurrency=8, num_requests=8),
-        "rollouts": Workload("rollouts", prompt_len=(24, 48), output_len=48, concurrency=8, num_requests=2,
+        "batch": Workload("batch", prompt_len=(128, 256), output_len=16, concurrency=8, num_requests=8),
+        "rollouts": Workload("rollouts", prompt_len=(24, 48), output_len=32, concurrency=8, num_requests=2,
                              samples=4, temperature=1.0, stop_at_eos=True),
     }
 
@@ -170,6 +171,7 @@ class SweepConfig:
     presets: dict = field(default_factory=_toy_points)
     warmup: Workload = Workload("warmup", prompt_len=(32, 64), output_len=8, concurrency=4, num_requests=4)
     quality_windows: tuple[int, int] = (256, 8)   # held-out windows for bits/byte and KL: (tokens, count)
+    repeats: int = 3                    # each run this many times, rounds interleaved; the median run is kept
 
     def __post_init__(self):
         if not self.precisions:
@@ -195,6 +197,7 @@ class SweepConfig:
                 raise ValueError(f"speculative: each must be one of {SPECULATIVE}, got {mode!r}")
         for k in self.presets:
             check_preset(k)
+        _checks.positive_int("repeats", self.repeats)
 
     def with_precisions(self, precisions: tuple[str, ...]) -> "SweepConfig":
         """The same sweep over `precisions` (kept in the given order where this sweep has them)."""
@@ -233,7 +236,7 @@ class SweepConfig:
                 "output_lens": list(self.output_lens), "output_base": self.output_base.describe(),
                 "kv_layouts": list(self.kv_layouts), "speculative": list(self.speculative),
                 "presets": {k: w.describe() for k, w in self.presets.items()}, "warmup": self.warmup.describe(),
-                "quality_windows": list(self.quality_windows)}
+                "quality_windows": list(self.quality_windows), "repeats": self.repeats}
 
 
 def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
@@ -245,14 +248,15 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
                            prompt_base=Workload("prompt_len", (16, 16), 2, 1, 2, rate=SPARSE_RATE),
                            output_lens=(1, 8), output_base=Workload("output_len", (32, 32), 1, 2, 4),
                            presets=operating_points(real_model, quick=True),
-                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2))
+                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1)
     if real_model:
-        return SweepConfig(concurrencies=(1, 4, 16),
+        return SweepConfig(concurrencies=(1, 4, 16), requests_per_slot=1,
                            concurrency_base=Workload("concurrency", (64, 64), 16, 1, 4),
                            prompt_lens=(32, 128, 512, 1024),
                            prompt_base=Workload("prompt_len", (32, 32), 2, 1, 2, rate=SPARSE_RATE),
-                           output_lens=(1, 8, 32), output_base=Workload("output_len", (64, 64), 1, 4, 4),
-                           presets=operating_points(True), quality_windows=(256, 4))
+                           output_lens=(1, 16), output_base=Workload("output_len", (64, 64), 1, 4, 4),
+                           presets=operating_points(True), warmup=Workload("warmup", (16, 16), 2, 2, 2),
+                           quality_windows=(256, 4), repeats=1)
     return SweepConfig()
 
 

@@ -18,9 +18,11 @@ def _rows(result: dict, axis: str) -> list[dict]:
 def _memory_cell(r: dict) -> str:
     if r.get("cuda_peak_bytes") is not None:
         return f"{r['cuda_peak_bytes'] / 1e6:,.0f} (CUDA)"
-    rss = r.get("rss_peak_bytes")
-    return f"{r['weight_bytes'] / 1e6:,.1f} + {r['kv_pool_bytes'] / 1e6:,.1f}" + (
-        f" (RSS {rss / 1e6:,.0f})" if rss else "")
+    rss, start = r.get("rss_peak_bytes"), r.get("rss_start_bytes")
+    cell = f"{r['weight_bytes'] / 1e6:,.1f} + {r.get('kv_pool_bytes', 0) / 1e6:,.1f}"
+    if rss and start:
+        cell += f" (RSS {rss / 1e6:,.0f}, run +{max(rss - start, 0) / 1e6:,.0f})"
+    return cell
 
 
 def _split_cell(r: dict) -> str:
@@ -49,7 +51,7 @@ def operating_point_rows(result: dict) -> list[dict]:
 
 
 def operating_point_table(result: dict) -> str:
-    memory = "MB weights + KV pool" if result["device"] == "cpu" else "peak MB"
+    memory = "MB weights + KV pool (peak RSS, run's own)" if result["device"] == "cpu" else "peak MB"
     columns = [("workload", "operating point", None), ("precision", "precision", None),
                ("load", "requests", None), ("concurrency", "C", None), *LATENCY_COLUMNS,
                ("memory", memory, None), ("split", "queue/prefill/decode %", None)]
@@ -63,7 +65,7 @@ def quality_table(result: dict) -> str:
              "delta": (v["bits_per_byte"] - fp32) if fp32 is not None else None} for p, v in q.items()]
     return format_table(rows, [("precision", "precision", None), ("weight_mb", "weights MB", "{:,.1f}"),
                                ("bits_per_byte", "bits/byte", "{:.4f}"), ("delta", "vs fp32", "{:+.4f}"),
-                               ("kl_to_fp32", "KL(fp32||p) nats/tok", "{:.5f}"),
+                               ("kl_to_fp32", "KL(fp32||p) nats/tok", lambda v: f"{max(v, 0.0):.5f}"),
                                ("top1_agreement", "top-1 agree", "{:.3f}")])
 
 

@@ -55,13 +55,18 @@ def describe_machine(device: torch.device) -> dict:
     return d
 
 
-def _vm_hwm_bytes() -> int | None:
+def _status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (VmHWM: peak resident set, VmRSS: resident set now) in bytes."""
     try:
         with open("/proc/self/status") as f:
-            match = re.search(r"^VmHWM:\s*(\d+)\s*kB", f.read(), re.M)
+            match = re.search(rf"^{field}:\s*(\d+)\s*kB", f.read(), re.M)
         return int(match.group(1)) * 1024 if match else None
     except OSError:
         return None
+
+
+def _vm_hwm_bytes() -> int | None:
+    return _status_bytes("VmHWM")
 
 
 def _reset_vm_hwm() -> bool:
@@ -75,7 +80,9 @@ def _reset_vm_hwm() -> bool:
 
 class PeakMemory:
     """`with PeakMemory(device) as peak: ...` then `peak.result()`: {"cuda_peak_bytes"} on a GPU,
-    {"rss_peak_bytes", "rss_peak_is_per_run"} on a CPU (None where the OS does not tell)."""
+    {"rss_start_bytes", "rss_peak_bytes", "rss_peak_is_per_run"} on a CPU (None where the OS does not
+    tell): the resident set when the run started (every model the process holds) and its peak during
+    the run, so the difference is what the run itself added (KV pool, activations, allocator)."""
 
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
@@ -86,6 +93,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            self.values["rss_start_bytes"] = _status_bytes("VmRSS")
             self.values["rss_peak_is_per_run"] = _reset_vm_hwm()
         return self
 
