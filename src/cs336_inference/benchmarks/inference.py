@@ -38,13 +38,14 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import _checks
-from ..device import apply_thread_policy, default_dtype, get_device, seed_everything
+from ..device import default_dtype, get_device, seed_everything, thread_policy
 from ..figures import output_path, save_figure, save_json
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import REAL_MODELS
 from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
+from ..timing import num_threads
 from .inference_config import (PRECISIONS, SPECULATIVE, SPECULATIVE_PENDING, RunSpec, SweepConfig, Workload,
                                check_preset, sweep_config)
 from .inference_report import plot_operating_points, plot_ttft, print_inference
@@ -175,58 +176,58 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
     device = get_device(device)
     seed_everything(0)
     real = model in REAL_MODELS
-    name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
-    if preset is not None:
-        name += f"_{preset}"
     config = (sweep or sweep_config(real, quick)).with_precisions(precision_order(device))
     runs = config.runs(only_preset=preset)
     if preset is not None:
         runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
                         s.speculative) for s in runs]
-    threads_before = torch.get_num_threads()
-    threads = apply_thread_policy(parallel=real) if device.type == "cpu" else threads_before
-    load_before = load_avg()
-    try:
-        reference = load_pretrained(model, device=device).eval()
-        tokenizer = load_tokenizer(model)
-        text, stop = source_tokens(tokenizer, real), stop_tokens(tokenizer, real)
-        source = text.tolist()
-        models = {p: build_precision(reference, p, device) for p in config.precisions}
-        windows = quality_windows(text, *config.quality_windows)
-        quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
-        del reference
-        warm_up(models, config.warmup, source, tokenizer, stop, device)
-        repeats = [[] for _ in runs]
-        order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
-        for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
-            spec = runs[i]
-            repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
-        rows = [median_run(r) for r in repeats]
-        machine = describe_machine(device)   # while the benchmark's thread count is set
-    finally:
-        if device.type == "cpu":
-            torch.set_num_threads(threads_before)
-    result = _finite({
-        "benchmark": NAME, "model": model, "device": str(device), "quick": quick, "preset": preset,
-        "threads": threads, "machine": machine, "load_avg_before": load_before,
-        "load_avg_after": load_avg(), "base_precision": config.precisions[0], "precisions": list(config.precisions),
-        "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
-        "quality_tokens": int(windows[:, 1:].numel()),
-        "speculative": {"modes": list(SPECULATIVE), "pending": SPECULATIVE_PENDING},
-        "sweep": config.describe(), "rows": rows})
+    threads = thread_policy(parallel=real) if device.type == "cpu" else torch.get_num_threads()
+    with num_threads(threads):   # the toy model: one thread; a real model is large work: every core (device.py)
+        result = _sweep(model, real, device, config, runs, progress)
+    result.update(quick=quick, preset=preset)
+    name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
+    if preset is not None:
+        name += f"_{preset}"
     print_inference(result)
     save_json(result, name, result=True, quick=quick)
     save_csv(csv_rows(result), name, quick)
-    if any(r["axis"] == "concurrency" for r in rows) or preset is not None:
-        fig = plot_operating_points(result)
-        save_figure(fig, f"{name}_operating_points", result=True, quick=quick)
-    if any(r["axis"] == "prompt_len" for r in rows):
-        fig = plot_ttft(result)
-        save_figure(fig, f"{name}_ttft", result=True, quick=quick)
     import matplotlib.pyplot as plt
 
+    if any(r["axis"] in ("concurrency", "preset") for r in result["rows"]):
+        save_figure(plot_operating_points(result), f"{name}_operating_points", result=True, quick=quick)
+    if any(r["axis"] == "prompt_len" for r in result["rows"]):
+        save_figure(plot_ttft(result), f"{name}_ttft", result=True, quick=quick)
     plt.close("all")
     return result
+
+
+def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, runs: list[RunSpec],
+           progress: bool) -> dict:
+    """Load the model, build every precision, measure quality, warm up, then serve every run
+    `config.repeats` times in interleaved rounds; the result dict (NaN -> None)."""
+    load_before = load_avg()
+    reference = load_pretrained(model, device=device).eval()
+    tokenizer = load_tokenizer(model)
+    text, stop = source_tokens(tokenizer, real), stop_tokens(tokenizer, real)
+    source = text.tolist()
+    models = {p: build_precision(reference, p, device) for p in config.precisions}
+    windows = quality_windows(text, *config.quality_windows)
+    quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
+    del reference
+    warm_up(models, config.warmup, source, tokenizer, stop, device)
+    repeats = [[] for _ in runs]
+    order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
+    for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
+        spec = runs[i]
+        repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
+    return _finite({
+        "benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
+        "machine": describe_machine(device), "load_avg_before": load_before, "load_avg_after": load_avg(),
+        "base_precision": config.precisions[0], "precisions": list(config.precisions),
+        "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
+        "quality_tokens": int(windows[:, 1:].numel()),
+        "speculative": {"modes": list(SPECULATIVE), "pending": list(SPECULATIVE_PENDING)},
+        "sweep": config.describe(), "rows": [median_run(r) for r in repeats]})
 
 
 __all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]
