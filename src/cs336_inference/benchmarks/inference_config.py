@@ -250,7 +250,7 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
                            presets=operating_points(real_model, quick=True),
                            warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1)
     if real_model:
-        return SweepConfig(concurrencies=(1, 4, 16), requests_per_slot=1,
+        return SweepConfig(concurrencies=(1, 2, 4, 8, 16), requests_per_slot=1,
                            concurrency_base=Workload("concurrency", (64, 64), 16, 1, 4),
                            prompt_lens=(32, 128, 512, 1024),
                            prompt_base=Workload("prompt_len", (32, 32), 2, 1, 2, rate=SPARSE_RATE),

@@ -136,19 +136,20 @@ def plot_operating_points(result: dict):
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     rows = _rows(result, "concurrency")
+    repeated = any(r.get("repeats", 1) > 1 for r in rows)
     for i, precision in enumerate(dict.fromkeys(r["precision"] for r in rows)):
         pts = sorted((r for r in rows if r["precision"] == precision), key=lambda r: r["concurrency"])
         pts = [r for r in pts if r["tpot_median_s"] is not None]
         xs, ys = [1e3 * r["tpot_median_s"] for r in pts], [r["output_throughput"] for r in pts]
         ax1.plot(xs, ys, "o-", color=f"C{i}", label=precision)
-        if all(r.get("output_throughput_min") is not None for r in pts) and pts and pts[0].get("repeats", 1) > 1:
+        if repeated and all(r.get("output_throughput_min") is not None for r in pts):
             low = [y - r["output_throughput_min"] for y, r in zip(ys, pts)]   # min..max over the repeats
             high = [r["output_throughput_max"] - y for y, r in zip(ys, pts)]
             ax1.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor=f"C{i}", alpha=0.4, capsize=2)
         for x, y, r in zip(xs, ys, pts):
             ax1.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax1.set_xlabel("time per output token, median (ms): the latency one user sees")
-    ax1.set_ylabel("output tokens / s (all users; bars: min..max of repeats)")
+    ax1.set_ylabel("output tokens / s (all users" + ("; bars: min..max of repeats)" if repeated else ")"))
     ax1.set_title("concurrency buys throughput with latency")
     ax1.grid(alpha=0.3)
     if rows:
