@@ -71,6 +71,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "models": ("benchmarks.models", "bench_models"),
     "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
     "quantization": ("benchmarks.quantization", "bench_quantization"),
+    "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
