@@ -17,7 +17,9 @@ pass j (always gamma for a model draft, except near the end); `paper` is Leviath
 E[tokens | alpha, gamma] / (gamma c + 1), which assumes a memory-bound target (v = 1).
 
 Workloads: the shipped toy pair on two kinds of text, stories (free generation) and echo drills
-(lines that repeat earlier lines: input-grounded, where prompt lookup shines).
+(lines that repeat earlier lines: input-grounded, where prompt lookup shines); and, where the real
+model is installed, SmolLM2-135M-Instruct with prompt lookup on chat tasks whose answer copies a
+given passage, and on free writing for contrast.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class Workload:
     prompts: list[list[int]]
     max_new_tokens: int
     note: str = ""
+    stop_tokens: list[int] | None = None
+    gammas: tuple[int, ...] | None = None  # None: the benchmark's sweep
     extra: dict = field(default_factory=dict)
 
 
@@ -74,6 +78,60 @@ def toy_workloads(device, quick: bool) -> list[Workload]:
                  stories, new, "free continuation of a story opening (64 bytes)"),
         Workload("toy-echo", target, {"draft": draft, "prompt_lookup": "prompt_lookup"}, echoes, new,
                  "echo drills: each line repeats an earlier one (320-byte prompt), an input-grounded task"),
+    ]
+
+
+def _prose_paragraphs() -> list[str]:
+    """Plain-prose paragraphs (350-650 characters) of CPython's own help text: offline English to edit."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in sorted(topics):
+        for par in topics[name].split("\n\n"):
+            if 350 < len(par) < 650 and not par.startswith(" ") and not any(m in par for m in ("::", "*", "`", "\n ")):
+                out.append(" ".join(par.split()))
+    return out
+
+
+REAL_TASKS = ("Rewrite the following passage, putting each sentence on its own line:\n\n",
+              "Summarize the following passage:\n\n")
+
+
+def real_workloads(device, quick: bool) -> list[Workload]:
+    """SmolLM2-135M-Instruct (when its loader and package are installed) with prompt lookup: chat tasks
+    whose answer copies a given passage (edit, summarise), and free writing where nothing can be copied."""
+    try:
+        from ..model.real_models import REAL_MODELS  # absent before the real-model loader existed
+        from ..model.tokenizer import load_tokenizer
+    except ImportError as e:
+        print(f"(real model: no loader in this checkout ({e}); toy workloads only)")
+        return []
+    name = "smollm2-135m"
+    try:
+        target = load_pretrained(name, device=device) if name in REAL_MODELS else None
+        tok = load_tokenizer(name) if target is not None else None
+    except (ImportError, FileNotFoundError) as e:
+        print(f"(real model unavailable: {e}; toy workloads only)")
+        return []
+    if target is None:
+        return []
+    paragraphs = _prose_paragraphs()
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    n_prompts, new = (1, 24) if quick else (2, 128)
+    grounded = [chat(REAL_TASKS[i % 2] + paragraphs[1 + 5 * i]) for i in range(n_prompts)]
+    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]
+    lookup = {"prompt_lookup": "prompt_lookup"}
+    extra = dict(model=name, parameters=target.num_parameters(), dtype=str(target.dtype))
+    return [
+        Workload("smollm2-grounded", target, lookup, grounded, new,
+                 "SmolLM2-135M-Instruct, chat: rewrite / summarise a given passage (the answer copies the input)",
+                 stop_tokens=tok.stop_ids, extra=extra),
+        Workload("smollm2-free", target, lookup, free[:1], new,
+                 "SmolLM2-135M-Instruct, chat: write a story (nothing to copy from the prompt)",
+                 stop_tokens=tok.stop_ids, gammas=(1, 2, 4, 8), extra=extra),
     ]
 
 
@@ -169,17 +227,38 @@ def _predict(costs: dict, clock: str, drafter: str, is_lookup: bool, proposed: l
                 cost_ratio=c, verify_cost=verify[gamma], predicted_tokens_per_pass=tokens)
 
 
-def _plain(workload: Workload, prompt, temperature: float, seed: int):
-    g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    return _timed(lambda: generate(workload.target, [prompt], workload.max_new_tokens, temperature=temperature,
-                                   generator=g), workload.target.device)
+@dataclass
+class _Run:
+    """One timed generation: which prompt, how many tokens after the first, wall and CPU seconds."""
+
+    prompt: int
+    tokens: int
+    wall: float
+    cpu: float
+    result: object = None
 
 
-def _speculative(workload: Workload, draft, prompt, gamma: int, temperature: float, seed: int):
+def _plain(workload: Workload, i: int, temperature: float, seed: int) -> _Run:
     g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    return _timed(lambda: speculative_generate(workload.target, draft, prompt, gamma, temperature,
-                                               max_new_tokens=workload.max_new_tokens, generator=g),
-                  workload.target.device)
+    out, wall, cpu = _timed(lambda: generate(workload.target, [workload.prompts[i]], workload.max_new_tokens,
+                                             temperature=temperature, stop_tokens=workload.stop_tokens,
+                                             generator=g), workload.target.device)
+    return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
+
+
+def _speculative(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
+    g = torch.Generator(device=workload.target.device).manual_seed(seed)
+    out, wall, cpu = _timed(lambda: speculative_generate(workload.target, draft, workload.prompts[i], gamma,
+                                                         temperature, max_new_tokens=workload.max_new_tokens,
+                                                         stop_tokens=workload.stop_tokens, generator=g),
+                            workload.target.device)
+    return _Run(i, out.num_generated - 1, wall, cpu, out)
+
+
+def _decode_rate(runs: list[_Run], prefill: dict, who: str, clock: str) -> float:
+    """Tokens after the first / (run time - its prefill) over a set of runs."""
+    seconds = sum(getattr(r, clock) - prefill[(who, r.prompt)][clock] for r in runs)
+    return sum(r.tokens for r in runs) / seconds
 
 
 def _acceptance(results, gamma: int) -> tuple[float, list]:
@@ -196,40 +275,34 @@ def _acceptance(results, gamma: int) -> tuple[float, list]:
 
 def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatures=TEMPERATURES):
     """Every (temperature, drafter, gamma): pooled acceptance, measured speed-up per repeat (decode
-    time, prefill subtracted, on `clock` and on the wall), the prediction; plus the measured costs."""
+    tokens/s, prefill subtracted, on `clock` and on the wall), the prediction; plus the measured costs."""
     prefill = measure_prefills(workload)
-    costs = {}
-    rows = []
+    prompts = range(len(workload.prompts))
+    costs, rows = {}, []
     for temperature in temperatures:
         costs[temperature] = measure_costs(workload, gammas, temperature)
-        plain = {c: [] for c in ("wall", "cpu")}  # per repeat: decode seconds of all plain runs
-        spec = {}                                 # (drafter, gamma) -> per repeat: [(result, wall, cpu)]
+        plain = []  # per repeat: plain runs (each prompt, before each drafter's sweep)
+        spec = {}   # (drafter, gamma) -> per repeat: runs over the prompts
         for rep in range(repeats):
-            runs = []
-            for drafter, draft in workload.drafters.items():  # plain runs before each drafter's sweep
-                runs += [_plain(workload, p, temperature, rep)[1:] + (i,) for i, p in enumerate(workload.prompts)]
+            plain.append([])
+            for drafter, draft in workload.drafters.items():
+                plain[-1] += [_plain(workload, i, temperature, rep) for i in prompts]
                 for gamma in gammas:
                     spec.setdefault((drafter, gamma), []).append(
-                        [_speculative(workload, draft, p, gamma, temperature, rep) + (i,)
-                         for i, p in enumerate(workload.prompts)])
-            for k, c in enumerate(("wall", "cpu")):
-                plain[c].append(sum(t[k] - prefill[("plain", t[2])][c] for t in runs) / len(workload.drafters))
+                        [_speculative(workload, draft, i, gamma, temperature, rep) for i in prompts])
+        plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in ("wall", "cpu")}
         for (drafter, gamma), reps in spec.items():
-            results = [r for rep in reps for r, *_ in rep]
+            results = [run.result for runs in reps for run in runs]
             alpha, by_position = _acceptance(results, gamma)
-            speedups = {}
-            for k, c in enumerate(("wall", "cpu"), start=1):
-                decode = [sum(t[k] - prefill[(drafter, t[3])][c] for t in rep) for rep in reps]
-                speedups[c] = [p / s for p, s in zip(plain[c], decode)]
+            speedups = {c: [_decode_rate(runs, prefill, drafter, c) / base for runs, base in zip(reps, plain_rate[c])]
+                        for c in ("wall", "cpu")}
             main = speedups[clock]
-            passes = sum(r.target_forwards for r in results)
             row = dict(workload=workload.name, drafter=drafter, temperature=temperature, gamma=gamma,
                        alpha=alpha, acceptance_by_position=by_position,
-                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / passes,
+                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / sum(r.target_forwards for r in results),
                        measured_speedup=statistics.median(main), measured_speedup_min=min(main),
                        measured_speedup_max=max(main), measured_speedup_wall=statistics.median(speedups["wall"]),
-                       plain_tok_per_s=len(workload.prompts) * (workload.max_new_tokens - 1)
-                       / statistics.median(plain[clock]))
+                       plain_tok_per_s=statistics.median(plain_rate[clock]))
             row["spec_tok_per_s"] = row["plain_tok_per_s"] * row["measured_speedup"]
             row.update(_predict(costs[temperature], clock, drafter, workload.drafters[drafter] == "prompt_lookup",
                                 [g for r in results for g in r.proposed], alpha, gamma))
@@ -265,10 +338,13 @@ def bench_speculative(quick: bool = False, device: str | None = None, workloads=
         repeats = 1 if quick else 3
         load_before = os.getloadavg()[0]
         t0 = time.perf_counter()
-        workloads = workloads if workloads is not None else toy_workloads(device, quick)
+        workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
         rows, costs, notes = [], {}, {}
         for w in workloads:
-            w_rows, costs[w.name] = run_workload(w, gammas, repeats, clock)
+            w_gammas = gammas if w.gammas is None or quick else w.gammas
+            print(f"{w.name}: {len(w.prompts)} prompt(s), {w.max_new_tokens} new tokens, gamma {list(w_gammas)}, "
+                  f"drafters {list(w.drafters)}", flush=True)
+            w_rows, costs[w.name] = run_workload(w, w_gammas, repeats, clock)
             rows += w_rows
             notes[w.name] = dict(note=w.note, prompts=len(w.prompts), max_new_tokens=w.max_new_tokens,
                                  prompt_tokens=[len(p) for p in w.prompts], **w.extra)
