@@ -9,7 +9,8 @@ is reported beside it.
 
 Next to it, the speed-up the theory predicts from the *measured* acceptance rate alpha and the
 *measured* costs, in units of one plain decode step of the target (forward + sampling), each part
-timed alone in the same run (`measure_costs`):
+timed on its own in the same run (`measure_costs`; a model drafter and the verifier are timed taking
+turns, as in the loop, since on a CPU they evict each other's weights from the private caches):
   c  one draft token (draft forward + sampling), or one prompt lookup (per pass),
   v  the target's verification pass over g + 1 tokens, accept rule included.
 predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)), with g_j the drafts proposed in
@@ -150,29 +151,49 @@ def _median_cost(fn, device, repeats: int) -> dict:
     return {"wall": statistics.median(t[0] for t in times), "cpu": statistics.median(t[1] for t in times)}
 
 
+class _StepTimer:
+    """A model with its cache prefilled to `context` tokens: `step(T, then)` times one forward over T
+    new tokens followed by `then(logits (T, V))`, and rolls the cache back, so every call sees the
+    same context."""
+
+    def __init__(self, model, ids: torch.Tensor, gen: torch.Generator):
+        self.model, self.context = model, ids.shape[1]
+        self.cache = model.new_cache(1, self.context + 16)  # room for the largest pass (gamma + 1 <= 16)
+        model(ids, cache=self.cache, start_pos=0)
+        self.gen = gen
+
+    def step(self, num_tokens: int, then) -> tuple[float, float]:
+        model, device = self.model, self.model.device
+        new = torch.randint(0, model.config.vocab_size, (1, num_tokens), device=device, generator=self.gen)
+
+        def run():
+            then(model(new, cache=self.cache, start_pos=self.context)[0])  # (num_tokens, V)
+            self.cache.truncate(self.context)
+        return _timed(run, device)[1:]
+
+
+def _medians(times: list[tuple[float, float]]) -> dict:
+    return {"wall": statistics.median(t[0] for t in times), "cpu": statistics.median(t[1] for t in times)}
+
+
 @torch.inference_mode()
 def measure_costs(workload: Workload, gammas, temperature: float, repeats: int = 30) -> dict:
-    """Seconds (wall and CPU), each timed alone at the workload's typical context (prompt + half the
-    output), of what the loops do per token or per pass, sampling included:
-      token      one plain decode step of the target: forward + sample (the unit of cost);
-      DRAFTER    one draft token: draft forward + sample (model), or one search (prompt lookup, per pass);
-      verify[g]  the target's pass over g + 1 tokens + the accept rule."""
+    """Seconds (wall and CPU medians) at the workload's typical context (prompt + half the output) of
+    what the loops do, sampling included:
+      token          one plain decode step of the target: forward + sample (the unit of cost);
+      verify[g]      the target's pass over g + 1 tokens + the accept rule, timed alone;
+      DRAFTER[gamma] a model drafter, timed *in the loop's rhythm* (gamma draft tokens, then one
+                     verification, repeated): 'draft' per draft token (forward + sample), 'verify' per
+                     pass. Two models taking turns evict each other's weights from the CPU's private
+                     caches, so both cost more than timed alone;
+      prompt_lookup[gamma]  one search (per pass)."""
     target, device = workload.target, workload.target.device
     sampling = SamplingParams(temperature)
     gen = torch.Generator(device=device).manual_seed(0)
-    context = len(workload.prompts[0]) + workload.max_new_tokens // 2
-    ids = torch.tensor([(workload.prompts[0] * 8)[:context]], device=device)
+    prompt = workload.prompts[0]  # context: the prompt and the first half of its greedy continuation
+    half = generate(target, [prompt], workload.max_new_tokens // 2, stop_tokens=workload.stop_tokens).tokens[0]
+    ids = torch.tensor([prompt + half], device=device)
     V = target.config.vocab_size
-
-    def at_context(model, num_tokens: int, then) -> dict:
-        cache = model.new_cache(1, context + num_tokens)
-        model(ids, cache=cache, start_pos=0)
-        new = torch.randint(0, V, (1, num_tokens), device=device, generator=gen)
-
-        def run():
-            then(model(new, cache=cache, start_pos=context)[0])   # (num_tokens, V)
-            cache.truncate(context)
-        return _median_cost(run, device, repeats)
 
     def sample(logits):  # what `generate` and the model drafter do with each token's logits
         return sample_next_token(logits[-1], temperature, generator=gen).tolist()
@@ -187,14 +208,27 @@ def measure_costs(workload: Workload, gammas, temperature: float, repeats: int =
             return speculative_accept(p, sampling.probs(logits), drafts, gen)
         return rule
 
-    costs = {"token": at_context(target, 1, sample),
-             "verify": {g: at_context(target, g + 1, accept(g)) for g in range(max(gammas) + 1)}}
+    verifier = _StepTimer(target, ids, gen)
+
+    def alone(timer, num_tokens, then) -> dict:
+        timer.step(num_tokens, then)  # warm-up
+        return _medians([timer.step(num_tokens, then) for _ in range(repeats)])
+
+    costs = {"token": alone(verifier, 1, sample),
+             "verify": {g: alone(verifier, g + 1, accept(g)) for g in range(max(gammas) + 1)}}
     for name, draft in workload.drafters.items():
         if draft == "prompt_lookup":
             seq = ids[0].tolist()
             costs[name] = {g: _median_cost(lambda: prompt_lookup_propose(seq, g), device, repeats) for g in gammas}
-        else:
-            costs[name] = at_context(draft, 1, sample)
+            continue
+        drafter, costs[name] = _StepTimer(draft, ids, gen), {}
+        for gamma in gammas:
+            per_token, per_pass = [], []
+            for _ in range(repeats + 1):  # the first cycle warms up
+                steps = [drafter.step(1, sample) for _ in range(gamma)]
+                per_token.append(tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)))
+                per_pass.append(verifier.step(gamma + 1, accept(gamma)))
+            costs[name][gamma] = {"draft": _medians(per_token[1:]), "verify": _medians(per_pass[1:])}
     return costs
 
 
@@ -221,7 +255,8 @@ def _predict(costs: dict, clock: str, drafter: str, is_lookup: bool, proposed: l
         cost = statistics.fmean(lookup + verify[g] for g in proposed)
         c = lookup / gamma                             # per drafted token, for the paper formula
     else:
-        c = costs[drafter][clock] / token
+        c = costs[drafter][gamma]["draft"][clock] / token
+        verify[gamma] = costs[drafter][gamma]["verify"][clock] / token  # in the loop's rhythm
         cost = statistics.fmean(g * c + verify[g] for g in proposed)
     return dict(predicted_speedup=tokens / cost, paper_speedup=expected_speedup(alpha, gamma, c),
                 cost_ratio=c, verify_cost=verify[gamma], predicted_tokens_per_pass=tokens)
