@@ -72,6 +72,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
     "quantization": ("benchmarks.quantization", "bench_quantization"),
     "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
+    "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
 }
 
 def _figures_args(p: argparse.ArgumentParser) -> None:

@@ -40,7 +40,7 @@ from ..generation.prompt_lookup import prompt_lookup_propose
 from ..generation.drafters import SamplingParams
 from ..generation.sampling import sample_next_token
 from ..generation.speculative import speculative_generate
-from ..generation.speculative_rule import greedy_accept, speculative_accept
+from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import ENDOFTEXT
@@ -172,25 +172,29 @@ class _StepTimer:
         return _timed(run, device)[1:]
 
 
-def _medians(times: list[tuple[float, float]]) -> dict:
-    return {"wall": statistics.median(t[0] for t in times), "cpu": statistics.median(t[1] for t in times)}
+def _median_ratios(cycles: list[dict], unit: str = "token") -> dict:
+    """{name: {clock: median over cycles of (name's seconds / the unit's seconds in the same cycle)}}:
+    ratios taken within one cycle (a few ms) are robust to the load drifting on a shared machine."""
+    return {name: {k: statistics.median(c[name][i] / c[unit][i] for c in cycles) for i, k in enumerate(("wall", "cpu"))}
+            for name in cycles[0] if name != unit}
 
 
 @torch.inference_mode()
 def measure_costs(workload: Workload, gammas, temperature: float, repeats: int = 30) -> dict:
-    """Seconds (wall and CPU medians) at the workload's typical context (prompt + half the output) of
-    what the loops do, sampling included:
-      token          one plain decode step of the target: forward + sample (the unit of cost);
-      verify[g]      the target's pass over g + 1 tokens + the accept rule, timed alone;
-      DRAFTER[gamma] a model drafter, timed *in the loop's rhythm* (gamma draft tokens, then one
-                     verification, repeated): 'draft' per draft token (forward + sample), 'verify' per
-                     pass. Two models taking turns evict each other's weights from the CPU's private
-                     caches, so both cost more than timed alone;
-      prompt_lookup[gamma]  one search (per pass)."""
+    """Costs in units of one plain decode step of the target (forward + sample), at the workload's
+    typical context (prompt + half its greedy output), sampling and the accept rule included. Each
+    cost is timed in cycles that also time one plain step, as a median of per-cycle ratios:
+      verify[g]       the target's pass over g + 1 tokens + the accept rule;
+      DRAFTER[gamma]  a model drafter in the loop's rhythm (gamma draft tokens, then the verification):
+                      'draft' per draft token (forward + sample), 'verify' per pass. Two models taking
+                      turns evict each other's weights from the CPU's private caches, so both cost
+                      more than timed alone;
+      prompt_lookup[gamma]  one search, per pass.
+    `token` is the plain step itself, in seconds."""
     target, device = workload.target, workload.target.device
     sampling = SamplingParams(temperature)
     gen = torch.Generator(device=device).manual_seed(0)
-    prompt = workload.prompts[0]  # context: the prompt and the first half of its greedy continuation
+    prompt = workload.prompts[0]
     half = generate(target, [prompt], workload.max_new_tokens // 2, stop_tokens=workload.stop_tokens).tokens[0]
     ids = torch.tensor([prompt + half], device=device)
     V = target.config.vocab_size
@@ -205,30 +209,38 @@ def measure_costs(workload: Workload, gammas, temperature: float, repeats: int =
         def rule(logits):
             if sampling.greedy:
                 return greedy_accept(drafts.tolist(), logits.argmax(-1).tolist())
-            return speculative_accept(p, sampling.probs(logits), drafts, gen)
+            return accept_unchecked(p, sampling.probs(logits), drafts, gen)
         return rule
 
     verifier = _StepTimer(target, ids, gen)
 
-    def alone(timer, num_tokens, then) -> dict:
-        timer.step(num_tokens, then)  # warm-up
-        return _medians([timer.step(num_tokens, then) for _ in range(repeats)])
+    def cycles(one_cycle) -> list[dict]:
+        one_cycle()  # warm-up
+        return [one_cycle() | {"token": verifier.step(1, sample)} for _ in range(repeats)]
 
-    costs = {"token": alone(verifier, 1, sample),
-             "verify": {g: alone(verifier, g + 1, accept(g)) for g in range(max(gammas) + 1)}}
+    tokens = []
+    verify = {}
+    for g in range(max(gammas) + 1):
+        runs = cycles(lambda: {"verify": verifier.step(g + 1, accept(g))})
+        verify[g] = _median_ratios(runs)["verify"]
+        tokens += [c["token"] for c in runs]
+    costs = {"token": {"wall": statistics.median(t[0] for t in tokens), "cpu": statistics.median(t[1] for t in tokens)},
+             "verify": verify}
     for name, draft in workload.drafters.items():
+        costs[name] = {}
         if draft == "prompt_lookup":
             seq = ids[0].tolist()
-            costs[name] = {g: _median_cost(lambda: prompt_lookup_propose(seq, g), device, repeats) for g in gammas}
+            for gamma in gammas:
+                runs = cycles(lambda: {"lookup": _timed(lambda: prompt_lookup_propose(seq, gamma), device)[1:]})
+                costs[name][gamma] = _median_ratios(runs)["lookup"]
             continue
-        drafter, costs[name] = _StepTimer(draft, ids, gen), {}
+        drafter = _StepTimer(draft, ids, gen)
         for gamma in gammas:
-            per_token, per_pass = [], []
-            for _ in range(repeats + 1):  # the first cycle warms up
+            def one_cycle():
                 steps = [drafter.step(1, sample) for _ in range(gamma)]
-                per_token.append(tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)))
-                per_pass.append(verifier.step(gamma + 1, accept(gamma)))
-            costs[name][gamma] = {"draft": _medians(per_token[1:]), "verify": _medians(per_pass[1:])}
+                return {"draft": tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)),
+                        "verify": verifier.step(gamma + 1, accept(gamma))}
+            costs[name][gamma] = _median_ratios(cycles(one_cycle))
     return costs
 
 
@@ -247,16 +259,15 @@ def measure_prefills(workload: Workload) -> dict:
 def _predict(costs: dict, clock: str, drafter: str, is_lookup: bool, proposed: list[int], alpha: float,
              gamma: int) -> dict:
     """The theory's speed-up from measured alpha and measured costs (see the module docstring)."""
-    token = costs["token"][clock]
-    verify = {g: costs["verify"][g][clock] / token for g in costs["verify"]}
+    verify = {g: costs["verify"][g][clock] for g in costs["verify"]}
     tokens = statistics.fmean(expected_tokens_per_pass(alpha, g) for g in proposed)
     if is_lookup:
-        lookup = costs[drafter][gamma][clock] / token  # one search per pass
+        lookup = costs[drafter][gamma][clock]         # one search per pass
         cost = statistics.fmean(lookup + verify[g] for g in proposed)
-        c = lookup / gamma                             # per drafted token, for the paper formula
+        c = lookup / gamma                            # per drafted token, for the paper formula
     else:
-        c = costs[drafter][gamma]["draft"][clock] / token
-        verify[gamma] = costs[drafter][gamma]["verify"][clock] / token  # in the loop's rhythm
+        c = costs[drafter][gamma]["draft"][clock]
+        verify[gamma] = costs[drafter][gamma]["verify"][clock]  # in the loop's rhythm
         cost = statistics.fmean(g * c + verify[g] for g in proposed)
     return dict(predicted_speedup=tokens / cost, paper_speedup=expected_speedup(alpha, gamma, c),
                 cost_ratio=c, verify_cost=verify[gamma], predicted_tokens_per_pass=tokens)

@@ -29,7 +29,7 @@ from .drafters import Drafter, ModelDrafter, SamplingParams
 from .generate import left_pad, prefill
 from .prompt_lookup import PromptLookupDrafter
 from .sampling import sample_next_token
-from .speculative_rule import greedy_accept, speculative_accept
+from .speculative_rule import accept_unchecked, greedy_accept
 
 
 @dataclass
@@ -219,7 +219,7 @@ class SpeculativeDecoder:
                 draft_ids = torch.tensor(drafts, dtype=torch.long, device=self.device)         # (g,)
                 if p_draft is None:  # deterministic drafts (prompt lookup): p is one-hot
                     p_draft = torch.nn.functional.one_hot(draft_ids, q.shape[-1]).to(q.dtype)
-                k, token = speculative_accept(p_draft, q, draft_ids, self.generator)
+                k, token = accept_unchecked(p_draft, q, draft_ids, self.generator)
             new = drafts[:k] + [token]
             final = len(sequence) + k  # positions now final, and what the next pass builds on
             cache.truncate(final)      # the rejected drafts' keys and values are forgotten

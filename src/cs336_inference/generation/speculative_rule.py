@@ -83,6 +83,13 @@ def speculative_accept(p_draft: torch.Tensor, q_target: torch.Tensor, draft_toke
     g = 0 is allowed (nothing proposed: just a sample from q_target[0]).
     """
     _check_accept_args(p_draft, q_target, draft_tokens)
+    return accept_unchecked(p_draft, q_target, draft_tokens, generator)
+
+
+def accept_unchecked(p_draft: torch.Tensor, q_target: torch.Tensor, draft_tokens: torch.Tensor,
+                     generator: torch.Generator | None = None) -> Acceptance:
+    """`speculative_accept` without validating its arguments (the decoding loop builds them itself,
+    and every check costs a host-device round trip per pass)."""
     if generator is not None and generator.device != p_draft.device:
         p_draft, q_target, draft_tokens = (t.to(generator.device) for t in (p_draft, q_target, draft_tokens))
     g = draft_tokens.shape[0]
