@@ -123,14 +123,14 @@ def real_workloads(device, quick: bool) -> list[Workload]:
 
     n_prompts, new = (1, 24) if quick else (2, 128)
     grounded = [chat(REAL_TASKS[i % 2] + paragraphs[1 + 5 * i]) for i in range(n_prompts)]
-    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]
+    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]  # contrast
     lookup = {"prompt_lookup": "prompt_lookup"}
     extra = dict(model=name, parameters=target.num_parameters(), dtype=str(target.dtype))
     return [
         Workload("smollm2-grounded", target, lookup, grounded, new,
                  "SmolLM2-135M-Instruct, chat: rewrite / summarise a given passage (the answer copies the input)",
                  stop_tokens=tok.stop_ids, extra=extra),
-        Workload("smollm2-free", target, lookup, free[:1], new,
+        Workload("smollm2-free", target, lookup, free, new // 2,
                  "SmolLM2-135M-Instruct, chat: write a story (nothing to copy from the prompt)",
                  stop_tokens=tok.stop_ids, gammas=(1, 2, 4, 8), extra=extra),
     ]
