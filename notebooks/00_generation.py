@@ -20,6 +20,8 @@
 # one-token forward pass.
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import matplotlib.pyplot as plt
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything
@@ -27,6 +29,7 @@ from cs336_inference.figures import save_figure
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 
 # %% [markdown]

@@ -20,6 +20,8 @@
 # predictions against a real ~88M-parameter model. Everything comes from `cs336_inference`.
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import matplotlib.pyplot as plt
 import sympy as sp
 import torch
@@ -29,14 +31,15 @@ from cs336_inference import ModelConfig, TransformerLM, default_dtype, get_devic
 from cs336_inference.accounting import symbolic as sym
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, forward_flops, kv_cache_bytes_per_token,
                                         num_parameters, transformer_performance_stats, with_kv_heads)
-from cs336_inference.benchmarks.accounting import batch_sweep, plot_kv_memory, plot_latency_throughput
-from cs336_inference.benchmarks.roofline import (measure_decode, measure_prefill, plot_model, plot_roofline,
-                                            threads_for_timing)
+from cs336_inference.accounting.formulas import batch_sweep
+from cs336_inference.accounting.model_roofline import measure_decode, measure_prefill
+from cs336_inference.accounting.plots import plot_kv_memory, plot_latency_throughput, plot_model, plot_roofline
 from cs336_inference.figures import save_figure
 from cs336_inference.accounting import measure_hardware, roofline_sweep
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy(parallel=True))  # timing below: every core, passive waits
 seed_everything(0)
 
 # %% [markdown]
@@ -78,8 +81,10 @@ print("attention: intensity", att.intensity, "| prefill (T=S):", sym.attention_i
 
 # %%
 for name, shape in REAL_MODELS.items():
-    print(f"{name:12s} {num_parameters(shape) / 1e9:6.1f}B params ({num_parameters(shape, active_only=True) / 1e9:5.1f}B active), "
-          f"KV cache {kv_cache_bytes_per_token(shape):>7,d} bytes/token ({shape.attention_type}, K={shape.num_kv_heads})")
+    print(f"{name:12s} {num_parameters(shape) / 1e9:6.1f}B params "
+          f"({num_parameters(shape, active_only=True) / 1e9:5.1f}B active), "
+          f"KV cache {kv_cache_bytes_per_token(shape):>7,d} bytes/token "
+          f"({shape.attention_type}, K={shape.num_kv_heads})")
 ds = REAL_MODELS["deepseek-v2"]
 print(f"DeepSeek-V2 MLA caches {kv_cache_bytes_per_token(ds, 1) // ds.num_layers} elements per token per layer "
       f"(512 latent + 64 RoPE) instead of 2NH = {2 * ds.num_heads * ds.head_dim} for MHA")
@@ -105,12 +110,11 @@ print("saved", save_figure(fig, "01_kv_memory_mha_vs_gqa"))
 # Two numbers describe the machine: peak matmul FLOP/s and streaming memory bandwidth. Their ratio
 # is its accelerator intensity. Then Y = X @ W with a W larger than the caches, for growing B:
 # achieved FLOP/s should follow min(peak, intensity x bandwidth). (Shared machines are noisy:
-# these are medians; on a CPU that other programs keep busy we time with one thread, because
-# OpenMP threads that spin-wait for each other make small matmuls ten times slower.)
+# these are medians. We time with every core and OpenMP's passive wait policy, set when
+# `cs336_inference` was imported before torch: threads that spin-wait for each other stall when
+# another program holds a core, and make small matmuls ten times slower.)
 
 # %%
-torch.set_num_threads(threads_for_timing(device))
-print("timing threads:", torch.get_num_threads())
 hw = measure_hardware(device)
 print(hw.summary())
 sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(10)], repeats=2, hardware=hw)
@@ -153,5 +157,6 @@ with torch.no_grad(), FlopCounterMode(display=False) as counter:
 print(f"FlopCounterMode: {counter.get_total_flops():,}  formula: {forward_flops(config, 1, 64):,}")
 cache = model.new_cache(batch_size=2, max_seq_len=100)
 element = model.lm_head.weight.element_size()
-print(f"cache.nbytes / tokens = {cache.nbytes // 200:,}  formula: {kv_cache_bytes_per_token(config, element):,} bytes/token")
+print(f"cache.nbytes / tokens = {cache.nbytes // 200:,}  "
+      f"formula: {kv_cache_bytes_per_token(config, element):,} bytes/token")
 plt.close("all")

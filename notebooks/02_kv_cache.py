@@ -30,6 +30,8 @@
 # | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import json
 from pathlib import Path
 
@@ -38,11 +40,12 @@ import torch
 
 from cs336_inference import ModelConfig, TransformerLM, get_device, seed_everything
 from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
-from cs336_inference.benchmarks.kv_variants import format_table
 from cs336_inference.figures import figures_dir, save_figure
+from cs336_inference.tables import kv_variants_table
 
 device = get_device()
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 dtype = torch.float32  # exact comparisons below; bf16 would need looser tolerances
 
@@ -83,7 +86,7 @@ for name, model in models.items():
         cache = model.new_cache(B, P + STEPS)
         pieces = [model(tokens[:, :P], cache=cache)]
         for t in range(P, P + STEPS):
-            pieces.append(model(tokens[:, t:t + 1], cache=cache, start_pos=t))
+            pieces.append(model(tokens[:, t:t + 1], cache=cache))
     err = (torch.cat(pieces, 1) - full).abs().max().item()
     assert err < 1e-4, (name, err)
     print(f"{name:<34} max |cached - full| = {err:.1e}")
@@ -116,7 +119,7 @@ for absorb in (False, True):
     with torch.no_grad():
         cache = mla.new_cache(B, P + STEPS)
         pieces = [mla(tokens[:, :P], cache=cache)]
-        pieces += [mla(tokens[:, t:t + 1], cache=cache, start_pos=t) for t in range(P, P + STEPS)]
+        pieces += [mla(tokens[:, t:t + 1], cache=cache) for t in range(P, P + STEPS)]
     outs[absorb] = torch.cat(pieces, 1)
 print("max |absorbed - naive| =", f"{(outs[True] - outs[False]).abs().max().item():.1e}")
 
@@ -147,7 +150,7 @@ cache = local.new_cache(1, S_max)
 held = []
 with torch.no_grad():
     for t in range(S_max):
-        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache, start_pos=t)
+        local(tokens[:1, t % tokens.shape[1]:t % tokens.shape[1] + 1], cache=cache)
         held.append(cache.nbytes)
 full_cfg = configs["MHA"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -174,7 +177,7 @@ if not path.exists():
 if path.exists():
     results = json.loads(path.read_text())
     print(f"window = {results['window']}, {results['train']['steps']} steps, device {results['device']}")
-    print(format_table(results))
+    print(kv_variants_table(results))
 else:
     print("no committed results: run `python -m cs336_inference bench kv_variants --quick`")
 

@@ -23,8 +23,9 @@
 # --preset draft`) and `draft-scratch` (same shape, trained from scratch for the same steps).
 
 # %%
+import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
+# isort: split
 import matplotlib.pyplot as plt
-import torch
 
 from cs336_inference import get_device, seed_everything
 from cs336_inference.model import checkpoints
@@ -34,6 +35,7 @@ from cs336_inference.compression import distill, importance_scores, prune_model
 
 device = get_device("cpu")  # the shipped models are tiny: the CPU is the fair place to run them
 print("device:", device)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny models: one thread is fastest
 seed_everything(0)
 target = checkpoints.load_pretrained("target")
 draft = checkpoints.load_pretrained("draft")

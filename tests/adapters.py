@@ -41,12 +41,13 @@ def make_model(config: ModelConfig, seed: int = 0) -> TransformerLM:
     return TransformerLM(config).eval()
 
 
-def run_model(model, token_ids, cache=None, start_pos: int = 0, **kwargs) -> torch.Tensor:
-    return model(token_ids, cache=cache, start_pos=start_pos, **kwargs)
+def run_model(model, token_ids, cache=None, **kwargs) -> torch.Tensor:
+    """A forward: without a cache, or appending at cache.length (start_pos/pad pass through as keywords)."""
+    return model(token_ids, cache=cache, **kwargs)
 
 
-def make_kv_cache(model, batch_size: int, max_seq_len: int | None = None):
-    return model.new_cache(batch_size, max_seq_len)
+def make_kv_cache(model, batch_size: int, max_seq_len: int | None = None, **kwargs):
+    return model.new_cache(batch_size, max_seq_len, **kwargs)
 
 
 def run_scaled_dot_product_attention(q, k, v, mask=None) -> torch.Tensor:
@@ -177,13 +178,15 @@ def run_attention_module(module, x, positions, mask=None):
     """x (B, T, D) at integer positions (T,) through one attention layer without a cache."""
     rope_dim = getattr(module, "rope_head_dim", None) or module.head_dim
     cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
-    return module(x, (cos[positions], sin[positions]), None, 0, mask)
+    out, _ = module(x, (cos[positions], sin[positions]), mask)
+    return out
 
 
 def run_block(block, x, positions, mask, rope_dim: int) -> torch.Tensor:
     """One TransformerBlock without a cache, with the mask the caller chose."""
     cos, sin = rope_angles(rope_dim, int(positions.max()) + 1)
-    return block(x, (cos[positions], sin[positions]), None, 0, mask, shared={})
+    out, _ = block(x, (cos[positions], sin[positions]), mask)
+    return out
 
 
 def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_len):
@@ -192,6 +195,12 @@ def make_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, max_seq_le
 
 def make_latent_kv_cache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len):
     return LatentKVCache(batch_size, kv_lora_rank, rope_head_dim, max_seq_len)
+
+
+def make_cache_step(start: int, num_new: int, pad=None):
+    """What one forward writes into a layer cache: T = num_new tokens appended at position `start`."""
+    from cs336_inference.model import CacheStep
+    return CacheStep(start, num_new, pad)
 
 
 # --- accounting and roofline: symbolic and numeric FLOP/byte accounting, measured hardware ------
@@ -238,14 +247,6 @@ def get_real_model(name: str):
 
 def run_num_parameters(model, **kwargs) -> int:
     return accounting.num_parameters(model, **kwargs)
-
-
-def run_kv_cache_bytes_per_token(config, bytes_per_element=2):
-    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
-
-
-def run_kv_cache_bytes(config, batch_size, seq_len, bytes_per_element=2):
-    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
 
 
 def run_forward_flops(model, batch_size, num_new_tokens, num_cached=0, last_only=False, mla_absorbed=False) -> int:
@@ -383,6 +384,14 @@ def get_model_nbytes(model) -> int:
     return model_nbytes(model)
 
 
+def make_quantized_linear(linear, kind: str = "int4", **kwargs):
+    """An nn.Linear replaced by a quantized one: "int4" (RTN, group 16 unless given), "fp8" or "llm_int8"."""
+    from cs336_inference.quantization.linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
+    if kind == "int4":
+        return QuantizedLinear.from_linear(linear, bits=4, group_size=kwargs.pop("group_size", 16), **kwargs)
+    return {"fp8": Fp8Linear, "llm_int8": LLMInt8Linear}[kind](linear, **kwargs)
+
+
 def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
     from cs336_inference.quantization import quantize_kv_cache
     return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)
@@ -390,6 +399,36 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
 
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
+
+
+def make_quantized_linear_from_weight(weight, bits=4, group_size=None, symmetric=False, kernel="auto", **kwargs):
+    """A `QuantizedLinear` quantizing `weight` (O, I) by round to nearest (group_size None = per channel)."""
+    from cs336_inference.quantization import QuantizedLinear, quantize_tensor
+    granularity = "channel" if group_size is None else "group"
+    qt = quantize_tensor(weight, bits, symmetric, granularity, group_size)
+    return QuantizedLinear(qt, kernel=kernel, **kwargs)
+
+
+def run_set_quantized_kernel(model, kernel):
+    from cs336_inference.quantization import set_quantized_kernel
+    return set_quantized_kernel(model, kernel)
+
+
+# --- decode speed options: fused projections, attention kernel ---
+
+
+def run_fuse_projections(model):
+    """In place: q/k/v and w1/w3 each as one matmul; returns the model."""
+    return model.fuse_projections()
+
+
+def run_unfuse_projections(model):
+    return model.unfuse_projections()
+
+
+def run_set_attention_kernel(model, kernel: str):
+    """kernel: "reference" (hand-written) or "sdpa" (torch's fused attention); returns the model."""
+    return model.set_attention_kernel(kernel)
 
 
 # --- speculative decoding: accept rule, draft-verify loop, prompt lookup, theory --------------------
@@ -428,7 +467,7 @@ def make_speculative_decoder(target, draft, prompt_ids, gamma, temperature=0.0, 
 
 
 def get_drafter_protocol():
-    """Drafters implement start(prompt, max_seq_len), propose(sequence, n, sampling, generator) ->
+    """Drafters implement start(prompt, max_seq_len, max_rollback), propose(sequence, n, sampling, generator) ->
     (tokens, probs (n, V) or None), rollback(length) and a `forwards` counter."""
     return _drafters.Drafter
 

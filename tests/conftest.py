@@ -1,3 +1,8 @@
+import cs336_inference  # noqa: F401  (before torch: OpenMP's passive wait policy, see cs336_inference/_openmp.py)
+# isort: split
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,3 +23,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def git_tree_unchanged():
+    """The test must leave `git status --porcelain` as it found it: no new, changed or deleted file
+    that git sees (outputs go to git-ignored scratch folders). Skipped outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+
+    def status():
+        proc = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True)
+        return proc.stdout if proc.returncode == 0 else None
+
+    before = status()
+    yield
+    if before is not None:
+        after = status()
+        assert after == before, f"the run changed the git tree:\nbefore:\n{before}\nafter:\n{after}"

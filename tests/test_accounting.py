@@ -198,9 +198,9 @@ def test_parameters_flops_and_kv_bytes_match_the_model_we_run(variant):
     assert counted_flops(lambda: model(ids)) == adapters.run_forward_flops(config, 2, 12)
     absorbed = config.attention_type == "mla"
     cache = adapters.make_kv_cache(model, 2, 20)
-    prefill = counted_flops(lambda: model(ids, cache=cache, start_pos=0, last_only=True))
+    prefill = counted_flops(lambda: model(ids, cache=cache, last_only=True))
     assert prefill == adapters.run_forward_flops(config, 2, 12, 0, last_only=True, mla_absorbed=absorbed)
-    decode = counted_flops(lambda: model(ids[:, :1], cache=cache, start_pos=12))
+    decode = counted_flops(lambda: model(ids[:, :1], cache=cache))
     assert decode == adapters.run_forward_flops(config, 2, 1, 12, mla_absorbed=absorbed)
     element = model.lm_head.weight.element_size()
     assert cache.bytes_per_token == adapters.run_kv_cache_bytes_per_token(config, element)
@@ -229,7 +229,7 @@ def test_kv_bytes_per_token_match_the_real_cache(num_kv_heads):
 # --- bad inputs -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(batch_size=0), "batch_size"), (dict(batch_size=-3), "batch_size"), (dict(batch_size=1.5), "batch_size"),
+    (dict(batch_size=0), "batch_size"), (dict(batch_size=-3), "batch_size"),
     (dict(seq_len=0), "seq_len"), (dict(seq_len=10**6), "context_length"),
     (dict(hardware="H900"), "unknown hardware.*H100"), (dict(precision="fp12"), "unknown precision.*bf16"),
     (dict(config="llama9"), "unknown model.*llama2-13b"),
@@ -238,6 +238,11 @@ def test_bad_inputs_raise_clear_errors(kwargs, match):
     args = dict(config="llama2-13b", hardware="H100", batch_size=1, seq_len=1024, precision="bf16") | kwargs
     with pytest.raises(ValueError, match=match):
         adapters.run_transformer_performance_stats(**args)
+
+
+def test_a_wrong_type_is_a_type_error():
+    with pytest.raises(TypeError, match="batch_size must be a positive int, got float 1.5"):
+        adapters.run_transformer_performance_stats("llama2-13b", "H100", 1.5, 1024, "bf16")
 
 
 def test_more_bad_inputs():
@@ -253,6 +258,7 @@ def test_more_bad_inputs():
     with pytest.raises(ValueError, match="divide num_heads"):
         adapters.run_with_kv_heads(adapters.get_real_model("llama2-13b"), 7)
     with pytest.raises(ValueError, match="peak_flops"):
-        type(adapters.get_hardware_table()["H100"])("x", peak_flops=-1.0, memory_bandwidth=1.0, memory_bytes=None, source="")
+        spec = type(adapters.get_hardware_table()["H100"])
+        spec("x", peak_flops=-1.0, memory_bandwidth=1.0, memory_bytes=None, source="")
     with pytest.raises(ValueError, match="num_layers"):
         adapters.get_real_model("llama2-13b").replace(num_layers=0)

@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 import cs336_inference
-from adapters import config_from_name, get_tokenizer, make_config, run_default_dtype, run_get_device, run_seed_everything
+from adapters import (config_from_name, get_tokenizer, make_config, run_default_dtype, run_get_device,
+                      run_seed_everything)
 
 
 @pytest.mark.parametrize("field, value, exc", [

@@ -13,7 +13,8 @@ from adapters import (run_build_corpus, run_build_documents, run_get_batch, run_
 # sha256 of build_corpus(0). The grammar part depends only on the seed (random.Random is stable
 # across Python versions) but pydoc_data.topics is CPython's own help text, which changes between
 # minor versions, so the pin is per version. To regenerate after an intended corpus change:
-#   python -c "import hashlib; from cs336_inference.data import build_corpus; print(hashlib.sha256(build_corpus(0)).hexdigest())"
+#   python -c "import hashlib; from cs336_inference.data import build_corpus;
+#              print(hashlib.sha256(build_corpus(0)).hexdigest())"
 PINNED_SHA256 = {
     (3, 11): "a7dee0e5e903dac7a95358862822065dda89d43724ab75329df34e2f07a99ceb",
 }

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from adapters import (make_config, make_model, run_compare_to_reference, run_evaluate_lm,
                       run_long_range_recall, run_recall_nll, run_recall_probes)
 

@@ -21,10 +21,10 @@ def test_truncate_rolls_back_and_redecoding_matches():
     y = torch.randint(0, 257, (2, 3))
     with torch.no_grad():
         cache = make_kv_cache(model, 2)
-        run_model(model, x[:, :8], cache, 0)
-        run_model(model, y, cache, 8)                          # a speculative continuation ...
+        run_model(model, x[:, :8], cache)
+        run_model(model, y, cache)                          # a speculative continuation ...
         cache.truncate(8)                                      # ... rejected
-        got = run_model(model, x[:, 8:], cache, 8)
+        got = run_model(model, x[:, 8:], cache)
         want = run_model(model, x)[:, 8:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert cache.length == 12
@@ -34,10 +34,10 @@ def test_overflow_raises_and_leaves_cache_unchanged():
     model = make_model(make_config(**CFG))
     with torch.no_grad():
         cache = make_kv_cache(model, 1, max_seq_len=10)
-        run_model(model, torch.randint(0, 257, (1, 8)), cache, 0)
+        run_model(model, torch.randint(0, 257, (1, 8)), cache)
         before = [layer.k.clone() for layer in cache.layers]
         with pytest.raises(ValueError, match="overflow"):
-            run_model(model, torch.randint(0, 257, (1, 3)), cache, 8)
+            run_model(model, torch.randint(0, 257, (1, 3)), cache)
     assert cache.length == 8
     assert all(torch.equal(a, layer.k) for a, layer in zip(before, cache.layers))
 
@@ -46,11 +46,13 @@ def test_out_of_order_start_pos_is_refused():
     model = make_model(make_config(**CFG))
     with torch.no_grad():
         cache = make_kv_cache(model, 1)
-        run_model(model, torch.randint(0, 257, (1, 4)), cache, 0)
-        with pytest.raises(ValueError, match="start_pos"):
-            run_model(model, torch.randint(0, 257, (1, 1)), cache, 2)
+        run_model(model, torch.randint(0, 257, (1, 4)), cache)
+        with pytest.raises(ValueError, match="start_pos"):   # start_pos with a cache must repeat its length
+            run_model(model, torch.randint(0, 257, (1, 1)), cache, start_pos=2)
+        assert cache.length == 4
+        run_model(model, torch.randint(0, 257, (1, 1)), cache, start_pos=4)   # the checked assertion holds
         with pytest.raises(ValueError, match="batch"):
-            run_model(model, torch.randint(0, 257, (2, 1)), cache, 4)
+            run_model(model, torch.randint(0, 257, (2, 1)), cache)
 
 
 @pytest.mark.parametrize("n", [-1, 5, 2.0])
@@ -58,7 +60,7 @@ def test_truncate_rejects_bad_lengths(n):
     model = make_model(make_config(**CFG))
     cache = make_kv_cache(model, 1)
     with torch.no_grad():
-        run_model(model, torch.randint(0, 257, (1, 4)), cache, 0)
+        run_model(model, torch.randint(0, 257, (1, 4)), cache)
     with pytest.raises((ValueError, TypeError), match="n must"):
         cache.truncate(n)
     assert cache.length == 4

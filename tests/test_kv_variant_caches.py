@@ -3,8 +3,8 @@ and overflow, and invalid variant combinations are refused with clear errors."""
 
 import pytest
 import torch
-from adapters import (make_config, make_kv_cache, make_latent_kv_cache, make_model, make_rolling_kv_cache,
-                      run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
+from adapters import (make_cache_step, make_config, make_kv_cache, make_latent_kv_cache, make_model,
+                      make_rolling_kv_cache, run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
 from test_kv_variants import BASE, VARIANTS, WINDOW
 
 
@@ -37,28 +37,28 @@ def _filled_window_model(length):
     x = torch.randint(0, 257, (2, length + 4))
     cache = make_kv_cache(model, 2, 30)
     with torch.no_grad():
-        run_model(model, x[:, :length], cache, 0)
+        run_model(model, x[:, :length], cache)
     return model, cache, x
 
 
 def test_rolling_buffer_rollback_by_one_then_redecode_matches():
     model, cache, x = _filled_window_model(12)
     with torch.no_grad():
-        run_model(model, torch.randint(0, 257, (2, 1)), cache, 12)   # a rejected draft token
+        run_model(model, torch.randint(0, 257, (2, 1)), cache)   # a rejected draft token
         cache.truncate(12)
-        got = run_model(model, x[:, 12:15], cache, 12)
+        got = run_model(model, x[:, 12:15], cache)
         want = run_model(model, x[:, :15])[:, 12:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def test_rolling_buffer_refuses_a_rollback_deeper_than_it_holds_and_changes_nothing():
     model, cache, _ = _filled_window_model(12)
-    before = [(layer.k.clone(), layer.length) for layer in cache.layers]
+    before = [(layer.k.clone(), layer.oldest) for layer in cache.layers]
     with pytest.raises(ValueError, match="sliding-window cache back to 8"):
         cache.truncate(8)
     assert cache.length == 12
-    for (k, length), layer in zip(before, cache.layers):
-        assert torch.equal(k, layer.k) and layer.length == length
+    for (k, oldest), layer in zip(before, cache.layers):
+        assert torch.equal(k, layer.k) and layer.oldest == oldest
 
 
 def test_rolling_buffer_allows_any_rollback_before_it_wraps():
@@ -66,51 +66,70 @@ def test_rolling_buffer_allows_any_rollback_before_it_wraps():
     x = torch.randint(0, 257, (1, 8))
     with torch.no_grad():
         cache = make_kv_cache(model, 1, 30)
-        run_model(model, x[:, :4], cache, 0)                       # 4 < window: nothing overwritten
+        run_model(model, x[:, :4], cache)                       # 4 < window: nothing overwritten
         cache.truncate(1)
-        got = run_model(model, x[:, 1:8], cache, 1)
+        got = run_model(model, x[:, 1:8], cache)
         want = run_model(model, x)[:, 1:]
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_rolling_buffer_layer_cache_overflow_and_order_are_refused_before_writing():
+def _write(cache, k, start):
+    """One forward's worth of a layer cache: update then commit (what KVCache does per layer)."""
+    step = make_cache_step(start, k.shape[2])
+    out = cache.update(k, k[..., :cache.kv_lora_rank] if hasattr(cache, "kv_lora_rank") else k, step)
+    cache.commit(step)
+    return out
+
+
+def test_rolling_buffer_layer_cache_overflow_is_refused_before_writing():
     cache = make_rolling_kv_cache(1, 2, 8, window=4, max_seq_len=6)
     k = torch.randn(1, 2, 5, 8)
-    cache.update(k, k, 0)
+    _write(cache, k, 0)
     snapshot = cache.k.clone()
     with pytest.raises(ValueError, match="overflow"):
-        cache.update(torch.randn(1, 2, 2, 8), torch.randn(1, 2, 2, 8), 5)
-    with pytest.raises(ValueError, match="start_pos"):
-        cache.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8), 3)
+        _write(cache, torch.randn(1, 2, 2, 8), 5)
     with pytest.raises(ValueError, match="shape"):
-        cache.update(torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8), 5)
-    assert torch.equal(snapshot, cache.k) and cache.length == 5
+        _write(cache, torch.randn(1, 3, 1, 8), 5)
+    with pytest.raises(ValueError, match="no longer holds"):   # a query at 5 needs 2.. but 0, 1 were overwritten
+        _write(cache, torch.randn(1, 2, 1, 8), 1)
+    assert torch.equal(snapshot, cache.k)
     # It returns exactly the positions a query at 5 may see (5 - 4 + 1 = 2 .. 5), in order.
     new = torch.randn(1, 2, 1, 8)
-    keys, _ = cache.update(new, new, 5)
+    keys, _ = _write(cache, new, 5)
     torch.testing.assert_close(keys, torch.cat([k[:, :, 2:5], new], 2))
     assert cache.nbytes == 2 * 2 * 4 * 8 * 4
     # The ring now holds positions 2..5 (4 slots); read() returns them oldest first.
-    held_k, _ = cache.read()
+    held_k, _ = cache.read(6)
     torch.testing.assert_close(held_k, torch.cat([k[:, :, 2:5], new], 2))
-    with pytest.raises(ValueError, match="length must be in"):
-        cache.read(1)
+
+
+def test_rolling_buffer_writes_its_ring_only_at_commit():
+    cache = make_rolling_kv_cache(1, 1, 2, window=2, max_seq_len=8)
+    _write(cache, torch.randn(1, 1, 2, 2), 0)
+    snapshot = cache.k.clone()
+    cache.update(torch.randn(1, 1, 3, 2), torch.randn(1, 1, 3, 2), make_cache_step(2, 3))   # never committed
+    assert torch.equal(snapshot, cache.k) and cache.oldest == 0
+    with pytest.raises(RuntimeError, match="not staged"):
+        cache.commit(make_cache_step(2, 3))
 
 
 def test_latent_cache_overflow_is_refused_before_writing():
     cache = make_latent_kv_cache(2, kv_lora_rank=6, rope_head_dim=2, max_seq_len=4)
-    cache.update(torch.ones(2, 3, 8), 0)
+    _write(cache, torch.ones(2, 1, 3, 8), 0)
     with pytest.raises(ValueError, match="overflow"):
-        cache.update(torch.full((2, 2, 8), 7.0), 3)
-    with pytest.raises(ValueError, match="C\\+R=8"):
-        cache.update(torch.ones(2, 1, 6), 3)
-    assert cache.latent[:, 3].abs().sum() == 0 and cache.bytes_per_token == 8 * 4
+        _write(cache, torch.full((2, 1, 2, 8), 7.0), 3)
+    with pytest.raises(ValueError, match="H=8"):
+        _write(cache, torch.ones(2, 1, 1, 6), 3)
+    latent = torch.ones(2, 1, 1, 8)
+    with pytest.raises(ValueError, match="view of k"):              # the values are the latent's first C dims
+        cache.update(latent, latent[..., :6].clone(), make_cache_step(3, 1))
+    assert cache.latent[:, :, 3].abs().sum() == 0 and cache.bytes_per_token == 8 * 4
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(sliding_window=0), "sliding_window must be positive"),
-    (dict(sliding_window=-3), "sliding_window must be positive"),
-    (dict(attention_type="mla", kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank must be positive"),
+    (dict(sliding_window=0), "sliding_window must be a positive int"),
+    (dict(sliding_window=-3), "sliding_window must be a positive int"),
+    (dict(attention_type="mla", kv_lora_rank=0, rope_head_dim=4), "kv_lora_rank must be a positive int"),
     (dict(attention_type="mla", rope_head_dim=4), "needs kv_lora_rank"),
     (dict(attention_type="mla", kv_lora_rank=8), "needs rope_head_dim"),
     (dict(attention_type="mla", kv_lora_rank=8, rope_head_dim=3), "rope_head_dim must be even"),

@@ -111,9 +111,9 @@ def test_prefill_then_decode_equals_full_forward(name):
     x = torch.randint(0, 257, (B, P + D))
     with torch.no_grad():
         cache = make_kv_cache(model, B, max_seq_len=P + D + 3)
-        steps = [run_model(model, x[:, :P], cache, 0)]
+        steps = [run_model(model, x[:, :P], cache)]
         for t in range(P, P + D):
-            steps.append(run_model(model, x[:, t:t + 1], cache, t))
+            steps.append(run_model(model, x[:, t:t + 1], cache))
     want = ref_variant_forward(model.state_dict(), cfg, x)
     torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-4,
                                msg=lambda m: f"{name}: cached decode differs from the reference\n{m}")
@@ -125,10 +125,10 @@ def test_left_padded_cached_batch_matches_each_sequence_alone(name):
     a, b = torch.randint(1, 257, (6,)), torch.randint(1, 257, (11,))
     batch = torch.stack([torch.cat([torch.zeros(5, dtype=torch.long), a]), b])
     with torch.no_grad():
-        cache = model.new_cache(2, 20, pad=torch.tensor([5, 0]))
-        first = run_model(model, batch, cache, 0)
+        cache, pad = model.new_cache(2, 20), torch.tensor([5, 0])
+        first = run_model(model, batch, cache, pad=pad)
         nxt = torch.randint(1, 257, (2, 1))
-        second = run_model(model, nxt, cache, 11)
+        second = run_model(model, nxt, cache, pad=pad)
         alone_a = run_model(model, torch.cat([a, nxt[0]])[None])[0]
         alone_b = run_model(model, torch.cat([b, nxt[1]])[None])[0]
     torch.testing.assert_close(first[0, 5:], alone_a[:-1], atol=1e-5, rtol=0)
@@ -149,8 +149,8 @@ def test_mla_absorbed_decode_equals_naive_decode(name):
         set_mla_absorb(model, absorb)
         with torch.no_grad():
             cache = make_kv_cache(model, 2, 24)
-            steps = [run_model(model, x[:, :8], cache, 0)]
-            steps += [run_model(model, x[:, t:t + 1], cache, t) for t in range(8, 20)]
+            steps = [run_model(model, x[:, :8], cache)]
+            steps += [run_model(model, x[:, t:t + 1], cache) for t in range(8, 20)]
         logits[absorb] = torch.cat(steps, 1)
     torch.testing.assert_close(logits[True], logits[False], atol=1e-5, rtol=1e-5)
 
@@ -207,9 +207,9 @@ def test_sliding_window_decoding_past_the_window_keeps_bytes_flat_and_matches_ba
     with torch.no_grad():
         cache = make_kv_cache(model, B, S_max)
         bytes0 = cache.nbytes
-        steps = [run_model(model, x[:, :3], cache, 0)]
+        steps = [run_model(model, x[:, :3], cache)]
         for t in range(3, 36):
-            steps.append(run_model(model, x[:, t:t + 1], cache, t))
+            steps.append(run_model(model, x[:, t:t + 1], cache))
             assert cache.nbytes == bytes0, f"cache grew at step {t}"
         full_global = run_model(make_model(make_config(**{**BASE, "num_kv_heads": 2})), x)
     assert bytes0 == B * WINDOW * cache.bytes_per_token  # the ring holds exactly `window` positions

@@ -28,9 +28,9 @@ def test_prefill_then_decode_equals_full_forward(kw):
     with torch.no_grad():
         full = run_model(model, x)
         cache = make_kv_cache(model, B)
-        steps = [run_model(model, x[:, :P], cache, 0)]
+        steps = [run_model(model, x[:, :P], cache)]
         for t in range(P, P + D):
-            steps.append(run_model(model, x[:, t:t + 1], cache, t))
+            steps.append(run_model(model, x[:, t:t + 1], cache))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
     assert cache.length == P + D
 

@@ -31,8 +31,9 @@ def test_ipynb_pair_in_sync_and_without_outputs(source):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", SOURCES, ids=[s.stem for s in SOURCES])
-def test_notebook_runs_top_to_bottom(source, tmp_path):
-    env = {**os.environ, "MPLBACKEND": "Agg", "CS336_FIGURES": str(tmp_path)}
+def test_notebook_runs_top_to_bottom_without_touching_the_git_tree(source, git_tree_unchanged):
+    env = {k: v for k, v in os.environ.items() if k != "CS336_FIGURES"}   # the default output folders
+    env["MPLBACKEND"] = "Agg"
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, source.name], cwd=NOTEBOOKS, env=env, capture_output=True,

@@ -35,7 +35,7 @@ def test_mlp_pruning_equals_zeroing_the_least_active_channels():
         rope = model.rope.angles(torch.arange(T))
         mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
         for i, block in enumerate(model.layers):
-            h = x + block.attn(block.ln1(x), rope, None, 0, mask)
+            h = x + block.attn(block.ln1(x), rope, mask)[0]
             z = block.ln2(h)
             hidden = F.silu(z @ block.ffn.w1.weight.T) * (z @ block.ffn.w3.weight.T)  # (B, T, F)
             keep = hidden.abs().mean(dim=(0, 1)).argsort(descending=True)[:20]
@@ -60,7 +60,7 @@ def test_layer_pruning_drops_the_layer_whose_removal_hurts_least():
             mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None, None]
             for i, block in enumerate(model.layers):
                 if i != skip:
-                    h = block(h, rope, None, 0, mask)
+                    h, _ = block(h, rope, mask)
             return F.cross_entropy(model.lm_head(model.ln_final(h)).flatten(0, 1), y.flatten()).item()
 
     dropped = min(range(3), key=loss_without)
@@ -103,9 +103,9 @@ def test_pruned_model_cached_generation_equals_full_forward():
     with torch.no_grad():
         ref = run_model(pruned, full)
         cache = pruned.new_cache(2)
-        step = [run_model(pruned, full[:, :7], cache=cache, start_pos=0)]
+        step = [run_model(pruned, full[:, :7], cache=cache)]
         for t in range(7, full.shape[1]):
-            step.append(run_model(pruned, full[:, t:t + 1], cache=cache, start_pos=t))
+            step.append(run_model(pruned, full[:, t:t + 1], cache=cache))
     torch.testing.assert_close(torch.cat(step, dim=1), ref, rtol=1e-4, atol=1e-4)
 
 

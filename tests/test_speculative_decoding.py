@@ -100,6 +100,22 @@ def test_greedy_output_equals_target_greedy(shipped, one_thread, gamma):
     assert sum(k for _, k in passes) > 0  # prompt lookup found something to copy
 
 
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_greedy_with_a_sliding_window_target(one_thread, gamma):
+    # Rolling caches must roll back gamma + 1 positions after the ring has wrapped: the decoder asks
+    # for that room (max_rollback), and the output still equals the target's greedy output.
+    config = make_config(**{**TINY, "vocab_size": 6, "context_length": 64, "sliding_window": 5})
+    target, draft = make_model(config, seed=0), make_model(config, seed=1)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(3)
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2]
+    expected = run_generate(target, [prompt], 40).tokens[0]
+    for drafter in (draft, "prompt_lookup"):
+        out = run_speculative_generate(target, drafter, prompt, gamma, max_new_tokens=40)
+        assert out.tokens == expected
+        assert any(k < g for g, k in zip(out.proposed, out.accepted))  # rollbacks happened
+
+
 def test_top_k_1_sampling_is_greedy(shipped, one_thread):
     # top_k = 1 at temperature 1 leaves one token with probability 1: sampling must equal greedy.
     target, draft = shipped["target"], shipped["draft"]
@@ -151,12 +167,12 @@ def test_caches_after_rollback_equal_caches_of_accepted_tokens(shipped, one_thre
             n = cache.length
             assert n <= len(seq) - 1 and (model is draft or n == len(seq) - 1)
             fresh = model.new_cache(1, cache.max_seq_len)
-            run_model(model, torch.tensor([seq[:n]]), fresh, 0)
+            run_model(model, torch.tensor([seq[:n]]), fresh)
             for got, want in zip(_cache_tensors(cache, n), _cache_tensors(fresh, n), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
         # and the rolled-back target cache predicts the next token as a full forward does
         probe = dec.target_cache
-        nxt = run_model(target, torch.tensor([seq[-1:]]), probe, probe.length)[0, -1]
+        nxt = run_model(target, torch.tensor([seq[-1:]]), probe)[0, -1]
         probe.truncate(probe.length - 1)
         torch.testing.assert_close(nxt, run_model(target, torch.tensor([seq]))[0, -1], rtol=1e-4, atol=1e-4)
     assert rejections > 0, "no draft was ever rejected: this test did not exercise rollback"
@@ -192,7 +208,7 @@ class NoisyTargetDrafter:
     def __init__(self, target, eps):
         self.target, self.eps, self.forwards, self.alphas = target, eps, 0, []
 
-    def start(self, prompt, max_seq_len):
+    def start(self, prompt, max_seq_len, max_rollback=1):
         pass
 
     @torch.inference_mode()

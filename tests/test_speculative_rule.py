@@ -182,7 +182,8 @@ def test_expected_tokens_per_pass_and_speedup():
             geometric = sum(alpha ** i for i in range(gamma + 1))  # 1 + alpha + ... + alpha^gamma
             assert run_expected_tokens_per_pass(alpha, gamma) == pytest.approx(geometric)
             assert run_expected_speedup(alpha, gamma, 0.1) == pytest.approx(geometric / (0.1 * gamma + 1))
-            assert run_expected_speedup(alpha, gamma, 0.1, verify_cost=2) == pytest.approx(geometric / (0.1 * gamma + 2))
+            assert run_expected_speedup(alpha, gamma, 0.1, verify_cost=2) == pytest.approx(
+                geometric / (0.1 * gamma + 2))
     assert run_expected_tokens_per_pass(1.0, 4) == 5
     assert run_expected_tokens_per_pass(Fraction(1, 2), 2) == Fraction(7, 4)
     # Leviathan et al. figure: alpha 0.8, c 0.05 -> the best gamma, by brute force here.
@@ -200,12 +201,16 @@ def test_acceptance_rate_is_one_minus_total_variation():
     assert run_acceptance_rate(["1/2", "1/2"], ["1/4", "3/4"]) == Fraction(3, 4)
 
 
+def _accept(p_shape, q_shape, tokens):
+    return lambda: run_speculative_accept(torch.rand(*p_shape), torch.rand(*q_shape), torch.tensor(tokens))
+
+
 @pytest.mark.parametrize("call, error, match", [
-    (lambda: run_speculative_accept(torch.rand(2, 5), torch.rand(3, 6), torch.tensor([0, 1])), ValueError, "vocab"),
-    (lambda: run_speculative_accept(torch.rand(2, 5), torch.rand(2, 5), torch.tensor([0, 1])), ValueError, "g \\+ 1"),
-    (lambda: run_speculative_accept(torch.rand(2, 5), torch.rand(3, 5), torch.tensor([0])), ValueError, "draft_tokens"),
-    (lambda: run_speculative_accept(torch.rand(2, 5), torch.rand(3, 5), torch.tensor([0, 5])), ValueError, "draft_tokens"),
-    (lambda: run_speculative_accept(torch.rand(2, 5), torch.rand(3, 5), torch.tensor([0.0, 1.0])), TypeError, "draft_tokens"),
+    (_accept((2, 5), (3, 6), [0, 1]), ValueError, "vocab"),
+    (_accept((2, 5), (2, 5), [0, 1]), ValueError, "g \\+ 1"),
+    (_accept((2, 5), (3, 5), [0]), ValueError, "draft_tokens"),
+    (_accept((2, 5), (3, 5), [0, 5]), ValueError, "draft_tokens"),
+    (_accept((2, 5), (3, 5), [0.0, 1.0]), TypeError, "draft_tokens"),
     (lambda: run_speculative_accept([[0.5, 0.5]], torch.rand(2, 2), torch.tensor([0])), TypeError, "p_draft"),
     (lambda: run_expected_tokens_per_pass(1.5, 3), ValueError, "alpha"),
     (lambda: run_expected_tokens_per_pass(0.5, -1), ValueError, "gamma"),

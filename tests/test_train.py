@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-from adapters import make_config, make_train_config, run_evaluate_lm, run_load_corpus, run_lr_at, run_train_lm
-
-from cs336_inference.model import TransformerLM
+from adapters import (make_config, make_model, make_train_config, run_evaluate_lm, run_load_corpus, run_lr_at,
+                      run_train_lm)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -24,7 +23,7 @@ def test_a_few_steps_reduce_the_loss():
     cfg = make_train_config(steps=40, batch_size=8, seq_len=32, lr=1e-2, warmup_steps=5, eval_every=40,
                             eval_batches=4, progress=False)
     torch.manual_seed(cfg.seed)
-    untrained = TransformerLM(make_config(**TINY))
+    untrained = make_model(make_config(**TINY))
     before = run_evaluate_lm(untrained, val, 32, batch_size=8, max_batches=4)["loss"]
     model, history = run_train_lm(make_config(**TINY), cfg, train_data=train, val_data=val)
     after = run_evaluate_lm(model, val, 32, batch_size=8, max_batches=4)["loss"]

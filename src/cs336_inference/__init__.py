@@ -15,7 +15,8 @@ One sub-package per part of the lecture, imports pointing downward only:
     benchmarks/                    one module per `python -m cs336_inference bench NAME`
 """
 
-from .device import default_dtype, get_device, seed_everything
+from . import _openmp  # noqa: F401  (first: sets OpenMP's wait policy before torch is imported)
+from .device import apply_thread_policy, default_dtype, get_device, seed_everything
 from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
                          prefill, sample_next_token, speculative_accept, speculative_generate)
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
@@ -24,8 +25,8 @@ from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs3
 __version__ = "0.1.0"
 
 __all__ = [
-    "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "decode_one_token",
-    "default_dtype", "expected_speedup", "expected_tokens_per_pass", "generate", "get_device",
+    "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "apply_thread_policy",
+    "decode_one_token", "default_dtype", "expected_speedup", "expected_tokens_per_pass", "generate", "get_device",
     "load_cs336_checkpoint", "load_pretrained", "prefill", "sample_next_token", "scaled_dot_product_attention",
     "seed_everything", "speculative_accept", "speculative_generate",
 ]

@@ -20,6 +20,9 @@ def _lecture_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_lecture(args) -> int:
+    from .device import apply_thread_policy
+
+    apply_thread_policy(parallel=False)  # the lecture's models are tiny: one thread (see device.py)
     path = Path(args.path)
     if not path.is_file():
         print(f"lecture file not found: {path} (run from a source checkout)", file=sys.stderr)
@@ -30,11 +33,16 @@ def _run_lecture(args) -> int:
 
 def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("which", choices=sorted(BENCHMARKS), help="which benchmark to run")
-    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    p.add_argument("--quick", action="store_true",
+                   help="smaller sizes, for a smoke run (writes figures/scratch/NAME_quick.*, "
+                        "never the committed results)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
 
 
 def _run_bench(args) -> int:
+    from .device import apply_thread_policy
+
+    apply_thread_policy(parallel=args.which in PARALLEL_BENCHMARKS)
     module_name, func_name = BENCHMARKS[args.which]
     module = __import__(f"cs336_inference.{module_name}", fromlist=[func_name])
     getattr(module, func_name)(quick=args.quick, device=args.device)
@@ -46,20 +54,23 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
                    help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
-    p.add_argument("--out", default=None, help="output file (default: the package's assets/PRESET.pt)")
+    p.add_argument("--out", default=None,
+                   help="output file (default: a new file ./trained/PRESET.pt; the shipped models in the "
+                        "package's assets/ are replaced only if --out names one)")
     p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs only)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
 def _run_train(args) -> int:
-    from .shipped_models import train_preset
+    from .shipped_models import output_path, train_preset
 
-    _, extra = train_preset(args.preset, out=args.out, steps=args.steps, device=args.device,
+    out = output_path(args.preset, args.out)  # checked before training starts
+    _, extra = train_preset(args.preset, out=out, steps=args.steps, device=args.device,
                             progress=not args.no_progress)
     val = extra["val"]
     print(f"{args.preset}: {extra['num_parameters']:,} parameters, val loss {val['loss']:.4f} nats, "
-          f"{val['bits_per_byte']:.4f} bits/byte, trained in {extra['train_time_s']:.0f} s")
+          f"{val['bits_per_byte']:.4f} bits/byte, trained in {extra['train_time_s']:.0f} s; saved to {out}")
     return 0
 
 
@@ -74,6 +85,30 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
     "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
 }
+
+# Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
+# toy models, where one thread is as fast and immune to a busy machine.
+PARALLEL_BENCHMARKS = {"generation", "roofline"}
+
+
+def _info_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
+
+
+def _run_info(args) -> int:
+    """Print where the library runs and how it threads (after applying the thread policy)."""
+    import torch
+
+    from .device import apply_thread_policy, default_dtype, get_device, thread_report
+
+    apply_thread_policy(parallel=args.parallel)
+    device = get_device()
+    print(f"device: {device} ({default_dtype(device)})")
+    print(f"torch: {torch.__version__}")
+    for key, value in thread_report().items():
+        print(f"{key}: {value}")
+    return 0
+
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
@@ -92,11 +127,12 @@ def _run_figures(args) -> int:
 COMMANDS: dict[str, tuple] = {
     "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
                 _lecture_args, _run_lecture),
-    "train": ("train a shipped model from its preset (reproduces src/cs336_inference/assets/NAME.pt)",
+    "train": ("train a shipped model from its preset (--out src/cs336_inference/assets/NAME.pt reproduces it)",
               _train_args, _run_train),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
     "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
+    "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
 }
 
 

@@ -1,6 +1,12 @@
-"""Where the library runs: pick a device and dtype, and make runs reproducible.
+"""Where the library runs: pick a device and dtype, choose CPU threads, and make runs reproducible.
 
 CPU first (fp32: the CPUs we teach on have no fast bf16 matmul), CUDA when present (bf16).
+
+Thread policy (`apply_thread_policy`): small work (toy models, unit tests, the lecture's demos) runs on
+one thread, because its ops are too small to split and a second thread only adds synchronisation;
+large work (the ~90M benchmark model, big matmuls) runs on every core with OpenMP's passive wait
+policy (`_openmp`), so a worker that has nothing to do sleeps instead of spinning on a core someone
+else needs. CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for both.
 """
 
 from __future__ import annotations
@@ -8,17 +14,22 @@ from __future__ import annotations
 import os
 import random
 
+import warnings
+
 import numpy as np
 import torch
 
+from . import _checks, _openmp
+
 _KNOWN = ("cuda", "mps", "cpu")
+THREAD_ENV_VARS = ("CS336_NUM_THREADS", "OMP_NUM_THREADS")
+_MACHINE_THREADS = torch.get_num_threads()  # torch's own default (one per core), before anyone changes it
 
 
 def get_device(prefer: str | torch.device | None = None) -> torch.device:
     """Return `prefer` if given and available, else the best available: cuda, then mps, then cpu."""
     if prefer is not None:
-        if not isinstance(prefer, (str, torch.device)):
-            raise TypeError(f"prefer must be a str, torch.device or None, got {type(prefer).__name__}")
+        _checks.instance("prefer", prefer, (str, torch.device), "a str, torch.device or None")
         try:
             device = torch.device(prefer)
         except RuntimeError:
@@ -52,11 +63,43 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 def seed_everything(seed: int) -> torch.Generator:
     """Seed Python, NumPy and torch; return a CPU `torch.Generator` seeded the same way."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed must be >= 0, got {seed}")
+    _checks.non_negative_int("seed", seed)
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
     return torch.Generator().manual_seed(seed)
+
+
+def thread_policy(parallel: bool = False) -> int:
+    """Intra-op CPU threads for a workload: CS336_NUM_THREADS, else OMP_NUM_THREADS, else one thread for
+    small work (`parallel=False`) and one per core for large work (`parallel=True`)."""
+    _checks.boolean("parallel", parallel)
+    for var in THREAD_ENV_VARS:
+        value = os.environ.get(var, "").strip()
+        if value:
+            if not value.isdigit() or int(value) < 1:
+                raise ValueError(f"{var} must be a positive int (a thread count), got {value!r}")
+            return int(value)
+    return _MACHINE_THREADS if parallel else 1
+
+
+def apply_thread_policy(parallel: bool = False) -> int:
+    """Set torch's intra-op thread count to `thread_policy(parallel)`; return it.
+
+    Warns when more than one thread will run with OpenMP's spinning wait policy because torch was
+    imported before this package (import cs336_inference first, or export OMP_WAIT_POLICY=PASSIVE).
+    """
+    n = thread_policy(parallel)
+    torch.set_num_threads(n)
+    if n > 1 and _openmp.wait_policy() != "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
+        warnings.warn("torch was imported before cs336_inference, so its OpenMP threads spin while idle and "
+                      "stall when another process holds a core; import cs336_inference before torch, or "
+                      "export OMP_WAIT_POLICY=PASSIVE", RuntimeWarning, stacklevel=2)
+    return n
+
+
+def thread_report() -> dict:
+    """What the CPU threading looks like in this process (for `python -m cs336_inference info`)."""
+    return {"torch_threads": torch.get_num_threads(), "policy_small": thread_policy(False),
+            "policy_large": thread_policy(True), "omp_wait_policy": _openmp.wait_policy(),
+            **{var.lower(): os.environ.get(var) for var in THREAD_ENV_VARS}}

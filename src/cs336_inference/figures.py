@@ -1,6 +1,13 @@
-"""Where benchmarks, notebooks and the lecture write their outputs: `figures/` of the checkout.
+"""Where outputs go: committed benchmark results in `figures/`, everything else in a scratch folder.
 
-Override with the CS336_FIGURES environment variable (e.g. in a read-only install).
+- `result=True, quick=False` (a full `bench NAME` run): `figures/NAME.json` / `.png` of the checkout,
+  the committed results the README, lecture and notebooks quote.
+- `result=True, quick=True` (a `--quick` smoke run): the scratch folder, as `NAME_quick.*`.
+- anything else (notebooks, the lecture, ad-hoc plots): the scratch folder.
+The scratch folder is `figures/scratch/` of the checkout (git-ignored), so running the notebooks, the
+lecture or a quick benchmark never changes a committed file. Outside a checkout both are under
+./figures. CS336_FIGURES=DIR sends every output to DIR (tests use a temporary folder; point it at
+figures/ to regenerate committed figures from a notebook on purpose).
 """
 
 from __future__ import annotations
@@ -14,25 +21,47 @@ import matplotlib
 matplotlib.use(os.environ.get("MPLBACKEND", "Agg"))  # files, never a window
 
 
+def _repo_root() -> Path | None:
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").exists() else None
+
+
 def figures_dir() -> Path:
+    """Where committed benchmark results live (and where full `bench` runs write)."""
     if os.environ.get("CS336_FIGURES"):
         path = Path(os.environ["CS336_FIGURES"])
     else:
-        repo = Path(__file__).resolve().parents[2]
-        path = repo / "figures" if (repo / "pyproject.toml").exists() else Path.cwd() / "figures"
+        path = (_repo_root() or Path.cwd()) / "figures"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
-def save_figure(fig, name: str) -> Path:
-    """Save a matplotlib figure as figures/<name>.png and return the path."""
-    path = figures_dir() / f"{name}.png"
+def scratch_dir() -> Path:
+    """Where everything that is not a committed result goes (git-ignored in a checkout)."""
+    if os.environ.get("CS336_FIGURES"):
+        path = Path(os.environ["CS336_FIGURES"])
+    else:
+        path = (_repo_root() or Path.cwd()) / "figures" / "scratch"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def output_path(name: str, suffix: str, result: bool = False, quick: bool = False) -> Path:
+    """The file a figure/JSON called `name` is written to (see the module docstring)."""
+    if result and not quick:
+        return figures_dir() / f"{name}{suffix}"
+    return scratch_dir() / f"{name}{'_quick' if quick else ''}{suffix}"
+
+
+def save_figure(fig, name: str, result: bool = False, quick: bool = False) -> Path:
+    """Save a matplotlib figure as NAME.png (where: see the module docstring) and return the path."""
+    path = output_path(name, ".png", result, quick)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
-def save_json(data, name: str) -> Path:
-    """Write figures/<name>.json (sorted keys, indented) and return the path."""
-    path = figures_dir() / f"{name}.json"
+def save_json(data, name: str, result: bool = False, quick: bool = False) -> Path:
+    """Write NAME.json (sorted keys, indented; where: see the module docstring) and return the path."""
+    path = output_path(name, ".json", result, quick)
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
     return path

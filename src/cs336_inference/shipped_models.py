@@ -12,6 +12,7 @@ validation metrics, measured on the bf16 weights exactly as `load_pretrained` re
 from __future__ import annotations
 
 import hashlib
+import os
 import platform
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from . import _checks
 from .model import checkpoints
 from .model.config import ModelConfig
 from .data.corpus import build_corpus, load_corpus
@@ -62,14 +64,38 @@ def _git_commit() -> str | None:
         return None
 
 
+def output_path(name: str, out: str | Path | None = None) -> Path:
+    """Where `train_preset` writes, checked before any training: `out`, or a new file
+    ./trained/NAME.pt (NAME-2.pt, ... when taken). The shipped models in assets/ are replaced only
+    when `out` names one of them explicitly."""
+    get_train_preset(name)
+    if out is None:
+        path, i = Path.cwd() / "trained" / f"{name}.pt", 2
+        while path.exists():
+            path, i = path.with_name(f"{name}-{i}.pt"), i + 1
+    else:
+        path = Path(_checks.instance("out", out, (str, Path), "a file path (str or Path)"))
+    if path.is_dir():
+        raise ValueError(f"out={str(out)!r} is a directory; give a file path, e.g. {path / (name + '.pt')}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"out={str(out)!r}: cannot create the folder {path.parent} ({e.strerror})") from None
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"out={str(out)!r}: the folder {path.parent} is not writable")
+    return path
+
+
 def train_preset(name: str, out: str | Path | None = None, steps: int | None = None, device=None,
                  progress: bool = True) -> tuple[torch.nn.Module, dict]:
-    """Make the shipped model `name` and save it (default: the package's assets/NAME.pt).
+    """Make the model of preset `name` and save it to `output_path(name, out)` (default: a new file
+    under ./trained/; pass out=ASSETS / "NAME.pt" to replace a shipped model).
 
     steps overrides the preset (for a quick smoke run; the result is then not the shipped model).
     Returns (model as loaded back from the saved bf16 file, the stored `extra` metadata).
     """
     spec = get_train_preset(name)
+    out = output_path(name, out)  # a bad path fails now, not after training
     train_cfg = spec["train"].replace(progress=progress, device=device)
     if steps is not None:
         train_cfg = train_cfg.replace(steps=steps, eval_every=min(train_cfg.eval_every, steps))
@@ -101,8 +127,6 @@ def train_preset(name: str, out: str | Path | None = None, steps: int | None = N
         torch.set_num_threads(previous_threads)
     wall = time.perf_counter() - t0
 
-    out = Path(out) if out is not None else checkpoints.ASSETS / f"{name}.pt"
-    out.parent.mkdir(parents=True, exist_ok=True)
     checkpoints.save(out, model, dtype=SAVE_DTYPE)  # round to bf16 first: record what ships
     shipped = checkpoints.load(out)
     val = load_corpus("val", train_cfg.data_seed)

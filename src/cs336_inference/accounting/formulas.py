@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from .. import _checks
 from .symbolic import (Cost, attention_cost, attention_intensity_generation,  # noqa: F401
                                   attention_intensity_prefill, generation_flops, matmul_cost,
                                   matmul_intensity_limit, mlp_cost, mlp_intensity_limit, parameter_count,
@@ -51,10 +52,8 @@ def _cache_owning_layers(config) -> list[int]:
 
 def kv_cache_bytes_per_token(config: ModelConfig | ModelShape, bytes_per_element: int = 2) -> int:
     """Bytes one cached position of one sequence occupies, over all layers (default bf16)."""
-    if not isinstance(config, (ModelConfig, ModelShape)):
-        raise TypeError(f"config must be a ModelConfig (or a ModelShape), got {type(config).__name__}")
-    if isinstance(bytes_per_element, bool) or not isinstance(bytes_per_element, (int, float)) or bytes_per_element <= 0:
-        raise ValueError(f"bytes_per_element must be positive, got {bytes_per_element!r}")
+    _checks.instance("config", config, (ModelConfig, ModelShape), "a ModelConfig (or a ModelShape)")
+    _checks.finite_positive_float("bytes_per_element", bytes_per_element)
     return _layer_elements_per_token(config) * len(_cache_owning_layers(config)) * bytes_per_element
 
 
@@ -62,7 +61,7 @@ def kv_cache_bytes(config: ModelConfig | ModelShape, batch_size: int, seq_len: i
     """Total cache bytes for `batch_size` sequences of `seq_len` tokens (windows cap local layers)."""
     kv_cache_bytes_per_token(config, bytes_per_element)  # validates
     for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        _check_positive_int(name, value)
+        _checks.positive_int(name, value)
     per_layer = _layer_elements_per_token(config) * bytes_per_element
     total = 0
     for layer in _cache_owning_layers(config):
@@ -72,11 +71,6 @@ def kv_cache_bytes(config: ModelConfig | ModelShape, batch_size: int, seq_len: i
 
 
 # --- parameters and FLOPs ---------------------------------------------------------------------
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _attention_weights(s: ModelShape, layer: int) -> int:
@@ -142,9 +136,8 @@ def forward_flops(model, batch_size: int, num_new_tokens: int, num_cached: int =
     """
     s = get_model_shape(model)
     for name, value in (("batch_size", batch_size), ("num_new_tokens", num_new_tokens)):
-        _check_positive_int(name, value)
-    if isinstance(num_cached, bool) or not isinstance(num_cached, int) or num_cached < 0:
-        raise ValueError(f"num_cached must be a non-negative int, got {num_cached!r}")
+        _checks.positive_int(name, value)
+    _checks.non_negative_int("num_cached", num_cached)
     B, T, S = batch_size, num_new_tokens, num_cached + num_new_tokens
     qk_dim, v_dim = s.head_dim, s.head_dim
     if s.attention_type == "mla":
@@ -174,8 +167,8 @@ def decode_step_bytes(model, batch_size: int, seq_len: int, precision: str = "bf
     it. MoE: at most min(E, B * k) routed experts per layer are touched. KV: seq_len positions.
     """
     s = get_model_shape(model)
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("seq_len", seq_len)
+    _checks.positive_int("batch_size", batch_size)
+    _checks.positive_int("seq_len", seq_len)
     nbytes = precision_bytes(precision)
     weights = num_parameters(s, include_norms=True) - s.vocab_size * s.d_model - _idle_expert_weights(s, batch_size)
     return nbytes * (weights + batch_size * s.d_model) + kv_cache_bytes(s, batch_size, seq_len, nbytes)
@@ -217,7 +210,8 @@ class TransformerPerformanceStats:
     def summary(self) -> str:
         fits = "" if self.fits_in_memory is None else (" (fits)" if self.fits_in_memory else " (DOES NOT FIT)")
         return (f"{self.model} on {self.hardware}, B={self.batch_size}, S={self.seq_len}, {self.precision}: "
-                f"memory {self.total_memory_bytes / 1e9:.1f} GB{fits}, latency {self.latency_per_token_s * 1e3:.1f} ms/token "
+                f"memory {self.total_memory_bytes / 1e9:.1f} GB{fits}, "
+                f"latency {self.latency_per_token_s * 1e3:.1f} ms/token "
                 f"({self.bound}-bound), throughput {self.throughput_tokens_per_s:,.0f} tokens/s, "
                 f"TTFT {self.ttft_s * 1e3:.1f} ms")
 
@@ -232,8 +226,8 @@ def transformer_performance_stats(config, hardware: str | HardwareSpec = "H100",
     """
     s = get_model_shape(config)
     hw = get_hardware(hardware)
-    _check_positive_int("batch_size", batch_size)
-    _check_positive_int("seq_len", seq_len)
+    _checks.positive_int("batch_size", batch_size)
+    _checks.positive_int("seq_len", seq_len)
     if seq_len > s.context_length:
         raise ValueError(f"seq_len {seq_len} exceeds {s.name}'s context_length {s.context_length}")
     nbytes = precision_bytes(precision)
@@ -254,7 +248,8 @@ def transformer_performance_stats(config, hardware: str | HardwareSpec = "H100",
         num_parameters=params, weight_bytes=weights, kv_cache_bytes_per_sequence=kv_seq, kv_cache_bytes=kv,
         total_memory_bytes=memory, memory_capacity_bytes=hw.memory_bytes,
         fits_in_memory=None if hw.memory_bytes is None else memory <= hw.memory_bytes,
-        decode_bytes=decode_bytes, decode_flops=decode_flops, decode_memory_time_s=t_mem, decode_compute_time_s=t_compute,
+        decode_bytes=decode_bytes, decode_flops=decode_flops, decode_memory_time_s=t_mem,
+        decode_compute_time_s=t_compute,
         latency_per_token_s=latency, throughput_tokens_per_s=batch_size / latency,
         bound="memory" if t_mem >= t_compute else "compute",
         prefill_flops=prefill_flops, prefill_time_s=prefill_time, ttft_s=prefill_time)
@@ -263,7 +258,7 @@ def transformer_performance_stats(config, hardware: str | HardwareSpec = "H100",
 def with_kv_heads(config, num_kv_heads: int):
     """The same model with K key/value heads (GQA: K = N is MHA, K = 1 is MQA); names it '<name>-K<k>'."""
     s = get_model_shape(config)
-    _check_positive_int("num_kv_heads", num_kv_heads)
+    _checks.positive_int("num_kv_heads", num_kv_heads)
     if s.attention_type != "gqa":
         raise ValueError(f"with_kv_heads needs a GQA-family model, {s.name} uses {s.attention_type!r}")
     if s.num_heads % num_kv_heads != 0:
@@ -282,7 +277,14 @@ def max_batch_size(config, hardware: str | HardwareSpec = "H100", seq_len: int =
     hw = get_hardware(hardware)
     if hw.memory_bytes is None:
         raise ValueError(f"{hw.name} has no known memory capacity")
-    _check_positive_int("seq_len", seq_len)
+    _checks.positive_int("seq_len", seq_len)
     nbytes = precision_bytes(precision)
     free = hw.memory_bytes - weight_bytes(s, precision)
     return max(0, int(free // kv_cache_bytes(s, 1, seq_len, nbytes)))
+
+
+def batch_sweep(model="llama2-13b", hardware="H100", seq_len: int = 1024, batch_sizes=None,
+                precision: str = "bf16") -> list:
+    """`TransformerPerformanceStats` for each batch size (default 1, 2, 4, ..., 512)."""
+    batch_sizes = batch_sizes or [2**i for i in range(10)]
+    return [transformer_performance_stats(model, hardware, b, seq_len, precision) for b in batch_sizes]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import _checks
+
 # Bytes per element of each precision name the accounting accepts (int4 packs two per byte).
 PRECISION_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
@@ -38,11 +40,9 @@ class HardwareSpec:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"name must be a non-empty str, got {self.name!r}")
         for attr in ("peak_flops", "memory_bandwidth"):
-            value = getattr(self, attr)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-                raise ValueError(f"{attr} must be a positive finite number, got {value!r}")
-        if self.memory_bytes is not None and not (isinstance(self.memory_bytes, (int, float)) and self.memory_bytes > 0):
-            raise ValueError(f"memory_bytes must be positive or None, got {self.memory_bytes!r}")
+            _checks.finite_positive_float(attr, getattr(self, attr))
+        if self.memory_bytes is not None:
+            _checks.finite_positive_float("memory_bytes", self.memory_bytes)
         for precision in self.flops_by_precision:
             precision_bytes(precision)
 

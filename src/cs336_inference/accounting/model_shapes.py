@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .. import _checks
 from ..model.config import ATTENTION_TYPES, ModelConfig
 
 
@@ -49,17 +50,13 @@ class ModelShape:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                      "d_ff", "context_length", "kv_share_group"):
-            _positive_int(name, getattr(self, name))
+            _checks.positive_int(name, getattr(self, name))
         for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "sliding_window", "global_every",
                      "moe_d_ff"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+            _checks.optional_positive_int(name, getattr(self, name))
         for name in ("num_experts", "num_shared_experts", "experts_per_token", "first_dense_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+            _checks.non_negative_int(name, getattr(self, name))
+        _checks.one_of("attention_type", self.attention_type, ATTENTION_TYPES)
         if self.num_heads % self.num_kv_heads != 0:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.attention_type == "mla" and (self.kv_lora_rank is None or self.rope_head_dim is None):
@@ -79,8 +76,7 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: ModelConfig, name: str = "config") -> "ModelShape":
         """The shape of a buildable `ModelConfig` (H = D / N, dense SwiGLU MLPs)."""
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        _checks.instance("config", config, ModelConfig, "a ModelConfig")
         return cls(name=name, vocab_size=config.vocab_size, d_model=config.d_model,
                    num_layers=config.num_layers, num_heads=config.num_heads,
                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, d_ff=config.d_ff,
@@ -91,9 +87,6 @@ class ModelShape:
                    kv_share_group=config.kv_share_group)
 
 
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 _LLAMA2 = "Touvron et al. 2023, Llama 2 (arXiv:2307.09288) Table 1 and the released config.json"

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from .. import _checks
 from ..device import default_dtype, get_device
 from ..timing import median_seconds
 from .hardware import HardwareSpec
@@ -19,10 +20,8 @@ from .hardware import HardwareSpec
 def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     """Streaming read bandwidth in bytes/s: time a reduction over an `nbytes` fp32 tensor."""
     device = get_device(device)
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 2**20:
-        raise ValueError(f"nbytes must be an int >= 1 MiB (larger than the caches to mean anything), got {nbytes!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    _checks.integer("nbytes", nbytes, 2**20, allowed="an int >= 1 MiB (larger than the caches to mean anything)")
+    _checks.positive_int("repeats", repeats)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     seconds = median_seconds(lambda: x.sum(), device, repeats)
     return x.nbytes / seconds
@@ -31,10 +30,8 @@ def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: in
 def measure_matmul_flops(device=None, n: int = 2048, dtype: torch.dtype | None = None, repeats: int = 5) -> float:
     """Peak matmul throughput in FLOP/s: time an n x n x n matmul (2 n^3 FLOPs)."""
     device = get_device(device)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 64:
-        raise ValueError(f"n must be an int >= 64, got {n!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    _checks.integer("n", n, 64)
+    _checks.positive_int("repeats", repeats)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
@@ -97,8 +94,7 @@ def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool 
     dtype: the matmul precision (default: bf16 on CUDA, fp32 elsewhere).
     """
     device = get_device(device)
-    if not isinstance(quick, bool):
-        raise TypeError(f"quick must be a bool, got {type(quick).__name__}")
+    _checks.boolean("quick", quick)
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
     dtype = dtype or default_dtype(device)
@@ -172,23 +168,24 @@ def roofline_sweep(device=None, batch_sizes=tuple(2**i for i in range(11)), d_in
     dtype = dtype or default_dtype(device)
     big = 8192 if device.type == "cuda" else 4096
     d_in, d_out = d_in or big, d_out or big
-    for name, value in (("d_in", d_in), ("d_out", d_out)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 64:
-            raise ValueError(f"{name} must be an int >= 64, got {value!r}")
+    _checks.integer("d_in", d_in, 64)
+    _checks.integer("d_out", d_out, 64)
     batch_sizes = list(batch_sizes)
-    if not batch_sizes or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in batch_sizes):
-        raise ValueError(f"batch_sizes must be a non-empty list of positive ints, got {batch_sizes!r}")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
-    if hardware is not None and not isinstance(hardware, HardwareMeasurement):
-        raise TypeError(f"hardware must be a HardwareMeasurement (from measure_hardware) or None, got {type(hardware).__name__}")
+    if not batch_sizes:
+        raise ValueError("batch_sizes must be a non-empty list of positive ints, got []")
+    for b in batch_sizes:
+        _checks.positive_int("batch_sizes[i]", b)
+    _checks.positive_int("repeats", repeats)
+    if hardware is not None:
+        _checks.instance("hardware", hardware, HardwareMeasurement,
+                         "a HardwareMeasurement (from measure_hardware) or None")
     hardware = hardware or measure_hardware(device, dtype=dtype)
     w = torch.randn(d_in, d_out, device=device, dtype=dtype)
     e = w.element_size()
     seconds, intensity, achieved, predicted = [], [], [], []
     for b in batch_sizes:
         x = torch.randn(b, d_in, device=device, dtype=dtype)
-        t = median_seconds(lambda: x @ w, device, repeats)
+        t = median_seconds(lambda x=x: x @ w, device, repeats)
         flops = 2 * b * d_in * d_out
         ai = flops / (e * (b * d_in + d_in * d_out + b * d_out))
         seconds.append(t)

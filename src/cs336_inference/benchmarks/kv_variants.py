@@ -29,6 +29,7 @@ from ..device import get_device, seed_everything
 from ..figures import save_figure, save_json
 from ..model.transformer import TransformerLM
 from ..accounting.model_shapes import REAL_MODELS, ModelShape
+from ..tables import kv_variants_table, ordered_variants
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
 BASE = dict(vocab_size=257, context_length=256, d_model=64, num_layers=4, num_heads=4, d_ff=176)
@@ -224,25 +225,18 @@ def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int
     }
     print_table(data)
     if save:
-        path = save_json(data, "kv_variants" + ("_quick" if quick else ""))
-        plot_results(data, suffix="_quick" if quick else "")
+        path = save_json(data, "kv_variants", result=True, quick=quick)
+        plot_results(data, quick)
         print(f"wrote {path}")
     return data
-
-
-def ordered_variants(data: dict) -> list[tuple[str, dict]]:
-    """(name, results) in the experiment's order (the JSON is written with sorted keys)."""
-    order = data.get("variant_order", list(data["variants"]))
-    return [(name, data["variants"][name]) for name in order]
 
 
 def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
     """Re-time decode for the variants in the committed figures/kv_variants[_quick].json (no retraining),
     e.g. on another machine; updates the JSON and figures."""
-    from ..figures import figures_dir
+    from ..figures import output_path
 
-    name = "kv_variants" + ("_quick" if quick else "")
-    data = json.loads((figures_dir() / f"{name}.json").read_text())
+    data = json.loads(output_path("kv_variants", ".json", result=True, quick=quick).read_text())
     data.setdefault("variant_order", [v for v in VARIANTS if v in data["variants"]])
     device = get_device(device)
     configs = {v: ModelConfig.from_dict(r["config"]) for v, r in data["variants"].items()}
@@ -250,36 +244,16 @@ def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
         data["variants"][v].update(timing)
     data["latency_device"] = str(device)
     print_table(data)
-    save_json(data, name)
-    plot_results(data, suffix="_quick" if quick else "")
+    save_json(data, "kv_variants", result=True, quick=quick)
+    plot_results(data, quick)
     return data
 
 
-def format_table(data: dict) -> str:
-    """The experiment's one table: quality, cache size and speed per variant."""
-    distances = data["recall_distances"]
-    context, lat = data["base"]["context_length"], data["latency"]
-    head = (f"{'variant':<36} {'params':>7} {'val loss':>8} | exact recall at distance "
-            + " ".join(f"{d:>4}" for d in distances) + f" | digit acc > W | {'KV B/tok':>8} "
-            f"{'KV KiB@' + str(context):>10} | ms/step (B={lat['batch_size']}, S={lat['context']})")
-    lines = [head, "-" * len(head)]
-    far = [d for d in distances if d > data["window"]]
-    for name, r in ordered_variants(data):
-        accs = " ".join(f"{r['recall'][str(d)]:4.2f}" for d in distances)
-        digit = sum(r["recall_digits"][str(d)]["digit_accuracy"] for d in far) / len(far)
-        ms = f"{r['decode_ms_per_step']:.2f}"
-        if "decode_ms_per_step_naive_mla" in r:
-            ms += f" (naive MLA {r['decode_ms_per_step_naive_mla']:.2f})"
-        lines.append(f"{name:<36} {r['params']:>7,} {r['val_loss']:8.3f} | {'':>24}{accs} | {digit:13.2f} | "
-                     f"{r['kv_bytes_per_token_fp32']:>8,} {r['kv_cache_bytes_at_context'] / 1024:>10.0f} | {ms}")
-    return "\n".join(lines)
-
-
 def print_table(data: dict) -> None:
-    print(format_table(data))
+    print(kv_variants_table(data))
 
 
-def plot_results(data: dict, suffix: str = "") -> None:
+def plot_results(data: dict, quick: bool = False) -> None:
     """Left: recall beyond the window vs cache bytes of one full-context sequence; right: recall vs distance."""
     import matplotlib.pyplot as plt
 
@@ -314,12 +288,12 @@ def plot_results(data: dict, suffix: str = "") -> None:
     ax2.set_title(f"long-range recall vs distance ({data['train']['steps']} training steps)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants" + suffix)
+    save_figure(fig, "kv_variants", result=True, quick=quick)
     plt.close(fig)
-    plot_scale(data["scale"])
+    plot_scale(data["scale"], quick)
 
 
-def plot_scale(scale: dict) -> None:
+def plot_scale(scale: dict, quick: bool = False) -> None:
     import matplotlib.pyplot as plt
 
     lengths = scale["context_lengths"]
@@ -334,7 +308,7 @@ def plot_scale(scale: dict) -> None:
         ax.set_title(f"{model_name} attention shape (accounting only)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants_scale")
+    save_figure(fig, "kv_variants_scale", result=True, quick=quick)
     plt.close(fig)
 
 

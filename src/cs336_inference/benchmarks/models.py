@@ -16,6 +16,7 @@ from ..data.corpus import load_corpus
 from ..data.evaluation import compare_to_reference, evaluate_lm, long_range_recall, recall_nll
 from ..figures import save_figure, save_json
 from ..shipped_models import EVAL
+from ..tables import print_table
 
 MODELS = ("target", "draft", "draft-scratch")
 DISTANCES = (100, 150, 200, 300, 400)
@@ -75,20 +76,22 @@ def _bench_models(quick: bool, device: str | None) -> dict:
               "recall_chance": 1e-3, "unigram_bits_per_byte": unigram_bpb, "quick": quick,
               "note": "CPU, shared 2-core machine; recall = exact 3-digit greedy completion"}
 
-    print(f"{'model':<14}{'params':>10}{'FLOPs/tok':>11}{'file MB':>9}{'val bpb':>9}{'KL':>8}{'top1':>7}"
-          f"{'train s':>9}  recall@" + ",".join(map(str, DISTANCES)) + "  (nats/digit)")
-    for name, r in rows.items():
-        print(f"{name:<14}{r['num_parameters']:>10,}{r['flops_per_token'] / 1e6:>10.2f}M{r['file_bytes'] / 1e6:>9.2f}"
-              f"{r['val_bits_per_byte']:>9.3f}{r['kl_to_target']:>8.3f}{r['top1_agreement_with_target']:>7.3f}"
-              f"{(r['train_time_s'] or 0):>9.0f}  " + " ".join(f"{r['recall_by_distance'][d]:.2f}" for d in DISTANCES)
-              + "  (" + " ".join(f"{r['recall_nll_per_digit_by_distance'][d]:.2f}" for d in DISTANCES) + ")")
+    print_table([dict(r, model=name, recall=" ".join(f"{r['recall_by_distance'][d]:.2f}" for d in DISTANCES),
+                      nll=" ".join(f"{r['recall_nll_per_digit_by_distance'][d]:.2f}" for d in DISTANCES))
+                 for name, r in rows.items()],
+                [("model", "model", None), ("num_parameters", "params", "{:,}"),
+                 ("flops_per_token", "FLOPs/tok", lambda v: f"{v / 1e6:.2f}M"),
+                 ("file_bytes", "file MB", lambda v: f"{v / 1e6:.2f}"), ("val_bits_per_byte", "val bpb", "{:.3f}"),
+                 ("kl_to_target", "KL", "{:.3f}"), ("top1_agreement_with_target", "top1", "{:.3f}"),
+                 ("train_time_s", "train s", "{:.0f}"), ("recall", "recall@" + ",".join(map(str, DISTANCES)), None),
+                 ("nll", "nats/digit", None)])
     print(f"unigram baseline: {unigram_bpb:.3f} bits/byte; recall chance 0.001 (ln 10 = 2.30 nats/digit)")
-    save_json(result, "models")
-    _plot(models, rows)
+    save_json(result, "models", result=True, quick=quick)
+    _plot(models, rows, quick)
     return result
 
 
-def _plot(models, rows) -> None:
+def _plot(models, rows, quick: bool) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -103,7 +106,7 @@ def _plot(models, rows) -> None:
             ax.plot(hist["step"], bpb, alpha=0.3, color=line[0].get_color(), label=f"{name} (train)")
     ax.set(xlabel="step", ylabel="bits per byte", yscale="log", title="training curves")
     ax.legend(fontsize=8)
-    save_figure(fig, "models_loss_curves")
+    save_figure(fig, "models_loss_curves", result=True, quick=quick)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -114,5 +117,5 @@ def _plot(models, rows) -> None:
     ax.set(xlabel="distance from fact to query (tokens)", ylabel="exact recall accuracy",
            title="long-range recall probe (4 facts, greedy)", ylim=(-0.02, 1.02))
     ax.legend(fontsize=8)
-    save_figure(fig, "models_recall")
+    save_figure(fig, "models_recall", result=True, quick=quick)
     plt.close(fig)

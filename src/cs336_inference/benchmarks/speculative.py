@@ -29,11 +29,12 @@ import os
 import statistics
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
 from ..data.corpus import VAL_EVERY, build_corpus
-from ..device import get_device, seed_everything
+from ..device import apply_thread_policy, get_device, seed_everything
 from ..figures import save_json
 from ..generation.generate import generate
 from ..generation.prompt_lookup import prompt_lookup_propose
@@ -44,8 +45,9 @@ from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import ENDOFTEXT
+from ..tables import print_table
 from ..timing import sync_device
-from .roofline import threads_for_timing
+from .speculative_plot import plot_speculative
 
 TEMPERATURES = (0.0, 1.0)
 
@@ -159,7 +161,7 @@ class _StepTimer:
     def __init__(self, model, ids: torch.Tensor, gen: torch.Generator):
         self.model, self.context = model, ids.shape[1]
         self.cache = model.new_cache(1, self.context + 16)  # room for the largest pass (gamma + 1 <= 16)
-        model(ids, cache=self.cache, start_pos=0)
+        model(ids, cache=self.cache)
         self.gen = gen
 
     def step(self, num_tokens: int, then) -> tuple[float, float]:
@@ -167,7 +169,7 @@ class _StepTimer:
         new = torch.randint(0, model.config.vocab_size, (1, num_tokens), device=device, generator=self.gen)
 
         def run():
-            then(model(new, cache=self.cache, start_pos=self.context)[0])  # (num_tokens, V)
+            then(model(new, cache=self.cache)[0])  # (num_tokens, V)
             self.cache.truncate(self.context)
         return _timed(run, device)[1:]
 
@@ -218,29 +220,32 @@ def measure_costs(workload: Workload, gammas, temperature: float, repeats: int =
         one_cycle()  # warm-up
         return [one_cycle() | {"token": verifier.step(1, sample)} for _ in range(repeats)]
 
-    tokens = []
-    verify = {}
+    def verify_cycle(g):
+        return lambda: {"verify": verifier.step(g + 1, accept(g))}
+
+    def lookup_cycle(seq, g):
+        return lambda: {"lookup": _timed(lambda: prompt_lookup_propose(seq, g), device)[1:]}
+
+    def draft_cycle(drafter, gamma):
+        def one_cycle():
+            steps = [drafter.step(1, sample) for _ in range(gamma)]
+            return {"draft": tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)),
+                    "verify": verifier.step(gamma + 1, accept(gamma))}
+        return one_cycle
+
+    tokens, verify = [], {}
     for g in range(max(gammas) + 1):
-        runs = cycles(lambda: {"verify": verifier.step(g + 1, accept(g))})
+        runs = cycles(verify_cycle(g))
         verify[g] = _median_ratios(runs)["verify"]
         tokens += [c["token"] for c in runs]
-    costs = {"token": {"wall": statistics.median(t[0] for t in tokens), "cpu": statistics.median(t[1] for t in tokens)},
+    costs = {"token": {k: statistics.median(t[i] for t in tokens) for i, k in enumerate(("wall", "cpu"))},
              "verify": verify}
     for name, draft in workload.drafters.items():
-        costs[name] = {}
         if draft == "prompt_lookup":
-            seq = ids[0].tolist()
-            for gamma in gammas:
-                runs = cycles(lambda: {"lookup": _timed(lambda: prompt_lookup_propose(seq, gamma), device)[1:]})
-                costs[name][gamma] = _median_ratios(runs)["lookup"]
-            continue
-        drafter = _StepTimer(draft, ids, gen)
-        for gamma in gammas:
-            def one_cycle():
-                steps = [drafter.step(1, sample) for _ in range(gamma)]
-                return {"draft": tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)),
-                        "verify": verifier.step(gamma + 1, accept(gamma))}
-            costs[name][gamma] = _median_ratios(cycles(one_cycle))
+            costs[name] = {g: _median_ratios(cycles(lookup_cycle(ids[0].tolist(), g)))["lookup"] for g in gammas}
+        else:
+            drafter = _StepTimer(draft, ids, gen)
+            costs[name] = {g: _median_ratios(cycles(draft_cycle(drafter, g))) for g in gammas}
     return costs
 
 
@@ -249,9 +254,9 @@ def measure_prefills(workload: Workload) -> dict:
     """Seconds of each prompt's prefill + first token, plain and with each drafter: what decode time excludes."""
     out, target, device = {}, workload.target, workload.target.device
     for i, prompt in enumerate(workload.prompts):
-        out[("plain", i)] = _median_cost(lambda: generate(target, [prompt], 1), device, 5)
+        out[("plain", i)] = _median_cost(partial(generate, target, [prompt], 1), device, 5)
         for name, draft in workload.drafters.items():
-            out[(name, i)] = _median_cost(lambda: speculative_generate(target, draft, prompt, 1, max_new_tokens=1),
+            out[(name, i)] = _median_cost(partial(speculative_generate, target, draft, prompt, 1, max_new_tokens=1),
                                           device, 5)
     return out
 
@@ -343,9 +348,10 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
             speedups = {c: [_decode_rate(runs, prefill, drafter, c) / base for runs, base in zip(reps, plain_rate[c])]
                         for c in ("wall", "cpu")}
             main = speedups[clock]
+            passes = sum(r.target_forwards for r in results)
             row = dict(workload=workload.name, drafter=drafter, temperature=temperature, gamma=gamma,
                        alpha=alpha, acceptance_by_position=by_position,
-                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / sum(r.target_forwards for r in results),
+                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / passes,
                        measured_speedup=statistics.median(main), measured_speedup_min=min(main),
                        measured_speedup_max=max(main), measured_speedup_wall=statistics.median(speedups["wall"]),
                        plain_tok_per_s=statistics.median(plain_rate[clock]))
@@ -360,14 +366,14 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
 
 
 def _print_table(rows: list[dict], clock: str) -> None:
-    print(f"\n{'workload':<10} {'drafter':<14} {'T':>2} {'g':>2} {'alpha':>5} {'tok/pass':>8} {'c':>6} {'v':>5} "
-          f"{'paper':>6} {'pred':>6} {'measured (' + clock + ') [min, max]':>27} {'wall':>5} {'meas/pred':>9}")
-    for r in rows:
-        print(f"{r['workload']:<10} {r['drafter']:<14} {r['temperature']:>2.0f} {r['gamma']:>2} {r['alpha']:>5.2f} "
-              f"{r['tokens_per_pass']:>8.2f} {r['cost_ratio']:>6.3f} {r['verify_cost']:>5.2f} "
-              f"{r['paper_speedup']:>6.2f} {r['predicted_speedup']:>6.2f} {r['measured_speedup']:>12.2f} "
-              f"[{r['measured_speedup_min']:.2f}, {r['measured_speedup_max']:.2f}] "
-              f"{r['measured_speedup_wall']:>5.2f} {r['measured_over_predicted']:>9.2f}")
+    print_table(rows, [("workload", "workload", None), ("drafter", "drafter", None), ("temperature", "T", "{:g}"),
+                       ("gamma", "gamma", None), ("alpha", "alpha", "{:.2f}"),
+                       ("tokens_per_pass", "tok/pass", "{:.2f}"),
+                       ("cost_ratio", "c", "{:.3f}"), ("verify_cost", "v", "{:.2f}"),
+                       ("paper_speedup", "paper (v=1)", "{:.2f}"), ("predicted_speedup", "predicted", "{:.2f}"),
+                       ("measured_speedup", f"measured ({clock})", "{:.2f}"), ("measured_speedup_min", "min", "{:.2f}"),
+                       ("measured_speedup_max", "max", "{:.2f}"), ("measured_speedup_wall", "wall", "{:.2f}"),
+                       ("measured_over_predicted", "meas/pred", "{:.2f}")])
 
 
 def bench_speculative(quick: bool = False, device: str | None = None, workloads=None) -> dict:
@@ -375,9 +381,10 @@ def bench_speculative(quick: bool = False, device: str | None = None, workloads=
     device = get_device(device)
     seed_everything(0)
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
-    # One CPU thread: the process's CPU time is the run's time on an idle core, however busy the
-    # shared machine is (wall-clock is reported beside it). Otherwise wall-clock is the measure.
+    # Batch-1 decoding is latency work: one thread by the package's policy (CS336_NUM_THREADS overrides).
+    # With one CPU thread the process's CPU time is the run's time on an idle core, however busy the
+    # shared machine is (wall-clock is reported beside it); with more threads wall-clock is the measure.
+    apply_thread_policy(parallel=False)
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     try:
         gammas = (1, 4) if quick else tuple(range(1, 9))
@@ -402,8 +409,6 @@ def bench_speculative(quick: bool = False, device: str | None = None, workloads=
     _print_table(rows, clock)
     print(f"\nload average {result['load_average_before']:.1f} -> {result['load_average_after']:.1f} on "
           f"{os.cpu_count()} cores, {result['threads']} thread(s), {result['seconds']:.0f} s")
-    name = "speculative_quick" if quick else "speculative"
-    save_json(result, name)
-    from .speculative_plot import plot_speculative
-    plot_speculative(result, name)
+    save_json(result, "speculative", result=True, quick=quick)
+    plot_speculative(result, "speculative", quick=quick)
     return result

@@ -23,11 +23,10 @@ import torch
 
 from ..compression import distill, importance_scores, prune_model
 from ..data.training import TrainConfig
-from ..device import get_device, seed_everything
+from ..device import apply_thread_policy, get_device, seed_everything
 from ..figures import save_json
 from ..generation.speculative import speculative_generate
 from ..generation.speculative_theory import expected_speedup, optimal_gamma
-from .roofline import threads_for_timing
 from .speculative import REAL_TASKS, _prose_paragraphs, real_workloads
 
 DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
@@ -71,7 +70,7 @@ def _token_seconds(model, ids: torch.Tensor, repeats: int = 10) -> float:
     times = []
     for _ in range(repeats + 1):
         t0 = time.process_time()
-        model(token, cache=cache, start_pos=ids.shape[1])
+        model(token, cache=cache)
         cache.truncate(ids.shape[1])
         times.append(time.process_time() - t0)
     return statistics.median(times[1:])
@@ -90,7 +89,7 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
     target, prompts = w.target, w.prompts
     minutes = 1.0 if quick else minutes
     threads_before = torch.get_num_threads()
-    torch.set_num_threads(threads_for_timing(device))
+    apply_thread_policy(parallel=True)  # training is large work: every core the policy allows
     try:
         held_out = {par for par in _prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
         stream = _training_text(tok, held_out)
@@ -132,5 +131,5 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
         torch.set_num_threads(threads_before)
     print(f"alpha: pruned {alpha_pruned:.2f} -> distilled {alpha:.2f} after {steps} steps ({train_minutes:.0f} min); "
           f"c = {c:.2f}; best gamma {best}: predicted speed-up {result['predicted_speedup']:.2f}x")
-    save_json(result, "speculative_draft_quick" if quick else "speculative_draft")
+    save_json(result, "speculative_draft", result=True, quick=quick)
     return result

@@ -7,7 +7,7 @@ from ..figures import save_figure
 COLORS = {"draft": "tab:blue", "draft-scratch": "tab:orange", "prompt_lookup": "tab:green"}
 
 
-def plot_speculative(result: dict, name: str):
+def plot_speculative(result: dict, name: str, quick: bool = False):
     """One row per workload: for each temperature, the measured speed-up (markers, min-max bars) and
     the prediction from measured alpha and costs (dashed) per drafter; then alpha by draft position
     at the workload's largest gamma (solid T=0, dotted T=1)."""
@@ -49,6 +49,6 @@ def plot_speculative(result: dict, name: str):
         ax.set_ylabel("P(accept i | 1..i-1 accepted)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    path = save_figure(fig, name)
+    path = save_figure(fig, name, result=True, quick=quick)
     plt.close(fig)
     return path

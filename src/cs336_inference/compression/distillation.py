@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _checks
 from ..data.training import TrainConfig, next_token_loss, train_model
 from ..model.transformer import TransformerLM
 
@@ -41,14 +42,13 @@ def distill(student: TransformerLM, teacher: TransformerLM, train_config: TrainC
     Uses `train.train_model` (AdamW, cosine schedule, clipping, validation, checkpoints) with
     `distillation_loss`; alpha=1 is pure distillation, alpha<1 adds the next-token loss.
     """
-    if not isinstance(teacher, TransformerLM) or not isinstance(student, TransformerLM):
-        raise TypeError("student and teacher must be TransformerLM models")
+    _checks.instance("student", student, TransformerLM, "a TransformerLM")
+    _checks.instance("teacher", teacher, TransformerLM, "a TransformerLM")
     if teacher.config.vocab_size != student.config.vocab_size:
-        raise ValueError(f"vocab sizes differ: student {student.config.vocab_size}, teacher {teacher.config.vocab_size}")
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+        raise ValueError(f"vocab sizes differ: student {student.config.vocab_size}, "
+                         f"teacher {teacher.config.vocab_size}")
+    _checks.probability("alpha", alpha)
+    _checks.finite_positive_float("temperature", temperature)
     teacher.eval()
     flags = [p.requires_grad for p in teacher.parameters()]
     teacher.requires_grad_(False)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from einops import rearrange
 
+from .. import _checks
 from ..data.evaluation import eval_windows
 from ..model.transformer import TransformerLM
 
@@ -62,8 +63,7 @@ def importance_scores(model: TransformerLM, calibration, seq_len: int = 256, bat
     layers (L,): increase of the calibration loss when the layer is skipped (Minitron's depth metric);
     layers_bi (L,): block importance 1 - cos(x_in, x_out) (ShortGPT, Men et al. 2024).
     """
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    _checks.instance("model", model, TransformerLM, "a TransformerLM")
     batches = calibration_batches(calibration, min(seq_len, model.config.context_length), batch_size)
     cfg = model.config
     L, N, K, H, D, Fdim = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.d_model, cfg.d_ff
@@ -87,7 +87,7 @@ def importance_scores(model: TransformerLM, calibration, seq_len: int = 256, bat
 
     def block_hook(i):
         def hook(module, args, output):
-            block_bi[i] += (1 - F.cosine_similarity(args[0].float(), output.float(), dim=-1)).sum().cpu()
+            block_bi[i] += (1 - F.cosine_similarity(args[0].float(), output[0].float(), dim=-1)).sum().cpu()
         return hook
 
     handles = []
@@ -127,7 +127,7 @@ def _without_layer(model: TransformerLM, skip: int):
     """model's forward with block `skip` replaced by the identity (weights shared, nothing copied)."""
     class _Skip(torch.nn.Module):
         def forward(self, x, *args, **kwargs):
-            return x
+            return x, None  # a block returns (x, keys/values); a skipped layer has none
 
     def run(x):
         original = model.layers[skip]
@@ -143,11 +143,8 @@ def _target(name: str, value, current: int, ratio) -> int:
     """The number of `name` units to keep: an explicit int, else current * (1 - ratio), else current."""
     if value is None:
         return current if ratio is None else max(1, round(current * (1 - ratio)))
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (how many to keep), got {type(value).__name__}")
-    if not 1 <= value <= current:
-        raise ValueError(f"{name} must be in [1, {current}] (the model has {current}), got {value}")
-    return value
+    return _checks.integer(name, value, 1, current,
+                           allowed=f"an int in [1, {current}] (how many to keep; the model has {current})")
 
 
 def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -168,14 +165,10 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     counts win). Heads and d_model are tied by H = D / N: give either. `scores` reuses the output
     of `importance_scores` (otherwise computed on `calibration`).
     """
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    _checks.instance("model", model, TransformerLM, "a TransformerLM")
     if prune_ratio is not None:
-        if isinstance(prune_ratio, bool) or not isinstance(prune_ratio, (int, float)) or not 0 < prune_ratio < 1:
-            raise ValueError(f"prune_ratio must be a number in (0, 1) (the fraction removed), got {prune_ratio!r}")
-    if layer_metric not in ("layers", "layers_bi"):
-        raise ValueError(f"layer_metric must be 'layers' (loss increase) or 'layers_bi' (block importance), "
-                         f"got {layer_metric!r}")
+        _checks.probability("prune_ratio", prune_ratio, allow_zero=False, allow_one=False)
+    _checks.one_of("layer_metric", layer_metric, ("layers", "layers_bi"))   # loss increase / block importance
     cfg = model.config
     if cfg.attention_type != "gqa" or cfg.kv_share_group != 1:
         raise ValueError(f"prune_model supports GQA models without cross-layer KV sharing, got "
@@ -185,7 +178,7 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     new_K = _target("num_kv_heads", num_kv_heads, cfg.num_kv_heads, prune_ratio)
     new_F = _target("d_ff", d_ff, cfg.d_ff, prune_ratio)
     if d_model is not None and num_heads is None:
-        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model % H:
+        if _checks.positive_int("d_model", d_model) % H:
             raise ValueError(f"d_model must be a multiple of the head dim H = {H} (H = D / N is kept), got {d_model!r}")
         num_heads = d_model // H
     default_N = new_K * cfg.group_size  # keep G unless told otherwise

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .. import _checks
 from . import grammar
 from ..model.tokenizer import ENDOFTEXT, ByteTokenizer
 
@@ -54,7 +55,7 @@ def _pydoc_documents() -> list[str]:
 
 def build_documents(seed: int = 0) -> list[str]:
     """The corpus as a list of documents, in corpus order (grammar and pydoc shuffled together)."""
-    _check_seed(seed)
+    _checks.non_negative_int("seed", seed)
     rng = random.Random(seed)
     kinds, weights = list(KIND_WEIGHTS), list(KIND_WEIGHTS.values())
     docs, size = [], 0
@@ -87,9 +88,8 @@ def _split_ids(split: str, seed: int) -> torch.Tensor:
 
 def load_corpus(split: str = "train", seed: int = 0) -> torch.Tensor:
     """1-D long tensor of ByteTokenizer ids (bytes 0..255, 256 = <|endoftext|> after each document)."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    _check_seed(seed)
+    _checks.one_of("split", split, SPLITS)
+    _checks.non_negative_int("seed", seed)
     return _split_ids(split, seed).clone()  # a copy: callers may modify theirs freely
 
 
@@ -98,9 +98,7 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int, generator: torc
     """Random windows of `data`: inputs x (B, T) and next-token targets y (B, T) = x shifted by one."""
     if not isinstance(data, torch.Tensor) or data.dim() != 1:
         raise ValueError(f"data must be a 1-D tensor of token ids, got {getattr(data, 'shape', type(data))}")
-    for name, value in (("batch_size", batch_size), ("seq_len", seq_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _checks.positive_ints(batch_size=batch_size, seq_len=seq_len)
     if data.numel() < seq_len + 1:
         raise ValueError(f"data has {data.numel()} tokens, need at least seq_len + 1 = {seq_len + 1}")
     starts = torch.randint(0, data.numel() - seq_len, (batch_size,), generator=generator)  # (B,)
@@ -139,12 +137,10 @@ def make_recall_probe(num_items: int, distance: int, seed: int = 0, digits: int 
 
     The distance is met to within one filler sentence; the exact value is in `probe.distance`.
     """
-    for name, value in (("num_items", num_items), ("distance", distance), ("digits", digits)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if num_items > len(grammar.NAMES):
-        raise ValueError(f"num_items must be <= {len(grammar.NAMES)} (distinct names), got {num_items}")
-    _check_seed(seed)
+    _checks.integer("num_items", num_items, 1, len(grammar.NAMES),
+                    allowed=f"an int in [1, {len(grammar.NAMES)}] (one distinct name per item)")
+    _checks.positive_ints(distance=distance, digits=digits)
+    _checks.non_negative_int("seed", seed)
     rng = random.Random(seed)
     names = rng.sample(grammar.NAMES, num_items)
     values = [grammar.random_value(rng, digits) for _ in names]
@@ -178,7 +174,3 @@ def make_recall_probe(num_items: int, distance: int, seed: int = 0, digits: int 
     return RecallProbe(prompt=prompt, answer=answer, key=key, distance=len(prompt.encode("utf-8")) - value_pos,
                        num_items=num_items)
 
-
-def _check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative int, got {seed!r}")

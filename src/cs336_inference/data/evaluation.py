@@ -14,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .. import _checks
 from .corpus import make_recall_probe
 from ..generation.generate import generate
 
@@ -25,12 +26,8 @@ def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batc
     """Yield (x, y) batches (B, T) of consecutive non-overlapping windows from the start of `data`."""
     if not isinstance(data, torch.Tensor) or data.dim() != 1:
         raise ValueError(f"data must be a 1-D tensor of token ids, got {getattr(data, 'shape', type(data))}")
-    for name, value in (("seq_len", seq_len), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if max_batches is not None and (isinstance(max_batches, bool) or not isinstance(max_batches, int)
-                                    or max_batches <= 0):
-        raise ValueError(f"max_batches must be a positive int or None, got {max_batches!r}")
+    _checks.positive_ints(seq_len=seq_len, batch_size=batch_size)
+    _checks.optional_positive_int("max_batches", max_batches)
     num_windows = (data.numel() - 1) // seq_len
     if num_windows == 0:
         raise ValueError(f"data has {data.numel()} tokens, need at least seq_len + 1 = {seq_len + 1}")
@@ -78,7 +75,8 @@ def compare_to_reference(model, reference, data: torch.Tensor, seq_len: int = 25
     _check_model_fits(model, seq_len)
     _check_model_fits(reference, seq_len)
     if model.config.vocab_size != reference.config.vocab_size:
-        raise ValueError(f"vocab sizes differ: model {model.config.vocab_size}, reference {reference.config.vocab_size}")
+        raise ValueError(f"vocab sizes differ: model {model.config.vocab_size}, "
+                         f"reference {reference.config.vocab_size}")
     states = model.training, reference.training
     model.eval(), reference.eval()
     kl_sum, agree, count = 0.0, 0, 0
@@ -108,8 +106,7 @@ def long_range_recall(model, distances, num_trials: int = 32, seed: int = 0, num
     10**-digits for a model that cannot see the fact; copying a random distractor scores about
     1 / num_items.
     """
-    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials <= 0:
-        raise ValueError(f"num_trials must be a positive int, got {num_trials!r}")
+    _checks.positive_int("num_trials", num_trials)
     distances = list(distances)
     if not distances:
         raise ValueError("distances must be a non-empty list of ints")
@@ -135,8 +132,7 @@ def recall_nll(model, distances, num_trials: int = 32, seed: int = 0, num_items:
     """The soft version of `long_range_recall`: mean negative log-likelihood (nats per digit) of the
     correct value under teacher forcing, on the same probes. ln(10) = 2.30 means the model has no
     idea; 0 means certain recall. More sensitive than exact-match accuracy for weak models."""
-    if isinstance(num_trials, bool) or not isinstance(num_trials, int) or num_trials <= 0:
-        raise ValueError(f"num_trials must be a positive int, got {num_trials!r}")
+    _checks.positive_int("num_trials", num_trials)
     distances = list(distances)
     if not distances:
         raise ValueError("distances must be a non-empty list of ints")

@@ -60,9 +60,11 @@ def filler_sentence(rng: random.Random) -> str:
     if k == 0:
         return f"On {_pick(rng, DAYS)} {_pick(rng, WEATHER)}."
     if k == 1:
-        return f"The {_pick(rng, PLACES)} was {_pick(rng, ('quiet', 'busy', 'crowded', 'empty', 'noisy'))} that {_pick(rng, TIMES)}."
+        return (f"The {_pick(rng, PLACES)} was {_pick(rng, ('quiet', 'busy', 'crowded', 'empty', 'noisy'))} "
+                f"that {_pick(rng, TIMES)}.")
     if k == 2:
-        return f"A {_pick(rng, ROLES)} sold {rng.randint(2, 40)} baskets of {_pick(rng, ITEMS)} at the {_pick(rng, PLACES)}."
+        return (f"A {_pick(rng, ROLES)} sold {rng.randint(2, 40)} baskets of {_pick(rng, ITEMS)} "
+                f"at the {_pick(rng, PLACES)}.")
     if k == 3:
         return f"Someone had painted the door of the {_pick(rng, PLACES)} {_pick(rng, COLORS)}."
     if k == 4:
@@ -95,7 +97,8 @@ def story(rng: random.Random) -> str:
     for _ in range(rng.randint(4, 12)):
         k = rng.randrange(6)
         if k == 0:
-            lines.append(f"One {_pick(rng, TIMES)}, {subj} walked to the {_pick(rng, PLACES)} to buy {_pick(rng, ITEMS)}.")
+            lines.append(f"One {_pick(rng, TIMES)}, {subj} walked to the {_pick(rng, PLACES)} "
+                         f"to buy {_pick(rng, ITEMS)}.")
         elif k == 1:
             lines.append(f"There {subj} met a {_pick(rng, ROLES)} named {friend}, who asked about the {obj}.")
         elif k == 2:

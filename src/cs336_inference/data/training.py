@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import _checks
 from ..model.config import ModelConfig
 from .corpus import get_batch, load_corpus
 from ..device import get_device
@@ -51,21 +53,15 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            _checks.positive_int(name, getattr(self, name))
         for name in ("warmup_steps", "checkpoint_every", "seed", "data_seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"beta1, beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}")
+            _checks.non_negative_int(name, getattr(self, name))
+        _checks.finite_positive_float("lr", self.lr)
+        _checks.probability("min_lr_ratio", self.min_lr_ratio)
+        for name in ("beta1", "beta2"):
+            _checks.probability(name, getattr(self, name), allow_one=False)
+        for name in ("weight_decay", "grad_clip"):
+            _checks.non_negative_float(name, getattr(self, name))
 
     def replace(self, **changes) -> "TrainConfig":
         return dataclasses.replace(self, **changes)
@@ -116,6 +112,20 @@ def save_training_state(path, model, optimizer, step: int, generator: torch.Gene
     os.replace(tmp, path)
 
 
+def load_training_state(path) -> dict:
+    """Read a file written by `save_training_state`. Only tensors and plain data are unpickled
+    (`weights_only=True`): a resume file from elsewhere cannot run code."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} is not a training state written by this library (it holds objects other "
+                         f"than tensors and plain data, which are never unpickled): {e}") from None
+    keys = ("model_config", "model", "optimizer", "step", "generator", "history")
+    if not isinstance(state, dict) or any(k not in state for k in keys):
+        raise ValueError(f"{path} is not a training state written by this library (expected keys {keys})")
+    return state
+
+
 def train_model(model: TransformerLM, train_config: TrainConfig, train_data: torch.Tensor | None = None,
                 val_data: torch.Tensor | None = None, loss_fn: Callable | None = None, resume: bool = False,
                 stop_at: int | None = None, desc: str = "train") -> tuple[TransformerLM, dict]:
@@ -126,10 +136,8 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
     gives the same final state as an uninterrupted run. stop_at=n stops after step n and saves (an
     interruption, for tests and long runs).
     """
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if not isinstance(train_config, TrainConfig):
-        raise TypeError(f"train_config must be a TrainConfig, got {type(train_config).__name__}")
+    _checks.instance("model", model, TransformerLM, "a TransformerLM")
+    _checks.instance("train_config", train_config, TrainConfig, "a TrainConfig")
     cfg = train_config
     if cfg.seq_len > model.config.context_length:
         raise ValueError(f"seq_len ({cfg.seq_len}) exceeds the model's context_length ({model.config.context_length})")
@@ -145,7 +153,7 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
     generator = torch.Generator().manual_seed(cfg.seed + 1)
     history, start = _empty_history(), 0
     if resume:
-        state = torch.load(cfg.checkpoint_path, map_location="cpu", weights_only=False)
+        state = load_training_state(cfg.checkpoint_path)
         if state["model_config"] != model.config.to_dict():
             raise ValueError(f"checkpoint {cfg.checkpoint_path} was made for a different model config")
         model.load_state_dict(state["model"])
@@ -192,10 +200,8 @@ def train_lm(model_config: ModelConfig, train_config: TrainConfig, train_data: t
              val_data: torch.Tensor | None = None, resume: bool = False, stop_at: int | None = None,
              desc: str = "train") -> tuple[TransformerLM, dict]:
     """A `TransformerLM(model_config)` initialised from `train_config.seed` and trained with next-token loss."""
-    if not isinstance(model_config, ModelConfig):
-        raise TypeError(f"model_config must be a ModelConfig, got {type(model_config).__name__}")
-    if not isinstance(train_config, TrainConfig):
-        raise TypeError(f"train_config must be a TrainConfig, got {type(train_config).__name__}")
+    _checks.instance("model_config", model_config, ModelConfig, "a ModelConfig")
+    _checks.instance("train_config", train_config, TrainConfig, "a TrainConfig")
     device = get_device(train_config.device)
     torch.manual_seed(train_config.seed)
     model = TransformerLM(model_config, device=device)

@@ -1,7 +1,8 @@
 """Drafters: whatever proposes the next few tokens for the target to verify.
 
 The speculative loop only needs four things from a drafter (the `Drafter` protocol):
-  start(prompt, max_seq_len)        prepare for a new sequence (a model drafter prefills its cache)
+  start(prompt, max_seq_len, max_rollback)  prepare for a new sequence (a model drafter prefills its
+                                    cache, sized to roll back up to max_rollback positions at once)
   propose(sequence, n, sampling)    up to n tokens that may follow `sequence`, with the distribution
                                     each was drawn from ((n, V) probabilities, or None when the
                                     drafts are deterministic: one-hot, as in greedy or n-gram lookup)
@@ -47,7 +48,7 @@ class SamplingParams:
 class Drafter(Protocol):
     forwards: int
 
-    def start(self, prompt: list[int], max_seq_len: int) -> None: ...
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None: ...
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]: ...
@@ -74,11 +75,10 @@ class ModelDrafter:
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
-    def start(self, prompt: list[int], max_seq_len: int) -> None:
-        self.cache = self.model.new_cache(1, max_seq_len)
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
+        self.cache = self.model.new_cache(1, max_seq_len, max_rollback=max_rollback)
         self.forwards = 0
-        self.model(torch.tensor([prompt], device=self.model.device), cache=self.cache, start_pos=0,
-                   last_only=True)  # prefill
+        self.model(torch.tensor([prompt], device=self.model.device), cache=self.cache, last_only=True)  # prefill
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
@@ -88,7 +88,7 @@ class ModelDrafter:
         unseen = sequence[self.cache.length:]  # (1 or 2 tokens in steady state)
         ids = torch.tensor([unseen], device=self.model.device)
         for _ in range(n):
-            logits = self.model(ids, cache=self.cache, start_pos=self.cache.length, last_only=True)[0, -1]  # (V,)
+            logits = self.model(ids, cache=self.cache, last_only=True)[0, -1]                  # (V,)
             self.forwards += 1
             if sampling.greedy:
                 token = logits.argmax()

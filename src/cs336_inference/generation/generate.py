@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _checks
 from ..model.kv_cache import KVCache
 from .sampling import _check_sampling_args, sample_next_token
 
@@ -48,37 +49,38 @@ class GenerationResult:
         return self.token_times[-1] if self.token_times else 0.0
 
 
-def prefill(model, prompt_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V)."""
+def prefill(model, prompt_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V).
+
+    A 1-D prompt (T,) is one sequence: logits (1, V). pad (B,): left-padding slots per prompt
+    (`left_pad`); pass the same pad to every `decode_one_token`.
+    """
     if cache.length != 0:
         raise ValueError(f"prefill expects an empty cache, this one holds {cache.length} tokens")
-    return model(prompt_ids, cache=cache, start_pos=0, last_only=True)[:, -1]
+    prompt_ids = _checks.token_ids("prompt_ids", prompt_ids)
+    if prompt_ids.dim() == 1:
+        prompt_ids = prompt_ids[None]
+    return model(prompt_ids, cache=cache, pad=pad, last_only=True)[:, -1]
 
 
-def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token."""
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
-    return model(token_ids[:, None], cache=cache, start_pos=cache.length)[:, -1]
+    return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
 
 
 def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """list of id lists (or a (B, T) / (T,) tensor) -> (B, T_max) left-padded ids and pad counts (B,)."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dtype.is_floating_point or prompts.dtype == torch.bool:
-            raise TypeError(f"prompt_ids must hold integer token ids, got dtype {prompts.dtype}")
-        if prompts.dim() == 1:
-            prompts = prompts[None]
-        if prompts.dim() != 2:
-            raise ValueError(f"prompt_ids tensor must be (B, T) or (T,), got {tuple(prompts.shape)}")
-        prompts = prompts.tolist()
+        prompts = _checks.token_ids("prompt_ids", prompts)
+        prompts = (prompts[None] if prompts.dim() == 1 else prompts).tolist()
     elif isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         prompts = [list(prompts)]
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompt_ids must be a non-empty list of token-id lists or a tensor")
     for b, p in enumerate(prompts):
-        if not isinstance(p, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in p):
-            raise TypeError(f"prompt {b} must be a list of int token ids, got {type(p).__name__}")
+        _checks.token_list(f"prompt_ids[{b}]", p)
         if len(p) == 0:
             raise ValueError(f"prompt {b} is empty; every prompt needs at least one token")
     width = max(len(p) for p in prompts)
@@ -87,21 +89,46 @@ def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, pad
 
 
+def stop_token_set(stop_tokens, vocab_size: int) -> set[int]:
+    """None, one id (int or 0-d tensor), an integer tensor of ids, or a list/tuple/set of int ids -> set."""
+    if stop_tokens is None:
+        return set()
+    if isinstance(stop_tokens, torch.Tensor):
+        if stop_tokens.dtype.is_floating_point or stop_tokens.dtype.is_complex or stop_tokens.dtype == torch.bool:
+            raise TypeError(f"stop_tokens must hold integer token ids, got a tensor of dtype {stop_tokens.dtype}")
+        ids = stop_tokens.reshape(-1).tolist()
+    elif isinstance(stop_tokens, int) and not isinstance(stop_tokens, bool):
+        ids = [stop_tokens]
+    elif isinstance(stop_tokens, (list, tuple, set, frozenset)):
+        ids = list(stop_tokens)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise TypeError(f"stop_tokens must be int token ids, got {type(t).__name__} {t!r} in {stop_tokens!r}")
+    else:
+        raise TypeError(f"stop_tokens must be None, an int, an integer tensor or a list of ints, "
+                        f"got {type(stop_tokens).__name__} {stop_tokens!r}")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"stop_tokens must be in [0, vocab_size={vocab_size}), got {bad}")
+    return set(ids)
+
+
 @torch.inference_mode()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens=None, generator: torch.Generator | None = None,
              use_cache: bool = True, pad_id: int = 0) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Prompts may differ in length (left-padded).
 
-    temperature 0 is greedy. A sequence stops at the first token in `stop_tokens`; the call ends when
-    all have stopped or `max_new_tokens` steps have run.
+    temperature 0 is greedy. A sequence stops at the first token in `stop_tokens` (an id, a list or a
+    tensor of ids); the call ends when all have stopped or `max_new_tokens` steps have run. pad_id
+    fills the left of shorter prompts (masked out, never attended to).
     """
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
-    stop = set(int(t) for t in (stop_tokens or []))
+    _checks.generator("generator", generator)
+    V = model.config.vocab_size
+    stop = stop_token_set(stop_tokens, V)
+    _checks.integer("pad_id", pad_id, 0, V - 1, allowed=f"a token id in [0, vocab_size={V})")
     ids, pad = left_pad(prompt_ids, pad_id)
     B, P = ids.shape
     prompt_lengths = (P - pad).tolist()
@@ -114,14 +141,14 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         result.finish_reasons = ["length"] * B
         return result
     ids = ids.to(model.device)
-    model._check_tokens(ids, 0)  # range-check the prompt before any work
+    model._check_tokens(ids)  # range-check the prompt before any work
     pad_arg = pad if int(pad.max()) > 0 else None
     done = [False] * B
     t0 = time.perf_counter()
 
     if use_cache:
-        cache = model.new_cache(B, max_seq_len=P + max_new_tokens, pad=pad_arg)
-        logits = prefill(model, ids, cache)
+        cache = model.new_cache(B, max_seq_len=P + max_new_tokens)
+        logits = prefill(model, ids, cache, pad=pad_arg)
     else:
         sequence = ids
         logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
@@ -137,7 +164,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         if all(done) or step == max_new_tokens - 1:
             break
         if use_cache:
-            logits = decode_one_token(model, next_ids, cache)
+            logits = decode_one_token(model, next_ids, cache, pad=pad_arg)
         else:
             sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
             logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .drafters import SamplingParams
 
 
@@ -38,15 +39,13 @@ class PromptLookupDrafter:
     """The `Drafter` protocol for prompt lookup: no cache, nothing to roll back."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.forwards = 0  # never runs a model
 
-    def start(self, prompt: list[int], max_seq_len: int) -> None:
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
         pass
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,

@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
+
 
 def _check_sampling_args(temperature, top_k, top_p) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not temperature >= 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be finite and >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
-        raise ValueError(f"top_k must be None or an int >= 1, got {top_k!r}")
-    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1):
-        raise ValueError(f"top_p must be None or a number in (0, 1], got {top_p!r}")
+    _checks.number("temperature", temperature, 0, allowed="a finite number >= 0 (0 = greedy)")
+    _checks.optional_positive_int("top_k", top_k)
+    if top_p is not None:
+        _checks.probability("top_p", top_p, allow_zero=False)
 
 
 def _check_logits(logits) -> None:
@@ -55,6 +53,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     """logits (B, V) or (V,) -> token ids (B,) or () ; temperature 0 means greedy (argmax)."""
     _check_logits(logits)
     _check_sampling_args(temperature, top_k, top_p)
+    _checks.generator("generator", generator)
     if temperature == 0:
         return logits.argmax(-1)
     probs = logits_to_probs(logits, temperature, top_k, top_p)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _checks
 from ..model.transformer import TransformerLM
 from ..timing import sync_device
 from .drafters import Drafter, ModelDrafter, SamplingParams
@@ -105,17 +106,11 @@ def as_drafter(draft) -> Drafter:
                     f"got {type(draft).__name__}")
 
 
-def _check_args(target, drafter, gamma, max_new_tokens) -> None:
-    if not isinstance(target, TransformerLM):
-        raise TypeError(f"target must be a TransformerLM, got {type(target).__name__}")
-    if isinstance(gamma, bool) or not isinstance(gamma, int):
-        raise TypeError(f"gamma must be an int (draft tokens per pass), got {type(gamma).__name__}")
-    if gamma < 1:
-        raise ValueError(f"gamma must be >= 1 (draft tokens per target pass), got {gamma}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-        raise TypeError(f"max_new_tokens must be an int, got {type(max_new_tokens).__name__}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+def _check_args(target, drafter, gamma, max_new_tokens, generator) -> None:
+    _checks.instance("target", target, TransformerLM)
+    _checks.positive_int("gamma", gamma)
+    _checks.non_negative_int("max_new_tokens", max_new_tokens)
+    _checks.generator("generator", generator)
     if isinstance(drafter, ModelDrafter):
         d, t = drafter.model.config, target.config
         if d.vocab_size != t.vocab_size:
@@ -161,7 +156,7 @@ class SpeculativeDecoder:
                  max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
                  stop_tokens=None, generator: torch.Generator | None = None):
         self.drafter = as_drafter(draft)
-        _check_args(target, self.drafter, gamma, max_new_tokens)
+        _check_args(target, self.drafter, gamma, max_new_tokens, generator)
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.target, self.gamma, self.max_new_tokens, self.generator = target, gamma, max_new_tokens, generator
         self.stop = set(int(t) for t in (stop_tokens or []))
@@ -172,8 +167,8 @@ class SpeculativeDecoder:
                 raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {who}'s "
                                  f"context_length ({model.config.context_length})")
         self.device = target.device
-        prompt_tensor = torch.tensor([prompt], device=self.device)
-        target._check_tokens(prompt_tensor, 0)  # range-check before any work
+        prompt_tensor = _checks.token_ids("prompt_ids", torch.tensor([prompt]), target.config.vocab_size)
+        prompt_tensor = prompt_tensor.to(self.device)
         self.result = SpeculativeResult([], P, gamma)
         self.sequence = list(prompt)
         self.target_cache = None
@@ -183,10 +178,11 @@ class SpeculativeDecoder:
         if self.finished:
             return
         with self._clock.measure("prefill"):
-            self.target_cache = target.new_cache(1, P + max_new_tokens)
+            # a pass may be rolled back by up to gamma + 1 positions (sliding-window rings keep spare slots)
+            self.target_cache = target.new_cache(1, P + max_new_tokens, max_rollback=gamma + 1)
             logits = prefill(target, prompt_tensor, self.target_cache)[0]                       # (V,)
             first = int(sample_next_token(logits, temperature, top_k, top_p, generator))
-            self.drafter.start(prompt, P + max_new_tokens)
+            self.drafter.start(prompt, P + max_new_tokens, max_rollback=gamma + 1)
         self._emit([first])
 
     def _emit(self, new: list[int]) -> None:
@@ -210,7 +206,7 @@ class SpeculativeDecoder:
             drafts, p_draft = self.drafter.propose(sequence, n, self.sampling, self.generator)
         with clock.measure("target"):
             ids = torch.tensor([sequence[-1:] + drafts], device=self.device)                   # (1, g+1)
-            logits = self.target(ids, cache=cache, start_pos=cache.length)[0]                  # (g+1, V)
+            logits = self.target(ids, cache=cache)[0]                                          # (g+1, V)
         with clock.measure("accept"):
             if self.sampling.greedy:
                 k, token = greedy_accept(drafts, logits.argmax(-1).tolist())

@@ -58,7 +58,8 @@ def _check_accept_args(p_draft, q_target, draft_tokens) -> None:
         if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
             raise TypeError(f"{name} must be a floating-point torch.Tensor of probabilities, got "
                             f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
-    if not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype.is_floating_point or draft_tokens.dtype == torch.bool:
+    if (not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype.is_floating_point
+            or draft_tokens.dtype == torch.bool):
         raise TypeError("draft_tokens must be an integer torch.Tensor of shape (g,)")
     if p_draft.dim() != 2 or draft_tokens.dim() != 1 or draft_tokens.shape[0] != p_draft.shape[0]:
         raise ValueError(f"p_draft must be (g, V) and draft_tokens (g,) with the same g, got "

@@ -79,7 +79,8 @@ def acceptance_rate(p, q) -> float | Fraction | torch.Tensor:
     """alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q): tensors (..., V) -> (...), or sequences -> a number."""
     if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor):
         if p.shape != q.shape:
-            raise ValueError(f"p and q must have the same shape (same vocabulary), got {tuple(p.shape)} and {tuple(q.shape)}")
+            raise ValueError(f"p and q must have the same shape (same vocabulary), got {tuple(p.shape)} and "
+                             f"{tuple(q.shape)}")
         return torch.minimum(p, q).sum(-1)
     p, q = _as_fractions(p, "p"), _as_fractions(q, "q")
     _check_same_vocab(p, q)

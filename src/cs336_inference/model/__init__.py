@@ -2,7 +2,8 @@
 
 One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, Linear),
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
-`kv_cache` (one layer cache per variant + the model's cache), `transformer` (TransformerLM),
+`kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
+`rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
 `checkpoints` (save/load, shipped models, student checkpoints), `tokenizer`.
 """
 
@@ -10,7 +11,9 @@ from .attention import attention_mask, grouped_attention, scaled_dot_product_att
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
-from .kv_cache import ContiguousKVCache, KVCache, LatentKVCache, RollingKVCache
+from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache
+from .latent_kv_cache import LatentKVCache
+from .rolling_kv_cache import RollingKVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
 from .tokenizer import ByteTokenizer
@@ -18,7 +21,8 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "ByteTokenizer", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache", "Linear",
+    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache",
+    "LayerCache", "Linear",
     "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",

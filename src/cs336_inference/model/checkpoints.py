@@ -7,11 +7,13 @@ mismatched file never half-loads.
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import torch
 
+from .. import _checks
 from .config import ModelConfig
 from .transformer import TransformerLM
 
@@ -22,12 +24,41 @@ _STATE_KEYS = ("model", "model_state_dict", "state_dict", "model_state")
 
 def save(path: str | os.PathLike, model: TransformerLM, extra: dict | None = None,
          dtype: torch.dtype | None = None) -> None:
-    """Write {format, config, model (state dict), extra} to `path`; `dtype` (e.g. bf16) shrinks the file."""
-    if not isinstance(model, TransformerLM):
-        raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
+    """Write {format, config, model (state dict), extra} to `path`; `dtype` (e.g. bf16) shrinks the file.
+
+    Atomic: the file is written under a temporary name in the same folder and renamed over `path`
+    only once complete, so a failed save leaves the previous file as it was. `extra` must be plain
+    data (dicts, lists, str, numbers, tensors): `load` reads files with `weights_only=True`.
+    """
+    _checks.instance("model", model, TransformerLM, "a TransformerLM")
+    _checks.instance("path", path, (str, os.PathLike), "a file path (str or os.PathLike)")
+    if dtype is not None:
+        _checks.instance("dtype", dtype, torch.dtype, "a floating-point torch.dtype or None")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype}")
+    extra = {} if extra is None else _checks.instance("extra", extra, dict, "a dict or None")
+    _check_loadable("extra", extra)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().clone()
              for k, v in model.state_dict().items()}
-    torch.save({"format": FORMAT, "config": model.config.to_dict(), "model": state, "extra": extra or {}}, path)
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        torch.save({"format": FORMAT, "config": model.config.to_dict(), "model": state, "extra": extra}, tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _check_loadable(name: str, obj) -> None:
+    """Refuse what `torch.load(weights_only=True)` could not read back (classes, functions, modules, ...)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as e:  # pickling errors and the weights-only unpickler's refusals
+        raise ValueError(f"{name} must hold only plain data (dict, list, str, numbers, tensors) so the file "
+                         f"loads with weights_only=True; it does not: {e}") from None
 
 
 def load(path: str | os.PathLike, device=None, dtype: torch.dtype | None = None) -> TransformerLM:
@@ -97,8 +128,7 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
     Accepts a raw state dict or a dict with the weights under "model"/"model_state_dict"/...
     (an "optimizer" entry is ignored), with or without torch.compile's `_orig_mod.` prefix.
     """
-    if not isinstance(config, ModelConfig):
-        raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+    _checks.instance("config", config, ModelConfig, "a ModelConfig")
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)

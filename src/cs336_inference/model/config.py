@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .. import _checks
+
 ATTENTION_TYPES = ("gqa", "mla")  # gqa covers MHA (K = N) and MQA (K = 1)
 
 
@@ -37,15 +39,11 @@ class ModelConfig:
             self.num_kv_heads = self.num_heads
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads",
                      "num_kv_heads", "d_ff", "kv_share_group"):
-            _check_positive_int(name, getattr(self, name))
+            _checks.positive_int(name, getattr(self, name))
         for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "sliding_window", "global_every"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_positive_int(name, value)
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
-        if not (isinstance(self.norm_eps, (int, float)) and self.norm_eps > 0):
-            raise ValueError(f"norm_eps must be a positive number, got {self.norm_eps!r}")
+            _checks.optional_positive_int(name, getattr(self, name))
+        self.rope_theta = _checks.finite_positive_float("rope_theta", self.rope_theta)
+        self.norm_eps = _checks.finite_positive_float("norm_eps", self.norm_eps)
         if self.d_model % self.num_heads != 0:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by num_heads ({self.num_heads})")
         if self.num_heads % self.num_kv_heads != 0:
@@ -53,8 +51,7 @@ class ModelConfig:
                 f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
-        if self.attention_type not in ATTENTION_TYPES:
-            raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        _checks.one_of("attention_type", self.attention_type, ATTENTION_TYPES)
         self._check_variant()
 
     def _check_variant(self) -> None:
@@ -122,8 +119,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":
-        if not isinstance(data, dict):
-            raise TypeError(f"config must be a dict, got {type(data).__name__}")
+        _checks.instance("config", data, dict, "a dict")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -135,13 +131,6 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; available presets: {sorted(PRESETS)}")
         return cls(**{**PRESETS[name], **overrides})
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
 
 
 # Presets. Real-model shapes (Llama, DeepSeek) live in `accounting`, which only counts them.

@@ -26,9 +26,10 @@ import torch
 import torch.nn as nn
 from einops import einsum, rearrange
 
-from .attention import grouped_attention, read_shared_kv, scaled_dot_product_attention
+from .attention import grouped_attention, require_shared_kv, scaled_dot_product_attention
 from .config import ModelConfig
-from .kv_cache import LatentKVCache
+from .kv_cache import CacheStep, LayerCache
+from .latent_kv_cache import LatentKVCache
 from .layers import Linear, apply_rope
 
 
@@ -66,7 +67,12 @@ class MultiHeadLatentAttention(nn.Module):
     def owns_kv(self) -> bool:
         return self.kv_source == self.layer_idx
 
-    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> LatentKVCache:
+    def cache_spec(self) -> tuple:
+        """(1, C + R, None): one shared latent key head, global."""
+        return (1, self.kv_lora_rank + self.rope_head_dim, None)
+
+    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None,
+                  max_rollback: int = 1) -> LatentKVCache:
         return LatentKVCache(batch_size, self.kv_lora_rank, self.rope_head_dim, max_seq_len,
                              device=device, dtype=dtype or self.k_up_proj.weight.dtype)
 
@@ -76,52 +82,55 @@ class MultiHeadLatentAttention(nn.Module):
         return rearrange(q, "B T (N E) -> B N T E", N=self.num_heads)
 
     def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x (B, T, D) -> what the cache stores per token: [c, RoPE(W_KR x)] of shape (B, T, C + R)."""
-        c = self.kv_down_proj(x)                                       # (B, T, C)
-        k_rope = self.k_rope_proj(x)[:, None]                          # (B, 1, T, R): one shared head
-        k_rope = apply_rope(k_rope, cos, sin)[:, 0]                    # cos may be per-sequence (B, 1, T, R/2)
-        return torch.cat([c, k_rope], dim=-1)
+        """x (B, T, D) -> what the cache stores per token: [c, RoPE(W_KR x)] as one key head (B, 1, T, C + R)."""
+        c = self.kv_down_proj(x)[:, None]                              # (B, 1, T, C)
+        k_rope = apply_rope(self.k_rope_proj(x)[:, None], cos, sin)    # (B, 1, T, R): one shared head;
+        return torch.cat([c, k_rope], dim=-1)                          # cos may be per-sequence (B, 1, T, R/2)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache=None,
-                start_pos: int = 0, mask: torch.Tensor | None = None, shared: dict | None = None) -> torch.Tensor:
-        """x (B, T, D) -> (B, T, D); rope = (cos, sin) of R/2 angles for the T new positions."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None,
+                cache: LayerCache | None = None, step: CacheStep | None = None,
+                shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """x (B, T, D) -> (out (B, T, D), (keys (B, 1, S, C + R), values (B, 1, S, C))); rope = (cos, sin)
+        of R/2 angles for the T new positions. The keys are the latents: one head shared by all N."""
         cos, sin = rope
         H, R = self.head_dim, self.rope_head_dim
         q_nope, q_rope = self.query(x).split([H, R], dim=-1)          # (B, N, T, H), (B, N, T, R)
         q_rope = apply_rope(q_rope, cos, sin)
         if self.owns_kv:
-            latent = self.latent(x, cos, sin)                          # (B, T, C + R)
+            latent = self.latent(x, cos, sin)                          # (B, 1, T, C + R)
+            kv = (latent, latent[..., :self.kv_lora_rank])             # the latent doubles as the values
             if cache is not None:
-                latent = cache.update(latent, start_pos)               # (B, S, C + R)
-            if shared is not None:
-                shared[self.layer_idx] = latent
+                kv = cache.update(*kv, step)                           # (B, 1, S, C + R), (B, 1, S, C)
         else:
-            latent = read_shared_kv(shared, self.layer_idx, self.kv_source)
+            kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
         if cache is not None and self.absorb:
-            out = self.attend_absorbed(q_nope, q_rope, latent, mask)
+            out = self.attend_absorbed(q_nope, q_rope, kv[0], mask, cache, step)
         else:
-            out = self.attend_naive(q_nope, q_rope, latent, mask)
-        return self.output_proj(rearrange(out, "B N T H -> B T (N H)"))
+            out = self.attend_naive(q_nope, q_rope, kv[0], mask)
+        return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv
 
     def attend_naive(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
-        """Up-project the latents to per-head keys and values: (B, N, T, H)."""
+        """Up-project the latents (B, 1, S, C + R) to per-head keys and values: (B, N, T, H)."""
         N, C = self.num_heads, self.kv_lora_rank
-        c, k_rope = latent.split([C, self.rope_head_dim], dim=-1)     # (B, S, C), (B, S, R)
-        k_nope = rearrange(self.k_up_proj(c), "B S (N H) -> B N S H", N=N)
-        v = rearrange(self.v_up_proj(c), "B S (N H) -> B N S H", N=N)
-        k = torch.cat([k_nope, k_rope[:, None].expand(-1, N, -1, -1)], dim=-1)   # (B, N, S, H + R)
-        q = torch.cat([q_nope, q_rope], dim=-1)                                  # (B, N, T, H + R)
-        return scaled_dot_product_attention(q, k, v, mask)           # scale 1/sqrt(H + R)
+        c, k_rope = latent.split([C, self.rope_head_dim], dim=-1)     # (B, 1, S, C), (B, 1, S, R)
+        k_nope = rearrange(self.k_up_proj(c[:, 0]), "B S (N H) -> B N S H", N=N)
+        v = rearrange(self.v_up_proj(c[:, 0]), "B S (N H) -> B N S H", N=N)
+        k = torch.cat([k_nope, k_rope.expand(-1, N, -1, -1)], dim=-1)  # (B, N, S, H + R)
+        q = torch.cat([q_nope, q_rope], dim=-1)                        # (B, N, T, H + R)
+        return scaled_dot_product_attention(q, k, v, mask)             # scale 1/sqrt(H + R)
 
-    def attend_absorbed(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
-        """Attend over the latents themselves: W_UK folded into q, W_UV applied after. (B, N, T, H)."""
+    def attend_absorbed(self, q_nope, q_rope, latent, mask, cache=None, step=None) -> torch.Tensor:
+        """Attend over the latents (B, 1, S, C + R) themselves: W_UK folded into q, W_UV applied after. (B, N, T, H)."""
         N, C = self.num_heads, self.kv_lora_rank
         w_uk = rearrange(self.k_up_proj.weight, "(N H) C -> N H C", N=N)
         w_uv = rearrange(self.v_up_proj.weight, "(N H) C -> N H C", N=N)
         q_latent = einsum(q_nope, w_uk, "B N T H, N H C -> B N T C")   # W_UK,n^T q_n
         q = torch.cat([q_latent, q_rope], dim=-1)                      # (B, N, T, C + R)
         # One shared "key head" [c, k_rope] and value head c: MQA over the cache, no copies.
-        kv = latent[:, None]                                           # (B, 1, S, C + R)
         scale = (self.head_dim + self.rope_head_dim) ** -0.5           # the scores are the naive ones
-        out_latent = grouped_attention(q, kv, kv[..., :C], mask, scale=scale)   # (B, N, T, C)
+        kv = (latent, latent[..., :C])
+        if cache is None:
+            out_latent = grouped_attention(q, *kv, mask, scale=scale)              # (B, N, T, C)
+        else:
+            out_latent = cache.attend(q, kv, mask, step, scale=scale)
         return einsum(out_latent, w_uv, "B N T C, N H C -> B N T H")   # W_UV,n o_n

@@ -7,12 +7,19 @@ from __future__ import annotations
 
 import re
 
+from .. import _checks
+
 ENDOFTEXT = "<|endoftext|>"
 
 
 class ByteTokenizer:
     def __init__(self, special_tokens: tuple[str, ...] | list[str] = (ENDOFTEXT,)):
+        if isinstance(special_tokens, (str, bytes)) or not isinstance(special_tokens, (list, tuple)):
+            raise TypeError(f"special_tokens must be a list or tuple of strings (e.g. [{ENDOFTEXT!r}]), got "
+                            f"{type(special_tokens).__name__} {special_tokens!r}")
         special_tokens = list(special_tokens)
+        for s in special_tokens:
+            _checks.instance("special_tokens[i]", s, str, "a str")
         if len(set(special_tokens)) != len(special_tokens) or any(not s for s in special_tokens):
             raise ValueError(f"special_tokens must be distinct non-empty strings, got {special_tokens}")
         self.special_tokens = special_tokens
@@ -33,8 +40,7 @@ class ByteTokenizer:
         return self.special_to_id[ENDOFTEXT]
 
     def encode(self, text: str) -> list[int]:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _checks.instance("text", text, str, "a str")
         pieces = self._split.split(text) if self._split else [text]
         ids: list[int] = []
         for piece in pieces:

@@ -2,11 +2,13 @@
 
 Layout (so a student's assignment-1 checkpoint loads unchanged): token embedding, L pre-norm
 blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases.
-One `forward(token_ids, cache=None, start_pos=0)` serves all three uses:
-full forward (no cache), prefill (cache, T = prompt length) and decode (cache, T = 1).
+One `forward(token_ids, cache=None)` serves all three uses: full forward (no cache), prefill (a
+cache, T = prompt length) and decode (a cache, T = 1); with a cache the tokens go at `cache.length`.
 The attention variant of each layer (GQA/MHA/MQA, MLA, sliding window, hybrids, cross-layer KV
 sharing) comes from `ModelConfig`; `build_attention` picks it, `new_cache` asks each layer for its
-cache (CLA followers get their group's), and `forward` builds a band mask for local layers.
+cache (CLA followers get their group's). `forward` takes the RoPE positions from the cache's step and
+each layer's mask from its layer cache (the rolling cache knows its window); every layer returns the
+keys/values it attended over, which the model hands to the rest of its CLA group.
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ import math
 import torch
 import torch.nn as nn
 
-from .attention import attention_mask
+from .. import _checks
+from .attention import attention_mask, check_attention_kernel
 from .gqa import GroupedQueryAttention
 from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
 from .config import ModelConfig
-from .kv_cache import KVCache
+from .kv_cache import CacheStep, KVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 __all__ = ["ModelConfig", "TransformerBlock", "TransformerLM"]
@@ -44,17 +47,17 @@ class TransformerBlock(nn.Module):
         self.ln2 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.ffn = SwiGLU(config.d_model, config.d_ff, device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rope, cache=None, start_pos: int = 0, mask=None,
-                shared: dict | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), rope, cache, start_pos, mask, shared=shared)
-        return x + self.ffn(self.ln2(x))
+    def forward(self, x: torch.Tensor, rope, mask=None, cache=None, step=None, shared_kv=None):
+        """x (B, T, D) -> (x (B, T, D), the keys/values attention used); see `GroupedQueryAttention.forward`."""
+        attn_out, kv = self.attn(self.ln1(x), rope, mask, cache, step, shared_kv)
+        x = x + attn_out
+        return x + self.ffn(self.ln2(x)), kv
 
 
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
-        if not isinstance(config, ModelConfig):
-            raise TypeError(f"config must be a ModelConfig, got {type(config).__name__}")
+        _checks.instance("config", config, ModelConfig, "a ModelConfig")
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
@@ -82,118 +85,139 @@ class TransformerLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.ln_final.weight.device   # a norm weight: present even when lm_head is quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activation dtype (quantized layers store codes, so ask a norm)."""
+        return self.ln_final.weight.dtype
+
+    def fuse_projections(self) -> "TransformerLM":
+        """Decode option: q/k/v and SwiGLU's w1/w3 each as one matmul (fewer calls per step). The
+        state dict keeps the CS336 keys, so saving and loading are unchanged. Fuse before quantizing."""
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "fuse_projections"):
+                    part.fuse_projections()
+        return self
+
+    def unfuse_projections(self) -> "TransformerLM":
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "unfuse_projections"):
+                    part.unfuse_projections()
+        return self
+
+    def set_attention_kernel(self, kernel: str) -> "TransformerLM":
+        """"reference" (the hand-written attention) or "sdpa" (torch's fused kernel) for every
+        grouped-query / sliding-window layer (MLA keeps its own kernels)."""
+        check_attention_kernel(kernel)
+        for block in self.layers:
+            if hasattr(block.attn, "attention_kernel"):
+                block.attn.attention_kernel = kernel
+        return self
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 
     def new_cache(self, batch_size: int, max_seq_len: int | None = None, dtype: torch.dtype | None = None,
-                  pad: torch.Tensor | None = None) -> KVCache:
-        """An empty cache for `batch_size` sequences of up to `max_seq_len` (default: context_length) tokens."""
+                  max_rollback: int = 1) -> KVCache:
+        """An empty cache for `batch_size` sequences of up to `max_seq_len` (default: context_length) tokens.
+
+        max_rollback: how many positions `cache.truncate` must always be able to remove after a forward
+        (speculative decoding: gamma + 1); only sliding-window rings need extra slots for it.
+        """
         max_seq_len = self.config.context_length if max_seq_len is None else max_seq_len
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or not 0 < max_seq_len <= self.config.context_length:
-            raise ValueError(f"max_seq_len must be an int in [1, context_length={self.config.context_length}], "
-                             f"got {max_seq_len!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        _checks.integer("max_seq_len", max_seq_len, 1, self.config.context_length,
+                        allowed=f"an int in [1, context_length={self.config.context_length}]")
+        _checks.positive_int("batch_size", batch_size)
+        _checks.positive_int("max_rollback", max_rollback)
         layers = []
         for i, block in enumerate(self.layers):
             source = self.config.kv_source_layer(i)
             if source == i:
                 layers.append(block.attn.new_cache(batch_size, max_seq_len, device=self.device,
-                                                   dtype=dtype or self.dtype))
+                                                   dtype=dtype or self.dtype, max_rollback=max_rollback))
             else:  # CLA: the same object as the group's first layer (its bytes count once)
                 layers.append(layers[source])
-        return KVCache(layers, max_seq_len, batch_size, pad=_check_pad(pad, batch_size, max_seq_len))
+        return KVCache(layers, max_seq_len, batch_size)
 
-    def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int = 0,
+    def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int | None = None,
                 pad: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """token_ids (B, T) or (T,) -> logits (B, T, V) (or (T, V); (B, 1, V) with last_only).
 
-        cache: None for a full forward; a `KVCache` to prefill (T = prompt length) or decode (T = 1)
-        at positions start_pos .. start_pos + T - 1. pad (B,): left-padding slots per sequence
-        (taken from the cache when it has them).
+        cache: None for a full forward; a `KVCache` to prefill (T = prompt length) or decode (T = 1):
+        the tokens take positions cache.length .. cache.length + T - 1 and the cache advances by T only
+        if the whole forward succeeds. start_pos: the first position without a cache (default 0); with
+        one it may only repeat cache.length (a checked assertion). pad (B,): left-padding slots per
+        sequence of a ragged batch, given on every call (prefill and each decode step alike).
         """
         squeeze = isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1
-        token_ids = self._check_tokens(token_ids, start_pos)
+        token_ids = self._check_tokens(token_ids)
         B, T = token_ids.shape
-        if cache is not None:
-            if not isinstance(cache, KVCache):
-                raise TypeError(f"cache must be a KVCache (from model.new_cache), got {type(cache).__name__}")
-            if cache.batch_size != B:
-                raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {B}")
-            cache.check_room(T, start_pos)
-            pad = cache.pad if pad is None else pad
-        pad = _check_pad(pad, B, start_pos + T)
-
-        positions = torch.arange(start_pos, start_pos + T, device=self.device)      # (T,)
-        if pad is not None:
-            positions = (positions[None, :] - pad.to(self.device)[:, None]).clamp(min=0)  # (B, T)
-        rope = self.rope.angles(positions)
-        masks = {}  # one mask per distinct window (None = global) among the layers
-        shared = {}  # CLA: keys/values of each group's first layer, for the rest of its group
+        if cache is None:
+            start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
+            step = CacheStep.new(start, T, B, pad)
+        else:
+            if not torch.compiler.is_compiling():   # identity checks would pin the graph to one cache
+                self._check_cache(cache, B)           # object; `compile_decode` runs them eagerly first
+            step = cache.begin(T, pad, start_pos)
+        if step.end > self.config.context_length:
+            raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
+                             f"context_length {self.config.context_length}")
+        rope = self.rope.angles(step.positions(self.device))
+        masks = {}  # without a cache: one causal mask per distinct window (None = global)
 
         x = self.token_embeddings(token_ids)  # (B, T, D)
+        kv = None   # the keys/values of the current CLA group's first layer
         for i, block in enumerate(self.layers):
-            window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
-            if window not in masks:
-                masks[window] = self._mask(T, start_pos, pad, window, cached=cache is not None)
-            x = block(x, rope, cache.layers[i] if cache is not None else None, start_pos, masks[window],
-                      shared=shared)
+            if cache is None:
+                window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
+                if window not in masks:
+                    masks[window] = attention_mask(T, T, step.start, step.pad, window=window, device=self.device,
+                                                   first_key=step.start)
+                layer_cache, mask = None, masks[window]
+            else:
+                layer_cache = cache.layers[i]
+                mask = layer_cache.mask(step)
+            follower = self.config.kv_source_layer(i) != i
+            x, kv = block(x, rope, mask, layer_cache, step, kv if follower else None)
         if last_only:
-            x = x[:, -1:]
+            x = step.select_last(x)  # (B, 1, D): the position whose logits predict the next token
         logits = self.lm_head(self.ln_final(x))  # (B, T, V)
         if cache is not None:
-            cache.advance(T)
+            cache.commit(step)  # only now: an exception above leaves the cache as it was
         return logits[0] if squeeze else logits
 
-    def _mask(self, T: int, start_pos: int, pad, window: int | None, cached: bool):
-        """The mask over the keys a layer attends to: with a cache, global layers see positions
-        0 .. start_pos + T - 1 and local ones those their rolling buffer returns (from
-        start_pos - window + 1); without a cache, just the T new positions."""
-        if not cached:
-            first = start_pos
-        else:
-            first = 0 if window is None else max(0, start_pos - window + 1)  # = RollingKVCache.first_key
-        return attention_mask(T, start_pos + T - first, start_pos, pad, window=window, device=self.device,
-                              first_key=first)
+    def _check_cache(self, cache, batch_size: int) -> None:
+        """Refuse a cache built for another model (layer count, sharing, heads, dims, windows) or batch."""
+        _checks.instance("cache", cache, KVCache, "a KVCache (from model.new_cache)")
+        fix = "build the cache with this model's new_cache(...)"
+        if len(cache.layers) != len(self.layers):
+            raise ValueError(f"cache has {len(cache.layers)} layers but this model has {len(self.layers)}; {fix}")
+        owners = set()
+        for i, (layer, block) in enumerate(zip(cache.layers, self.layers)):
+            source = self.config.kv_source_layer(i)
+            if source != i:
+                if layer is not cache.layers[source]:
+                    raise ValueError(f"layer {i} shares layer {source}'s keys/values (kv_share_group="
+                                     f"{self.config.kv_share_group}) but the cache gives it its own; {fix}")
+                continue
+            if id(layer) in owners:
+                raise ValueError(f"cache layer {i} is shared with an earlier layer, but this model's layer {i} "
+                                 f"computes its own keys/values; {fix}")
+            owners.add(id(layer))
+            expected = block.attn.cache_spec()
+            if layer.spec != expected:
+                raise ValueError(f"cache layer {i} holds (K heads, key dim, window) = {layer.spec} but this model's "
+                                 f"layer {i} needs {expected}; {fix}")
+        if cache.batch_size != batch_size:
+            raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
 
-    def _check_tokens(self, token_ids, start_pos) -> torch.Tensor:
-        if not isinstance(token_ids, torch.Tensor):
-            raise TypeError(f"token_ids must be a torch.Tensor of integer ids, got {type(token_ids).__name__}")
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or token_ids.dtype == torch.bool:
-            raise TypeError(f"token_ids must have an integer dtype, got {token_ids.dtype}")
-        if token_ids.dim() == 1:
-            token_ids = token_ids[None]
-        if token_ids.dim() != 2:
-            raise ValueError(f"token_ids must have shape (B, T) or (T,), got {tuple(token_ids.shape)}")
-        B, T = token_ids.shape
-        if B == 0 or T == 0:
-            raise ValueError(f"token_ids must be non-empty, got shape {tuple(token_ids.shape)}")
-        if isinstance(start_pos, bool) or not isinstance(start_pos, int) or start_pos < 0:
-            raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
-        if start_pos + T > self.config.context_length:
-            raise ValueError(f"sequence too long: start_pos {start_pos} + {T} tokens exceeds "
-                             f"context_length {self.config.context_length}")
-        lo, hi = int(token_ids.min()), int(token_ids.max())
-        if lo < 0 or hi >= self.config.vocab_size:
-            raise ValueError(f"token ids must be in [0, vocab_size={self.config.vocab_size}), got values in [{lo}, {hi}]")
-        return token_ids.to(self.device)
-
-
-def _check_pad(pad, batch_size: int, total_len: int) -> torch.Tensor | None:
-    if pad is None:
-        return None
-    if not isinstance(pad, torch.Tensor) or pad.dtype.is_floating_point or pad.dtype == torch.bool:
-        raise TypeError("pad must be an integer tensor of shape (B,) counting left-padding slots")
-    if pad.shape != (batch_size,):
-        raise ValueError(f"pad must have shape ({batch_size},), got {tuple(pad.shape)}")
-    if int(pad.min()) < 0 or int(pad.max()) >= total_len:
-        raise ValueError(f"pad values must be in [0, {total_len}) so every sequence keeps a real token, "
-                         f"got {pad.tolist()}")
-    return None if int(pad.max()) == 0 else pad.long()
+    def _check_tokens(self, token_ids) -> torch.Tensor:
+        """(B, T) or (T,) integer ids in [0, vocab_size) -> (B, T) int64 on the model's device."""
+        if torch.compiler.is_compiling():   # reading values back is a graph break: compiled callers
+            return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)  # check first
+        token_ids = _checks.token_ids("token_ids", token_ids, self.config.vocab_size)
+        return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)

@@ -5,16 +5,16 @@ the context, it is a ring buffer of `window` positions (`RollingKVCache`); infor
 back can still arrive indirectly, one window per layer, so the receptive field grows linearly with
 depth. Hybrids (Gemma 2/3, Character.AI) keep some layers global (`ModelConfig.global_every`).
 
-The module is grouped-query attention with a different cache; the band mask is built by the model
-(`attention.attention_mask(..., window=..., first_key=...)`) because it depends on the batch's padding
-and on which positions the rolling buffer returns.
+The module is grouped-query attention with a different cache. The rolling cache alone knows the
+window's geometry: which positions `update` returns and the band mask over them (`mask(step)`); the
+model asks it. Without a cache the model builds the causal band from the layer's window.
 """
 
 from __future__ import annotations
 
 from .gqa import GroupedQueryAttention
 from .config import ModelConfig
-from .kv_cache import RollingKVCache
+from .rolling_kv_cache import RollingKVCache
 
 
 class SlidingWindowAttention(GroupedQueryAttention):
@@ -29,9 +29,12 @@ class SlidingWindowAttention(GroupedQueryAttention):
         super().__init__(config, layer_idx, device=device, dtype=dtype)
         self.window = window
 
-    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None) -> RollingKVCache:
+    def new_cache(self, batch_size: int, max_seq_len: int, device=None, dtype=None,
+                  max_rollback: int = 1) -> RollingKVCache:
+        """A ring of window + max_rollback - 1 slots: `truncate` can always remove max_rollback positions."""
         return RollingKVCache(batch_size, self.num_kv_heads, self.head_dim, self.window, max_seq_len,
-                              device=device, dtype=dtype or self.q_proj.weight.dtype)
+                              device=device, dtype=dtype or self.q_proj.weight.dtype,
+                              spare=max(0, max_rollback - 1))
 
     def extra_repr(self) -> str:
         return f"window={self.window}"

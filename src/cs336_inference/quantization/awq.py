@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import _checks
 from .core import check_bits, check_finite, fake_quantize
 
 
@@ -45,8 +46,7 @@ def awq_search_scales(weight: torch.Tensor, inputs: torch.Tensor, bits: int = 4,
     if inputs.numel() == 0:
         raise ValueError("calibration inputs are empty; AWQ needs activations to find salient channels")
     check_finite("calibration inputs", inputs)
-    if isinstance(grid, bool) or not isinstance(grid, int) or grid < 1:
-        raise ValueError(f"grid must be a positive int, got {grid!r}")
+    _checks.positive_int("grid", grid)
     x = inputs.reshape(-1, inputs.shape[-1]).float()
     if x.shape[1] != weight.shape[1]:
         raise ValueError(f"inputs have {x.shape[1]} features but the weight has {weight.shape[1]} input features")

@@ -20,14 +20,15 @@ from dataclasses import dataclass
 import torch
 from einops import rearrange
 
+from .. import _checks
+
 SUPPORTED_BITS = (2, 3, 4, 8)
 GRANULARITIES = ("tensor", "channel", "group")
 
 
 def check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
-    return bits
+    _checks.integer("bits", bits, allowed=f"an int, one of {SUPPORTED_BITS}")
+    return _checks.one_of("bits", bits, SUPPORTED_BITS)
 
 
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
@@ -49,14 +50,12 @@ def check_finite(name: str, x: torch.Tensor) -> None:
 
 def resolve_group_size(in_features: int, granularity: str, group_size: int | None) -> int | None:
     """The group length along the last dim: None for per-tensor, in_features for per-channel."""
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    _checks.one_of("granularity", granularity, GRANULARITIES)
     if granularity == "tensor":
         return None
     if granularity == "channel":
         return in_features
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-        raise ValueError(f"group_size must be a positive int for granularity='group', got {group_size!r}")
+    _checks.integer("group_size", group_size, 1, allowed="a positive int for granularity='group'")
     if in_features % group_size != 0:
         raise ValueError(f"group_size {group_size} does not divide the input dimension {in_features}; "
                          f"choose a divisor of {in_features}")
@@ -121,8 +120,9 @@ def quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool | None = Non
     qmin, qmax = qrange(bits, symmetric)
     scale = _expand(torch.as_tensor(scale, dtype=torch.float32, device=x.device), x.shape)
     zero_point = _expand(torch.as_tensor(zero_point, dtype=torch.float32, device=x.device), x.shape)
-    if torch.any(torch.as_tensor(scale) <= 0):
-        raise ValueError("scale must be positive")
+    if not torch.isfinite(scale).all() or torch.any(scale <= 0):
+        raise ValueError(f"scale must be finite and positive, got values in [{scale.min().item()}, "
+                         f"{scale.max().item()}] (NaN/Inf or <= 0)")
     q = torch.round(x.float() / scale) + zero_point
     return q.clamp(qmin, qmax).to(torch.int32)
 

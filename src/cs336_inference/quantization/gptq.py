@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _checks
 from .core import QuantizedTensor, check_bits, check_finite, compute_scale_zero_point, dequantize, quantize, qrange
 
 
@@ -63,12 +64,11 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None = None, *, 
         raise ValueError(f"hessian must be ({I}, {I}) for a weight with {I} input features, got {tuple(hessian.shape)}")
     check_finite("hessian", hessian)
     g = I if group_size is None else group_size
-    if isinstance(g, bool) or not isinstance(g, int) or g <= 0 or I % g != 0:
-        raise ValueError(f"group_size {group_size!r} must be a positive int dividing the input dimension {I}")
-    if not (isinstance(damp, (int, float)) and damp > 0):
-        raise ValueError(f"damp must be a positive number, got {damp!r}")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    _checks.positive_int("group_size", g)
+    if I % g != 0:
+        raise ValueError(f"group_size {group_size!r} must divide the input dimension {I}")
+    _checks.finite_positive_float("damp", damp)
+    _checks.positive_int("block_size", block_size)
 
     W = weight.detach().double().clone()
     H = hessian.detach().double().clone()

@@ -5,9 +5,8 @@ weights, dominates the bytes moved (Hooper et al. 2024, KVQuant; Liu et al. 2024
 8 bits halves those bytes relative to bf16 (quarters them relative to fp32). Each (sequence, head,
 position) vector of H values gets its own absmax scale, so one large token cannot spoil the rest.
 
-`QuantizedKVCache` follows the per-layer cache protocol of `kv_cache.ContiguousKVCache`
-(`update(k, v, start_pos)`, `read(length)`, `check_truncate(n)`, `truncate(n)`, `nbytes`,
-`bytes_per_token`), and
+`QuantizedKVCache` implements the layer-cache interface (`model.kv_cache.LayerCache`: `update(k, v,
+step)`, `mask(step)`, `commit`, `check_truncate(n)`, `truncate(n)`, `nbytes`, `bytes_per_token`), and
 `quantize_kv_cache(model.new_cache(...))` swaps it into a model's `KVCache` in place of the
 full-precision layers, so `forward`, `prefill` and `decode_one_token` use it unchanged.
 """
@@ -16,23 +15,21 @@ from __future__ import annotations
 
 import torch
 
-from ..model.kv_cache import ContiguousKVCache, KVCache, check_kv_write
+from .. import _checks
+from ..model.kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache, check_kv_write
 from .fp8 import fp8_dtype
 
 KV_FORMATS = ("int8", "e4m3", "e5m2")
 
 
-class QuantizedKVCache:
+class QuantizedKVCache(LayerCache):
     """One layer's keys and values in 8 bits, (B, K, S_max, H), with fp16 scales (B, K, S_max, 1)."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int, device=None,
                  dtype: torch.dtype = torch.float32, fmt: str = "int8", scale_dtype: torch.dtype = torch.float16):
-        if fmt not in KV_FORMATS:
-            raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
-        for name, value in (("batch_size", batch_size), ("num_kv_heads", num_kv_heads),
-                            ("head_dim", head_dim), ("max_seq_len", max_seq_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        _checks.one_of("fmt", fmt, KV_FORMATS)
+        _checks.positive_ints(batch_size=batch_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                              max_seq_len=max_seq_len)
         self.fmt, self.dtype, self.max_seq_len = fmt, dtype, max_seq_len
         store = torch.int8 if fmt == "int8" else fp8_dtype(fmt)
         self.qmax = 127.0 if fmt == "int8" else torch.finfo(store).max
@@ -56,11 +53,11 @@ class QuantizedKVCache:
         y = (x.float() / scale.float()).clamp(-self.qmax, self.qmax)      # scale as stored, so decode matches
         return (torch.round(y).to(torch.int8) if self.fmt == "int8" else y.to(self.k.dtype)), scale
 
-    def update(self, k: torch.Tensor, v: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize and write k, v (B, K, T, H) at [start_pos, start_pos + T); return all (dequantized)."""
-        end = check_kv_write(k, v, start_pos, self.k, self.max_seq_len)
-        self.k[:, :, start_pos:end], self.k_scale[:, :, start_pos:end] = self._encode(k)
-        self.v[:, :, start_pos:end], self.v_scale[:, :, start_pos:end] = self._encode(v)
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize and write k, v (B, K, T, H) at [start, start + T); return all (dequantized)."""
+        end = check_kv_write(k, v, step, self.k, self.max_seq_len)
+        self.k[:, :, step.start:end], self.k_scale[:, :, step.start:end] = self._encode(k.detach())
+        self.v[:, :, step.start:end], self.v_scale[:, :, step.start:end] = self._encode(v.detach())
         return self.read(end)
 
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,11 +66,13 @@ class QuantizedKVCache:
         v = (self.v[:, :, :length].float() * self.v_scale[:, :, :length].float()).to(self.dtype)
         return k, v
 
-    def check_truncate(self, n: int) -> None:
-        """Every position < max_seq_len stays intact until overwritten, so any rollback is fine."""
+    @property
+    def spec(self) -> tuple:
+        return (self.k.shape[1], self.k.shape[3], None)
 
-    def truncate(self, n: int) -> None:
-        """Nothing to free: positions >= n are overwritten by the next update."""
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
 
     @property
     def nbytes(self) -> int:
@@ -91,12 +90,10 @@ def quantize_kv_cache(cache: KVCache, fmt: str = "int8") -> KVCache:
 
     Layers that share one cache (cross-layer sharing) keep sharing the replacement. Returns `cache`.
     """
-    if not isinstance(cache, KVCache):
-        raise TypeError(f"cache must be a KVCache from model.new_cache, got {type(cache).__name__}")
+    _checks.instance("cache", cache, KVCache, "a KVCache from model.new_cache")
     if cache.length != 0:
         raise ValueError(f"quantize an empty cache (this one already holds {cache.length} tokens)")
-    if fmt not in KV_FORMATS:
-        raise ValueError(f"fmt must be one of {KV_FORMATS}, got {fmt!r}")
+    _checks.one_of("fmt", fmt, KV_FORMATS)
     replaced = {id(layer): QuantizedKVCache.like(layer, fmt) for layer in cache.unique_layers()}
     cache.layers = [replaced[id(layer)] for layer in cache.layers]
     return cache

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
 from .core import check_finite
 
 
@@ -59,8 +60,8 @@ def llm_int8_matmul(x: torch.Tensor, weight: torch.Tensor | None = None, thresho
         w_q, w_scale = absmax_int8(weight, dim=-1)
     if w_q is None or w_scale is None:
         raise ValueError("give either weight, or both w_q and w_scale")
-    if threshold is not None and (isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0):
-        raise ValueError(f"threshold must be a positive number or None, got {threshold!r}")
+    if threshold is not None:
+        _checks.finite_positive_float("threshold", threshold)
     if x.shape[-1] != w_q.shape[-1]:
         raise ValueError(f"x has {x.shape[-1]} input features but the weight has {w_q.shape[-1]}")
     lead = x.shape[:-1]

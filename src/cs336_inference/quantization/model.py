@@ -16,10 +16,12 @@ import copy
 import torch
 import torch.nn as nn
 
+from .. import _checks
 from .awq import awq_search_scales
 from .core import check_bits, quantize_tensor
 from .gptq import gptq_quantize
-from .linear import Fp8Linear, LLMInt8Linear, QuantizedLinear
+from .kernels import check_kernel
+from .linear import QUANTIZED_LINEAR_TYPES, Fp8Linear, LLMInt8Linear, QuantizedLinear
 from .qat import qat_finetune
 
 METHODS = ("rtn", "gptq", "awq", "qat", "fp8", "llm_int8")
@@ -50,15 +52,8 @@ def _check_calibration(calibration, vocab_size: int) -> list[torch.Tensor]:
         raise ValueError("calibration data is empty: give at least one sequence of token ids")
     out = []
     for i, b in enumerate(batches):
-        b = torch.as_tensor(b)
-        if b.dtype.is_floating_point or b.dtype == torch.bool:
-            raise TypeError(f"calibration batch {i} must hold integer token ids, got dtype {b.dtype}")
-        b = b[None] if b.dim() == 1 else b
-        if b.dim() != 2 or b.numel() == 0:
-            raise ValueError(f"calibration batch {i} must be a non-empty (B, T) or (T,) tensor, got shape {tuple(b.shape)}")
-        if int(b.min()) < 0 or int(b.max()) >= vocab_size:
-            raise ValueError(f"calibration batch {i} has token ids outside [0, {vocab_size})")
-        out.append(b.long())
+        b = _checks.token_ids(f"calibration batch {i}", torch.as_tensor(b), vocab_size)
+        out.append(b[None] if b.dim() == 1 else b)
     return out
 
 
@@ -70,8 +65,12 @@ def _target_linears(model: nn.Module, quantize_lm_head: bool) -> list[str]:
 def _check_args(model, method, bits, group_size, calibration, quantize_embedding, quantize_lm_head):
     if not isinstance(model, nn.Module) or not hasattr(model, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    _checks.one_of("method", method, METHODS)
+    done = [n for n, m in model.named_modules() if isinstance(m, QUANTIZED_LINEAR_TYPES + (QuantizedEmbedding,))]
+    if done or getattr(model, "quantization", None):
+        raise ValueError(f"model is already quantized ({getattr(model, 'quantization', None) or done[:3]}); "
+                         f"quantize the full-precision model instead (quantizing twice compounds the error "
+                         f"and mislabels the bits)")
     if method in ("fp8", "llm_int8"):
         if bits != 8:
             raise ValueError(f"method {method!r} stores 8-bit weights; bits must be 8, got {bits!r}")
@@ -82,8 +81,7 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
     if quantize_embedding:
         dims.add(model.token_embeddings.embedding_dim)
     if group_size is not None:
-        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
-            raise ValueError(f"group_size must be a positive int or None (per channel), got {group_size!r}")
+        _checks.optional_positive_int("group_size", group_size)
         bad = sorted(d for d in dims if d % group_size)
         if bad:
             raise ValueError(f"group_size {group_size} does not divide the input dimension(s) {bad} of the "
@@ -163,13 +161,16 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
                    block_size: int = 128, awq_grid: int = 20, fold_scales: bool = True, fp8_format: str = "e4m3",
                    threshold: float | None = 6.0, qat_steps: int = 100, qat_lr: float = 3e-4,
                    qat_batch_size: int = 8, qat_seq_len: int = 128, qat_teacher: bool = True,
-                   scale_dtype: torch.dtype = torch.float16) -> nn.Module:
+                   scale_dtype: torch.dtype = torch.float16, kernel: str = "auto") -> nn.Module:
     """A quantized deep copy of `model` (the original is untouched).
 
     method: "rtn" (round to nearest), "gptq", "awq", "qat" (fake-quant fine-tune, then RTN), "fp8"
     (e4m3 per channel; bits=8) or "llm_int8" (bits=8). group_size None = per output channel.
     calibration: token ids (B, T) / (T,) or a list of them (GPTQ/AWQ statistics; QAT training data).
+    kernel: how every `QuantizedLinear` runs: "auto" (torch's packed int4/int8 kernels where the layout
+    fits, else dequantize + matmul), "reference" (always dequantize + matmul) or "packed".
     """
+    check_kernel(kernel)
     names, batches = _check_args(model, method, bits, group_size, calibration, quantize_embedding,
                                  quantize_lm_head)
     q = copy.deepcopy(model).eval()
@@ -192,9 +193,25 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
     if quantize_embedding:
         q.token_embeddings = QuantizedEmbedding(q.token_embeddings, bits if method not in ("fp8", "llm_int8") else 8,
                                                 group_size, symmetric)
+    set_quantized_kernel(q, kernel)
     q.quantization = dict(method=method, bits=bits, group_size=group_size, symmetric=symmetric,
                           quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
     return q
+
+
+def set_quantized_kernel(model: nn.Module, kernel: str) -> nn.Module:
+    """Run every `QuantizedLinear` of `model` with `kernel` ("auto", "reference" or "packed"); checks all
+    layers before changing any, so a refused "packed" leaves the model as it was."""
+    check_kernel(kernel)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if kernel == "packed":
+        for m in layers:
+            reason = m.packed_unsupported_reason(m.qweight.device)
+            if reason is not None:
+                raise ValueError(f"kernel='packed' cannot run layer ({m.extra_repr()}): {reason}; use 'auto'")
+    for m in layers:
+        m.set_kernel(kernel)
+    return model
 
 
 def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,
@@ -210,7 +227,8 @@ def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_orde
                 lin = q.get_submodule(n)
                 res = gptq_quantize(lin.weight, inputs=inputs[n], bits=bits, group_size=group_size,
                                     symmetric=symmetric, block_size=block_size, damp=damp, act_order=act_order)
-                _set(q, n, QuantizedLinear(res.quantized, scale_dtype=scale_dtype, out_dtype=lin.weight.dtype))
+                _set(q, n, QuantizedLinear(res.quantized, scale_dtype=scale_dtype, out_dtype=lin.weight.dtype,
+                                           bias=lin.bias))
             continue
         # AWQ: one shared scale per group of linears reading the same input. Search the groups whose
         # producer is a linear of this stage first (w2's 1/s lands in w3's rows before w3 is searched).
@@ -229,4 +247,4 @@ def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_orde
             granularity = "channel" if group_size is None else "group"
             qt = quantize_tensor(lin.weight.detach(), bits, symmetric, granularity, group_size)
             _set(q, n, QuantizedLinear(qt, input_scale=explicit.get(n), scale_dtype=scale_dtype,
-                                       out_dtype=lin.weight.dtype))
+                                       out_dtype=lin.weight.dtype, bias=lin.bias))

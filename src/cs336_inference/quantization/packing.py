@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import _checks
+
 
 def _check_codes(q: torch.Tensor, lo: int, hi: int, name: str = "q") -> None:
     if not isinstance(q, torch.Tensor) or q.dtype.is_floating_point or q.dtype == torch.bool:
@@ -45,8 +47,7 @@ def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
     Eight codes make exactly b bytes, so 3-bit weights cost 3/8 byte each (the last partial block is
     zero-padded). Shape is not stored: pass `numel` (and reshape) to `unpack_bits`.
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 7:
-        raise ValueError(f"bits must be an int in [1, 7] for pack_bits, got {bits!r}")
+    _checks.integer("bits", bits, 1, 7, allowed="an int in [1, 7] for pack_bits")
     _check_codes(q, 0, 2**bits - 1)
     flat = q.reshape(-1).to(torch.int64)
     pad = (-flat.numel()) % 8
@@ -59,8 +60,7 @@ def pack_bits(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
     """The inverse of `pack_bits`: uint8 bytes -> int32 codes of length `numel`."""
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 7:
-        raise ValueError(f"bits must be an int in [1, 7] for unpack_bits, got {bits!r}")
+    _checks.integer("bits", bits, 1, 7, allowed="an int in [1, 7] for unpack_bits")
     if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
         raise TypeError("packed must be a uint8 torch.Tensor (from pack_bits)")
     blocks = packed.reshape(-1, bits).to(torch.int64)              # (blocks, b bytes)

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .. import _checks
 from .core import check_bits, fake_quantize
 
 
@@ -56,8 +57,7 @@ def qat_finetune(model: nn.Module, tokens: torch.Tensor, linear_names: list[str]
     cross-entropy. Returns the loss curve. Afterwards the linears are plain `nn.Linear` again, whose
     RTN quantization (same bits, groups, symmetry) is exactly what was trained.
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    _checks.positive_int("steps", steps)
     tokens = tokens.reshape(-1) if tokens.dim() == 1 else tokens
     if tokens.dim() == 1 and tokens.numel() < seq_len + 2:
         raise ValueError(f"need more than seq_len + 1 = {seq_len + 1} training tokens, got {tokens.numel()}")
