@@ -668,6 +668,9 @@ def speculative_sampling():
              "kernels are far from a GPU's flat memory-bound cost for a few extra rows. Sampled at "
              f"temperature 1 the small model paraphrases instead of copying, and alpha falls to {hot:.2f} or less: "
              "speculation then costs more than it saves.")
+    else:
+        text("With the real model (SmolLM2-135M) installed, the benchmark adds prompt lookup on chat tasks whose "
+             "answer copies a given passage: the workload where a CPU gains most from speculation.")
     image("figures/speculative.png", width=900)
 
     text("Drafting without a second model. Medusa: extra heads on the target's last hidden state guess "
