@@ -20,13 +20,13 @@ from .device import apply_thread_policy, default_dtype, get_device, seed_everyth
 from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
                          prefill, sample_next_token, speculative_accept, speculative_generate)
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    scaled_dot_product_attention)
+                    load_tokenizer, scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "apply_thread_policy",
     "decode_one_token", "default_dtype", "expected_speedup", "expected_tokens_per_pass", "generate", "get_device",
-    "load_cs336_checkpoint", "load_pretrained", "prefill", "sample_next_token", "scaled_dot_product_attention",
-    "seed_everything", "speculative_accept", "speculative_generate",
+    "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "prefill", "sample_next_token",
+    "scaled_dot_product_attention", "seed_everything", "speculative_accept", "speculative_generate",
 ]
