@@ -840,23 +840,32 @@ def speculative_sampling():
     v8 = toy[("draft", 8)]["verify_cost"]  # @inspect v8
     c_draft = sorted(r["cost_ratio"] for (name, _), r in toy.items() if name == "draft")[len(bench["gammas"]) // 2]  # @inspect c_draft
     assert toy[("draft", 4)]["alpha"] > toy[("draft-scratch", 4)]["alpha"] and v8 > 1.2
-    text(f"Why the toy pair gains little: its 2M-parameter target fits in the CPU's caches, so decode is not "
-         f"memory-bound. Verifying 9 tokens costs {v8:.1f} decode steps (not 1), and the draft, with 8x fewer "
-         f"FLOPs, still costs c = {c_draft:.2f} of a target step, because per-layer overheads do not shrink "
+    text(f"Why the toy pair gains less than its alpha promises: its 2M-parameter target fits in the CPU's "
+         f"caches, so decode is not memory-bound. Verifying 9 tokens costs {v8:.1f} decode steps (not 1), and "
+         f"the draft, with 8x fewer FLOPs, still costs c = {c_draft:.2f} of a target step, because per-layer overheads do not shrink "
          "with width (and the two models evict each other's weights from the core's caches as they take turns).")
     real = {(r["temperature"], r["gamma"]): r for r in bench["rows"] if r["workload"] == "smollm2-grounded"}
     if real:
-        best = max((r for (t, _), r in real.items() if t == 0), key=lambda r: r["measured_speedup"])
-        hot = max(r["alpha"] for (t, _), r in real.items() if t == 1)  # @inspect hot
-        assert best["measured_speedup"] > 1.5 and hot < best["alpha"]
+        greedy = [r for (t, _), r in real.items() if t == 0]
+        best = max(greedy, key=lambda r: r["measured_speedup"])
+        ratio = [r["measured_over_predicted"] for r in greedy]
+        ratio_lo, ratio_hi = min(ratio), max(ratio)  # @inspect ratio_lo, ratio_hi
+        sampled = [r for (t, _), r in real.items() if t == 1]
+        hot = max(r["alpha"] for r in sampled)  # @inspect hot
+        hot_best = max(r["measured_speedup"] for r in sampled)  # @inspect hot_best
+        assert best["measured_speedup"] > 1.5 and hot < best["alpha"] and hot_best < best["measured_speedup"]
+        assert abs(best["measured_over_predicted"] - 1) < 0.15
+        assert sum(r["measured_speedup"] < 1 for r in sampled) > len(sampled) / 2
         text(f"On a real model, SmolLM2-135M-Instruct asked to rewrite or summarise a given passage (its answer "
              f"copies the input), prompt lookup drafts for free: alpha {best['alpha']:.2f}, "
              f"{best['tokens_per_pass']:.1f} tokens per target pass at gamma = {best['gamma']}, "
-             f"{best['measured_speedup']:.1f}x faster greedy decoding on this CPU, the same tokens. Even here a "
+             f"{best['measured_speedup']:.1f}x faster greedy decoding on this CPU (predicted "
+             f"{best['predicted_speedup']:.1f}x), the same tokens. Over gamma = 1..8 measured / predicted is "
+             f"{ratio_lo:.2f}-{ratio_hi:.2f}: the theory, fed the measured costs, explains the speed-up. Even here a "
              f"verification pass costs {best['verify_cost']:.1f} decode steps, not 1: one CPU core's fp32 "
              "kernels are far from a GPU's flat memory-bound cost for a few extra rows. Sampled at "
              f"temperature 1 the small model paraphrases instead of copying, and alpha falls to {hot:.2f} or less: "
-             "speculation then costs more than it saves.")
+             f"speculation then gains at most {hot_best:.2f}x and mostly loses.")
     else:
         text("With the real model (SmolLM2-135M) installed, the benchmark adds prompt lookup on chat tasks whose "
              "answer copies a given passage: the workload where a CPU gains most from speculation.")
