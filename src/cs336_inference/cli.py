@@ -197,6 +197,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
     "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
     "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
+    "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
