@@ -234,3 +234,86 @@ for g in (1, 2, 4, 8):
 #
 # All of them keep the same verification step, so with the accept/resample rule the output stays
 # an exact sample from the target.
+
+# %% [markdown]
+# ## 7. A real model copies its input: SmolLM2-135M with prompt lookup
+# SmolLM2-135M-Instruct is big enough that one decode step streams ~0.5 GB of fp32 weights, and
+# asked to rewrite a given passage its answer quotes the passage: prompt lookup guesses right most of
+# the time, for free. One greedy run each (noisy; skipped when the model's package is not installed):
+
+# %%
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from cs336_inference.data.real_text import pydoc_documents  # noqa: E402
+from cs336_inference.model import load_tokenizer  # noqa: E402
+from cs336_inference.model.real_models import gguf_path  # noqa: E402
+
+try:
+    gguf_path("smollm2-135m")
+    have_smollm2 = True
+except (ModuleNotFoundError, FileNotFoundError) as e:
+    print(e)
+    have_smollm2 = False
+if have_smollm2:
+    smol, smol_tok = load_pretrained("smollm2-135m"), load_tokenizer("smollm2-135m")
+    # plain-prose paragraphs of CPython's documentation (offline English); the second is about exceptions
+    passages = [p for d in pydoc_documents("eval") for p in d.split("\n\n")
+                if 400 < len(p) < 800 and p.count(". ") >= 3 and "*" not in p and "::" not in p]
+    passage = passages[1]
+    request = "Rewrite the following passage, putting each sentence on its own line:\n\n" + " ".join(passage.split())
+    ids = smol_tok.encode(smol_tok.apply_chat_template([{"role": "user", "content": request}]))
+    generate(smol, [ids], 2)  # warm-up
+    plain_out = generate(smol, [ids], 96, stop_tokens=smol_tok.stop_ids)
+    spec = speculative_generate(smol, "prompt_lookup", ids, 5, max_new_tokens=96, stop_tokens=smol_tok.stop_ids)
+    assert spec.tokens == plain_out.tokens[0]  # the same answer, token for token
+    print(f"{len(ids)} prompt tokens, {len(spec.tokens)} generated; prompt lookup alpha {spec.alpha:.2f}, "
+          f"{spec.mean_tokens_per_pass:.2f} tokens per target pass ({spec.target_forwards} passes)")
+    print(f"decode {(plain_out.total_time - plain_out.ttft) / spec.decode_time_s:.2f}x faster than plain greedy")
+    print(smol_tok.decode(spec.tokens)[:400])
+
+# %% [markdown]
+# The committed benchmark (`python -m cs336_inference bench speculative`, 3 alternated repeats,
+# CPU-time clock) has the whole sweep; the best γ per workload and drafter at temperature 0,
+# measured next to the prediction from the measured α and measured costs:
+
+# %%
+path = Path.cwd().parent / "figures" / "speculative.json"
+if path.exists():
+    bench = json.loads(path.read_text())
+    rows = [r for r in bench["rows"] if r["temperature"] == 0]
+    print(f"{'workload':17s} {'drafter':14s} gamma alpha tok/pass     c     v measured predicted")
+    for key in dict.fromkeys((r["workload"], r["drafter"]) for r in rows):
+        r = max((r for r in rows if (r["workload"], r["drafter"]) == key), key=lambda r: r["measured_speedup"])
+        print(f"{key[0]:17s} {key[1]:14s} {r['gamma']:5d} {r['alpha']:5.2f} {r['tokens_per_pass']:8.2f} "
+              f"{r['cost_ratio']:5.3f} {r['verify_cost']:5.2f} {r['measured_speedup']:7.2f}x "
+              f"{r['predicted_speedup']:8.2f}x")
+else:
+    print("no committed results: run `python -m cs336_inference bench speculative --quick`")
+
+# %% [markdown]
+# ![measured vs predicted speed-up over gamma](../figures/speculative.png)
+#
+# ## 8. Summary
+# * The accept/resample rule makes every token an exact sample from the target, whatever the draft
+#   (exact fractions in §1, the tests enumerate and chi-square it): a bad draft costs speed, never quality.
+# * A pass emits (1 − α^(γ+1)) / (1 − α) tokens on average; the speed-up divides that by the pass's
+#   cost, γ·c + v. The paper's formula assumes v = 1 (a memory-bound target); measure v on your hardware.
+# * Speculation pays where the target is memory-bound and the draft agrees with it cheaply: a distilled
+#   draft, or prompt lookup when the output copies the input (SmolLM2 rewriting a passage, ~2x here).
+#   Sampling at a high temperature and free writing lower α until speculation costs more than it saves.
+# * The tiny toy target is not memory-bound: verifying γ + 1 tokens costs well over one step and its
+#   draft is not cheap, so it gains far less than its α promises.
+#
+# ## Exercises
+# 1. Use `speculative_output_distribution` to find p, q over three tokens where α is 0.5 but the
+#    residual puts all its mass on one token. What does the draft do wrong?
+# 2. With α = 0.8, for which cost ratios c is γ = 1 optimal (`optimal_gamma`)? Repeat with `verify_cost`
+#    set to this machine's measured v(γ) from §5: how does the best γ move?
+# 3. Make the draft worse on purpose (add noise to its `lm_head`) and check with a chi-square test that
+#    `speculative_generate` at temperature 1 still samples the target's distribution of the first 2 tokens.
+# 4. Prompt lookup with `max_ngram = 1` vs 3 on the echo drills and on a story: which finds more
+#    accepted drafts, and why does a longer n-gram match help on one and not the other?
+# 5. Implement a Medusa-style head: a linear layer on the target's last hidden state predicting token
+#    t+2, trained on the target's own greedy outputs; use it as a drafter (see `generation.drafters`) and
+#    measure its α at position 1.
