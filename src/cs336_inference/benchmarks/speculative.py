@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from ..data.corpus import VAL_EVERY, build_corpus
-from ..device import apply_thread_policy, get_device, seed_everything
+from ..device import get_device, seed_everything, thread_policy
 from ..figures import save_json
 from ..generation.generate import generate
 from ..generation.prompt_lookup import prompt_lookup_propose
@@ -46,7 +46,7 @@ from ..generation.speculative_theory import expected_speedup, expected_tokens_pe
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import ENDOFTEXT
 from ..tables import print_table
-from ..timing import sync_device
+from ..timing import num_threads, sync_device
 from .speculative_plot import plot_speculative
 
 TEMPERATURES = (0.0, 1.0)
@@ -380,35 +380,35 @@ def bench_speculative(quick: bool = False, device: str | None = None, workloads=
     """Run every workload; print the table; write figures/speculative(.json, .png) (or *_quick)."""
     device = get_device(device)
     seed_everything(0)
-    threads_before = torch.get_num_threads()
     # Batch-1 decoding is latency work: one thread by the package's policy (CS336_NUM_THREADS overrides).
     # With one CPU thread the process's CPU time is the run's time on an idle core, however busy the
     # shared machine is (wall-clock is reported beside it); with more threads wall-clock is the measure.
-    apply_thread_policy(parallel=False)
-    clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
-    try:
-        gammas = (1, 4) if quick else tuple(range(1, 9))
-        repeats = 1 if quick else 3
-        load_before = os.getloadavg()[0]
-        t0 = time.perf_counter()
-        workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
-        rows, costs, notes = [], {}, {}
-        for w in workloads:
-            w_gammas = gammas if w.gammas is None or quick else w.gammas
-            print(f"{w.name}: {len(w.prompts)} prompt(s), {w.max_new_tokens} new tokens, gamma {list(w_gammas)}, "
-                  f"drafters {list(w.drafters)}", flush=True)
-            w_rows, costs[w.name] = run_workload(w, w_gammas, repeats, clock)
-            rows += w_rows
-            notes[w.name] = dict(note=w.note, prompts=len(w.prompts), max_new_tokens=w.max_new_tokens,
-                                 prompt_tokens=[len(p) for p in w.prompts], **w.extra)
-        result = dict(device=str(device), threads=torch.get_num_threads(), clock=clock, gammas=list(gammas),
-                      repeats=repeats, load_average_before=load_before, load_average_after=os.getloadavg()[0],
-                      seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
-    finally:
-        torch.set_num_threads(threads_before)
-    _print_table(rows, clock)
+    with num_threads(thread_policy(parallel=False)):
+        result = _bench_speculative(quick, device, workloads)
+    _print_table(result["rows"], result["clock"])
     print(f"\nload average {result['load_average_before']:.1f} -> {result['load_average_after']:.1f} on "
           f"{os.cpu_count()} cores, {result['threads']} thread(s), {result['seconds']:.0f} s")
     save_json(result, "speculative", result=True, quick=quick)
     plot_speculative(result, "speculative", quick=quick)
     return result
+
+
+def _bench_speculative(quick: bool, device: torch.device, workloads) -> dict:
+    clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
+    gammas = (1, 4) if quick else tuple(range(1, 9))
+    repeats = 1 if quick else 3
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
+    rows, costs, notes = [], {}, {}
+    for w in workloads:
+        w_gammas = gammas if w.gammas is None or quick else w.gammas
+        print(f"{w.name}: {len(w.prompts)} prompt(s), {w.max_new_tokens} new tokens, gamma {list(w_gammas)}, "
+              f"drafters {list(w.drafters)}", flush=True)
+        w_rows, costs[w.name] = run_workload(w, w_gammas, repeats, clock)
+        rows += w_rows
+        notes[w.name] = dict(note=w.note, prompts=len(w.prompts), max_new_tokens=w.max_new_tokens,
+                             prompt_tokens=[len(p) for p in w.prompts], **w.extra)
+    return dict(device=str(device), threads=torch.get_num_threads(), clock=clock, gammas=list(gammas),
+                repeats=repeats, load_average_before=load_before, load_average_after=os.getloadavg()[0],
+                seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)

@@ -23,10 +23,11 @@ import torch
 
 from ..compression import distill, importance_scores, prune_model
 from ..data.training import TrainConfig
-from ..device import apply_thread_policy, get_device, seed_everything
+from ..device import get_device, seed_everything, thread_policy
 from ..figures import save_json
 from ..generation.speculative import speculative_generate
 from ..generation.speculative_theory import expected_speedup, optimal_gamma
+from ..timing import num_threads
 from .speculative import REAL_TASKS, _prose_paragraphs, real_workloads
 
 DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
@@ -88,9 +89,7 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
     w, tok = workloads[0], load_tokenizer("smollm2-135m")
     target, prompts = w.target, w.prompts
     minutes = 1.0 if quick else minutes
-    threads_before = torch.get_num_threads()
-    apply_thread_policy(parallel=True)  # training is large work: every core the policy allows
-    try:
+    with num_threads(thread_policy(parallel=True)):  # training is large work: every core the policy allows
         held_out = {par for par in _prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
         stream = _training_text(tok, held_out)
         split = int(0.95 * len(stream))
@@ -127,8 +126,6 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
                       alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=by_position,
                       cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
                       used_in_bench_speculative=alpha >= 0.5, load_average=os.getloadavg()[0])
-    finally:
-        torch.set_num_threads(threads_before)
     print(f"alpha: pruned {alpha_pruned:.2f} -> distilled {alpha:.2f} after {steps} steps ({train_minutes:.0f} min); "
           f"c = {c:.2f}; best gamma {best}: predicted speed-up {result['predicted_speedup']:.2f}x")
     save_json(result, "speculative_draft", result=True, quick=quick)
