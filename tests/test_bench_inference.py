@@ -46,6 +46,10 @@ def test_sweep_and_runner_refuse():
         run_benchmark(None, [], concurrency=0)
     with pytest.raises(ValueError, match="speculative"):
         SweepConfig(speculative=("eagle",))
+    with pytest.raises(ValueError, match="draft"):   # the shipped draft drafts for the shipped target only
+        bench_inference(quick=True, device="cpu", model="smollm2-135m", sweep=SweepConfig())
+    with pytest.raises(ValueError, match="server"):
+        run_benchmark(None, [object()], concurrency=1, server="vllm")
 
 
 def test_cli_refuses_options_a_bench_does_not_take(capsys):
@@ -60,7 +64,8 @@ def tiny_sweep() -> SweepConfig:
                        concurrency_base=Workload("concurrency", (8, 8), 3, 1, 2), prompt_lens=(8, 24),
                        prompt_base=Workload("prompt_len", (8, 8), 2, 1, 2, rate=SPARSE_RATE), output_lens=(1, 3),
                        output_base=Workload("output_len", (8, 8), 1, 2, 2), presets=points,
-                       warmup=Workload("warmup", (8, 8), 2, 1, 1), quality_windows=(16, 1), repeats=2)
+                       warmup=Workload("warmup", (8, 8), 2, 1, 1), quality_windows=(16, 1), repeats=2,
+                       speculative_requests=2)
 
 
 def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_thread):
@@ -75,9 +80,11 @@ def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_
 
     data = json.loads((tmp_path / "inference_quick.json").read_text(), parse_constant=no_nan)
     rows = data["rows"]
-    assert {r["axis"] for r in rows} == {"preset", "kv_layout", "concurrency", "prompt_len", "output_len"}
-    assert len(rows) == 2 * 3 + 1 + 2 * (2 + 2 + 2)   # presets x precisions, contiguous chat, axes x precisions
-    assert data["machine"]["cpu"] and data["machine"]["torch_threads"] == 1 and data["speculative"]["pending"]
+    assert {r["axis"] for r in rows} == {"preset", "kv_layout", "speculative", "concurrency", "prompt_len",
+                                         "output_len"}
+    # presets x precisions, contiguous chat, 3 speculative modes, axes x precisions
+    assert len(rows) == 2 * 3 + 1 + 3 + 2 * (2 + 2 + 2)
+    assert data["machine"]["cpu"] and data["machine"]["torch_threads"] == 1
     assert set(data["quality"]) == {"fp32", "int8"}
     assert data["quality"]["fp32"]["kl_to_fp32"] == pytest.approx(0, abs=1e-6)
     for r in rows:
@@ -91,6 +98,12 @@ def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_
             assert r["tpot_mean_s"] is None and r["itl_p99_s"] is None   # single-token requests
         if r["axis"] == "prompt_len":   # one request at a time: TTFT is all prefill
             assert r["queueing_median_s"] == pytest.approx(0, abs=1e-9)
+    spec = {r["speculative"]: r for r in rows if r["axis"] == "speculative"}
+    assert set(spec) == {"off", "prompt_lookup", "draft"}
+    for r in spec.values():   # greedy chat answers: speculative decoding must reproduce plain decoding
+        assert r["server"] == "one_at_a_time" and r["same_tokens_as_plain"] == 1.0
+        assert r["queueing_median_s"] == pytest.approx(0, abs=1e-9)
+    assert spec["draft"]["spec_tokens_per_pass"] >= 1 and spec["off"]["spec_passes"] == 0
     for r in (r for r in rows if r["axis"] == "preset"):
         for q in r["requests"]:
             assert q["queueing_s"] + q["prefill_s"] + q["decode_s"] == pytest.approx(q["e2el_s"])
@@ -101,3 +114,31 @@ def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_
     for line, r in zip(table, rows):
         assert line["cpu"] == data["machine"]["cpu"] and line["precision"] == r["precision"]
         assert math.isclose(float(line["output_throughput"]), r["output_throughput"], rel_tol=1e-9)
+
+
+def test_one_at_a_time_server_times_and_tokens(one_thread):
+    """Requests served in arrival order, one at a time: a request that arrives while another runs waits
+    exactly until that one's last token; greedy speculative tokens equal plain `generate`'s."""
+    import torch
+
+    from cs336_inference import ModelConfig, TransformerLM, generate
+    from cs336_inference.benchmarks.inference_speculative import serve_one_at_a_time
+    from cs336_inference.serving import Request, SamplingParams
+
+    torch.manual_seed(0)
+    model = TransformerLM(ModelConfig(vocab_size=64, context_length=64, d_model=32, num_layers=2, num_heads=4,
+                                      d_ff=64)).eval()
+    prompts = [(1, 2, 3, 1, 2, 3, 1, 2), (5, 6, 7, 5, 6, 7)]
+    requests = [Request(0, prompts[0], 12, 0.0), Request(1, prompts[1], 9, 1e-6, SamplingParams())]
+    for draft in (None, "prompt_lookup"):
+        outputs, stats = serve_one_at_a_time(model, requests, draft, gamma=3)
+        first, second = outputs
+        assert first.first_scheduled_time == 0.0 and second.first_scheduled_time == first.token_times[0][-1]
+        for o, r in zip(outputs, requests):
+            times = o.token_times[0]
+            assert len(times) == len(o.tokens[0]) == r.max_new_tokens
+            assert all(a <= b for a, b in zip(times, times[1:])) and times[0] > o.first_scheduled_time
+            assert o.tokens[0] == generate(model, [list(r.prompt)], r.max_new_tokens).tokens[0]
+        if draft is not None:   # tokens of one pass share its end time: passes = distinct times after the first
+            distinct = sum(len(set(o.token_times[0][1:]) - {o.token_times[0][0]}) for o in outputs)
+            assert stats["passes"] == distinct and stats["accepted"] <= stats["proposed"]

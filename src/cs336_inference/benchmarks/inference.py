@@ -46,9 +46,9 @@ from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
 from ..timing import num_threads
-from .inference_config import (PRECISIONS, SPECULATIVE, SPECULATIVE_PENDING, RunSpec, SweepConfig, Workload,
-                               check_preset, sweep_config)
+from .inference_config import PRECISIONS, RunSpec, SweepConfig, Workload, check_preset, sweep_config
 from .inference_report import plot_operating_points, plot_ttft, print_inference
+from .inference_speculative import GAMMA
 from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
                              source_tokens, stop_tokens)
 from .machine import describe_machine, load_avg
@@ -94,17 +94,25 @@ def _per_request(outputs) -> list[dict]:
     return rows
 
 
-def one_run(spec: RunSpec, model, source, tokenizer, stop, device) -> dict:
-    """Serve one run of the sweep and return its row (and the per-request split for operating points)."""
+def one_run(spec: RunSpec, model, source, tokenizer, stop, device, drafts: dict | None = None) -> dict:
+    """Serve one run of the sweep and return its row (and the per-request split for operating points;
+    each request's output tokens on the speculative axis, to check greedy outputs against plain decoding)."""
     w = spec.workload
     requests = make_requests(w, source, tokenizer, stop)
-    row, outputs = run_benchmark(model, requests, w.concurrency, spec.kv_layout, device, spec.speculative)
+    server = "one_at_a_time" if spec.axis == "speculative" else "engine"
+    draft = (drafts or {}).get(spec.speculative) if spec.speculative != "off" else None
+    if spec.speculative != "off" and draft is None:
+        raise ValueError(f"speculative mode {spec.speculative!r} has no drafter here "
+                         f"(drafters: {sorted(drafts or {})})")
+    row, outputs = run_benchmark(model, requests, w.concurrency, spec.kv_layout, device, server, draft)
     row = {"axis": spec.axis, "workload": w.name, "precision": spec.precision, "kv_layout": spec.kv_layout,
            "speculative": spec.speculative, "concurrency": w.concurrency, "prompt_len_lo": w.prompt_len[0],
            "prompt_len_hi": w.prompt_len[1], "output_len": w.output_len, "num_requests": w.num_requests,
            "samples": w.samples, "workload_spec": w.describe(), **row}
     if spec.axis == "preset":
         row["requests"] = _per_request(outputs)
+    if spec.axis == "speculative":
+        row["output_token_ids"] = [o.tokens for o in outputs]
     return row
 
 
@@ -122,11 +130,43 @@ def median_run(rows: list[dict]) -> dict:
     return out
 
 
-def warm_up(models: dict, workload: Workload, source, tokenizer, stop, device) -> None:
-    """A short untimed run per precision: kernel layouts, allocator pools and caches get built here."""
+def warm_up(models: dict, workload: Workload, source, tokenizer, stop, device, drafts: dict, base: str) -> None:
+    """A short untimed run per precision and per drafter: kernel layouts, allocator pools and caches get
+    built here, not in the first timed run."""
+    requests = make_requests(workload, source, tokenizer, stop)
     for model in models.values():
-        run_benchmark(model, make_requests(workload, source, tokenizer, stop), workload.concurrency, "paged", device)
+        run_benchmark(model, requests, workload.concurrency, "paged", device)
+    for draft in [None, *drafts.values()] if drafts else []:
+        run_benchmark(models[base], requests[:1], 1, "contiguous", device, "one_at_a_time", draft)
 
+
+def check_drafts(model: str, modes) -> None:
+    """The shipped draft model drafts only for the shipped target (same tokenizer, trained from it)."""
+    if "draft" in modes and model != "target":
+        raise ValueError(f"speculative mode 'draft' needs a draft model of {model!r}; only the shipped target has one "
+                         f"(models/draft); use speculative=('off', 'prompt_lookup') for {model!r}")
+
+
+def load_drafts(modes, precision: str, device) -> dict:
+    """mode -> drafter for every speculative mode but "off": "prompt_lookup", or the shipped draft model
+    at the target's `precision`."""
+    drafts = {}
+    if "prompt_lookup" in modes:
+        drafts["prompt_lookup"] = "prompt_lookup"
+    if "draft" in modes:
+        drafts["draft"] = build_precision(load_pretrained("draft", device=device).eval(), precision, device)
+    return drafts
+
+
+def match_plain_greedy(rows: list[dict]) -> None:
+    """On the speculative axis of a greedy workload, the share of requests whose tokens equal plain
+    decoding's (speculative greedy decoding is exact: 1.0 up to floating-point ties), then drop the tokens."""
+    spec = [r for r in rows if r["axis"] == "speculative"]
+    tokens = [r.pop("output_token_ids") for r in spec]
+    plain = next((t for r, t in zip(spec, tokens) if r["speculative"] == "off"), None)
+    for r, t in zip(spec, tokens):
+        if plain is not None and r["workload_spec"]["temperature"] == 0:
+            r["same_tokens_as_plain"] = sum(a == b for a, b in zip(t, plain)) / len(t)
 
 def _finite(value):
     """NaN/inf -> None, recursively (strict JSON has no NaN; 'no value' is what they mean here)."""
@@ -177,6 +217,7 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
     seed_everything(0)
     real = model in REAL_MODELS
     config = (sweep or sweep_config(real, quick)).with_precisions(precision_order(device))
+    check_drafts(model, config.speculative if preset is None else ())
     runs = config.runs(only_preset=preset)
     if preset is not None:
         runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
@@ -214,20 +255,23 @@ def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, ru
     windows = quality_windows(text, *config.quality_windows)
     quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
     del reference
-    warm_up(models, config.warmup, source, tokenizer, stop, device)
+    drafts = load_drafts({s.speculative for s in runs}, config.precisions[0], device)
+    warm_up(models, config.warmup, source, tokenizer, stop, device, drafts, config.precisions[0])
     repeats = [[] for _ in runs]
     order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
     for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
         spec = runs[i]
-        repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device))
+        repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device, drafts))
+    rows = [median_run(r) for r in repeats]
+    match_plain_greedy(rows)
     return _finite({
         "benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
         "machine": describe_machine(device), "load_avg_before": load_before, "load_avg_after": load_avg(),
         "base_precision": config.precisions[0], "precisions": list(config.precisions),
         "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
         "quality_tokens": int(windows[:, 1:].numel()),
-        "speculative": {"modes": list(SPECULATIVE), "pending": list(SPECULATIVE_PENDING)},
-        "sweep": config.describe(), "rows": [median_run(r) for r in repeats]})
+        "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
+        "sweep": config.describe(), "rows": rows})
 
 
 __all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]

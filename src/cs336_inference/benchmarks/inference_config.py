@@ -20,13 +20,8 @@ from .. import _checks
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 KV_LAYOUTS = ("paged", "contiguous")
-# The speculative axis. A mode other than "off" needs a server registered in
-# `inference_runs.SPECULATIVE_SERVERS`; speculative decoding (issue 11) is not on main yet, so the
-# axis has one value and the result says what is pending.
-SPECULATIVE = ("off",)
-SPECULATIVE_PENDING = ("pending: speculative decoding (draft model, prompt lookup) is not on main yet, so the "
-                       "sweep runs without it (a mode in SPECULATIVE + its server in "
-                       "inference_runs.SPECULATIVE_SERVERS adds it)",)
+# The speculative axis (see inference_speculative): plain decoding, prompt lookup, the shipped draft model.
+SPECULATIVE = ("off", "prompt_lookup", "draft")
 
 
 @dataclass(frozen=True)
@@ -167,7 +162,8 @@ class SweepConfig:
     output_lens: tuple[int, ...] = (1, 16, 64, 192)
     output_base: Workload = Workload("output_len", prompt_len=(64, 64), output_len=1, concurrency=8, num_requests=16)
     kv_layouts: tuple[str, ...] = KV_LAYOUTS   # compared on the chat operating point
-    speculative: tuple[str, ...] = SPECULATIVE  # modes other than "off": compared on the chat operating point
+    speculative: tuple[str, ...] = SPECULATIVE  # compared on the chat point, one request at a time (if > 1 mode)
+    speculative_requests: int = 8       # chat requests served per speculative mode
     presets: dict = field(default_factory=_toy_points)
     warmup: Workload = Workload("warmup", prompt_len=(32, 64), output_len=8, concurrency=4, num_requests=4)
     quality_windows: tuple[int, int] = (256, 8)   # held-out windows for bits/byte and KL: (tokens, count)
@@ -215,7 +211,10 @@ class SweepConfig:
         chat = self.presets.get("chat")
         if chat is not None:
             out += [RunSpec("kv_layout", chat, base, layout) for layout in self.kv_layouts if layout != "paged"]
-            out += [RunSpec("speculative", chat, base, "paged", mode) for mode in self.speculative if mode != "off"]
+            if len(self.speculative) > 1:   # one sequence at a time on the model's own (contiguous) cache
+                alone = chat.replace(concurrency=1, rate=SPARSE_RATE,
+                                     num_requests=min(chat.num_requests, self.speculative_requests))
+                out += [RunSpec("speculative", alone, base, "contiguous", mode) for mode in self.speculative]
         for p in self.precisions:
             for c in self.concurrencies:
                 n = max(self.concurrency_base.num_requests, self.requests_per_slot * c)
@@ -235,6 +234,7 @@ class SweepConfig:
                 "prompt_lens": list(self.prompt_lens), "prompt_base": self.prompt_base.describe(),
                 "output_lens": list(self.output_lens), "output_base": self.output_base.describe(),
                 "kv_layouts": list(self.kv_layouts), "speculative": list(self.speculative),
+                "speculative_requests": self.speculative_requests,
                 "presets": {k: w.describe() for k, w in self.presets.items()}, "warmup": self.warmup.describe(),
                 "quality_windows": list(self.quality_windows), "repeats": self.repeats}
 
@@ -248,7 +248,9 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
                            prompt_base=Workload("prompt_len", (16, 16), 2, 1, 2, rate=SPARSE_RATE),
                            output_lens=(1, 8), output_base=Workload("output_len", (32, 32), 1, 2, 4),
                            presets=operating_points(real_model, quick=True),
-                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1)
+                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1,
+                           speculative=("off", "prompt_lookup") if real_model else SPECULATIVE,
+                           speculative_requests=2)
     if real_model:
         return SweepConfig(concurrencies=(1, 2, 4, 8, 16), requests_per_slot=1,
                            concurrency_base=Workload("concurrency", (64, 64), 16, 1, 4),
@@ -256,9 +258,9 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
                            prompt_base=Workload("prompt_len", (32, 32), 2, 1, 2, rate=SPARSE_RATE),
                            output_lens=(1, 16), output_base=Workload("output_len", (64, 64), 1, 4, 4),
                            presets=operating_points(True), warmup=Workload("warmup", (16, 16), 2, 2, 2),
-                           quality_windows=(256, 4), repeats=1)
+                           quality_windows=(256, 4), repeats=1, speculative=("off", "prompt_lookup"))
     return SweepConfig()
 
 
-__all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE",
-           "SPECULATIVE_PENDING", "SweepConfig", "Workload", "check_preset", "operating_points", "sweep_config"]
+__all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE", "SweepConfig",
+           "Workload", "check_preset", "operating_points", "sweep_config"]

@@ -118,8 +118,27 @@ def print_inference(result: dict) -> None:
         if _rows(result, axis):
             print(f"\nSweep over {AXIS_TITLES[axis]}")
             print(axis_table(result, axis, key, header))
-    for note in result["speculative"]["pending"]:
-        print(f"\nspeculative decoding: {note}")
+    if _rows(result, "speculative"):
+        s = result["speculative"]
+        print(f"\nSpeculative decoding on the chat workload, one request at a time (batch 1, contiguous cache, "
+              f"{result['base_precision']}, gamma {s['gamma']})")
+        print(speculative_table(result))
+
+
+def speculative_table(result: dict) -> str:
+    rows = [{**r, "tpot_ms": _ms(r["tpot_median_s"])} for r in _rows(result, "speculative")]
+    plain = next((r for r in rows if r["speculative"] == "off"), None)
+    for r in rows:
+        if plain is not None and r["tpot_median_s"] and plain["tpot_median_s"]:
+            r["speedup"] = plain["tpot_median_s"] / r["tpot_median_s"]
+    return format_table(rows, [
+        ("speculative", "drafter", None), ("ttft_median_s", "TTFT p50 ms", lambda v: MS.format(_ms(v))),
+        ("tpot_ms", "TPOT p50 ms", MS), ("speedup", "decode speed-up", "{:.2f}x"),
+        ("itl_median_s", "ITL p50 ms", lambda v: MS.format(_ms(v))),
+        ("itl_p99_s", "ITL p99 ms", lambda v: MS.format(_ms(v))), ("e2el_median_s", "E2E p50 s", "{:.2f}"),
+        ("spec_tokens_per_pass", "tokens / target pass", "{:.2f}"),
+        ("spec_draft_acceptance_rate", "drafts accepted", "{:.2f}"),
+        ("same_tokens_as_plain", "same tokens as plain", "{:.2f}")])
 
 
 AXIS_TITLES = {"concurrency": "concurrency (all requests at t = 0: TTFT includes queueing)",
@@ -193,4 +212,4 @@ def plot_ttft(result: dict):
 
 
 __all__ = ["axis_table", "kv_layout_table", "operating_point_table", "plot_operating_points", "plot_ttft",
-           "print_inference", "quality_table"]
+           "print_inference", "quality_table", "speculative_table"]

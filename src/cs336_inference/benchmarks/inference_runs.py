@@ -20,6 +20,7 @@ from ..quantization.model import quantize_model
 from ..serving import Engine, TraceConfig, benchmark_metrics, make_chat_trace, make_trace
 from ..serving.request import Request
 from .inference_config import PRECISIONS, Workload
+from .inference_speculative import serve_one_at_a_time
 from .machine import PeakMemory
 from .quantization_smollm2 import compare_on_text
 
@@ -88,34 +89,42 @@ def pool_blocks(requests: list[Request], concurrency: int, block_size: int = BLO
     return concurrency * math.ceil(longest / block_size) + 1
 
 
-# Speculative servers: mode -> function(model, requests, concurrency) -> list[RequestOutput] (one per request,
-# in order, with every token's time on a clock that starts at 0 with the trace). Empty until speculative
-# decoding is on main; "off" is the engine.
-SPECULATIVE_SERVERS: dict = {}
+SERVERS = ("engine", "one_at_a_time")
 
 
 def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, kv_layout: str = "paged",
-                  device: torch.device | None = None, speculative: str = "off") -> tuple[dict, list]:
-    """Serve `requests` with the engine (at most `concurrency` sequences at once) and measure the run:
-    vLLM's metrics (see serving.metrics.benchmark_metrics), the queueing/prefill/decode split, KV and
-    weight bytes, and the peak memory (`PeakMemory`). Returns (one flat row of the sweep, the outputs)."""
+                  device: torch.device | None = None, server: str = "engine", draft=None) -> tuple[dict, list]:
+    """Serve `requests` and measure the run: vLLM's metrics (see serving.metrics.benchmark_metrics), the
+    queueing/prefill/decode split, KV and weight bytes, and the peak memory (`PeakMemory`).
+    server "engine": the serving Engine, at most `concurrency` sequences at once in `kv_layout` memory.
+    server "one_at_a_time": one sequence at a time on the model's own contiguous cache, plainly or with
+    speculative decoding from `draft` (a TransformerLM or "prompt_lookup"; see inference_speculative).
+    Returns (one flat row of the sweep, the RequestOutputs)."""
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
         raise ValueError(f"concurrency must be an int >= 1 (at least one sequence runs), got {concurrency!r}")
     if not requests:
         raise ValueError("requests is empty: nothing to serve")
-    if speculative != "off" and speculative not in SPECULATIVE_SERVERS:
-        raise ValueError(f"speculative must be 'off' or one of {sorted(SPECULATIVE_SERVERS)}, got {speculative!r}")
+    if server not in SERVERS:
+        raise ValueError(f"server must be one of {SERVERS}, got {server!r}")
+    one_at_a_time = server == "one_at_a_time"
+    if one_at_a_time and (concurrency != 1 or kv_layout != "contiguous"):
+        raise ValueError(f"server 'one_at_a_time' runs one sequence on the model's contiguous cache: concurrency "
+                         f"must be 1 and kv_layout 'contiguous', got {concurrency!r} and {kv_layout!r}")
+    if draft is not None and not one_at_a_time:
+        raise ValueError("draft (speculative decoding) needs server='one_at_a_time': the engine does not draft")
     device = torch.device(device) if device is not None else model.device
     with PeakMemory(device) as peak:
-        if speculative == "off":
+        if one_at_a_time:
+            outputs, stats = serve_one_at_a_time(model, requests, draft)
+            result = None
+        else:
             engine = Engine(model, kv_layout=kv_layout, block_size=BLOCK_SIZE, max_num_seqs=concurrency,
                             num_blocks=pool_blocks(requests, concurrency), watermark_blocks=0)
             result = engine.run(requests)
-            outputs = result.outputs
-        else:
-            result, outputs = None, SPECULATIVE_SERVERS[speculative](model, requests, concurrency)
+            outputs, stats = result.outputs, {}
     metrics = benchmark_metrics(outputs)
-    row = {**flatten_metrics(metrics), **peak.result(), "weight_bytes": model_nbytes(model), "communication_s": 0.0}
+    row = {**flatten_metrics(metrics), **peak.result(), "weight_bytes": model_nbytes(model), "communication_s": 0.0,
+           "server": server}
     if result is not None:
         summary = result.summary()
         row.update({"kv_pool_bytes": result.capacity_tokens * result.bytes_per_token,
@@ -124,6 +133,8 @@ def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, k
                     "kv_shared_fraction": summary["kv_shared_fraction"], "max_running": summary["max_running"],
                     "steps": summary["steps"], "preemptions": summary["preemptions"],
                     "cached_prompt_tokens": summary["cached_prompt_tokens"]})
+    else:
+        row.update({f"spec_{k}": v for k, v in stats.items()})
     return row, outputs
 
 
@@ -156,5 +167,5 @@ def quality_vs_reference(models: dict[str, nn.Module], reference: nn.Module, win
                    "top1_agreement": r["top1_agreement"], "tokens": r["tokens"]} for name, r in out.items()}
 
 
-__all__ = ["SPECULATIVE_SERVERS", "build_precision", "flatten_metrics", "make_requests", "pool_blocks",
+__all__ = ["SERVERS", "build_precision", "flatten_metrics", "make_requests", "pool_blocks",
            "quality_vs_reference", "quality_windows", "run_benchmark", "source_tokens", "stop_tokens"]
