@@ -22,8 +22,10 @@ per step; idle gaps between arrivals are skipped, not slept through), there is n
 detokenization in any latency, token counts are exact, and a request asking for n > 1 samples is
 timed from its first token of any sample to its last (see `serving/metrics.py`).
 
-Speculative decoding is an axis of the sweep (`SPECULATIVE` in `inference_config`); until the
-speculative module is on main only "off" exists and the result says the axis is pending.
+Speculative decoding (plain, prompt lookup, the shipped draft model) is compared on the chat point
+served one request at a time (`inference_speculative`): it decodes one sequence, so it is a latency
+technique, and the engine does not draft. Each run is repeated `repeats` times in interleaved rounds
+and the median-duration repeat is kept (min and max of the main metrics beside it).
 
 One CPU thread for the shipped toy model (spinning OpenMP threads stall on a shared machine), the
 parallel thread policy for a real model; the load average before and after is in the result.
