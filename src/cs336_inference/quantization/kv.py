@@ -49,7 +49,9 @@ class QuantizedKVCache(LayerCache):
         return cls(B, K, H, S, device=layer.k.device, dtype=layer.k.dtype, fmt=fmt)
 
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scale = (x.float().abs().amax(-1, keepdim=True) / self.qmax).clamp(min=1e-8).to(self.k_scale.dtype)
+        # clamped after the cast: a tiny scale would round to 0 in fp16, and x / 0 is NaN for an all-zero vector
+        scale = (x.float().abs().amax(-1, keepdim=True) / self.qmax).to(self.k_scale.dtype)
+        scale = scale.clamp(min=torch.finfo(self.k_scale.dtype).tiny)
         y = (x.float() / scale.float()).clamp(-self.qmax, self.qmax)      # scale as stored, so decode matches
         return (torch.round(y).to(torch.int8) if self.fmt == "int8" else y.to(self.k.dtype)), scale
 

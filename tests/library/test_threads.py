@@ -13,7 +13,7 @@ import pytest
 
 from cs336_inference import device
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _info(*args, **env) -> dict:

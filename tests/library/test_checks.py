@@ -8,9 +8,10 @@ import math
 
 import pytest
 import torch
-from adapters import make_config, make_kv_cache, make_model, run_generate, run_sample_next_token
+from adapters import make_config, make_kv_cache, make_model, run_generate
 
 from cs336_inference import _checks
+from cs336_inference.generation import sample_next_token
 
 
 @pytest.mark.parametrize("check, bad_type, bad_value, allowed", [
@@ -66,6 +67,6 @@ def test_the_library_uses_one_convention():
     with pytest.raises(TypeError, match="max_new_tokens must be a non-negative int, got float 2.0"):
         run_generate(model, [[1, 2]], 2.0)
     with pytest.raises(TypeError, match="top_k must be a positive int or None, got float 2.0"):
-        run_sample_next_token(torch.zeros(3), top_k=2.0)
+        sample_next_token(torch.zeros(3), top_k=2.0)
     with pytest.raises(ValueError, match=r"temperature must be a finite number >= 0 \(0 = greedy\), got -1.0"):
-        run_sample_next_token(torch.zeros(3), temperature=-1)
+        sample_next_token(torch.zeros(3), temperature=-1)

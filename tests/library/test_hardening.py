@@ -9,8 +9,11 @@ import pytest
 import torch
 import torch.nn as nn
 from adapters import (get_tokenizer, make_config, make_kv_cache, make_model, make_quantized_linear, make_train_config,
-                      run_generate, run_load_checkpoint, run_model, run_prefill, run_quantize, run_quantize_model,
-                      run_sample_next_token, run_save_checkpoint, run_train_lm)
+                      run_generate, run_load_checkpoint, run_model, run_prefill, run_quantize_model,
+                      run_save_checkpoint, run_train_lm)
+
+from cs336_inference.generation import sample_next_token
+from cs336_inference.quantization import quantize
 
 CFG = dict(vocab_size=257, context_length=32, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=48)
 
@@ -161,7 +164,7 @@ def test_bad_stop_tokens_pad_id_and_generator_are_named(model, kwargs, exc, matc
 
 def test_sample_next_token_names_a_bad_generator():
     with pytest.raises(TypeError, match="generator"):
-        run_sample_next_token(torch.zeros(2, 5), temperature=1.0, generator=7)
+        sample_next_token(torch.zeros(2, 5), temperature=1.0, generator=7)
 
 
 @pytest.mark.parametrize("field", ["rope_theta", "norm_eps"])
@@ -226,6 +229,6 @@ def test_quantized_linears_keep_the_bias(kind):
 @pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0])
 def test_non_finite_or_non_positive_scales_are_refused(scale):
     with pytest.raises(ValueError, match="scale"):
-        run_quantize(torch.randn(4, 8), scale, 0, 8)
+        quantize(torch.randn(4, 8), scale, 0, 8)
     with pytest.raises(ValueError, match="scale"):
-        run_quantize(torch.randn(4, 8), torch.tensor([[1.0], [scale], [1.0], [1.0]]), 0, 8)
+        quantize(torch.randn(4, 8), torch.tensor([[1.0], [scale], [1.0], [1.0]]), 0, 8)

@@ -1,4 +1,6 @@
-"""Post-training quantization methods against round-to-nearest, with the error measured here.
+"""Post-training quantization methods against round-to-nearest, with the error measured here: the
+library's GPTQ options beyond the graded core (act-order, blocked lazy updates, bad inputs), AWQ and
+the straight-through estimator. Plain GPTQ is graded in tests/graded/test_quantization_kernels.py.
 
 The reference quantizer (`_naive_rtn`) and the layer error ||X W^T - X W_hat^T|| are written in this
 file; the library's methods only supply W_hat (GPTQ) or the scales s (AWQ).
@@ -6,7 +8,13 @@ file; the library's methods only supply W_hat (GPTQ) or the scales s (AWQ).
 
 import pytest
 import torch
-from adapters import run_awq_search_scales, run_gptq_quantize, run_ste_fake_quantize
+from adapters import run_awq_search_scales, run_ste_fake_quantize
+
+from cs336_inference.quantization import gptq_quantize
+
+
+def _gptq_w_hat(weight, inputs, bits=4, group_size=None, **kwargs):
+    return gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size, **kwargs).quantized.dequantize()
 
 
 def _naive_rtn(w, bits, group):
@@ -37,18 +45,18 @@ def _correlated_inputs(n, d, seed):
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("group_size", [None, 32])
 @pytest.mark.parametrize("bits", [4, 3])
-def test_gptq_beats_rtn_on_layer_output_error(bits, group_size, act_order):
+def test_gptq_with_act_order_and_lazy_blocks_beats_rtn(bits, group_size, act_order):
     torch.manual_seed(bits)
     w = torch.randn(96, 128) / 128**0.5
     x = _correlated_inputs(1024, 128, seed=bits)
-    w_gptq = run_gptq_quantize(w, x, bits=bits, group_size=group_size, act_order=act_order, block_size=32)
+    w_gptq = _gptq_w_hat(w, x, bits=bits, group_size=group_size, act_order=act_order, block_size=32)
     e_gptq, e_rtn = _layer_error(w, w_gptq, x), _layer_error(w, _naive_rtn(w, bits, group_size), x)
     assert e_gptq < 0.9 * e_rtn, f"GPTQ error {e_gptq:.4f} should beat RTN {e_rtn:.4f} at {bits} bits"
 
 
 def test_gptq_output_lies_on_a_quantization_grid():
     w, x = torch.randn(16, 64), _correlated_inputs(256, 64, seed=0)
-    w_hat = run_gptq_quantize(w, x, bits=3, group_size=16)
+    w_hat = _gptq_w_hat(w, x, bits=3, group_size=16)
     for start in range(0, 64, 16):      # each row of each group uses at most 2^3 distinct values
         chunk = w_hat[:, start:start + 16]
         assert max(len(torch.unique(row)) for row in chunk) <= 8
@@ -57,14 +65,14 @@ def test_gptq_output_lies_on_a_quantization_grid():
 def test_gptq_bad_inputs():
     w = torch.randn(8, 16)
     with pytest.raises(ValueError, match="empty"):
-        run_gptq_quantize(w, torch.empty(0, 16))
+        _gptq_w_hat(w, torch.empty(0, 16))
     with pytest.raises(ValueError, match="group_size"):
-        run_gptq_quantize(w, torch.randn(32, 16), group_size=5)
+        _gptq_w_hat(w, torch.randn(32, 16), group_size=5)
     with pytest.raises(ValueError, match="bits"):
-        run_gptq_quantize(w, torch.randn(32, 16), bits=16)
+        _gptq_w_hat(w, torch.randn(32, 16), bits=16)
     w[0, 0] = float("inf")
     with pytest.raises(ValueError, match="NaN/Inf"):
-        run_gptq_quantize(w, torch.randn(32, 16))
+        _gptq_w_hat(w, torch.randn(32, 16))
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, None), (4, 32), (3, 32)])

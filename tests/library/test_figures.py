@@ -13,7 +13,7 @@ import pytest
 
 from cs336_inference import figures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BENCHMARKS = ROOT / "src" / "cs336_inference" / "benchmarks"
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import jupytext
 import pytest
 
-NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 
 
@@ -34,7 +34,7 @@ def test_ipynb_pair_in_sync_and_without_outputs(source):
 def test_notebook_runs_top_to_bottom_without_touching_the_git_tree(source, git_tree_unchanged):
     env = {k: v for k, v in os.environ.items() if k != "CS336_FIGURES"}   # the default output folders
     env["MPLBACKEND"] = "Agg"
-    src = str(Path(__file__).resolve().parents[1] / "src")
+    src = str(Path(__file__).resolve().parents[2] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, source.name], cwd=NOTEBOOKS, env=env, capture_output=True,
                           text=True, timeout=300)

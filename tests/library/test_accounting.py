@@ -1,14 +1,16 @@
-"""Accounting: the lecture's symbolic results, Llama 2 13B / GQA / DeepSeek-V2 numbers, FLOP counts
-of the real model (torch's FlopCounterMode), KV bytes of the real cache, and clear errors."""
+"""Accounting of the library beyond the graded formulas (tests/graded/test_accounting_formulas.py):
+Llama 2 13B / GQA / DeepSeek-V2 numbers from the model shapes, FLOP counts of the real model (torch's
+FlopCounterMode) for every attention variant, KV bytes of the real cache, and clear errors."""
 
 import math
 
 import pytest
-import sympy as sp
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import adapters
+
+from cs336_inference.accounting.formulas import kv_cache_bytes, kv_cache_bytes_per_token
 
 SYM = adapters.get_symbols()
 B, S, T, D, F, N, K, H, L, V, P = (SYM[c] for c in "BSTDFNKHLVP")
@@ -22,54 +24,6 @@ VARIANTS = {  # every attention variant the model builds, on one small base
     "mla_q_lora": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, q_lora_rank=24),
     "mla_cla": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, kv_share_group=2),
 }
-
-
-def same(a, b) -> bool:
-    return sp.simplify(a - b) == 0
-
-
-# --- symbolic: the lecture's results ----------------------------------------------------------
-
-def test_matmul_flops_bytes_and_intensity_tends_to_B():
-    cost = adapters.run_matmul_cost()
-    assert same(cost.flops, 2 * B * D * F)
-    assert same(cost.bytes, 2 * B * D + 2 * D * F + 2 * B * F)
-    limit = sp.limit(sp.limit(cost.flops / cost.bytes, D, sp.oo), F, sp.oo)
-    assert same(limit, B), f"intensity should tend to B when B << D, F, got {limit}"
-    assert limit.subs(B, 1) == 1  # matrix-vector: one FLOP per byte
-
-
-def test_mlp_intensity_tends_to_BT():
-    cost = adapters.run_mlp_cost()
-    assert same(cost.flops, 6 * B * T * D * F)
-    assert same(cost.bytes, 4 * B * T * D + 4 * B * T * F + 6 * D * F)
-    limit = sp.limit(sp.limit(cost.flops / cost.bytes, D, sp.oo), F, sp.oo)
-    assert same(limit, B * T)
-
-
-def test_attention_intensity_prefill_and_generation():
-    cost = adapters.run_attention_cost()
-    assert same(cost.flops, 4 * B * S * T * D)
-    assert same(cost.bytes, 4 * B * S * D + 4 * B * T * D)
-    intensity = cost.flops / cost.bytes
-    assert same(intensity, S * T / (S + T))
-    assert same(intensity.subs(T, S), S / 2)                 # prefill
-    generation = sp.simplify(intensity.subs(T, 1))
-    assert same(generation, S / (S + 1))
-    assert B not in generation.free_symbols                  # batching does not help attention
-    assert (1 - generation).is_positive                      # < 1 for every S > 0
-
-
-def test_naive_generation_is_cubic_cached_is_quadratic():
-    flops = adapters.run_generation_flops()
-    assert sp.degree(sp.expand(flops["naive"]), T) == 3
-    assert sp.degree(sp.expand(flops["cached"]), T) == 2
-    # Against an explicit loop over steps: step t runs t tokens (naive) or 1 token over t keys (cached).
-    values = {T: 7, P: 1000, L: 3, D: 16}
-    naive = sum(2 * 1000 * t + 4 * 3 * 16 * t * t for t in range(1, 8))
-    cached = sum(2 * 1000 + 4 * 3 * 16 * t for t in range(1, 8))
-    assert flops["naive"].subs(values) == naive
-    assert flops["cached"].subs(values) == cached
 
 
 # --- Llama 2 13B: parameters, memory, latency (the lecture's numbers) ---------------------------
@@ -163,9 +117,9 @@ def test_h100_accelerator_intensity_is_295():
 
 def test_deepseek_v2_mla_caches_latent_plus_rope_per_layer():
     ds = adapters.get_real_model("deepseek-v2")
-    assert adapters.run_kv_cache_bytes_per_token(ds, 1) == (512 + 64) * ds.num_layers
+    assert kv_cache_bytes_per_token(ds, 1) == (512 + 64) * ds.num_layers
     mha = ds.replace(attention_type="gqa")   # same heads without the latent: 2 N H per layer
-    assert adapters.run_kv_cache_bytes_per_token(mha, 1) == 2 * 128 * 128 * ds.num_layers
+    assert kv_cache_bytes_per_token(mha, 1) == 2 * 128 * 128 * ds.num_layers
     # the paper: 236B parameters in total, 21B activated per token
     assert adapters.run_num_parameters(ds) == pytest.approx(236e9, rel=0.01)
     assert adapters.run_num_parameters(ds, active_only=True) == pytest.approx(21e9, rel=0.03)
@@ -203,7 +157,7 @@ def test_parameters_flops_and_kv_bytes_match_the_model_we_run(variant):
     decode = counted_flops(lambda: model(ids[:, :1], cache=cache))
     assert decode == adapters.run_forward_flops(config, 2, 1, 12, mla_absorbed=absorbed)
     element = model.lm_head.weight.element_size()
-    assert cache.bytes_per_token == adapters.run_kv_cache_bytes_per_token(config, element)
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(config, element)
 
 
 def test_the_two_flops_per_weight_rule_misses_exactly_attention():
@@ -221,9 +175,9 @@ def test_kv_bytes_per_token_match_the_real_cache(num_kv_heads):
     batch, seq = 3, 40
     cache = adapters.make_kv_cache(model, batch, seq)
     element = model.lm_head.weight.element_size()
-    assert cache.nbytes / (batch * seq) == adapters.run_kv_cache_bytes_per_token(config, element)
-    assert cache.nbytes == adapters.run_kv_cache_bytes(config, batch, seq, element)
-    assert cache.bytes_per_token == adapters.run_kv_cache_bytes_per_token(config, element)
+    assert cache.nbytes / (batch * seq) == kv_cache_bytes_per_token(config, element)
+    assert cache.nbytes == kv_cache_bytes(config, batch, seq, element)
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(config, element)
 
 
 # --- bad inputs -------------------------------------------------------------------------------
@@ -248,9 +202,9 @@ def test_a_wrong_type_is_a_type_error():
 def test_more_bad_inputs():
     config = adapters.make_config(**CROSS_CONFIG)
     with pytest.raises(ValueError, match="batch_size"):
-        adapters.run_kv_cache_bytes(config, 0, 10)
+        kv_cache_bytes(config, 0, 10)
     with pytest.raises(TypeError, match="ModelConfig"):
-        adapters.run_kv_cache_bytes_per_token("not a config")
+        kv_cache_bytes_per_token("not a config")
     with pytest.raises(ValueError, match="num_new_tokens"):
         adapters.run_forward_flops(config, 1, 0)
     with pytest.raises(ValueError, match="num_cached"):

@@ -4,8 +4,10 @@ and overflow, and invalid variant combinations are refused with clear errors."""
 import pytest
 import torch
 from adapters import (make_cache_step, make_config, make_kv_cache, make_latent_kv_cache, make_model,
-                      make_rolling_kv_cache, run_kv_cache_bytes, run_kv_cache_bytes_per_token, run_model)
+                      make_rolling_kv_cache, run_model)
 from test_kv_variants import BASE, VARIANTS, WINDOW
+
+from cs336_inference.accounting.formulas import kv_cache_bytes, kv_cache_bytes_per_token
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -17,8 +19,8 @@ def test_measured_cache_bytes_equal_the_accounting_formulas(name, S_max):
     cache = make_kv_cache(model, B, S_max)
     tensors = {id(t): t for layer in cache.layers for t in vars(layer).values() if isinstance(t, torch.Tensor)}
     assert cache.nbytes == sum(t.nbytes for t in tensors.values()), "nbytes must count real tensor bytes"
-    assert cache.bytes_per_token == run_kv_cache_bytes_per_token(cfg, bytes_per_element=4)
-    assert cache.nbytes == run_kv_cache_bytes(cfg, B, S_max, 4)
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(cfg, bytes_per_element=4)
+    assert cache.nbytes == kv_cache_bytes(cfg, B, S_max, 4)
 
 
 def test_accounting_by_hand_for_each_variant():
@@ -27,9 +29,9 @@ def test_accounting_by_hand_for_each_variant():
                  "mla": 4 * (12 + 4) * 4, "cla": 2 * 2 * 2 * 8 * 4, "cla_mla": 2 * 16 * 4,
                  "window": 4 * 2 * 2 * 8 * 4}
     for name, want in per_token.items():
-        assert run_kv_cache_bytes_per_token(make_config(**{**BASE, **VARIANTS[name]}), 4) == want, name
+        assert kv_cache_bytes_per_token(make_config(**{**BASE, **VARIANTS[name]}), 4) == want, name
     hybrid = make_config(**{**BASE, **VARIANTS["hybrid"]})     # layers 0, 2 local; 1, 3 global
-    assert run_kv_cache_bytes(hybrid, 2, 30, 4) == 2 * (2 * WINDOW + 2 * 30) * (2 * 2 * 8 * 4)
+    assert kv_cache_bytes(hybrid, 2, 30, 4) == 2 * (2 * WINDOW + 2 * 30) * (2 * 2 * 8 * 4)
 
 
 def _filled_window_model(length):
