@@ -63,6 +63,28 @@ def test_rolling_buffer_refuses_a_rollback_deeper_than_it_holds_and_changes_noth
         assert torch.equal(k, layer.k) and layer.oldest == oldest
 
 
+def test_a_second_rollback_after_the_ring_wrapped_is_refused_or_exact():
+    """Issue 15, hole 10: window 5, 7 slots (max_rollback=3). A 3-token draft is rejected after the ring wrapped,
+    then one token is accepted and a second, deeper rollback is asked for: the slots it needs were
+    overwritten by the rejected draft, so the cache must refuse it; every rollback it accepts must give
+    the full forward's logits."""
+    model = make_model(make_config(**{**BASE, **VARIANTS["window"]}))
+    x = torch.randint(0, 257, (1, 24))
+    with torch.no_grad():
+        full = run_model(model, x)
+        cache = make_kv_cache(model, 1, 30, max_rollback=3)
+        run_model(model, x[:, :12], cache)
+        run_model(model, torch.randint(0, 257, (1, 3)), cache)   # rejected draft: overwrites slots of 5..7
+        cache.truncate(12)
+        torch.testing.assert_close(run_model(model, x[:, 12:13], cache)[0, 0], full[0, 12], atol=1e-5, rtol=0)
+        with pytest.raises(ValueError, match="sliding-window cache back to 10"):
+            cache.truncate(10)                                     # needs positions 6..9: 6 and 7 are gone
+        assert cache.length == 13
+        torch.testing.assert_close(run_model(model, x[:, 13:16], cache), full[:, 13:16], atol=1e-5, rtol=0)
+        cache.truncate(14)                                         # needs 10..13: intact
+        torch.testing.assert_close(run_model(model, x[:, 14:20], cache), full[:, 14:20], atol=1e-5, rtol=0)
+
+
 def test_rolling_buffer_allows_any_rollback_before_it_wraps():
     model = make_model(make_config(**{**BASE, **VARIANTS["window"]}))
     x = torch.randint(0, 257, (1, 8))

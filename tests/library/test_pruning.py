@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from adapters import (make_config, make_model, make_train_config, run_compare_to_reference, run_distill,
                       run_generate, run_importance_scores, run_load_corpus, run_model, run_prune_model)
+from reference_model import ref_attention, ref_rmsnorm, ref_rope
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -109,11 +110,50 @@ def test_pruned_model_cached_generation_equals_full_forward():
     torch.testing.assert_close(torch.cat(step, dim=1), ref, rtol=1e-4, atol=1e-4)
 
 
-def test_importance_scores_shapes():
-    s = run_importance_scores(_model(), _calibration())
+def test_importance_scores_equal_activations_measured_by_hand():
+    """heads: mean L2 norm of each head's attention output; mlp: mean |SwiGLU hidden|; embedding: mean |x| at
+    every RMSNorm input, summed; layers: loss increase when the layer is skipped. Measured here with the
+    naive reference (per-head loops, ref_rope), never with the library's hooks."""
+    model, calib = _model(), _calibration()
+    s = run_importance_scores(model, calib)
     assert s["heads"].shape == (3, 4) and s["kv_groups"].shape == (3, 2) and s["mlp"].shape == (3, 48)
     assert s["layers"].shape == (3,) and s["embedding"].shape == (32,)
-    torch.testing.assert_close(s["kv_groups"], s["heads"].view(3, 2, 2).sum(-1))
+    state, x_ids = model.state_dict(), calib[:, :-1]
+    B, T = x_ids.shape
+    N, K, H, eps = 4, 2, 8, model.config.norm_eps
+    pos, causal = torch.arange(T), torch.tril(torch.ones(T, T, dtype=torch.bool))
+    heads, mlp, embedding = torch.zeros(3, N), torch.zeros(3, 48), torch.zeros(32)
+    x = state["token_embeddings.weight"][x_ids]
+    with torch.no_grad():
+        for i in range(3):
+            p = f"layers.{i}."
+            embedding += x.abs().sum((0, 1))
+            h = ref_rmsnorm(x, state[p + "ln1.weight"], eps)
+            q, k, v = (h @ state[p + f"attn.{n}_proj.weight"].T for n in "qkv")
+            out = torch.zeros(B, T, N * H)
+            for b in range(B):
+                for n in range(N):
+                    j = n // (N // K)
+                    o = ref_attention(ref_rope(q[b, :, n * H:(n + 1) * H], pos, model.config.rope_theta),
+                                      ref_rope(k[b, :, j * H:(j + 1) * H], pos, model.config.rope_theta),
+                                      v[b, :, j * H:(j + 1) * H], causal)
+                    out[b, :, n * H:(n + 1) * H] = o
+                    heads[i, n] += o.norm(dim=-1).sum()
+            x = x + out @ state[p + "attn.output_proj.weight"].T
+            embedding += x.abs().sum((0, 1))
+            z = ref_rmsnorm(x, state[p + "ln2.weight"], eps)
+            hidden = F.silu(z @ state[p + "ffn.w1.weight"].T) * (z @ state[p + "ffn.w3.weight"].T)
+            mlp[i] = hidden.abs().sum((0, 1))
+            x = x + hidden @ state[p + "ffn.w2.weight"].T
+        embedding += x.abs().sum((0, 1))
+    tokens = B * T
+    torch.testing.assert_close(s["heads"], heads / tokens, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s["kv_groups"], (heads / tokens).view(3, 2, 2).sum(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(s["mlp"], mlp / tokens, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(s["embedding"], embedding / tokens, rtol=1e-4, atol=1e-5)
+    base = F.cross_entropy(model(x_ids).flatten(0, 1), calib[:, 1:].flatten()).item()
+    assert s["calibration_loss"] == pytest.approx(base, rel=1e-5)
+    assert bool((s["layers"].abs() > 1e-4).all()), "skipping a layer of a random model changes the loss"
 
 
 def test_distillation_reduces_kl_on_held_out_data():

@@ -50,6 +50,40 @@ def test_quantized_cached_decode_equals_its_full_forward(model, method, bits, gr
     assert (full.softmax(-1) - ref.softmax(-1)).abs().max() < 0.5, "quantized model is far off the original"
 
 
+def _naive_rtn_fp16_scales(w, bits, group, symmetric):
+    """Round to nearest per group of `group` columns (rows if None), scales computed in float32 and stored
+    in float16 as the quantized layer keeps them: the weight the quantized model must compute with."""
+    g = group or w.shape[1]
+    out = torch.empty_like(w)
+    for start in range(0, w.shape[1], g):
+        chunk = w[:, start:start + g].float()
+        if symmetric:
+            lo_code, hi_code = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+            scale, zero = chunk.abs().amax(1, keepdim=True) / hi_code, torch.zeros(w.shape[0], 1)
+        else:
+            lo_code, hi_code = 0, 2**bits - 1
+            lo, hi = chunk.amin(1, keepdim=True).clamp(max=0), chunk.amax(1, keepdim=True).clamp(min=0)
+            scale = (hi - lo) / hi_code
+            zero = (-torch.round(lo / scale)).clamp(lo_code, hi_code)
+        codes = torch.clamp(torch.round(chunk / scale) + zero, lo_code, hi_code)
+        out[:, start:start + g] = (codes - zero) * scale.half().float()
+    return out
+
+
+@pytest.mark.parametrize("bits,group_size,symmetric", [(4, 32, False), (8, None, True), (3, 16, False)])
+def test_rtn_model_computes_with_the_naively_rounded_weights(model, bits, group_size, symmetric):
+    """Not only self-consistent: its logits are those of the original model whose block weights were
+    rounded here, by a loop (a "quantizer" that merely perturbs the weights fails)."""
+    q = run_quantize_model(model, "rtn", bits, group_size, symmetric=symmetric)
+    reference = make_model(make_config(**CFG))
+    state = {k: (_naive_rtn_fp16_scales(v, bits, group_size, symmetric) if k.startswith("layers.") and v.dim() == 2
+                 else v) for k, v in model.state_dict().items()}
+    reference.load_state_dict(state)
+    x = torch.randint(0, 257, (2, 20))
+    with torch.no_grad():
+        torch.testing.assert_close(run_model(q, x), run_model(reference, x), atol=1e-5, rtol=1e-5)
+
+
 def test_generate_runs_unchanged_on_a_quantized_model(model):
     q = run_quantize_model(model, "gptq", 4, 32, CALIB)
     cached = run_generate(q, [[1, 2, 3], [4, 5]], max_new_tokens=8)
@@ -122,6 +156,14 @@ def test_int8_kv_cache_protocol_bytes_and_accuracy(model, fmt):
     torch.testing.assert_close(redo, got[:, 12:], atol=1e-5, rtol=0)
     K, H, L = CFG["num_kv_heads"], CFG["d_model"] // CFG["num_heads"], CFG["num_layers"]
     assert cache.bytes_per_token == L * 2 * K * (H + 2)        # 1-byte values + one fp16 scale per head
+    if fmt == "int8":   # layer 0's keys: exactly the per-vector absmax int8 encoding of the full-precision ones
+        with torch.no_grad():
+            plain = make_kv_cache(model, 2, 32)
+            run_model(model, x[:, :10], plain)        # the same prefill the quantized cache stored
+        k = plain.layers[0].k[:, :, :10]
+        scale = (k.abs().amax(-1, keepdim=True) / 127).half().clamp(min=torch.finfo(torch.float16).tiny).float()
+        want = torch.round((k / scale).clamp(-127, 127)) * scale
+        torch.testing.assert_close(cache.layers[0].read(10)[0], want, atol=1e-6, rtol=0)
     assert cache.nbytes == 2 * 32 * cache.bytes_per_token
     assert cache.bytes_per_token * 4 < make_kv_cache(model, 2, 32).bytes_per_token * 2   # < half of fp32
 

@@ -23,6 +23,25 @@ def test_measure_hardware_returns_positive_finite_numbers_with_units():
     assert stats.fits_in_memory is None and stats.latency_per_token_s > 0
 
 
+def test_measure_hardware_divides_the_work_by_the_measured_time(monkeypatch):
+    """With the clock replaced by known durations, the two roofs are exactly work / time: the quick CPU
+    measurement streams 128 MiB (a sum) and times a 1024^3 matmul (2 * 1024^3 FLOPs), as documented.
+    A measurement that does not time anything (constants) fails here."""
+    from cs336_inference.accounting import roofline
+    durations = iter([0.016, 0.25])          # the bandwidth run is timed first, then the matmul
+    calls = []
+
+    def fake_median_seconds(fn, device, repeats):
+        calls.append(repeats)
+        return next(durations)
+    monkeypatch.setattr(roofline, "median_seconds", fake_median_seconds)
+    hw = adapters.run_measure_hardware("cpu", quick=True)
+    assert calls == [3, 3], "quick mode times each kernel 3 times"
+    assert hw.memory_bandwidth == pytest.approx(128 * 2**20 / 0.016, rel=1e-12)
+    assert hw.peak_flops == pytest.approx(2 * 1024**3 / 0.25, rel=1e-12)
+    assert hw.accelerator_intensity == pytest.approx((2 * 1024**3 / 0.25) / (128 * 2**20 / 0.016), rel=1e-12)
+
+
 @pytest.mark.parametrize("kwargs,error,match", [
     (dict(device="tpu"), ValueError, "not a supported device"),
     (dict(device=3), TypeError, "prefer must be"),

@@ -1,0 +1,197 @@
+"""The planted bugs of the mutation check (run by tests/mutation/run.py).
+
+Graded mutants: realistic student bugs in the code behind a graded function. Each is applied to a copy
+of the package (`cs336_inference` copied as `mutant_NN`), whose `homework.reference` is then graded with
+`pytest tests/graded --impl mutant_NN.homework.reference`: the reference solution with one change, reached
+through the same retargeting a student's package uses. `issue` numbers the twelve holes of issue 15;
+`equivalent` marks a mutant that cannot change any output (with the reason), left out of the score.
+
+Library stubs: the issue's stand-ins for library functions that are not graded (pruning importance,
+hardware measurement, model quantization); `library_stubs.py` patches them in and run.py runs the library
+tests of that part, which must fail.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str                          # file inside the package
+    edits: tuple[tuple[str, str], ...]  # (old, new): each old must occur exactly once in the file
+    what: str
+    issue: int | None = None           # the hole of issue 15 it plants (None: our own)
+    equivalent: str | None = None      # why no test can notice (an equivalent mutant)
+
+
+SAMPLING = "generation/sampling.py"
+ATTENTION = "model/attention.py"
+ROLLING = "model/rolling_kv_cache.py"
+MLA = "model/mla.py"
+CORE = "quantization/core.py"
+PACKING = "quantization/packing.py"
+LLM_INT8 = "quantization/llm_int8.py"
+GPTQ = "quantization/gptq.py"
+KV = "quantization/kv.py"
+FORMULAS = "accounting/formulas.py"
+SYMBOLIC = "accounting/symbolic.py"
+CORPUS = "data/corpus.py"
+REFERENCE = "homework/reference.py"
+
+MUTANTS: tuple[Mutant, ...] = (
+    # --- the twelve holes of issue 15 -----------------------------------------------------------------
+    Mutant("topk_keeps_k_minus_1", SAMPLING,
+           (("logits.masked_fill(logits < kth,", "logits.masked_fill(logits <= kth,"),),
+           "top-k masks the k-th largest logit too (k - 1 tokens survive)", issue=1),
+    Mutant("temperature_after_top_p", SAMPLING,
+           (("    logits = logits / temperature\n", ""),
+            ("        probs = probs / probs.sum(-1, keepdim=True)\n",
+             "        probs = probs / probs.sum(-1, keepdim=True)\n"
+             "    probs = torch.softmax(torch.log(probs) / temperature, dim=-1)\n")),
+           "temperature applied after the top-p filter (the nucleus is chosen on untempered probabilities)", issue=2),
+    Mutant("top_p_boundary_strict", SAMPLING,
+           (("drop_sorted = mass_before >= top_p", "drop_sorted = mass_before > top_p"),),
+           "top-p keeps a token whose predecessors already sum to exactly top_p", issue=3),
+    Mutant("quantize_without_clamp", CORE,
+           (("return q.clamp(qmin, qmax).to(torch.int32)", "return q.to(torch.int32)"),),
+           "quantize never clamps codes to the integer range", issue=4),
+    Mutant("llm_int8_threshold_inclusive", LLM_INT8,
+           (("return (x.abs() > threshold)", "return (x.abs() >= threshold)"),),
+           "a value exactly at the threshold makes its column an outlier", issue=5),
+    Mutant("kv_int8_scale_from_max", KV,
+           (("(x.float().abs().amax(-1, keepdim=True) / self.qmax)", "(x.float().amax(-1, keepdim=True) / self.qmax)"),),
+           "int8 KV scale from the max instead of the absmax", issue=6),
+    Mutant("latency_memory_time_only", FORMULAS,
+           (("latency = max(t_mem, t_compute)", "latency = t_mem"),),
+           "decode latency = memory time only (no max with compute time)", issue=7),
+    Mutant("prefill_without_memory_floor", FORMULAS,
+           (("prefill_time = max(prefill_flops / flops_per_s, memory / hw.memory_bandwidth)",
+             "prefill_time = prefill_flops / flops_per_s"),),
+           "prefill time = compute time only (no memory floor)", issue=8),
+    Mutant("get_batch_misses_last_window", CORPUS,
+           (("torch.randint(0, data.numel() - seq_len, (batch_size,)",
+             "torch.randint(0, data.numel() - seq_len - 1, (batch_size,)"),),
+           "the batch sampler never draws the last valid window", issue=9),
+    Mutant("rolling_forgets_overwritten_slots", ROLLING,
+           (("self.oldest = max(self.oldest, step.end - self.capacity)", "self.oldest = step.end - self.capacity"),),
+           "the ring forgets slots overwritten by rolled-back writes (a second rollback is accepted)", issue=10),
+    Mutant("symbolic_kv_bytes_without_k_and_v", SYMBOLIC,
+           (("return S * K * H * L * 2 * BYTES", "return S * K * H * L * BYTES"),),
+           "symbolic KV bytes miss the factor 2 for keys and values", issue=11),
+    Mutant("symbolic_throughput_one_over_latency", SYMBOLIC,
+           (("return B / decode_latency()", "return 1 / decode_latency()"),),
+           "symbolic throughput = 1 / latency instead of B / latency", issue=12),
+    # --- our own ------------------------------------------------------------------------------------------
+    Mutant("sampler_is_argmax", SAMPLING,
+           (("tokens = torch.multinomial(flat, 1, generator=generator)", "tokens = flat.argmax(-1, keepdim=True)"),),
+           "the sampler returns the most likely token instead of drawing one (the issue's argmax stub)"),
+    Mutant("sampler_ignores_generator", SAMPLING,
+           (("tokens = torch.multinomial(flat, 1, generator=generator)", "tokens = torch.multinomial(flat, 1)"),),
+           "the sampler draws from the global RNG, not the generator it was given"),
+    Mutant("temperature_multiplies", SAMPLING,
+           (("    logits = logits / temperature\n", "    logits = logits * temperature\n"),),
+           "logits multiplied by the temperature"),
+    Mutant("top_p_not_renormalised", SAMPLING,
+           (("        probs = probs / probs.sum(-1, keepdim=True)\n", ""),),
+           "the top-p nucleus is not renormalised"),
+    Mutant("gqa_heads_interleaved", ATTENTION,
+           (('q = rearrange(q, "B (K G) T H -> B K (G T) H", G=G)', 'q = rearrange(q, "B (G K) T H -> B K (G T) H", G=G)'),),
+           "query head n reads key/value head n % K instead of n // G"),
+    Mutant("attention_scale_one_over_h", ATTENTION,
+           (("scale = q.shape[-1] ** -0.5 if scale is None", "scale = q.shape[-1] ** -1.0 if scale is None"),),
+           "scores scaled by 1/H instead of 1/sqrt(H)"),
+    Mutant("causal_mask_excludes_self", ATTENTION,
+           (("    mask = j <= i\n", "    mask = j < i\n"),),
+           "a query may not attend to its own key"),
+    Mutant("window_one_too_wide", ATTENTION,
+           (("mask = mask & (i - j < window)", "mask = mask & (i - j <= window)"),),
+           "the sliding window lets each query see window + 1 keys"),
+    Mutant("decode_rope_from_position_zero", REFERENCE,
+           (("q = _layers.apply_rope(q, cos[S:], sin[S:])", "q = _layers.apply_rope(q, cos[:T], sin[:T])"),
+            ("k = _layers.apply_rope(k, cos[S:], sin[S:])", "k = _layers.apply_rope(k, cos[:T], sin[:T])")),
+           "new tokens rotated as if they started at position 0 (RoPE ignores the cache length)"),
+    Mutant("decode_mask_not_offset", REFERENCE,
+           (("mask = _attention.attention_mask(T, S + T, S, device=x.device)",
+             "mask = _attention.attention_mask(T, S + T, 0, device=x.device)"),),
+           "the causal mask of new tokens is not offset by the cache length"),
+    Mutant("mla_scale_without_rope_dims", MLA,
+           (("scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5", "scale = q_nope.shape[-1] ** -0.5"),),
+           "MLA's absorbed scores scaled by 1/sqrt(H) instead of 1/sqrt(H + R)"),
+    Mutant("mla_value_heads_split_wrong", MLA,
+           (('w_uv = rearrange(w_uv, "(N H) C -> N H C", N=N)', 'w_uv = rearrange(w_uv, "(H N) C -> N H C", N=N)'),),
+           "W_UV's rows split into heads in the wrong order"),
+    Mutant("ring_writes_slot_mod_window", ROLLING,
+           (("step.end, device=self.k.device) % self.capacity", "step.end, device=self.k.device) % self.window"),),
+           "the ring writes position p to slot p % window, reads it from p % capacity"),
+    Mutant("dequantize_adds_zero_point", CORE,
+           (("return ((q.float() - zero_point) * scale).to(dtype)", "return ((q.float() + zero_point) * scale).to(dtype)"),),
+           "dequantize adds the zero point instead of subtracting it"),
+    Mutant("affine_zero_point_sign", CORE,
+           (("zero = (qmin - torch.round(lo / scale)).clamp(qmin, qmax)",
+             "zero = (qmin + torch.round(lo / scale)).clamp(qmin, qmax)"),),
+           "affine zero point with the wrong sign"),
+    Mutant("symmetric_scale_over_2_to_the_b_minus_1", CORE,
+           (("scale = xg.abs().amax(-1) / qmax", "scale = xg.abs().amax(-1) / (qmax + 1)"),),
+           "symmetric scale divides by 2^(b-1) instead of 2^(b-1) - 1 (the absmax overflows the range)"),
+    Mutant("int4_nibbles_swapped", PACKING,
+           (("return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)", "return nibbles[..., 1::2] | (nibbles[..., 0::2] << 4)"),
+            ("q = torch.stack((low, high), dim=-1)", "q = torch.stack((high, low), dim=-1)")),
+           "element 2i in the high nibble (pack and unpack agree, the byte layout does not)"),
+    Mutant("unpack_int4_sign_off_by_one", PACKING,
+           (("torch.where(q >= 8, q - 16, q)", "torch.where(q > 8, q - 16, q)"),),
+           "nibble 8 unpacked as +8 instead of -8"),
+    Mutant("llm_int8_code_range_128", LLM_INT8,
+           (("return torch.round(x.float() / scale).clamp(-127, 127)", "return torch.round(x.float() / scale).clamp(-128, 127)"),),
+           "int8 codes clamped to [-128, 127]",
+           equivalent="codes are round(x / (absmax / 127)), so |code| <= 127 already: the clamp never binds"),
+    Mutant("llm_int8_outliers_from_quantized_weights", LLM_INT8,
+           (("w_hi = (weight if weight is not None else w_q.float() * w_scale)[:, outliers]",
+             "w_hi = (w_q.float() * w_scale)[:, outliers]"),),
+           "the outlier columns multiply the int8-rounded weights instead of the float weights"),
+    Mutant("gptq_error_times_diagonal", GPTQ,
+           (("err = (w - q) / Hinv1[i, i]", "err = (w - q) * Hinv1[i, i]"),),
+           "GPTQ multiplies the rounding error by [H^-1]_jj instead of dividing"),
+    Mutant("gptq_without_dampening", GPTQ,
+           (("    H += damp * torch.mean(torch.diag(H))", "    H += 0 * torch.mean(torch.diag(H))"),),
+           "GPTQ without the 1% dampening of the Hessian"),
+    Mutant("gptq_group_scales_from_original_weights", GPTQ,
+           (("s, z = compute_scale_zero_point(torch.cat([W1[:, i:], W[:, end:]], 1)[:, :g],",
+             "s, z = compute_scale_zero_point(weight.double()[:, j:j + g],"),),
+           "GPTQ group scales from the original weights instead of the error-updated ones"),
+    Mutant("kv_bytes_without_k_and_v", FORMULAS,
+           (("return 2 * config.num_kv_heads * config.head_dim", "return config.num_kv_heads * config.head_dim"),),
+           "numeric KV bytes miss the factor 2 for keys and values"),
+    Mutant("params_count_lm_head_once", FORMULAS,
+           (("total = 2 * s.vocab_size * s.d_model", "total = s.vocab_size * s.d_model"),),
+           "parameters count one V x D table (the untied lm_head is missing)"),
+    Mutant("throughput_one_over_latency", FORMULAS,
+           (("throughput_tokens_per_s=batch_size / latency", "throughput_tokens_per_s=1 / latency"),),
+           "numeric throughput = 1 / latency"),
+    Mutant("prefill_lm_head_on_every_position", FORMULAS,
+           (("prefill_flops = forward_flops(s, batch_size, seq_len, 0, last_only=True)",
+             "prefill_flops = forward_flops(s, batch_size, seq_len, 0, last_only=False)"),),
+           "prefill FLOPs count the lm_head on every prompt position"),
+    Mutant("symbolic_matmul_forgets_output", SYMBOLIC,
+           (("nbytes = BYTES * B * D + BYTES * D * F + BYTES * B * F", "nbytes = BYTES * B * D + BYTES * D * F"),),
+           "matmul bytes forget writing Y"),
+    Mutant("symbolic_attention_forgets_pv", SYMBOLIC,
+           (("flops = 2 * B * S * T * D + 2 * B * S * T * D", "flops = 2 * B * S * T * D"),),
+           "attention FLOPs count q k^T but not p v"),
+    Mutant("symbolic_cached_generation_reruns_weights", SYMBOLIC,
+           (("cached = sp.summation(2 * P + 4 * L * D * t, (t, 1, T))", "cached = sp.summation(2 * P * t + 4 * L * D * t, (t, 1, T))"),),
+           "cached generation still multiplies the whole prefix by the weights"),
+    Mutant("get_batch_targets_not_shifted", CORPUS,
+           (("x, y = windows[:, :-1], windows[:, 1:]", "x, y = windows[:, :-1], windows[:, :-1]"),),
+           "targets equal the inputs (not shifted by one)"),
+)
+
+# Library stubs (not graded): name -> (what, the library tests that must notice)
+LIBRARY_STUBS: dict[str, tuple[str, str]] = {
+    "importance_all_zero": ("pruning importance scores all zero (shapes kept)", "tests/library/test_pruning.py"),
+    "hardware_constant": ("measure_hardware returns constants (arguments still checked)",
+                          "tests/library/test_roofline.py"),
+    "quantize_model_times_1_01": ("quantize_model returns the model with every block weight x 1.01",
+                                  "tests/library/test_quantization_model.py"),
+}
