@@ -62,6 +62,10 @@ def _import(spec: str):
     if path.is_dir():
         if not (path / "__init__.py").exists():
             raise ImportError(f"{path} is a folder without __init__.py (not a Python package)")
+        cached = sys.modules.get(path.name)
+        if cached is not None and Path(getattr(cached, "__file__", "") or "").parent != path:
+            for name in [n for n in sys.modules if n == path.name or n.startswith(path.name + ".")]:
+                del sys.modules[name]          # another package of the same name was graded earlier
         if str(path.parent) not in sys.path:
             sys.path.insert(0, str(path.parent))
         return importlib.import_module(path.name)
