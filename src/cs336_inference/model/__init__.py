@@ -4,10 +4,12 @@ One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, L
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
 `kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
 `rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
-`checkpoints` (save/load, shipped models, student checkpoints), `tokenizer`.
+`checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for students'
+own layouts), `tokenizer`.
 """
 
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
+from .checkpoint_keys import COMMON_RENAMES, rename_keys, split_fused_gate_up, split_fused_qkv
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
@@ -21,10 +23,11 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache", "LatentKVCache",
+    "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache",
+    "LatentKVCache",
     "LayerCache", "Linear",
     "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",
-    "save", "scaled_dot_product_attention",
+    "rename_keys", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",
 ]

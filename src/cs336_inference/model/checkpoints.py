@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .. import _checks
+from .checkpoint_keys import apply_key_map, diagnose
 from .config import ModelConfig
 from .transformer import TransformerLM
 
@@ -122,19 +123,27 @@ def check_state_dict(state: dict[str, torch.Tensor], model: TransformerLM) -> No
 
 
 def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
-                          dtype: torch.dtype | None = None) -> TransformerLM:
+                          dtype: torch.dtype | None = None, key_map=None) -> TransformerLM:
     """Build a `TransformerLM(config)` from a CS336 assignment-1 state dict or checkpoint file.
 
     Accepts a raw state dict or a dict with the weights under "model"/"model_state_dict"/...
     (an "optimizer" entry is ignored), with or without torch.compile's `_orig_mod.` prefix.
+    key_map (see `checkpoint_keys`): regex renames {pattern: replacement}, a callable (state_dict,
+    config) -> state_dict, or a list of them, applied first: `COMMON_RENAMES`, `split_fused_qkv(...)`,
+    `split_fused_gate_up(...)` cover the layouts seen in students' repositories. A checkpoint that still
+    does not match is refused naming every key, with a hint when it looks like one of those cases.
     """
     _checks.instance("config", config, ModelConfig, "a ModelConfig")
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)
-    state = extract_state_dict(obj)
+    state = apply_key_map(extract_state_dict(obj), key_map, config)
     model = TransformerLM(config, device="meta")
-    check_state_dict(state, model)
+    try:
+        check_state_dict(state, model)
+    except ValueError as err:
+        hints = diagnose(state, model.state_dict(), config)
+        raise ValueError("\n".join([str(err), *(f"hint: {h}" for h in hints)])) from None
     model = TransformerLM(config, device=device)
     with torch.no_grad():
         model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
