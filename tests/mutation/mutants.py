@@ -39,6 +39,7 @@ FORMULAS = "accounting/formulas.py"
 SYMBOLIC = "accounting/symbolic.py"
 CORPUS = "data/corpus.py"
 REFERENCE = "homework/reference.py"
+LAYERS = "model/layers.py"
 
 MUTANTS: tuple[Mutant, ...] = (
     # --- the twelve holes of issue 15 -----------------------------------------------------------------
@@ -97,6 +98,19 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("top_p_not_renormalised", SAMPLING,
            (("        probs = probs / probs.sum(-1, keepdim=True)\n", ""),),
            "the top-p nucleus is not renormalised"),
+    Mutant("top_p_mass_includes_the_token_itself", SAMPLING,
+           (("mass_before = sorted_probs.cumsum(-1) - sorted_probs", "mass_before = sorted_probs.cumsum(-1)"),),
+           "top-p drops the token that crosses the threshold (the nucleus falls short of top_p)"),
+    Mutant("sampler_ignores_top_k", SAMPLING,
+           (("probs = logits_to_probs(logits, temperature, top_k, top_p)",
+             "probs = logits_to_probs(logits, temperature, None, top_p)"),),
+           "sample_next_token forgets to pass top_k on"),
+    Mutant("rope_rotate_half_layout", LAYERS,
+           (("x.float().unflatten(-1, (-1, 2)).contiguous()",
+             "x.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()"),
+            ("return torch.view_as_real(pairs * rotation).flatten(-2)",
+             "return torch.view_as_real(pairs * rotation).transpose(-1, -2).flatten(-2)")),
+           "RoPE rotates (x[i], x[i + H/2]) (the rotate-half layout) instead of adjacent pairs"),
     Mutant("gqa_heads_interleaved", ATTENTION,
            (('q = rearrange(q, "B (K G) T H -> B K (G T) H", G=G)',
             'q = rearrange(q, "B (G K) T H -> B K (G T) H", G=G)'),),
@@ -127,6 +141,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("ring_writes_slot_mod_window", ROLLING,
            (("step.end, device=self.k.device) % self.capacity", "step.end, device=self.k.device) % self.window"),),
            "the ring writes position p to slot p % window, reads it from p % capacity"),
+    Mutant("ring_window_one_key_too_many", ROLLING,
+           (("return max(0, start - self.window + 1)", "return max(0, start - self.window)"),),
+           "the ring's first needed key is one position too early (rollbacks refused or reads off by one)"),
     Mutant("dequantize_adds_zero_point", CORE,
            (("return ((q.float() - zero_point) * scale).to(dtype)",
             "return ((q.float() + zero_point) * scale).to(dtype)"),),
@@ -165,6 +182,10 @@ MUTANTS: tuple[Mutant, ...] = (
            (("s, z = compute_scale_zero_point(torch.cat([W1[:, i:], W[:, end:]], 1)[:, :g],",
              "s, z = compute_scale_zero_point(weight.double()[:, j:j + g],"),),
            "GPTQ group scales from the original weights instead of the error-updated ones"),
+    Mutant("gptq_lower_cholesky", GPTQ,
+           (("torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)",
+             "torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=False)"),),
+           "GPTQ takes the lower Cholesky factor of H^-1 (the wrong rows of the inverse)"),
     Mutant("kv_bytes_without_k_and_v", FORMULAS,
            (("return 2 * config.num_kv_heads * config.head_dim", "return config.num_kv_heads * config.head_dim"),),
            "numeric KV bytes miss the factor 2 for keys and values"),
