@@ -24,12 +24,6 @@ def pytest_configure(config):
     config.pluginmanager.register(grading.Grader(config), "cs336-grader")
 
 
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(0)
-    yield
-
-
 @pytest.fixture
 def one_thread():
     """Tiny models gain nothing from a second thread, and on a shared, oversubscribed CPU the

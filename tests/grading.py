@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 import implementation
 
@@ -91,6 +92,12 @@ class Grader:
             if not self.hidden_dir.is_dir():
                 raise pytest.UsageError(f"--hidden-tests {hidden}: not a folder")
             config.args.append(str(self.hidden_dir))
+
+    @pytest.fixture(autouse=True)
+    def _seed(self):
+        """Every test (hidden ones included, wherever they live) starts from torch.manual_seed(0)."""
+        torch.manual_seed(0)
+        yield
 
     # --- which tests are graded, and for how many points -----------------------------------------
 

@@ -78,6 +78,7 @@ import torch
 
 @pytest.mark.points(3)
 def test_hidden_passes():
+    assert torch.initial_seed() == 0      # seeded like every test of the suite
     x, y = run_get_batch(torch.arange(20), 2, 4)
     assert x.shape == (2, 4)
 
