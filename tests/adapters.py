@@ -453,3 +453,33 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
 
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
+
+
+def make_quantized_linear_from_weight(weight, bits=4, group_size=None, symmetric=False, kernel="auto", **kwargs):
+    """A `QuantizedLinear` quantizing `weight` (O, I) by round to nearest (group_size None = per channel)."""
+    from cs336_inference.quantization import QuantizedLinear, quantize_tensor
+    granularity = "channel" if group_size is None else "group"
+    qt = quantize_tensor(weight, bits, symmetric, granularity, group_size)
+    return QuantizedLinear(qt, kernel=kernel, **kwargs)
+
+
+def run_set_quantized_kernel(model, kernel):
+    from cs336_inference.quantization import set_quantized_kernel
+    return set_quantized_kernel(model, kernel)
+
+
+# --- decode speed options: fused projections, attention kernel ---
+
+
+def run_fuse_projections(model):
+    """In place: q/k/v and w1/w3 each as one matmul; returns the model."""
+    return model.fuse_projections()
+
+
+def run_unfuse_projections(model):
+    return model.unfuse_projections()
+
+
+def run_set_attention_kernel(model, kernel: str):
+    """kernel: "reference" (hand-written) or "sdpa" (torch's fused attention); returns the model."""
+    return model.set_attention_kernel(kernel)

@@ -7,7 +7,10 @@ repeat it, and report the median; compare variants side by side in one run.
 from __future__ import annotations
 
 import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -45,3 +48,75 @@ def num_threads(n: int):
         yield
     finally:
         torch.set_num_threads(previous)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (runnable processes), or None where the OS does not report it."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+@contextlib.contextmanager
+def busy_cpu(processes: int = 1):
+    """Run the body while `processes` Python busy loops hold a core each: the machine other people's
+    jobs make. The loops are this process's children and are ended (by their pid) on exit."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"processes must be a non-negative int, got {processes!r}")
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.2)   # let the scheduler see them
+        yield
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
+
+
+class _OtherLoad:
+    """Cores' worth of CPU time that *other* processes used recently, from Linux's /proc/stat (all
+    CPUs' busy time) minus this process's own CPU time (`os.times`), refreshed at most once per
+    `interval` seconds. The load average cannot tell our own threads from other people's; this can."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval = interval
+        self.last: tuple[float, float, float] | None = None   # (wall, all busy seconds, own seconds)
+        self.value: float | None = None
+        try:
+            self.ticks = os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):
+            self.ticks = None
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        if self.ticks is None:
+            return None
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+        own = os.times()
+        return time.monotonic(), (sum(fields[:8]) - idle) / self.ticks, own.user + own.system
+
+    def __call__(self) -> float | None:
+        now = time.monotonic()
+        if self.last is not None and now - self.last[0] < self.interval:
+            return self.value
+        sample = self._sample()
+        if sample is not None and self.last is not None:
+            wall = sample[0] - self.last[0]
+            self.value = max(0.0, ((sample[1] - self.last[1]) - (sample[2] - self.last[2])) / wall)
+        self.last = sample if sample is not None else (now, 0.0, 0.0)
+        return self.value
+
+
+other_cpu_load = _OtherLoad()
+
+
+def cpu_contended(threshold: float = 0.5) -> bool:
+    """True when other processes kept at least `threshold` of a core busy over the last second or so
+    (False where it cannot be measured). Cheap to call often: it reads /proc at most once a second."""
+    load = other_cpu_load()
+    return load is not None and load >= threshold

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from adapters import (get_model_nbytes, make_config, make_kv_cache, make_model, make_quantized_kv_cache,
-                      run_generate, run_model, run_quantize_model)
+                      run_generate, run_model, run_quantize_model, run_set_quantized_kernel)
 
 CFG = dict(vocab_size=257, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
 CALIB = [torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))]
@@ -36,7 +36,9 @@ METHODS = [("rtn", 8, None), ("rtn", 4, 32), ("rtn", 3, 16), ("gptq", 4, 32), ("
 @pytest.mark.parametrize("method,bits,group_size", METHODS)
 def test_quantized_cached_decode_equals_its_full_forward(model, method, bits, group_size):
     snapshot = _bit_snapshot(model)
-    q = run_quantize_model(model, method, bits, group_size, CALIB)
+    # the reference kernel: fp32 activations, so cached and full forwards agree to fp32 rounding
+    # (the packed kernels' bf16 activations are checked in test_quantized_kernels.py)
+    q = run_quantize_model(model, method, bits, group_size, CALIB, kernel="reference")
     _assert_bit_identical(model, snapshot)          # quantize_model works on a copy
     x = torch.randint(0, 257, (2, 20))
     with torch.no_grad():
@@ -74,7 +76,8 @@ def _naive_rtn_fp16_scales(w, bits, group, symmetric):
 def test_rtn_model_computes_with_the_naively_rounded_weights(model, bits, group_size, symmetric):
     """Not only self-consistent: its logits are those of the original model whose block weights were
     rounded here, by a loop (a "quantizer" that merely perturbs the weights fails)."""
-    q = run_quantize_model(model, "rtn", bits, group_size, symmetric=symmetric)
+    q = run_set_quantized_kernel(run_quantize_model(model, "rtn", bits, group_size, symmetric=symmetric),
+                                 "reference")   # fp32 dequantize-then-matmul (the packed kernels run in bf16)
     reference = make_model(make_config(**CFG))
     state = {k: (_naive_rtn_fp16_scales(v, bits, group_size, symmetric) if k.startswith("layers.") and v.dim() == 2
                  else v) for k, v in model.state_dict().items()}

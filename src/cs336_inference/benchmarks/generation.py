@@ -1,30 +1,69 @@
-"""Benchmarks of the reference implementation (the complete inference benchmark grows here).
+"""`python -m cs336_inference bench generation`: how fast the model generates, and why.
 
-`bench_generation`: prefill and decode speed of a ~90M-parameter model whose fp32 weights (~350 MB)
-dwarf the CPU caches, so batch-1 decode must stream every weight from memory each step. We report
-weight bytes per step / time per step against the streaming bandwidth measured in the same process.
+A ~90M-parameter model whose fp32 weights (~330 MB) dwarf the CPU caches, so batch-1 decode streams
+every weight from memory each step: time per step ~ weight bytes / bandwidth. Fewer bytes per weight
+(bf16, int8, int4) should then mean proportionally faster decode, *if* the kernels read the small
+bytes directly (`QuantizedLinear`'s packed kernels) instead of materialising fp32 weights.
+
+Measured side by side in one run (the machines are shared: every variant is timed once per round,
+rounds alternate, we report medians with min/max over rounds and the load average):
+- fp32, bf16, int8 (per channel) and int4 (groups of 128) at batch 1 and 8, each with our decode
+  options (fused projections, torch's fused attention); "fp32 plain" is the readable path (separate
+  projections, hand-written attention, one `F.linear` per matrix);
+- Hugging Face `LlamaForCausalLM` on the same weights (the peer; needs the `[peer]` extra), with a
+  check that its greedy tokens equal ours;
+- weight bytes per step / time per step against the streaming bandwidth measured in the same run;
+- KL(fp32 || variant) of the next-token distributions, so speed is never quoted without its cost;
+- a busy section: the batch-1 fp32 rows again while another process holds a core.
+Plus prefill tokens/s and naive (re-run the prefix) vs cached generation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import math
 import statistics
+import time
 
 import torch
+import torch.nn as nn
 
-from ..model.config import ModelConfig
-from ..device import default_dtype, get_device, seed_everything
-from ..figures import save_figure, save_json
+from ..accounting.roofline import measure_memory_bandwidth
+from .._openmp import wait_policy
+from ..device import get_device, seed_everything
+from ..figures import save_json
+from ..generation.compiled import compile_decode
 from ..generation.generate import decode_one_token, generate
+from ..model.config import ModelConfig
 from ..model.layers import few_row_split
 from ..model.transformer import TransformerLM
-from ..accounting.roofline import measure_memory_bandwidth
-from ..tables import print_mapping
-from ..timing import median_seconds
+from ..quantization.linear import QuantizedLinear
+from ..quantization.model import quantize_model
+from ..timing import busy_cpu, load_average, median_seconds
+from . import peer
+from .generation_report import plot_generation, print_generation
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+COMPILED = ("fp32", "int4")   # also timed through `compile_decode`
 
 
-def weight_bytes_per_step(model: TransformerLM) -> int:
-    """Bytes of weights one decode step reads: all of them except the embedding table (one row)."""
-    return sum(p.nbytes for name, p in model.named_parameters() if not name.startswith("token_embeddings"))
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and quantized weight except the token
+    embedding table (a step reads one row of it). Packed quantized layers count the bytes their
+    kernel reads (codes + scales + zeros in the kernel's layout)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or type(module).__name__ == "QuantizedEmbedding":
+            continue
+        if isinstance(module, QuantizedLinear):
+            packed = module.packed_weight(module.qweight.device)
+            total += packed.nbytes if packed is not None else sum(b.nbytes for b in module.buffers(recurse=False))
+            continue
+        if isinstance(getattr(module, "table", None), QuantizedLinear):
+            continue
+        total += sum(p.nbytes for p in module.parameters(recurse=False))
+    return total
 
 
 @torch.inference_mode()
@@ -38,76 +77,212 @@ def prefill_tokens_per_second(model, prompt_len: int, batch_size: int = 1, repea
     return batch_size * prompt_len / median_seconds(run, device, repeats, warmup=1)
 
 
+def decode_step_fn(model, batch_size: int, context: int = 32, steps: int = 32, decode=decode_one_token):
+    """Prefill `context` random tokens; return a function running one decode step (room for `steps` + 4).
+
+    decode(model, token_ids, cache) runs the step (a `compile_decode` step takes (token_ids, cache))."""
+    device = model.device
+    cache = model.new_cache(batch_size, context + steps + 4)
+    with torch.inference_mode():
+        model(torch.randint(0, model.config.vocab_size, (batch_size, context), device=device), cache=cache)
+    token = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def step():
+        with torch.inference_mode():
+            return decode(model, token, cache)
+    return step
+
+
 @torch.inference_mode()
 def decode_step_seconds(model, batch_size: int, context: int = 32, steps: int = 32) -> float:
     """Median seconds of one decode step for `batch_size` sequences after a `context`-token prefill."""
-    device = model.device
-    cache = model.new_cache(batch_size, context + steps + 1)  # room for warm-up + timed steps
-    model(torch.randint(0, model.config.vocab_size, (batch_size, context), device=device), cache=cache)
-    token = torch.zeros(batch_size, dtype=torch.long, device=device)
-    return median_seconds(lambda: decode_one_token(model, token, cache), device, steps, warmup=1)
+    return median_seconds(decode_step_fn(model, batch_size, context, steps), model.device, steps, warmup=1)
+
+
+def _group_size(config: ModelConfig, wanted: int = 128) -> int:
+    """The largest of 128/64/32 (int4 kernel groups) dividing d_model and d_ff."""
+    return next(g for g in (wanted, 64, 32) if config.d_model % g == 0 and config.d_ff % g == 0)
+
+
+def build_variants(model: TransformerLM) -> tuple[dict[str, nn.Module], dict[str, contextlib.AbstractContextManager]]:
+    """Every model the benchmark times (a deep copy each) and the context each must run in."""
+    fast = copy.deepcopy(model).fuse_projections().set_attention_kernel("sdpa")
+    g = _group_size(model.config)
+    models = {
+        "fp32 plain": model,
+        "fp32": fast,
+        "bf16": copy.deepcopy(fast).to(torch.bfloat16),
+        "int8": quantize_model(fast, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True),
+        "int4": quantize_model(fast, "rtn", bits=4, group_size=g, quantize_lm_head=True),
+    }
+    contexts = {"fp32 plain": lambda: few_row_split(False)}
+    return models, contexts
+
+
+@torch.inference_mode()
+def kl_to_reference(model, reference, ids: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(reference || model) over next-token distributions, and top-1 agreement, on ids (B, T)."""
+    ref = reference(ids).float().log_softmax(-1)
+    out = model(ids).float().log_softmax(-1)
+    kl = (ref.exp() * (ref - out)).sum(-1).mean()
+    return float(kl), float((ref.argmax(-1) == out.argmax(-1)).float().mean())
+
+
+def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> dict[str, list[float]]:
+    """Alternate: each round times every function once (median of `steps` calls), in the same order."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, make in fns.items():
+            with contexts.get(name.rsplit(" B=", 1)[0], contextlib.nullcontext)():
+                times[name].append(median_seconds(make(), device, steps, warmup=2))
+    return times
 
 
 def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m") -> dict:
-    """Prefill tokens/s (prompt 32, 512), decode tokens/s (batch 1, 8), naive vs cached generation of
-    128 tokens, and batch-1 decode bandwidth against the measured streaming bandwidth."""
     device = get_device(device)
     seed_everything(0)
     config = ModelConfig.from_name(preset)
     if quick:
         config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
-    model = TransformerLM(config, device=device).to(default_dtype(device)).eval()
+    model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
+    rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
+    result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
+              "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
+              "parameters": model.num_parameters(), "cpu_bf16_matmul": _bf16_unit(device),
+              "load_average_start": load_average()}
+
+    models, contexts = build_variants(model)
+    hf = None
+    if peer.transformers_available():
+        hf = peer.hf_llama_from(model)
+    else:
+        print(f"peer row skipped: transformers is not installed ({peer.INSTALL_HINT})")
+    result["peer"] = "transformers " + __import__("transformers").__version__ if hf is not None else None
+
+    # Same greedy tokens: our readable path, our fast path and the peer, from the same prompt.
+    prompt = torch.randint(0, config.vocab_size, (1, 16), device=device)
+    n_check = 16 if quick else 32
+    greedy = {name: generate(models[name], prompt.tolist(), n_check).tokens for name in ("fp32 plain", "fp32")}
+    result["greedy_fast_equals_plain"] = greedy["fp32"] == greedy["fp32 plain"]
+    if hf is not None:
+        result["greedy_equals_peer"] = greedy["fp32"] == peer.hf_greedy(hf, prompt, n_check)
+
+    ids = torch.randint(0, config.vocab_size, (4, 64 if not quick else 32), device=device)
+    quality = {name: kl_to_reference(m, model, ids) for name, m in models.items()}
+    quality |= {f"{name} compiled": quality[name] for name in COMPILED}   # same graph, same numbers
+
+    fns = {f"{name} B={B}": (lambda m=m, B=B: decode_step_fn(m, B, 32, steps + 4))
+           for name, m in models.items() for B in batches}
+    # torch.compile'd decode steps (one graph for all positions and batch sizes; compiled once here)
+    result["compile_seconds"] = {}
+    for name in COMPILED if not quick else ():   # a smoke run skips the minutes of compiling
+        t0 = time.perf_counter()
+        compiled = compile_decode(models[name])
+        decode = lambda m, token, cache, compiled=compiled: compiled(token, cache)   # noqa: E731
+        decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
+        result["compile_seconds"][name] = time.perf_counter() - t0
+        models[f"{name} compiled"] = models[name]
+        fns |= {f"{name} compiled B={B}": (lambda m=models[name], B=B, d=decode: decode_step_fn(m, B, 32, steps + 4, d))
+                for B in batches}
+    if hf is not None:
+        fns |= {f"HF fp32 B={B}": (lambda B=B: peer.hf_decode_step_fn(hf, B, 32)) for B in batches}
+    bandwidths = [measure_memory_bandwidth(device, repeats=5)]
+    times = _time_rounds(fns, contexts, device, rounds, steps)
+    bandwidths.append(measure_memory_bandwidth(device, repeats=5))
+    result["measured_bandwidth_GBps"] = statistics.median(bandwidths) / 1e9
+    result["load_average_decode"] = load_average()
+
+    rows = []
+    for name, ts in times.items():
+        variant, B = name.rsplit(" B=", 1)
+        m = models.get(variant, model)
+        seconds = statistics.median(ts)
+        row = dict(variant=variant, batch=int(B), ms_per_step=seconds * 1e3, ms_min=min(ts) * 1e3,
+                   ms_max=max(ts) * 1e3, tok_per_s=int(B) / seconds, weight_bytes_per_step=weight_bytes_per_step(m))
+        row["GBps"] = row["weight_bytes_per_step"] / seconds / 1e9
+        row["fraction_of_bandwidth"] = row["GBps"] / result["measured_bandwidth_GBps"]
+        row["kl_to_fp32"], row["top1_agreement"] = quality.get(variant, (None, None))
+        rows.append(row)
+    for row in rows:
+        same_b = {r["variant"]: r["ms_per_step"] for r in rows if r["batch"] == row["batch"]}
+        row["speedup_vs_fp32"] = same_b["fp32"] / row["ms_per_step"]
+        if "HF fp32" in same_b:
+            row["speedup_vs_hf_fp32"] = same_b["HF fp32"] / row["ms_per_step"]
+    result["rows"] = rows
+
+    result["busy"] = _busy_section(models["fp32"], models["fp32 plain"], hf, device, rounds, steps)
+    result["goals"] = goals(result)
+
+    for prompt_len in (32, 512) if not quick else (32,):
+        result[f"prefill_tok_per_s_prompt{prompt_len}"] = prefill_tokens_per_second(models["fp32"], prompt_len)
     new_tokens = 32 if quick else 128
-    rows = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
-            "threads": torch.get_num_threads(), "parameters": model.num_parameters(),
-            "weight_bytes_per_step": weight_bytes_per_step(model)}
-
-    bandwidths = [measure_memory_bandwidth(device, repeats=5) for _ in range(3)]
-    rows["measured_bandwidth_GBps"] = statistics.median(bandwidths) / 1e9
-    for prompt in (32, 512):
-        rows[f"prefill_tok_per_s_prompt{prompt}"] = prefill_tokens_per_second(model, prompt)
-    for batch in (1, 8):
-        step = decode_step_seconds(model, batch)
-        rows[f"decode_ms_per_step_batch{batch}"] = step * 1e3
-        rows[f"decode_tok_per_s_batch{batch}"] = batch / step
-    with few_row_split(False):  # the plain one-gemm-call path, for comparison
-        rows["decode_ms_per_step_batch1_plain_linear"] = decode_step_seconds(model, 1) * 1e3
-    step1 = rows["decode_ms_per_step_batch1"] / 1e3
-    rows["decode_GBps_batch1"] = rows["weight_bytes_per_step"] / step1 / 1e9
-    rows["decode_fraction_of_bandwidth"] = rows["decode_GBps_batch1"] / rows["measured_bandwidth_GBps"]
-    rows["decode_GBps_batch1_plain_linear"] = (rows["weight_bytes_per_step"]
-                                               / (rows["decode_ms_per_step_batch1_plain_linear"] / 1e3) / 1e9)
-
-    prompt = torch.randint(0, config.vocab_size, (1, 32)).tolist()
-    cached = generate(model, prompt, new_tokens, use_cache=True)
-    naive = generate(model, prompt, new_tokens, use_cache=False)
+    prompt_list = torch.randint(0, config.vocab_size, (1, 32)).tolist()
+    cached = generate(models["fp32"], prompt_list, new_tokens, use_cache=True)
+    naive = generate(models["fp32"], prompt_list, new_tokens, use_cache=False)
     assert cached.tokens == naive.tokens, "cached and naive greedy generation disagree"
-    rows["new_tokens"] = new_tokens
-    rows["cached_generation_s"] = cached.total_time
-    rows["naive_generation_s"] = naive.total_time
-    rows["naive_over_cached"] = naive.total_time / cached.total_time
+    result |= dict(new_tokens=new_tokens, cached_generation_s=cached.total_time, naive_generation_s=naive.total_time,
+                   naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
-    print_mapping(rows)
-    save_json(rows, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
-    _plot(rows, cached, naive, quick)
-    return rows
+    print_generation(result)
+    save_json(result, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
+    plot_generation(result, quick)
+    return result
 
 
-def _plot(rows: dict, cached, naive, quick: bool) -> None:
-    import matplotlib.pyplot as plt
+def _busy_section(fast, plain, hf, device, rounds: int, steps: int) -> dict:
+    """Batch-1 fp32 decode while one busy loop holds a core: ours (fast and plain F.linear), the peer."""
+    fns = {"fp32 B=1": lambda: decode_step_fn(fast, 1, 32, steps + 4),
+           "fp32 plain B=1": lambda: decode_step_fn(plain, 1, 32, steps + 4)}
+    if hf is not None:
+        fns["HF fp32 B=1"] = lambda: peer.hf_decode_step_fn(hf, 1, 32)
+    with busy_cpu(1):
+        load = load_average()
+        times = _time_rounds(fns, {"fp32 plain": lambda: few_row_split(False)}, device, rounds, steps)
+    out = {name.rsplit(" B=", 1)[0]: dict(ms_per_step=statistics.median(t) * 1e3, ms_min=min(t) * 1e3,
+                                          ms_max=max(t) * 1e3) for name, t in times.items()}
+    out["load_average"] = load
+    return out
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    labels = ["streaming\n(measured)", "decode B=1\n(few-row split)", "decode B=1\n(plain linear)"]
-    values = [rows["measured_bandwidth_GBps"], rows["decode_GBps_batch1"], rows["decode_GBps_batch1_plain_linear"]]
-    ax1.bar(labels, values, color=["gray", "tab:blue", "tab:orange"])
-    ax1.set_ylabel("GB/s")
-    ax1.set_title(f"Batch-1 decode of {rows['parameters'] / 1e6:.0f}M params ({rows['device']})")
-    ax2.plot([t * 1e3 for t in cached.inter_token_latencies], label="KV cache")
-    ax2.plot([t * 1e3 for t in naive.inter_token_latencies], label="naive (re-run prefix)")
-    ax2.set_xlabel("generated token")
-    ax2.set_ylabel("ms per step")
-    ax2.set_title("Per-step latency, batch 1")
-    ax2.legend()
-    fig.tight_layout()
-    save_figure(fig, "generation", result=True, quick=quick)
-    plt.close(fig)
+
+def goals(result: dict) -> dict:
+    """The issue's targets, each with the measured value, the variant it was measured on, and whether
+    it is met (None: not measured). Eager and compiled count as the same precision: the best one."""
+    rows = {(r["variant"], r["batch"]): r for r in result["rows"]}
+
+    def best(precision: str, batch: int) -> dict:
+        found = [rows[k] for k in ((precision, batch), (f"{precision} compiled", batch)) if k in rows]
+        return min(found, key=lambda r: r["ms_per_step"])
+
+    hf1 = rows.get(("HF fp32", 1))
+    busy = result["busy"]
+    fp32, int8, int4 = best("fp32", 1), best("int8", 1), best("int4", 1)
+    checks = [
+        ("fp32 B=1 speed vs HF (idle)", 1.0, fp32["variant"], hf1 and hf1["ms_per_step"] / fp32["ms_per_step"]),
+        ("fp32 B=1 speed vs HF (one busy process)", 1.0, "fp32",
+         busy["HF fp32"]["ms_per_step"] / busy["fp32"]["ms_per_step"] if "HF fp32" in busy else None),
+        ("few-row Linear vs plain F.linear, B=1 (busy)", 1.0, "fp32",
+         busy["fp32 plain"]["ms_per_step"] / busy["fp32"]["ms_per_step"]),
+        ("fp32 B=1 weight bytes/step / time vs bandwidth", 0.7, fp32["variant"], fp32["fraction_of_bandwidth"]),
+        ("int8 B=1 speed vs HF fp32", 1.8, int8["variant"], hf1 and hf1["ms_per_step"] / int8["ms_per_step"]),
+        ("int4 B=1 speed vs HF fp32", 3.0, int4["variant"], hf1 and hf1["ms_per_step"] / int4["ms_per_step"]),
+        ("bf16 B=8 speed vs fp32 (bf16 matmul unit)", 2.0, "bf16",
+         rows[("fp32", 8)]["ms_per_step"] / rows[("bf16", 8)]["ms_per_step"]),
+    ]
+    return {name: dict(target=target, variant=variant, value=value,
+                       met=None if value is None or math.isnan(value) else bool(value >= target))
+            for name, target, variant, value in checks}
+
+
+def _bf16_unit(device) -> str:
+    """What bf16 matmuls can use here: AMX tiles, AVX-512 BF16 dot products, or neither."""
+    if torch.device(device).type != "cpu":
+        return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "n/a"
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "unknown"
+    if "amx_bf16" in flags:
+        return "AMX (amx_bf16)"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16 (avx512_bf16)"
+    return "none (bf16 is converted to fp32)"

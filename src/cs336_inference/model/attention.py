@@ -8,8 +8,18 @@ sharing), `mla` (multi-head latent attention), `window` (sliding-window attentio
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 
+# "reference": the hand-written softmax(q k^T) v below, the definition; "sdpa": torch's fused
+# F.scaled_dot_product_attention (one kernel, no (T, S) score tensor in Python), checked against it.
+ATTENTION_KERNELS = ("reference", "sdpa")
+
+
+def check_attention_kernel(kernel) -> str:
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+    return kernel
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -58,15 +68,20 @@ def attention_mask(num_new: int, num_keys: int, start_pos: int, pad: torch.Tenso
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      mask: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
-    """q (B, N, T, H) over k (B, K, S, H), v (B, K, S, Hv) with N = K * G, without copying K/V G times."""
+                      mask: torch.Tensor | None, scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
+    """q (B, N, T, H) over k (B, K, S, H), v (B, K, S, Hv) with N = K * G, without copying K/V G times.
+
+    kernel: "reference" (`scaled_dot_product_attention` above) or "sdpa" (torch's fused kernel)."""
     B, N, T, H = q.shape
     G = N // k.shape[1]
     q = rearrange(q, "B (K G) T H -> B K (G T) H", G=G)
     if mask is not None:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S)
         mask = rearrange(mask.expand(-1, -1, T, -1).unsqueeze(2).expand(-1, -1, G, -1, -1),
                          "B one G T S -> B one (G T) S")
-    out = scaled_dot_product_attention(q, k, v, mask, scale)
+    if kernel == "sdpa":
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        out = scaled_dot_product_attention(q, k, v, mask, scale)
     return rearrange(out, "B K (G T) H -> B (K G) T H", G=G)
 
 
@@ -79,4 +94,5 @@ def require_shared_kv(shared_kv, layer_idx: int, kv_source: int):
     return shared_kv
 
 
-__all__ = ["attention_mask", "grouped_attention", "require_shared_kv", "scaled_dot_product_attention"]
+__all__ = ["ATTENTION_KERNELS", "attention_mask", "check_attention_kernel", "grouped_attention", "require_shared_kv",
+           "scaled_dot_product_attention"]

@@ -17,7 +17,7 @@ from einops import rearrange
 from .attention import grouped_attention, require_shared_kv
 from .config import ModelConfig
 from .kv_cache import CacheStep, ContiguousKVCache, LayerCache
-from .layers import Linear, apply_rope
+from .layers import Linear, apply_rope, fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
 
 
 class GroupedQueryAttention(nn.Module):
@@ -28,6 +28,7 @@ class GroupedQueryAttention(nn.Module):
     """
 
     window: int | None = None  # global attention; `SlidingWindowAttention` sets it
+    attention_kernel: str = "reference"   # or "sdpa" (`TransformerLM.set_attention_kernel`)
 
     def __init__(self, config: ModelConfig, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
@@ -40,6 +41,16 @@ class GroupedQueryAttention(nn.Module):
             self.k_proj = Linear(D, K * H, device=device, dtype=dtype)
             self.v_proj = Linear(D, K * H, device=device, dtype=dtype)
         self.output_proj = Linear(N * H, D, device=device, dtype=dtype)
+        keep_unfused_state_dict_keys(self)
+
+    def fuse_projections(self) -> None:
+        """q, k and v (same input) as one matmul, `qkv_proj`; the state dict keeps q/k/v_proj."""
+        if self.owns_kv and "qkv_proj" not in self._modules:
+            fuse_linears(self, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+
+    def unfuse_projections(self) -> None:
+        if "qkv_proj" in self._modules:
+            unfuse_linears(self, "qkv_proj")
 
     @property
     def owns_kv(self) -> bool:
@@ -64,15 +75,25 @@ class GroupedQueryAttention(nn.Module):
         cache/step: this layer's cache and the forward's `CacheStep`; shared_kv: the keys/values of
         this layer's CLA group owner (followers only)."""
         cos, sin = rope
-        q = rearrange(self.q_proj(x), "B T (N H) -> B N T H", H=self.head_dim)
+        if "qkv_proj" in self._modules:
+            q, k, v = self.qkv_proj(x)
+        else:
+            q, k, v = self.q_proj(x), *((self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None))
+        q = rearrange(q, "B T (N H) -> B N T H", H=self.head_dim)
         q = apply_rope(q, cos, sin)
         if self.owns_kv:
-            k = rearrange(self.k_proj(x), "B T (K H) -> B K T H", H=self.head_dim)
-            v = rearrange(self.v_proj(x), "B T (K H) -> B K T H", H=self.head_dim)
+            k = rearrange(k, "B T (K H) -> B K T H", H=self.head_dim)
+            v = rearrange(v, "B T (K H) -> B K T H", H=self.head_dim)
             kv = (apply_rope(k, cos, sin), v)
             if cache is not None:
                 kv = cache.update(*kv, step)  # (B, K, S, H): every key the new queries may see
         else:
             kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
-        out = grouped_attention(q, *kv, mask) if cache is None else cache.attend(q, kv, mask, step)
+        # the kernel choice travels only when it is not the default, so caches that override `attend`
+        # without a `kernel` argument keep working with the reference kernel
+        options = {} if self.attention_kernel == "reference" else {"kernel": self.attention_kernel}
+        if cache is None:
+            out = grouped_attention(q, *kv, mask, **options)
+        else:
+            out = cache.attend(q, kv, mask, step, **options)
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv

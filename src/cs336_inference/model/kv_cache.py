@@ -111,9 +111,10 @@ class LayerCache:
         return attention_mask(step.num_new, step.end, step.start, step.pad, device=self.device)
 
     def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None,
-               step: CacheStep, scale: float | None = None) -> torch.Tensor:
-        """q (B, N, T, Hk) over kv = (keys (B, K, S', Hk), values (B, K, S', Hv)) -> (B, N, T, Hv)."""
-        return grouped_attention(q, *kv, mask, scale)
+               step: CacheStep, scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
+        """q (B, N, T, Hk) over kv = (keys (B, K, S', Hk), values (B, K, S', Hv)) -> (B, N, T, Hv).
+        kernel: "reference" (hand-written attention) or "sdpa" (torch's fused kernel)."""
+        return grouped_attention(q, *kv, mask, scale, kernel=kernel)
 
     def commit(self, step: CacheStep) -> None:
         """Make the step's write permanent (caches that write in place in `update` have nothing to do)."""
@@ -242,10 +243,9 @@ class KVCache:
 
     def unique_layers(self) -> list:
         """Each distinct layer cache once (layers that share a cache count once)."""
-        seen, unique = set(), []
-        for layer in self.layers:
-            if id(layer) not in seen:
-                seen.add(id(layer))
+        unique = []
+        for layer in self.layers:   # `is`, not id(): a compiled decode step must not pin one cache object
+            if not any(layer is u for u in unique):
                 unique.append(layer)
         return unique
 

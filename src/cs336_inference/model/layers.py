@@ -13,9 +13,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
+from ..timing import cpu_contended
+
 # Rows at or below which the CPU few-row path of `Linear` beats one MKL gemm call (measured here on
 # the weights of a 330 MB model, 2 idle threads: 1 row 18 -> 10 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
-# On an oversubscribed CPU (other processes busy) any 2-thread kernel stalls; use 1 thread there.
+# On an oversubscribed CPU (other processes busy) the split waits for its slowest thread, which
+# shares a core: it then loses to MKL's one-thread kernel, so it is skipped while other processes
+# keep a core busy (`timing.cpu_contended`, re-read at most once a second).
 _SPLIT_MAX_ROWS = 64
 _SPLIT_ENABLED = True
 
@@ -45,16 +49,122 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
+        if torch.compiler.is_compiling():   # a compiled graph fuses its own matmuls; the thread count
+            return F.linear(x, w)           # is a Python-side fact the graph must not depend on
         P = torch.get_num_threads()
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (_SPLIT_ENABLED and P > 1 and 0 < rows <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
                 and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
-                and x.dtype == w.dtype):
+                and x.dtype == w.dtype and not cpu_contended()):
             blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
             x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
             y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
             return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
         return F.linear(x, w)
+
+
+class FusedLinear(nn.Module):
+    """Several projections of the same input as one matmul: y = x [W_a; W_b; ...]^T, split back.
+
+    Decode multiplies one row by every matrix; each call has a fixed cost (dispatch, threads), so
+    q/k/v (and SwiGLU's w1/w3) as one call cost less per step. The parts keep their names: the
+    parent's state dict still shows `q_proj.weight`, `k_proj.weight`, ... (see `fuse_linears`).
+    """
+
+    def __init__(self, parts: dict[str, nn.Linear]):
+        super().__init__()
+        first = next(iter(parts.values()))
+        self.part_names = tuple(parts)
+        self.splits = tuple(p.out_features for p in parts.values())
+        w = first.weight
+        self.proj = Linear(first.in_features, sum(self.splits), device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            self.proj.weight.copy_(torch.cat([p.weight for p in parts.values()]))  # (sum O, I)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (..., I) -> one (..., O_i) per part
+        return self.proj(x).split(self.splits, dim=-1)
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{n}={o}" for n, o in zip(self.part_names, self.splits))
+
+
+def fuse_linears(module: nn.Module, fused_name: str, part_names: tuple[str, ...]) -> None:
+    """Replace the plain linears `part_names` of `module` (same input) by one `FusedLinear` named
+    `fused_name`, in the first part's place (so module order, hence state-dict order, is kept)."""
+    parts = {n: module._modules.get(n) for n in part_names}
+    bad = {n: type(m).__name__ for n, m in parts.items() if type(m) not in (Linear, nn.Linear) or m.bias is not None}
+    if bad:
+        raise TypeError(f"can only fuse bias-free full-precision linears, got {bad}; fuse before quantizing "
+                        f"(quantize_model works on a fused model)")
+    kinds = {(m.in_features, m.weight.dtype, m.weight.device) for m in parts.values()}
+    if len(kinds) != 1:
+        raise ValueError(f"{part_names} must share in_features, dtype and device to be fused")
+    fused = FusedLinear(parts)
+    fused.unfused_order = tuple(module._modules)   # children before fusing: the state-dict order
+    items = list(module._modules.items())
+    module._modules.clear()
+    for name, child in items:
+        if name == part_names[0]:
+            module._modules[fused_name] = fused
+        elif name not in part_names:
+            module._modules[name] = child
+
+
+def unfuse_linears(module: nn.Module, fused_name: str) -> None:
+    """Undo `fuse_linears`: the parts come back as plain `Linear`s holding their rows of the fused weight."""
+    fused = module._modules[fused_name]
+    if type(fused.proj) not in (Linear, nn.Linear):
+        raise TypeError(f"{fused_name} holds a {type(fused.proj).__name__}; only a full-precision fused "
+                        f"projection can be split back")
+    w = fused.proj.weight
+    rows = w.detach().split(fused.splits)
+    items = list(module._modules.items())
+    module._modules.clear()
+    for name, child in items:
+        if name != fused_name:
+            module._modules[name] = child
+            continue
+        for part, r in zip(fused.part_names, rows):
+            lin = Linear(w.shape[1], r.shape[0], device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                lin.weight.copy_(r)
+            module._modules[part] = lin
+
+
+def _split_fused_state(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+    """State-dict hook: a fused projection is saved under its parts' own keys, in the order the
+    unfused module would list them (its children's order before fusing)."""
+    fused = {prefix + n + ".proj.weight": m for n, m in module.named_children() if isinstance(m, FusedLinear)}
+    if not any(k in state_dict for k in fused):
+        return
+    mine = [k for k in state_dict if k.startswith(prefix)]     # this module's block of keys
+    section = {}
+    for key in mine:
+        value = state_dict.pop(key)
+        if key in fused:
+            for part, piece in zip(fused[key].part_names, value.split(fused[key].splits)):
+                section[prefix + part + ".weight"] = piece
+        else:
+            section[key] = value
+    order = next(iter(fused.values())).unfused_order
+    rank = {name: i for i, name in enumerate(order)}
+    for key in sorted(section, key=lambda k: rank.get(k[len(prefix):].split(".")[0], -1)):
+        state_dict[key] = section[key]
+
+
+def _merge_fused_state(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """Load pre-hook: the parts' keys of a CS336 state dict become the fused projection's weight."""
+    for name, child in module.named_children():
+        if isinstance(child, FusedLinear):
+            keys = [prefix + part + ".weight" for part in child.part_names]
+            if all(k in state_dict for k in keys):
+                state_dict[prefix + name + ".proj.weight"] = torch.cat([state_dict.pop(k) for k in keys])
+
+
+def keep_unfused_state_dict_keys(module: nn.Module) -> None:
+    """Make `module` save and load its fused projections under the unfused (CS336) keys."""
+    module._register_state_dict_hook(_split_fused_state)
+    module._register_load_state_dict_pre_hook(_merge_fused_state, with_module=True)
 
 
 class RMSNorm(nn.Module):
@@ -81,9 +191,20 @@ class SwiGLU(nn.Module):
         self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
         self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
         self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        keep_unfused_state_dict_keys(self)
+
+    def fuse_projections(self) -> None:
+        """w1 and w3 (same input) as one matmul, `w13`; the state dict keeps w1/w3."""
+        if "w13" not in self._modules:
+            fuse_linears(self, "w13", ("w1", "w3"))
+
+    def unfuse_projections(self) -> None:
+        if "w13" in self._modules:
+            unfuse_linears(self, "w13")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x) if "w13" in self._modules else (self.w1(x), self.w3(x))   # (..., F) each
+        return self.w2(F.silu(gate) * up)
 
 
 def rope_angles(head_dim: int, max_seq_len: int, theta: float = 10000.0,
@@ -103,6 +224,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     The pair (x[2k], x[2k+1]) is the complex number x[2k] + i x[2k+1]; rotating it by angle a is
     multiplying by cos a + i sin a: one complex multiply instead of a dozen real ops per call.
     """
+    if torch.compiler.is_compiling():   # the compiler fuses real ops but cannot generate complex ones
+        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)                               # (..., T, H/2) each
+        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
     rotation = torch.complex(cos.float(), sin.float())                                  # (..., T, H/2)
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())         # (..., T, H/2)
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)                 # (..., T, H)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from .. import _checks
-from .attention import attention_mask
+from .attention import attention_mask, check_attention_kernel
 from .gqa import GroupedQueryAttention
 from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
@@ -85,11 +85,37 @@ class TransformerLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.ln_final.weight.device   # a norm weight: present even when lm_head is quantized
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activation dtype (quantized layers store codes, so ask a norm)."""
+        return self.ln_final.weight.dtype
+
+    def fuse_projections(self) -> "TransformerLM":
+        """Decode option: q/k/v and SwiGLU's w1/w3 each as one matmul (fewer calls per step). The
+        state dict keeps the CS336 keys, so saving and loading are unchanged. Fuse before quantizing."""
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "fuse_projections"):
+                    part.fuse_projections()
+        return self
+
+    def unfuse_projections(self) -> "TransformerLM":
+        for block in self.layers:
+            for part in (block.attn, block.ffn):
+                if hasattr(part, "unfuse_projections"):
+                    part.unfuse_projections()
+        return self
+
+    def set_attention_kernel(self, kernel: str) -> "TransformerLM":
+        """"reference" (the hand-written attention) or "sdpa" (torch's fused kernel) for every
+        grouped-query / sliding-window layer (MLA keeps its own kernels)."""
+        check_attention_kernel(kernel)
+        for block in self.layers:
+            if hasattr(block.attn, "attention_kernel"):
+                block.attn.attention_kernel = kernel
+        return self
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())
@@ -134,7 +160,8 @@ class TransformerLM(nn.Module):
             start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
             step = CacheStep.new(start, T, B, pad)
         else:
-            self._check_cache(cache, B)
+            if not torch.compiler.is_compiling():   # identity checks would pin the graph to one cache
+                self._check_cache(cache, B)           # object; `compile_decode` runs them eagerly first
             step = cache.begin(T, pad, start_pos)
         if step.end > self.config.context_length:
             raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
@@ -190,5 +217,7 @@ class TransformerLM(nn.Module):
 
     def _check_tokens(self, token_ids) -> torch.Tensor:
         """(B, T) or (T,) integer ids in [0, vocab_size) -> (B, T) int64 on the model's device."""
+        if torch.compiler.is_compiling():   # reading values back is a graph break: compiled callers
+            return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)  # check first
         token_ids = _checks.token_ids("token_ids", token_ids, self.config.vocab_size)
         return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)

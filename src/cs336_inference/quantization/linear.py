@@ -6,10 +6,13 @@
 - `Fp8Linear`: float8 weights with one fp32 scale per output channel.
 - `LLMInt8Linear`: int8 weights with per-row scales, run through LLM.int8()'s decomposed matmul.
 
-All three dequantize on the fly in `forward` and then run an ordinary matmul. On a memory-bound
-accelerator a fused kernel reads the small codes and dequantizes in registers, so fewer bytes mean a
-faster decode; in plain PyTorch on a CPU the dequantization is an extra pass that materialises the
-full-precision weight, so it costs time instead of saving it (the benchmark measures this).
+`QuantizedLinear` has two kernels. "reference" dequantizes the whole weight and runs an ordinary
+matmul: the readable definition, but an extra pass that materialises the full-precision matrix, so
+it costs time instead of saving it. "packed" (int4 and per-channel int8) hands the codes to torch's
+int4pack / int8pack kernels, which read the small codes and dequantize inside the matmul, with bf16
+activations: fewer bytes, faster memory-bound decode (see `kernels`). "auto" (the default) takes
+"packed" where the layer's layout fits a kernel on the input's device and "reference" elsewhere.
+`Fp8Linear` and `LLMInt8Linear` dequantize on the fly (reference kernels only).
 """
 
 from __future__ import annotations
@@ -21,17 +24,24 @@ from einops import rearrange
 
 from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
+from .kernels import (PackedWeight, check_kernel, default_compute_dtype, pack_weight, packed_matmul,
+                      packed_unsupported_reason)
 from .fp8 import fp8_dtype, quantize_fp8
 from .llm_int8 import absmax_int8, llm_int8_matmul
 from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
 
 
 class QuantizedLinear(nn.Module):
-    """y = (x / input_scale) @ W_hat^T with W_hat = (q - zero_point) * scale per group of the input dim."""
+    """y = (x / input_scale) @ W_hat^T with W_hat = (q - zero_point) * scale per group of the input dim.
+
+    kernel: "auto" (packed where it fits, else reference), "reference" (dequantize, then matmul) or
+    "packed" (torch's int4pack / int8pack kernels; refused when the layout does not fit).
+    compute_dtype: the activation dtype of the packed kernels (default bf16; fp32 is exact but slow).
+    """
 
     def __init__(self, qt: QuantizedTensor, input_scale: torch.Tensor | None = None,
                  scale_dtype: torch.dtype = torch.float16, out_dtype: torch.dtype | None = None,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, kernel: str = "auto", compute_dtype: torch.dtype | None = None):
         super().__init__()
         if qt.q.dim() != 2 or qt.group_size is None:
             raise ValueError("QuantizedLinear needs a 2-D weight quantized per channel or per group")
@@ -47,6 +57,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("zero_point", None if qt.symmetric else qt.zero_point.to(torch.uint8))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().to(scale_dtype))
         self.register_buffer("bias", _bias(bias, self.out_features))
+        self.compute_dtype = compute_dtype
+        self._packed: tuple[tuple, PackedWeight] | None = None   # (device, dtype) -> kernel layout
+        self.set_kernel(kernel)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
@@ -85,15 +98,62 @@ class QuantizedLinear(nn.Module):
             q = q - self.zero_point.to(dtype)[..., None]
         return rearrange(q * self.scale.to(dtype)[..., None], "O G g -> O (G g)")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def set_kernel(self, kernel: str) -> "QuantizedLinear":
+        """Switch between "auto", "reference" and "packed" (refused if packed cannot run here)."""
+        check_kernel(kernel)
+        if kernel == "packed":
+            reason = self.packed_unsupported_reason(self.qweight.device)
+            if reason is not None:
+                raise ValueError(f"kernel='packed' cannot run this layer ({self.extra_repr()}): {reason}; "
+                                 f"use kernel='auto' or 'reference'")
+        self.kernel = kernel
+        return self
+
+    def packed_unsupported_reason(self, device) -> str | None:
+        return packed_unsupported_reason(self.bits, self.symmetric, self.group_size, self.out_features,
+                                         self.in_features, torch.device(device))
+
+    def packed_weight(self, device=None) -> PackedWeight | None:
+        """The packed-kernel layout for `device` (built once, then reused), or None when this layer runs
+        the reference kernel there."""
+        device = torch.device(device) if device is not None else self.qweight.device
+        if self.kernel == "reference":
+            return None
+        reason = self.packed_unsupported_reason(device)
+        if reason is not None:
+            if self.kernel == "packed":
+                raise ValueError(f"kernel='packed' cannot run on {device}: {reason}")
+            return None
+        dtype = self.compute_dtype or default_compute_dtype(device)
+        key = (device, dtype)
+        if self._packed is None or self._packed[0] != key:
+            zero = None if self.zero_point is None else self.zero_point
+            self._packed = (key, pack_weight(self.codes(), self.scale, zero, self.bits, self.group_size,
+                                             device, dtype))
+        return self._packed[1]
+
+    def _apply(self, fn, *args, **kwargs):
+        self._packed = None   # .to(device/dtype): the kernel layout is rebuilt on the next call
+        return super()._apply(fn, *args, **kwargs)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._packed = None   # new codes or scales: rebuild the kernel layout
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
-        return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
+        packed = self.packed_weight(x.device)
+        if packed is None:
+            return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
+        y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         kind = "symmetric" if self.symmetric else "affine"
         return (f"in={self.in_features}, out={self.out_features}, int{self.bits} {kind}, "
-                f"group_size={self.group_size}, awq_scales={self.input_scale is not None}")
+                f"group_size={self.group_size}, awq_scales={self.input_scale is not None}, "
+                f"kernel={getattr(self, 'kernel', 'auto')}")
 
 
 class Fp8Linear(nn.Module):

@@ -20,6 +20,7 @@ from .. import _checks
 from .awq import awq_search_scales
 from .core import check_bits, quantize_tensor
 from .gptq import gptq_quantize
+from .kernels import check_kernel
 from .linear import QUANTIZED_LINEAR_TYPES, Fp8Linear, LLMInt8Linear, QuantizedLinear
 from .qat import qat_finetune
 
@@ -160,13 +161,16 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
                    block_size: int = 128, awq_grid: int = 20, fold_scales: bool = True, fp8_format: str = "e4m3",
                    threshold: float | None = 6.0, qat_steps: int = 100, qat_lr: float = 3e-4,
                    qat_batch_size: int = 8, qat_seq_len: int = 128, qat_teacher: bool = True,
-                   scale_dtype: torch.dtype = torch.float16) -> nn.Module:
+                   scale_dtype: torch.dtype = torch.float16, kernel: str = "auto") -> nn.Module:
     """A quantized deep copy of `model` (the original is untouched).
 
     method: "rtn" (round to nearest), "gptq", "awq", "qat" (fake-quant fine-tune, then RTN), "fp8"
     (e4m3 per channel; bits=8) or "llm_int8" (bits=8). group_size None = per output channel.
     calibration: token ids (B, T) / (T,) or a list of them (GPTQ/AWQ statistics; QAT training data).
+    kernel: how every `QuantizedLinear` runs: "auto" (torch's packed int4/int8 kernels where the layout
+    fits, else dequantize + matmul), "reference" (always dequantize + matmul) or "packed".
     """
+    check_kernel(kernel)
     names, batches = _check_args(model, method, bits, group_size, calibration, quantize_embedding,
                                  quantize_lm_head)
     q = copy.deepcopy(model).eval()
@@ -189,9 +193,25 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
     if quantize_embedding:
         q.token_embeddings = QuantizedEmbedding(q.token_embeddings, bits if method not in ("fp8", "llm_int8") else 8,
                                                 group_size, symmetric)
+    set_quantized_kernel(q, kernel)
     q.quantization = dict(method=method, bits=bits, group_size=group_size, symmetric=symmetric,
                           quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
     return q
+
+
+def set_quantized_kernel(model: nn.Module, kernel: str) -> nn.Module:
+    """Run every `QuantizedLinear` of `model` with `kernel` ("auto", "reference" or "packed"); checks all
+    layers before changing any, so a refused "packed" leaves the model as it was."""
+    check_kernel(kernel)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if kernel == "packed":
+        for m in layers:
+            reason = m.packed_unsupported_reason(m.qweight.device)
+            if reason is not None:
+                raise ValueError(f"kernel='packed' cannot run layer ({m.extra_repr()}): {reason}; use 'auto'")
+    for m in layers:
+        m.set_kernel(kernel)
+    return model
 
 
 def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,

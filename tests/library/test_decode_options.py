@@ -1,0 +1,147 @@
+"""Decode-speed options give the same model: fused projections (with the CS336 state-dict keys kept
+on save and load) and torch's fused attention kernel, both against the plain model in this test."""
+
+import copy
+
+import pytest
+import torch
+
+import adapters
+
+CFG = dict(vocab_size=97, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
+VARIANTS = {"gqa": {}, "mha": dict(num_kv_heads=4), "window": dict(sliding_window=6),
+            "cla": dict(kv_share_group=2)}
+
+
+def _model(**overrides):
+    return adapters.make_model(adapters.make_config(**{**CFG, **overrides}), seed=0).eval()
+
+
+def _cached_logits(model, ids, prompt=8):
+    """Prefill `prompt` tokens, then decode the rest one by one: logits (B, T, V)."""
+    cache = adapters.make_kv_cache(model, ids.shape[0], ids.shape[1])
+    steps = [adapters.run_model(model, ids[:, :prompt], cache)]
+    steps += [adapters.run_model(model, ids[:, t:t + 1], cache) for t in range(prompt, ids.shape[1])]
+    return torch.cat(steps, 1)
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fused_projections_give_the_same_logits_and_tokens(variant):
+    plain = _model(**VARIANTS[variant])
+    fused = adapters.run_fuse_projections(copy.deepcopy(plain))
+    assert any(n.endswith("qkv_proj") for n, _ in fused.named_modules())
+    assert any(n.endswith("w13") for n, _ in fused.named_modules())
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        for run in (lambda m: adapters.run_model(m, ids), lambda m: _cached_logits(m, ids)):
+            torch.testing.assert_close(run(fused), run(plain), rtol=0, atol=1e-5)
+    prompt = [[1, 2, 3, 4], [5, 6]]
+    assert adapters.run_generate(fused, prompt, 12).tokens == adapters.run_generate(plain, prompt, 12).tokens
+
+
+def test_fused_state_dict_keeps_cs336_keys_and_round_trips(tmp_path):
+    plain = _model()
+    fused = adapters.run_fuse_projections(copy.deepcopy(plain))
+    expected = plain.state_dict()
+    got = fused.state_dict()
+    assert list(got) == list(expected)                      # same keys, same order
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    assert "layers.0.attn.q_proj.weight" in got and "layers.0.ffn.w3.weight" in got
+    # save a fused model, load it as a plain CS336 model: identical weights
+    adapters.run_save_checkpoint(tmp_path / "fused.pt", fused)
+    loaded = adapters.run_load_checkpoint(tmp_path / "fused.pt")
+    assert all(torch.equal(loaded.state_dict()[k], expected[k]) for k in expected)
+    # a CS336 state dict loads into a fused model, which then computes the plain model's logits
+    other = _model()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    fused.load_state_dict(other.state_dict())
+    ids = torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(adapters.run_model(fused, ids), adapters.run_model(other, ids), rtol=0, atol=1e-5)
+    unfused = adapters.run_unfuse_projections(copy.deepcopy(fused))
+    assert not any(n.endswith("qkv_proj") for n, _ in unfused.named_modules())
+    assert all(torch.equal(unfused.state_dict()[k], other.state_dict()[k]) for k in expected)
+
+
+def test_quantizing_a_fused_model_and_refusing_to_fuse_a_quantized_one():
+    plain = _model()
+    fused = adapters.run_fuse_projections(copy.deepcopy(plain))
+    q_fused = adapters.run_quantize_model(fused, "rtn", bits=8, group_size=None, symmetric=True,
+                                          kernel="reference")
+    q_plain = adapters.run_quantize_model(plain, "rtn", bits=8, group_size=None, symmetric=True,
+                                          kernel="reference")
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():   # per-row codes: quantizing [Wq; Wk; Wv] = stacking the quantized parts
+        torch.testing.assert_close(adapters.run_model(q_fused, ids), adapters.run_model(q_plain, ids),
+                                   rtol=0, atol=1e-5)
+    with pytest.raises(TypeError, match="fuse before quantizing"):
+        adapters.run_fuse_projections(copy.deepcopy(q_plain))
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_sdpa_kernel_equals_the_hand_written_attention(variant):
+    plain = _model(**VARIANTS[variant])
+    fast = adapters.run_set_attention_kernel(copy.deepcopy(plain), "sdpa")
+    ids = torch.randint(0, 97, (2, 16))
+    with torch.no_grad():
+        for run in (lambda m: adapters.run_model(m, ids), lambda m: _cached_logits(m, ids)):
+            torch.testing.assert_close(run(fast), run(plain), rtol=0, atol=1e-5)
+        pad = torch.tensor([0, 3])   # left padding: the mask path
+        torch.testing.assert_close(adapters.run_model(fast, ids, pad=pad), adapters.run_model(plain, ids, pad=pad),
+                                   rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="attention kernel"):
+        adapters.run_set_attention_kernel(plain, "flash")
+
+
+@pytest.mark.slow
+def test_compiled_decode_has_no_graph_break_and_matches_eager():
+    """fullgraph=True makes a graph break an error, and a recompile limit of 2 makes recompiling per
+    position or per cache object an error: positions 8.. of fresh caches, batch 1 then 3, twice over,
+    run on at most two graphs (batch 1 is specialised, then the batch size becomes a symbol)."""
+    from cs336_inference.generation import compile_decode
+
+    torch._dynamo.reset()
+    model = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
+    step = compile_decode(model)             # fullgraph=True, dynamic=True
+    with torch._dynamo.config.patch(recompile_limit=2):
+        for B in (1, 3, 1, 3):
+            ids = torch.randint(0, 97, (B, 14))
+            # room beyond the last position: filling a cache to the brim is its own (third) graph
+            eager_cache = adapters.make_kv_cache(model, B, 16)
+            cache = adapters.make_kv_cache(model, B, 16)
+            with torch.no_grad():
+                adapters.run_model(model, ids[:, :8], eager_cache)
+                adapters.run_model(model, ids[:, :8], cache)
+                for t in range(8, 14):
+                    expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
+                    torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+            assert cache.length == 14
+    with pytest.raises(ValueError, match="token ids"):
+        step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
+
+
+def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
+    """The formula on controlled samples: (all CPUs' busy seconds - ours) / wall seconds."""
+    from cs336_inference.timing import _OtherLoad
+
+    meter = _OtherLoad(interval=0.0)
+    samples = iter([(10.0, 100.0, 5.0), (12.0, 103.0, 6.5), (13.0, 104.0, 7.0)])   # (wall, all busy, ours)
+    monkeypatch.setattr(meter, "_sample", lambda: next(samples))
+    assert meter() is None                       # one sample: no interval yet
+    assert meter() == pytest.approx((3.0 - 1.5) / 2.0)
+    assert meter() == pytest.approx((1.0 - 0.5) / 1.0)
+
+
+def test_a_busy_process_is_seen_as_contention():
+    from cs336_inference.timing import _OtherLoad, busy_cpu
+
+    meter = _OtherLoad(interval=0.0)
+    if meter() is None and meter._sample() is None:
+        pytest.skip("no /proc/stat here")
+    with busy_cpu(1):
+        meter()
+        import time
+        time.sleep(0.6)
+        assert meter() >= 0.5                   # the loop holds (nearly) a whole core
