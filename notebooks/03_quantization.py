@@ -18,8 +18,9 @@
 # fewer bits moves fewer bytes per token. This notebook starts with one number (scale and zero
 # point), grows it to tensors (granularity, packing, fp8), meets the two problems that make naive
 # quantization fail on real models (outlier activations, accumulated rounding error) and the
-# methods that fix them (LLM.int8(), GPTQ, AWQ, QAT), and ends with the committed table of every
-# method on the shipped target model (`python -m cs336_inference bench quantization`).
+# methods that fix them (LLM.int8(), GPTQ, AWQ, QAT), shows the committed table of every method on
+# the shipped target model (`python -m cs336_inference bench quantization`), and ends on a real
+# pretrained model, SmolLM2-135M, and real English text (`bench quantization_smollm2`).
 
 # %%
 import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
@@ -33,15 +34,19 @@ import matplotlib.pyplot as plt
 import torch
 
 from cs336_inference import ByteTokenizer, ModelConfig, TransformerLM, generate, get_device, seed_everything
+from cs336_inference.data.real_text import pydoc_documents
 from cs336_inference.generation import decode_one_token
+from cs336_inference.model import load_pretrained, load_tokenizer
+from cs336_inference.model.gguf import gguf_round_trip
+from cs336_inference.model.real_models import gguf_path
+from cs336_inference.tables import quantization_smollm2_table
 from cs336_inference.timing import num_threads
-from cs336_inference.model import load_pretrained
 from cs336_inference.data import load_corpus
 from cs336_inference.figures import save_figure
 from cs336_inference.quantization import (
-    awq_search_scales, capture_linear_inputs, dequantize, fp8_range, fp8_round_trip, gptq_quantize,
-    layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize, quantize_kv_cache,
-    quantize_model, quantize_tensor,
+    awq_search_scales, capture_linear_inputs, count_activation_outliers, dequantize, fp8_range, fp8_round_trip,
+    gptq_quantize, layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize,
+    quantize_kv_cache, quantize_model, quantize_tensor,
 )
 
 device = get_device("cpu")  # the table below was measured on the CPU; everything here is cheap
@@ -271,3 +276,68 @@ assert ms["int4 (reference kernel)"] > ms["fp32"], "dequantize-then-matmul shoul
 # dequantized weight before reading it again. `python -m cs336_inference bench generation` measures
 # the full picture (bf16, batch 8, compiled steps, Hugging Face on the same weights, the bandwidth
 # roof); on a GPU the same kernels run with no code change.
+
+# %% [markdown]
+# ## A real model on real text: SmolLM2-135M
+# The shipped target is too small to have outlier activations or to suffer much from rounding. A
+# model trained for real does. SmolLM2-135M-Instruct is published as a GGUF file whose weights are
+# *already* 4-bit: Q4_1, blocks of 32 weights with an fp16 scale d and an fp16 minimum m,
+# w = d·q + m. We dequantize them to fp32 and use that as the reference.
+#
+# First lesson: quantizing an already-quantized weight on *its own* grid changes nothing, on another
+# grid it adds a second rounding error.
+
+# %%
+try:
+    gguf_path("smollm2-135m")
+    have_smollm2 = True
+except (ModuleNotFoundError, FileNotFoundError) as e:
+    print(e)
+    have_smollm2 = False
+if have_smollm2:
+    smol = load_pretrained("smollm2-135m", device=device)
+    w = smol.layers[0].ffn.w1.weight.detach()
+    again = gguf_round_trip(w, "Q4_1")  # llama.cpp's own quantizer (the gguf package)
+    ours = quantize_tensor(w, bits=4, symmetric=False, granularity="group", group_size=32).dequantize()
+    print(f"Q4_1 again: identical = {torch.equal(again, w)}; our affine int4 g32: "
+          f"{(ours != w).float().mean():.0%} of weights moved, relative RMS {(ours - w).norm() / w.norm():.1%}")
+
+# %% [markdown]
+# Second lesson: real activations have outliers. LLM.int8() keeps the feature dims holding any
+# |x| > 6 in 16 bits; here is how many such dims enter each layer's linears on 128 tokens of English.
+
+# %%
+if have_smollm2:
+    smol_tok = load_tokenizer("smollm2-135m")
+    sample = torch.tensor([smol_tok.encode(pydoc_documents("eval")[0])[:128]])
+    stats = count_activation_outliers(smol, [sample], threshold=6.0)
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for kind in ("attn_in", "attn_out", "mlp_in", "mlp_down"):
+        ax.plot([layer[kind]["outlier_dims"] for layer in stats], "o-", ms=3, label=kind)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("dims with any |x| > 6")
+    ax.legend()
+    save_figure(fig, "03_quantization_smollm2_outliers")
+    peak = max(layer["mlp_down"]["max_abs"] for layer in stats)
+    print(f"largest |activation| entering an MLP down projection: {peak:.0f}")
+
+# %% [markdown]
+# The committed table (`python -m cs336_inference bench quantization_smollm2`): every method on
+# held-out text from CPython's documentation, against the published model. Groups of 128 do not
+# divide D = 576, so the "g128" methods use groups of 96.
+
+# %%
+path = Path.cwd().parent / "figures" / "quantization_smollm2.json"
+if path.exists():
+    real = json.loads(path.read_text())
+    print(f"{real['model']}, {real['eval_tokens']:,} eval tokens, {real['calibration_tokens']:,} calibration tokens")
+    print(quantization_smollm2_table(real))
+else:
+    print("no committed results: run `python -m cs336_inference bench quantization_smollm2 --quick`")
+
+# %% [markdown]
+# ![quality vs bytes and outliers per layer on SmolLM2](../figures/quantization_smollm2.png)
+#
+# Reading it: bf16, int8 and fp8 are close to free; LLM.int8()'s mixed precision handles the real
+# outliers; re-quantizing the published 4-bit weights on llama.cpp's grid is exact, on our grid it
+# costs visibly; at 3 bits the calibrated methods matter. The int8 KV cache costs almost nothing.

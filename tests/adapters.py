@@ -451,6 +451,12 @@ def make_quantized_kv_cache(model, batch_size, max_seq_len=None, fmt="int8"):
     return quantize_kv_cache(model.new_cache(batch_size, max_seq_len), fmt)
 
 
+def run_quantize_kv_cache(cache, fmt="int8", group_size=None):
+    """Quantize a model's KVCache in place (an empty one, or one that already holds a prefill)."""
+    from cs336_inference.quantization import quantize_kv_cache
+    return quantize_kv_cache(cache, fmt, group_size)
+
+
 def run_recall_nll(model, distances, **kwargs) -> dict:
     return _evaluation.recall_nll(model, distances, **kwargs)
 
@@ -483,3 +489,60 @@ def run_unfuse_projections(model):
 def run_set_attention_kernel(model, kernel: str):
     """kernel: "reference" (hand-written) or "sdpa" (torch's fused attention); returns the model."""
     return model.set_attention_kernel(kernel)
+
+
+# --- the real pretrained model (SmolLM2-135M from its GGUF) -----------------------------------
+
+
+def run_load_pretrained(name: str, **kwargs):
+    return checkpoints.load_pretrained(name, **kwargs)
+
+
+def get_model_tokenizer(name: str):
+    from cs336_inference.model import load_tokenizer
+    return load_tokenizer(name)
+
+
+def run_load_gguf_weights(path, dtype=torch.float32, cache_as=None):
+    from cs336_inference.model.real_models import load_gguf_weights
+    return load_gguf_weights(path, dtype, cache_as=cache_as)
+
+
+def run_with_attention(model, **changes):
+    from cs336_inference.model.convert import with_attention
+    return with_attention(model, **changes)
+
+
+def run_mean_pool_kv_heads(model, num_kv_heads: int):
+    from cs336_inference.model.convert import mean_pool_kv_heads
+    return mean_pool_kv_heads(model, num_kv_heads)
+
+
+def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0.75, 1.0), seed=0):
+    from cs336_inference.data.passkey import passkey_trials
+    return passkey_trials(tokenizer, context, num_trials, depths, seed)
+
+
+def make_chat_session(model, tokenizer, **kwargs):
+    from cs336_inference.generation import ChatSession
+    return ChatSession(model, tokenizer, **kwargs)
+
+
+def run_count_activation_outliers(model, batches, threshold=6.0):
+    from cs336_inference.quantization import count_activation_outliers
+    return count_activation_outliers(model, batches, threshold)
+
+
+def run_gguf_round_trip(weight, qtype="Q4_1"):
+    from cs336_inference.model.gguf import gguf_round_trip
+    return gguf_round_trip(weight, qtype)
+
+
+def run_pydoc_documents(split):
+    from cs336_inference.data.real_text import pydoc_documents
+    return pydoc_documents(split)
+
+
+def run_bytes_per_token(tokenizer):
+    from cs336_inference.data.real_text import bytes_per_token
+    return bytes_per_token(tokenizer)

@@ -19,13 +19,13 @@ from . import _openmp  # noqa: F401  (first: sets OpenMP's wait policy before to
 from .device import apply_thread_policy, default_dtype, get_device, seed_everything
 from .generation import GenerationResult, decode_one_token, generate, prefill, sample_next_token
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    scaled_dot_product_attention)
+                    load_tokenizer, scaled_dot_product_attention)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ByteTokenizer", "GenerationResult", "KVCache", "ModelConfig", "TransformerLM", "apply_thread_policy",
-    "decode_one_token",
-    "default_dtype", "generate", "get_device", "load_cs336_checkpoint", "load_pretrained", "prefill",
+    "decode_one_token", "default_dtype", "generate", "get_device", "load_cs336_checkpoint", "load_pretrained",
+    "load_tokenizer", "prefill",
     "sample_next_token", "scaled_dot_product_attention", "seed_everything",
 ]

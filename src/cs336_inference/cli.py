@@ -74,6 +74,116 @@ def _run_train(args) -> int:
     return 0
 
 
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
+                        "(target, draft, draft-scratch)")
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+
+
+def _load_model(args):
+    import torch
+
+    from .device import default_dtype, get_device, seed_everything
+    from .model import REAL_MODELS, load_pretrained, load_tokenizer
+
+    from .device import apply_thread_policy
+
+    apply_thread_policy(parallel=args.model in REAL_MODELS)  # a real model is large work: every core
+    device = get_device(args.device)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
+    model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
+    generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
+    return model, load_tokenizer(args.model), generator
+
+
+def _sampling(args, generator) -> dict:
+    return dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                generator=generator)
+
+
+def _stats_line(turn) -> str:
+    return (f"[TTFT {turn.ttft_s:.2f} s | {turn.generated_tokens} tokens, {turn.decode_tokens_per_s:.1f} tok/s | "
+            f"prefilled {turn.prompt_tokens} new tokens, {turn.reused_tokens} reused from the KV cache]")
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
+
+
+def _run_generate(args) -> int:
+    import time
+
+    from .generation import TextStream, extend, stream
+    from .generation.chat import TurnStats
+
+    model, tokenizer, generator = _load_model(args)
+    if args.chat and not getattr(tokenizer, "chat_template", None):
+        print(f"--chat: {args.model} has no chat template; drop --chat to continue the prompt as text", file=sys.stderr)
+        return 2
+    text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt)
+    ids = tokenizer.encode(text)
+    room = min(model.config.context_length, len(ids) + args.max_new_tokens)
+    if len(ids) >= room:
+        print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    cache = model.new_cache(1, room)
+    logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
+    sampling = _sampling(args, generator)
+    sampling["max_new_tokens"] = room - len(ids)
+    count = 0
+    for token in stream(model, cache, logits, stop_tokens=stop, **sampling):
+        first, count = first or time.perf_counter(), count + 1
+        if token not in stop:
+            print(out.push(token), end="", flush=True)
+    print("\n" + _stats_line(TurnStats(len(ids), 0, count, first - t0, time.perf_counter() - first)), file=sys.stderr)
+    return 0
+
+
+def _chat_args(p: argparse.ArgumentParser) -> None:
+    _model_args(p)
+    p.add_argument("--system", default=None, help="a system message (default: the model's own)")
+
+
+def _run_chat(args) -> int:
+    from .generation import ChatSession
+
+    model, tokenizer, generator = _load_model(args)
+    session = ChatSession(model, tokenizer, system=args.system)
+    print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
+    while True:
+        try:
+            text = input("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if text.strip() in ("/quit", "/exit"):
+            return 0
+        if text.strip() == "/reset":
+            session.reset()
+            continue
+        print("model> ", end="", flush=True)
+        try:
+            for piece in session.send(text, **_sampling(args, generator)):
+                print(piece, end="", flush=True)
+        except ValueError as e:  # the conversation outgrew the cache: say so and keep the REPL alive
+            print(f"\n[{e}]")
+            continue
+        print("\n" + _stats_line(session.history[-1]))
+
+
 # name -> (module in this package, function(quick: bool, device: str | None))
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "generation": ("benchmarks.generation", "bench_generation"),
@@ -82,11 +192,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "models": ("benchmarks.models", "bench_models"),
     "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
     "quantization": ("benchmarks.quantization", "bench_quantization"),
+    "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
+    "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
+    "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
 # toy models, where one thread is as fast and immune to a busy machine.
-PARALLEL_BENCHMARKS = {"generation", "roofline"}
+PARALLEL_BENCHMARKS = {"generation", "roofline", "long_context", "quantization_smollm2", "generation_smollm2"}
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -151,6 +264,10 @@ COMMANDS: dict[str, tuple] = {
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
     "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
+    "chat": ("chat with a model in the terminal (streams tokens, keeps the KV cache across turns)",
+             _chat_args, _run_chat),
+    "generate": ("continue one prompt, streaming the tokens (--chat: as a chat message)", _generate_args,
+                 _run_generate),
     "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
     "homework": ("the homework: `homework init DIR` writes a student package to implement and grade",
                  _homework_args, _run_homework),

@@ -80,3 +80,24 @@ def kv_variants_table(data: dict) -> str:
                ("kv_kib", f"KV KiB@{context}", "{:.0f}"),
                ("ms", f"ms/step (B={lat['batch_size']}, S={lat['context']})", None)]
     return format_table(rows, columns)
+
+
+def long_context_table(data: dict) -> str:
+    """`bench long_context`: passkey accuracy per context, cache size and decode time per variant."""
+    contexts, longest = data["contexts"], max(data["contexts"])
+    rows = [{"variant": r["variant"], "kv_mb": r["kv_bytes_at_longest"] / 1e6,
+             "per_token": r["kv_bytes_per_context_token"],
+             **{f"acc_{c}": r["accuracy"][str(c)]["accuracy"] for c in contexts},
+             "ms": (r["decode_ms_at_longest"] or {}).get("median")} for r in data["rows"]]
+    columns = [("variant", "variant", None), ("kv_mb", f"KV MB@{longest}", "{:.2f}"),
+               ("per_token", f"B/token@{longest}", "{:,.0f}"), *[(f"acc_{c}", f"acc@{c}", "{:.2f}") for c in contexts],
+               ("ms", f"ms/step@{longest}", "{:.1f}")]
+    return format_table(rows, columns)
+
+
+def quantization_smollm2_table(data: dict) -> str:
+    """`bench quantization_smollm2`: size and quality of every method against the published model."""
+    columns = [("variant", "variant", None), ("model_bytes", "MB", lambda b: f"{b / 1e6:.1f}"),
+               ("bits_per_byte", "bits/byte", "{:.4f}"), ("kl_to_reference", "KL", "{:.4f}"),
+               ("top1_agreement", "top-1", "{:.3f}")]
+    return format_table(data["rows"], columns)

@@ -23,6 +23,7 @@ VARIANTS = {  # every attention variant the model builds, on one small base
     "mla": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8),
     "mla_q_lora": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, q_lora_rank=24),
     "mla_cla": dict(attention_type="mla", num_kv_heads=None, kv_lora_rank=32, rope_head_dim=8, kv_share_group=2),
+    "tied": dict(tie_embeddings=True), "window_sinks": dict(sliding_window=8, attention_sinks=2),
 }
 
 

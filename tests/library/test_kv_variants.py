@@ -21,6 +21,7 @@ VARIANTS = {
     "cla": dict(num_kv_heads=2, kv_share_group=2),
     "cla_mla": dict(attention_type="mla", kv_lora_rank=12, rope_head_dim=4, kv_share_group=2),
     "cla_window": dict(sliding_window=WINDOW, kv_share_group=2),
+    "window_sinks": dict(num_kv_heads=2, sliding_window=WINDOW, attention_sinks=2),
 }
 
 
@@ -31,10 +32,11 @@ def ref_layer_window(cfg, i):
     return cfg.sliding_window
 
 
-def ref_allowed(T, window):
+def ref_allowed(T, window, sinks=0):
+    """Causal; with a window, key s is visible to query t iff t - s < window or s < sinks (StreamingLLM)."""
     t, s = torch.arange(T)[:, None], torch.arange(T)[None, :]
     allowed = s <= t
-    return allowed if window is None else allowed & (t - s < window)
+    return allowed if window is None else allowed & ((t - s < window) | (s < sinks))
 
 
 def ref_variant_forward(state, cfg, token_ids):
@@ -47,7 +49,7 @@ def ref_variant_forward(state, cfg, token_ids):
     for i in range(L):
         p = f"layers.{i}.attn."
         src = (i // cfg.kv_share_group) * cfg.kv_share_group
-        allowed = ref_allowed(T, ref_layer_window(cfg, i))
+        allowed = ref_allowed(T, ref_layer_window(cfg, i), cfg.attention_sinks)
         h = ref_rmsnorm(x, state[f"layers.{i}.ln1.weight"], cfg.norm_eps)
         out = torch.zeros(B, T, N * H)
         if cfg.attention_type == "gqa":
@@ -218,6 +220,24 @@ def test_sliding_window_decoding_past_the_window_keeps_bytes_flat_and_matches_ba
     # Sanity: within the first window local == global; beyond it they must differ.
     torch.testing.assert_close(want[:, :WINDOW], full_global[:, :WINDOW], atol=1e-5, rtol=1e-4)
     assert (want[:, WINDOW + 2:] - full_global[:, WINDOW + 2:]).abs().max() > 1e-3
+
+
+def test_attention_sinks_keep_the_first_positions_in_flat_memory():
+    cfg, model = _model("window_sinks")
+    x = torch.randint(0, 257, (2, 30))
+    with torch.no_grad():
+        cache = make_kv_cache(model, 2, 40)
+        steps = [run_model(model, x[:, :9], cache)]
+        steps += [run_model(model, x[:, t:t + 1], cache) for t in range(9, 30)]
+        plain = run_model(make_model(make_config(**{**BASE, **VARIANTS["window"]})), x)
+    assert cache.nbytes == 2 * (WINDOW + 2) * cache.bytes_per_token  # ring + 2 sink positions
+    want = ref_variant_forward(model.state_dict(), cfg, x)
+    torch.testing.assert_close(torch.cat(steps, 1), want, atol=1e-5, rtol=1e-4)
+    assert (plain[:, WINDOW + 1:] - run_model(model, x)[:, WINDOW + 1:]).abs().max() > 1e-3  # sinks matter
+    with pytest.raises(ValueError, match="attention_sinks needs sliding_window"):
+        make_config(**{**BASE, "attention_sinks": 2})
+    with pytest.raises(ValueError, match="left padding"):
+        run_model(model, x[:, :8], model.new_cache(2, 20), pad=torch.tensor([3, 0]))
 
 
 def test_hybrid_equals_per_layer_composition():

@@ -101,3 +101,25 @@ def test_straight_through_estimator_forward_quantizes_backward_is_identity():
     torch.testing.assert_close(y.detach().double(), _naive_rtn(w.detach(), 3, 16), rtol=0, atol=1e-6)
     (y * torch.arange(32.0)).sum().backward()
     torch.testing.assert_close(w.grad, torch.arange(32.0).expand(8, 32))
+
+
+def test_activation_outliers_counted_per_layer_and_input():
+    from adapters import make_config, make_model, run_count_activation_outliers
+
+    model = make_model(make_config(vocab_size=257, context_length=32, d_model=32, num_layers=2, num_heads=4,
+                                   d_ff=64), seed=0)
+    with torch.no_grad():
+        model.layers[1].ln2.weight[[3, 17]] = 40.0          # two planted outlier dims entering layer 1's MLP
+    batch = torch.randint(0, 257, (2, 12))
+    stats = run_count_activation_outliers(model, [batch], threshold=6.0)
+    # by hand: run the blocks and look at the MLP input of layer 1
+    causal, rope = torch.ones(12, 12, dtype=torch.bool).tril()[None, None], model.rope.angles(torch.arange(12))
+    with torch.no_grad():
+        x, _ = model.layers[0](model.token_embeddings(batch), rope, causal)
+        attn_out, _ = model.layers[1].attn(model.layers[1].ln1(x), rope, causal)
+        h = model.layers[1].ln2(x + attn_out)                 # what layer 1's w1 receives
+    big = h.abs() > 6.0
+    assert stats[1]["mlp_in"]["count"] == int(big.sum()) > 0
+    assert stats[1]["mlp_in"]["outlier_dims"] == int(big.reshape(-1, 32).any(0).sum())
+    assert stats[1]["mlp_in"]["max_abs"] == pytest.approx(float(h.abs().max()))
+    assert stats[0]["mlp_in"]["count"] == 0 and stats[1]["mlp_in"]["fraction"] == int(big.sum()) / h.numel()

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 from adapters import (get_model_nbytes, make_config, make_kv_cache, make_model, make_quantized_kv_cache,
-                      run_generate, run_model, run_quantize_model, run_set_quantized_kernel)
+                      run_generate, run_model, run_quantize_kv_cache, run_quantize_model, run_set_quantized_kernel)
 
 CFG = dict(vocab_size=257, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
 CALIB = [torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(1))]
@@ -169,6 +169,45 @@ def test_int8_kv_cache_protocol_bytes_and_accuracy(model, fmt):
         torch.testing.assert_close(cache.layers[0].read(10)[0], want, atol=1e-6, rtol=0)
     assert cache.nbytes == 2 * 32 * cache.bytes_per_token
     assert cache.bytes_per_token * 4 < make_kv_cache(model, 2, 32).bytes_per_token * 2   # < half of fp32
+
+
+def _absmax_round_trip(x, bits, group):
+    """Symmetric absmax per group of `group` values along the last dim, fp16 scale, by hand."""
+    qmax = 2 ** (bits - 1) - 1
+    g = x.float().reshape(*x.shape[:-1], -1, group)
+    scale = (g.abs().amax(-1, keepdim=True) / qmax).clamp(min=1e-8).half().float()
+    return ((g / scale).round().clamp(-qmax, qmax) * scale).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt,bits,group", [("int8", 8, 16), ("int4", 4, 8)])
+def test_quantizing_a_prefilled_cache_stores_the_prompt_in_low_bits(model, fmt, bits, group):
+    """Prefill in full precision, then quantize the filled cache: reads give the hand-quantized keys,
+    decoding continues, and int4 costs (H/2 + 2 H/g) bytes per head against int8's H + 2."""
+    x = torch.randint(0, 257, (2, 20))
+    with torch.no_grad():
+        ref = run_model(model, x)
+        cache = make_kv_cache(model, 2, 24)
+        prefill = run_model(model, x[:, :12], cache)
+        full_k, full_v = cache.layers[1].read(12)
+        run_quantize_kv_cache(cache, fmt, group_size=group)
+        got_k, got_v = cache.layers[1].read(12)
+        steps = [run_model(model, x[:, t:t + 1], cache) for t in range(12, 20)]
+    torch.testing.assert_close(got_k, _absmax_round_trip(full_k, bits, group), atol=1e-6, rtol=0)
+    torch.testing.assert_close(got_v, _absmax_round_trip(full_v, bits, group), atol=1e-6, rtol=0)
+    torch.testing.assert_close(prefill, ref[:, :12])     # the prompt itself ran in full precision
+    tol = 0.02 if fmt == "int8" else 0.2
+    assert float((torch.cat(steps, 1).softmax(-1) - ref[:, 12:].softmax(-1)).abs().max()) < tol
+    K, H, L = CFG["num_kv_heads"], CFG["d_model"] // CFG["num_heads"], CFG["num_layers"]
+    per_head = H + 2 * (H // group) if fmt == "int8" else H // 2 + 2 * (H // group)
+    assert cache.bytes_per_token == L * 2 * K * per_head
+
+
+def test_int4_kv_cache_refuses_a_bad_group_and_leaves_the_cache_as_it_was(model):
+    cache = make_kv_cache(model, 1, 8)
+    layers = list(cache.layers)
+    with pytest.raises(ValueError, match="group_size must be a positive divisor of head_dim=16"):
+        run_quantize_kv_cache(cache, "int4", group_size=5)
+    assert cache.layers == layers
 
 
 @pytest.mark.slow

@@ -65,7 +65,10 @@ def kv_cache_bytes(config: ModelConfig | ModelShape, batch_size: int, seq_len: i
     per_layer = _layer_elements_per_token(config) * bytes_per_element
     total = 0
     for layer in _cache_owning_layers(config):
-        held = min(seq_len, config.sliding_window) if _is_local(config, layer) else seq_len
+        if _is_local(config, layer):
+            held = min(seq_len, config.sliding_window + config.attention_sinks)  # window + its sinks
+        else:
+            held = seq_len
         total += per_layer * held
     return batch_size * total
 
@@ -107,9 +110,10 @@ def num_parameters(model, include_norms: bool = False, active_only: bool = False
 
     include_norms adds the RMSNorm gains (2DL + D, which the lecture's formula leaves out; the
     `TransformerLM` we run has them). active_only counts the experts one token uses (MoE).
+    Tied embeddings (SmolLM2) count the one V x D table once.
     """
     s = get_model_shape(model)
-    total = 2 * s.vocab_size * s.d_model  # token embedding + untied lm_head
+    total = (1 if s.tie_embeddings else 2) * s.vocab_size * s.d_model  # token embedding (+ untied lm_head)
     for layer in range(s.num_layers):
         total += _attention_weights(s, layer) + _mlp_weights(s, layer, active_only)
     return total + (_norm_weights(s) if include_norms else 0)
@@ -127,8 +131,8 @@ def forward_flops(model, batch_size: int, num_new_tokens: int, num_cached: int =
     Counts 2 FLOPs per multiply-add of every matmul, as `TransformerLM` runs it: the projections and
     MLP (2 * weights per token), q k^T and p v over the S = num_cached + T keys (4 B N T S H per
     layer: the kernel computes the full score matrix and masks it; a sliding-window layer sees at
-    most window + T - 1 keys), and the lm_head (for the last position only with last_only, as
-    `prefill` does). Elementwise work (norms, RoPE, softmax, SiLU) is left out: it is O(B T D) and
+    most window + T - 1 keys plus its sinks), and the lm_head (for the last position only with
+    last_only, as `prefill` does). Elementwise work (norms, RoPE, softmax, SiLU) is left out: it is O(B T D) and
     O(B N T S), small next to the matmuls. MoE: the experts a token activates.
     MLA: keys of H + R dims and values of H (the plain form, as a full forward runs it); with
     mla_absorbed, attention runs over the C + R latent and C-dim values (W_UK and W_UV folded into
@@ -145,7 +149,7 @@ def forward_flops(model, batch_size: int, num_new_tokens: int, num_cached: int =
         qk_dim = v_dim + s.rope_head_dim
     flops = 0
     for layer in range(s.num_layers):
-        keys = min(S, s.sliding_window + T - 1) if _is_local(s, layer) else S
+        keys = min(S, s.sliding_window + T - 1 + s.attention_sinks) if _is_local(s, layer) else S
         flops += 2 * B * T * (_attention_weights(s, layer) + _mlp_weights(s, layer, active_only=True))
         flops += 2 * B * s.num_heads * T * keys * (qk_dim + v_dim)   # q k^T and p v
     flops += 2 * B * (1 if last_only else T) * s.d_model * s.vocab_size  # lm_head
@@ -170,7 +174,8 @@ def decode_step_bytes(model, batch_size: int, seq_len: int, precision: str = "bf
     _checks.positive_int("batch_size", batch_size)
     _checks.positive_int("seq_len", seq_len)
     nbytes = precision_bytes(precision)
-    weights = num_parameters(s, include_norms=True) - s.vocab_size * s.d_model - _idle_expert_weights(s, batch_size)
+    table = 0 if s.tie_embeddings else s.vocab_size * s.d_model   # tied: the table *is* the lm_head, read in full
+    weights = num_parameters(s, include_norms=True) - table - _idle_expert_weights(s, batch_size)
     return nbytes * (weights + batch_size * s.d_model) + kv_cache_bytes(s, batch_size, seq_len, nbytes)
 
 

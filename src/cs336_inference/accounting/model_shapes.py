@@ -39,6 +39,8 @@ class ModelShape:
     latent_norms: bool = False         # MLA: RMSNorm on the q and kv latents (DeepSeek's checkpoints)
     sliding_window: int | None = None
     global_every: int | None = None
+    attention_sinks: int = 0           # first positions a local layer keeps beyond its window
+    tie_embeddings: bool = False       # lm_head shares the embedding table (SmolLM2)
     kv_share_group: int = 1            # CLA: layers per shared KV cache
     # Mixture of experts (DeepSeekMoE): 0 experts means every MLP is dense with d_ff.
     num_experts: int = 0               # routed experts per MoE layer
@@ -84,7 +86,8 @@ class ModelShape:
                    attention_type=config.attention_type, kv_lora_rank=config.kv_lora_rank,
                    q_lora_rank=config.q_lora_rank, rope_head_dim=config.rope_head_dim,
                    sliding_window=config.sliding_window, global_every=config.global_every,
-                   kv_share_group=config.kv_share_group)
+                   attention_sinks=config.attention_sinks, kv_share_group=config.kv_share_group,
+                   tie_embeddings=config.tie_embeddings)
 
 
 

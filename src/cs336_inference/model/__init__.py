@@ -4,8 +4,11 @@ One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, L
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
 `kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
 `rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
-`checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for students'
-own layouts), `tokenizer`.
+`checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for
+students' own layouts), `tokenizer` (bytes; `load_tokenizer`),
+`bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
+tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk), `convert`
+(post-hoc attention changes of a trained model).
 """
 
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
@@ -18,16 +21,17 @@ from .latent_kv_cache import LatentKVCache
 from .rolling_kv_cache import RollingKVCache
 from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
-from .tokenizer import ByteTokenizer
+from .bpe_tokenizer import BPETokenizer
+from .real_models import REAL_MODELS
+from .tokenizer import ByteTokenizer, load_tokenizer
 from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache",
-    "LatentKVCache",
-    "LayerCache", "Linear",
-    "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
+    "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
+    "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
-    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "rope_angles",
-    "rename_keys", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",
+    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
+    "rename_keys", "rope_angles", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",
 ]

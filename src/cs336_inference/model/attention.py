@@ -44,22 +44,26 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def attention_mask(num_new: int, num_keys: int, start_pos: int, pad: torch.Tensor | None = None,
-                   window: int | None = None, device=None, first_key: int = 0) -> torch.Tensor | None:
-    """Bool mask (B or 1, 1, T, S) for T new queries at positions start_pos.. over the S keys at
-    positions first_key .. first_key + S - 1 (first_key > 0 when a rolling buffer dropped older ones).
+                   window: int | None = None, device=None, first_key: int = 0, sinks: int = 0,
+                   sink_keys: int = 0) -> torch.Tensor | None:
+    """Bool mask (B or 1, 1, T, S) for T new queries at positions start_pos.. over S keys: `sink_keys`
+    keys at positions 0 .. sink_keys - 1, then keys at positions first_key, first_key + 1, ... (first_key
+    > 0 when a rolling buffer dropped older ones; sink_keys > 0 when it kept the first few apart).
 
-    causal: key j <= query i; window: i - j < window; left padding: keys j < pad[b] are hidden from
+    causal: key j <= query i; window: i - j < window, or j < sinks (attention sinks, Xiao et al. 2024:
+    the first positions stay visible to every query); left padding: keys j < pad[b] are hidden from
     real queries (padding queries see everything causal, so their rows stay finite).
     Returns None when every key is visible (a plain decode step): the fast path.
     """
-    if (num_new == 1 and pad is None and (window is None or num_keys <= window)
+    if (num_new == 1 and pad is None and sink_keys == 0 and (window is None or num_keys <= window)
             and first_key + num_keys == start_pos + 1):
         return None
     i = torch.arange(start_pos, start_pos + num_new, device=device)[:, None]   # (T, 1)
-    j = torch.arange(first_key, first_key + num_keys, device=device)[None, :]  # (1, S)
+    j = torch.cat([torch.arange(sink_keys, device=device),
+                   torch.arange(first_key, first_key + num_keys - sink_keys, device=device)])[None, :]  # (1, S)
     mask = j <= i
     if window is not None:
-        mask = mask & (i - j < window)
+        mask = mask & ((i - j < window) | (j < sinks))
     mask = mask[None, None]                                                    # (1, 1, T, S)
     if pad is not None:
         pad = pad.to(device)[:, None, None, None]                              # (B, 1, 1, 1)

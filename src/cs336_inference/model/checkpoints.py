@@ -1,5 +1,6 @@
-"""Saving and loading models: our own (config + weights) files, shipped models, and a student's
-CS336 assignment-1 checkpoint.
+"""Saving and loading models: our own (config + weights) files, shipped models, the real pretrained
+model (`real_models`: SmolLM2-135M from an installed package), and a student's CS336 assignment-1
+checkpoint.
 
 Every loader checks keys and shapes *before* touching the model and names what is wrong, so a
 mismatched file never half-loads.
@@ -16,6 +17,8 @@ import torch
 from .. import _checks
 from .checkpoint_keys import apply_key_map, diagnose
 from .config import ModelConfig
+from .layers import RotaryEmbedding
+from .real_models import REAL_MODELS, load_real_weights
 from .transformer import TransformerLM
 
 FORMAT = "cs336-inference/v1"
@@ -40,7 +43,8 @@ def save(path: str | os.PathLike, model: TransformerLM, extra: dict | None = Non
     extra = {} if extra is None else _checks.instance("extra", extra, dict, "a dict or None")
     _check_loadable("extra", extra)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().clone()
-             for k, v in model.state_dict().items()}
+             for k, v in model.state_dict().items()
+             if not (model.config.tie_embeddings and k == "lm_head.weight")}  # a tied table is stored once
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -78,14 +82,20 @@ def load_extra(path: str | os.PathLike) -> dict:
 
 
 def load_pretrained(name: str, device=None, dtype: torch.dtype | None = None) -> TransformerLM:
-    """One of the models shipped in the package (no network): see `available_pretrained()`."""
+    """A model by name, offline: a toy model shipped in the package (`available_pretrained()`) or a
+    real one read from an installed package ("smollm2-135m", see `real_models`). dtype: default fp32."""
+    if name in REAL_MODELS:
+        config, state = load_real_weights(name, dtype or torch.float32)
+        return from_state_dict(config, state, device, dtype, copy=False)
     names = available_pretrained()
     if name not in names:
-        raise ValueError(f"unknown pretrained model {name!r}; shipped models: {names}")
+        raise ValueError(f"unknown pretrained model {name!r}; shipped models: {names}; real models (from "
+                         f"installed packages): {sorted(REAL_MODELS)}")
     return load(ASSETS / f"{name}.pt", device=device, dtype=dtype)
 
 
 def available_pretrained() -> list[str]:
+    """The toy models shipped in the package's assets (the real ones are in `real_models.REAL_MODELS`)."""
     return sorted(p.stem for p in ASSETS.glob("*.pt"))
 
 
@@ -105,8 +115,19 @@ def extract_state_dict(obj) -> dict[str, torch.Tensor]:
 
 
 def check_state_dict(state: dict[str, torch.Tensor], model: TransformerLM) -> None:
-    """Raise a ValueError naming every missing key, unexpected key and shape mismatch."""
+    """Raise a ValueError naming every missing key, unexpected key and shape mismatch.
+
+    A tied model (config.tie_embeddings) needs no lm_head.weight; if one is given it must equal the
+    embedding table (two different tables cannot be tied without losing one of them)."""
     expected = model.state_dict()
+    if model.config.tie_embeddings:
+        expected.pop("lm_head.weight")
+        if "lm_head.weight" in state and "token_embeddings.weight" in state:
+            head, table = state["lm_head.weight"], state["token_embeddings.weight"]
+            if head.shape != table.shape or not torch.equal(head, table):
+                raise ValueError("config.tie_embeddings is True but the checkpoint's lm_head.weight differs from "
+                                 "token_embeddings.weight; load it with tie_embeddings=False")
+            state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     mismatched = sorted(f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(v.shape)}"
@@ -138,17 +159,31 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)
     state = apply_key_map(extract_state_dict(obj), key_map, config)
-    model = TransformerLM(config, device="meta")
+    shapes = TransformerLM(config, device="meta")  # shapes only
     try:
-        check_state_dict(state, model)
-    except ValueError as err:
-        hints = diagnose(state, model.state_dict(), config)
+        check_state_dict(state, shapes)
+    except ValueError as err:   # name every key (as check_state_dict does) and say what the layout looks like
+        hints = diagnose(state, shapes.state_dict(), config)
         raise ValueError("\n".join([str(err), *(f"hint: {h}" for h in hints)])) from None
-    model = TransformerLM(config, device=device)
-    with torch.no_grad():
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
-    if dtype is not None:
-        model = model.to(dtype)
+    return from_state_dict(config, state, device, dtype, copy=True)
+
+
+def from_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], device=None, dtype: torch.dtype | None = None,
+                    copy: bool = True) -> TransformerLM:
+    """A model whose parameters are `state`'s tensors (cast to dtype, default fp32); copy=False lets
+    them alias the given tensors (a memory-mapped cache, or another model's weights: no second copy)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None, got {dtype!r}")
+    model = TransformerLM(config, device="meta")  # shapes only: no random init of weights we replace
+    check_state_dict(state, model)
+    dtype = torch.float32 if dtype is None else dtype
+    state = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype, copy=copy)
+             for k, v in state.items() if not (config.tie_embeddings and k == "lm_head.weight")}
+    if config.tie_embeddings:
+        state["lm_head.weight"] = state["token_embeddings.weight"]
+    model.load_state_dict(state, strict=True, assign=True)  # the tensors become the parameters
+    model.tie_weights()
+    model.rope = RotaryEmbedding(model.rope_dim, config.context_length, config.rope_theta, device=device)
     return model.eval()
 
 

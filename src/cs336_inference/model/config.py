@@ -32,7 +32,10 @@ class ModelConfig:
     rope_head_dim: int | None = None  # MLA decoupled RoPE key dim (shared across heads)
     sliding_window: int | None = None  # local attention window (positions incl. the current one)
     global_every: int | None = None   # with sliding_window: layer i is global iff (i+1) % n == 0
+    attention_sinks: int = 0          # with sliding_window: the first positions every local layer keeps (StreamingLLM)
     kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
+    # --- output layer ---
+    tie_embeddings: bool = False      # lm_head reuses token_embeddings.weight (SmolLM2, Gemma); assignment 1 unties
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -52,6 +55,7 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
         _checks.one_of("attention_type", self.attention_type, ATTENTION_TYPES)
+        _checks.boolean("tie_embeddings", self.tie_embeddings)
         self._check_variant()
 
     def _check_variant(self) -> None:
@@ -73,6 +77,10 @@ class ModelConfig:
         elif mla_only:
             raise ValueError(f"{mla_only} only apply to attention_type='mla', got attention_type="
                              f"{self.attention_type!r}; drop them or set attention_type='mla'")
+        _checks.non_negative_int("attention_sinks", self.attention_sinks)
+        if self.attention_sinks and self.sliding_window is None:
+            raise ValueError("attention_sinks needs sliding_window (sinks are the positions a local layer keeps "
+                             "beyond its window)")
         if self.global_every is not None:
             if self.sliding_window is None:
                 raise ValueError("global_every needs sliding_window (it says which layers stay global)")

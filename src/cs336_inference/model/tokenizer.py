@@ -1,6 +1,8 @@
 """`ByteTokenizer`: UTF-8 bytes are token ids 0..255; special tokens follow from 256.
 
 Byte-level models need no trained vocabulary, which keeps the shipped models self-contained.
+`load_tokenizer(name)` gives any model's tokenizer by name: the `ByteTokenizer` of the shipped toy
+models, or a real model's own BPE (`bpe_tokenizer.BPETokenizer`, same encode/decode interface).
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ class ByteTokenizer:
         return 256 + len(self.special_tokens)
 
     @property
+    def stop_ids(self) -> list[int]:
+        """Tokens that end a generated text (here <|endoftext|>, if this tokenizer has it)."""
+        return [self.special_to_id[ENDOFTEXT]] if ENDOFTEXT in self.special_to_id else []
+
+    @property
     def eot_id(self) -> int:
         if ENDOFTEXT not in self.special_to_id:
             raise ValueError(f"this tokenizer has no {ENDOFTEXT} token")
@@ -65,3 +72,16 @@ class ByteTokenizer:
                 raise ValueError(f"token id {i} is outside this tokenizer's vocabulary [0, {self.vocab_size})")
         out.append(buffer.decode("utf-8", errors="replace"))
         return "".join(out)
+
+
+def load_tokenizer(name: str):
+    """The tokenizer of model `name`: a `ByteTokenizer` for the shipped toy models, the model's own
+    byte-level BPE for a real one ("smollm2-135m"; read offline from its installed package)."""
+    from .checkpoints import available_pretrained
+    from .real_models import REAL_MODELS, load_real_tokenizer
+
+    if name in REAL_MODELS:
+        return load_real_tokenizer(name)
+    if name in available_pretrained():
+        return ByteTokenizer()
+    raise ValueError(f"unknown model {name!r}; shipped: {available_pretrained()}, real: {sorted(REAL_MODELS)}")

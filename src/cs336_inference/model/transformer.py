@@ -1,7 +1,8 @@
 """`TransformerLM`: the CS336 assignment-1 language model, plus a KV cache and attention variants.
 
 Layout (so a student's assignment-1 checkpoint loads unchanged): token embedding, L pre-norm
-blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases.
+blocks x + attn(ln1(x)), x + ffn(ln2(x)), final RMSNorm, untied lm_head, no biases
+(`config.tie_embeddings` makes lm_head share the embedding table, as SmolLM2 does).
 One `forward(token_ids, cache=None)` serves all three uses: full forward (no cache), prefill (a
 cache, T = prompt length) and decode (a cache, T = 1); with a cache the tokens go at `cache.length`.
 The attention variant of each layer (GQA/MHA/MQA, MLA, sliding window, hybrids, cross-layer KV
@@ -64,8 +65,15 @@ class TransformerLM(nn.Module):
             TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
         self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
         self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+        self.tie_weights()
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """With config.tie_embeddings, make lm_head use the very Parameter of token_embeddings (one
+        V x D table, not a copy). Call again after anything that replaces either parameter."""
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.token_embeddings.weight
 
     @property
     def rope_dim(self) -> int:
@@ -118,6 +126,7 @@ class TransformerLM(nn.Module):
         return self
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (a tied table counts once; excluding it then drops lm_head too)."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 
@@ -166,6 +175,9 @@ class TransformerLM(nn.Module):
         if step.end > self.config.context_length:
             raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
                              f"context_length {self.config.context_length}")
+        if step.pad is not None and self.config.attention_sinks:
+            raise ValueError("attention_sinks cannot be combined with left padding (the sinks would be padding "
+                             "slots, not the first real tokens); run such sequences unpadded")
         rope = self.rope.angles(step.positions(self.device))
         masks = {}  # without a cache: one causal mask per distinct window (None = global)
 
@@ -175,8 +187,9 @@ class TransformerLM(nn.Module):
             if cache is None:
                 window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
                 if window not in masks:
+                    sinks = self.config.attention_sinks if window is not None else 0
                     masks[window] = attention_mask(T, T, step.start, step.pad, window=window, device=self.device,
-                                                   first_key=step.start)
+                                                   first_key=step.start, sinks=sinks)
                 layer_cache, mask = None, masks[window]
             else:
                 layer_cache = cache.layers[i]
@@ -210,8 +223,8 @@ class TransformerLM(nn.Module):
             owners.add(id(layer))
             expected = block.attn.cache_spec()
             if layer.spec != expected:
-                raise ValueError(f"cache layer {i} holds (K heads, key dim, window) = {layer.spec} but this model's "
-                                 f"layer {i} needs {expected}; {fix}")
+                raise ValueError(f"cache layer {i} holds (K heads, key dim, window[, sinks]) = {layer.spec} but "
+                                 f"this model's layer {i} needs {expected}; {fix}")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
 

@@ -22,8 +22,9 @@ from .fp8 import FP8_DTYPES, dequantize_fp8, fp8_range, fp8_round_trip, quantize
 from .gptq import GPTQResult, gptq_quantize, hessian_from_inputs, layer_output_error
 from .kv import QuantizedKVCache, quantize_kv_cache
 from .linear import Fp8Linear, LLMInt8Linear, QuantizedLinear, model_nbytes
-from .llm_int8 import absmax_int8, llm_int8_matmul, outlier_columns, planted_outlier_demo, vectorwise_int8_matmul
 from .kernels import KERNELS, PackedWeight, pack_weight, packed_matmul, packed_unsupported_reason
+from .llm_int8 import (absmax_int8, count_activation_outliers, llm_int8_matmul, outlier_columns, planted_outlier_demo,
+                       vectorwise_int8_matmul)
 from .model import METHODS, QuantizedEmbedding, capture_linear_inputs, quantize_model, set_quantized_kernel
 from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
 from .qat import FakeQuantLinear, qat_finetune, ste_fake_quantize
@@ -34,7 +35,7 @@ __all__ = [
     "FakeQuantLinear", "Fp8Linear", "GPTQResult", "GRANULARITIES", "LLMInt8Linear",
     "METHODS", "QuantizedEmbedding", "QuantizedKVCache", "QuantizedLinear", "QuantizedTensor", "SUPPORTED_BITS",
     "absmax_int8", "awq_quantize", "capture_linear_inputs", "awq_search_scales", "compute_scale_zero_point",
-    "dequantize",
+    "count_activation_outliers", "dequantize",
     "dequantize_fp8", "fake_quantize", "fp8_range", "fp8_round_trip", "gptq_quantize", "hessian_from_inputs",
     "layer_output_error", "llm_int8_matmul", "model_nbytes", "outlier_columns", "pack_bits", "pack_int4",
     "planted_outlier_demo", "qat_finetune", "qrange", "quantize", "quantize_fp8", "quantize_kv_cache",

@@ -101,3 +101,36 @@ def planted_outlier_demo(tokens: int = 64, d_in: int = 512, d_out: int = 256, nu
         # fraction of ordinary entries that absmax rounds to zero because of the outliers' scale
         "plain_int8_zeroed_fraction": float((x_q == 0).float().mean()),
     }
+
+
+# The inputs of a TransformerLM block's linears, by where they come from (q/k/v share ln1's output,
+# w1/w3 share ln2's): attention in, attention out (into output_proj), MLP in, MLP down (into w2).
+BLOCK_INPUTS = {"attn_in": "attn.q_proj", "attn_out": "attn.output_proj", "mlp_in": "ffn.w1", "mlp_down": "ffn.w2"}
+
+
+@torch.no_grad()
+def count_activation_outliers(model, batches, threshold: float = 6.0) -> list[dict]:
+    """What LLM.int8() would see in a real model: per layer and per linear input (`BLOCK_INPUTS`), the
+    entries with |x| > threshold, the feature dims holding any (the columns it keeps in high
+    precision) and the largest |x|, over `batches` of token ids (B, T)."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or threshold <= 0:
+        raise ValueError(f"threshold must be a positive number, got {threshold!r}")
+    stats = [{k: dict(count=0, total=0, dims=set(), max_abs=0.0) for k in BLOCK_INPUTS} for _ in model.layers]
+    hooks = []
+    for i, block in enumerate(model.layers):
+        for kind, name in BLOCK_INPUTS.items():
+            def hook(module, args, s=stats[i][kind]):
+                x = args[0].detach().float().reshape(-1, args[0].shape[-1])
+                s["count"] += int((x.abs() > threshold).sum())
+                s["total"] += x.numel()
+                s["dims"].update(outlier_columns(x, threshold).nonzero().flatten().tolist())
+                s["max_abs"] = max(s["max_abs"], float(x.abs().max()))
+            hooks.append(block.get_submodule(name).register_forward_pre_hook(hook))
+    try:
+        for batch in batches:
+            model(torch.as_tensor(batch).to(model.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [{k: dict(count=s["count"], fraction=s["count"] / max(1, s["total"]), outlier_dims=len(s["dims"]),
+                     max_abs=s["max_abs"]) for k, s in layer.items()} for layer in stats]

@@ -1,0 +1,227 @@
+"""`python -m cs336_inference bench long_context`: what each way of shrinking the KV cache costs a
+real model that was trained without it.
+
+SmolLM2-135M-Instruct (full attention, trained to 8k tokens) retrieves a passkey (`data.passkey`) at
+contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1, 20 trials per context. Each variant is
+applied post hoc, with no training: a sliding window W (Longformer, Mistral), the same window keeping
+4 attention sinks (StreamingLLM), local/global hybrids (Gemma 2, Character.AI; with the sinks, which a
+post-hoc window needs at all), MQA made by
+mean-pooling the 3 KV heads (GQA's conversion, without its uptraining), and int8 / fp8 / int4 KV caches.
+Per variant: accuracy per context, KV cache bytes at the longest context (measured on the cache
+object), and decode latency at the longest context.
+
+Work is shared where that is exact, so the full run fits in ~30 min on 2 CPU cores (bf16):
+- a trial is scored from one prefill plus one forward of its answer tokens: greedy decoding emits the
+  key iff each answer token is the argmax given the ones before it (teacher forcing checks exactly that);
+- the KV-cache formats reuse the full-attention prefill of each trial and quantize the filled cache
+  (the prompt's own attention ran in bf16, every decode step reads the codes: what serving engines do);
+- a window that covers the whole sequence changes nothing, so those cells reuse the full result;
+- prompts are prefilled in chunks of 256 tokens (chunked prefill, as vLLM/Sarathi do): the same math,
+  but a windowed layer then attends over window + chunk keys instead of the whole prompt.
+Decode latency is timed at the end, one step per variant in turn (8 rounds), so drifting load on a
+shared machine hits every variant alike.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+from ..accounting import kv_cache_bytes
+from ..data.passkey import passkey_trials
+from ..device import apply_thread_policy, get_device
+from ..figures import save_figure, save_json
+from ..model import load_pretrained, load_tokenizer
+from ..model.convert import mean_pool_kv_heads, with_attention
+from ..quantization.kv import quantize_kv_cache
+from ..tables import long_context_table
+from ..timing import sync_device
+from .long_context_plot import plot_long_context
+
+MODEL = "smollm2-135m"
+CONTEXTS, QUICK_CONTEXTS = (256, 512, 1024, 2048), (256, 512)
+TRIALS, QUICK_TRIALS = 20, 2
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SINKS = 4
+DECODE_STEPS = 8   # decode steps timed per variant (interleaved) after its first trial at the longest context
+PREFILL_CHUNK = 256
+
+
+def variants() -> list[dict]:
+    """name, family and how to build each variant from the loaded model (kv: a cache format instead)."""
+    rows = [dict(name="full attention (GQA, K=3)", family="full", changes={})]
+    rows += [dict(name=f"window {w}", family="window", changes=dict(sliding_window=w)) for w in (128, 256, 512)]
+    rows += [dict(name=f"window {w} + {SINKS} sinks", family="sinks",
+                  changes=dict(sliding_window=w, attention_sinks=SINKS)) for w in (128, 256, 512)]
+    rows += [dict(name=f"hybrid W128 + sinks, 1 global in {g}", family="hybrid",
+                  changes=dict(sliding_window=128, attention_sinks=SINKS, global_every=g)) for g in (6, 2)]
+    rows += [dict(name="MQA (mean-pooled KV heads, K=1)", family="mqa", kv_heads=1)]
+    rows += [dict(name=f"{fmt} KV cache", family="kv", kv=fmt) for fmt in ("int8", "e4m3", "int4")]
+    return rows
+
+
+def _build(model, spec):
+    if "kv_heads" in spec:
+        return mean_pool_kv_heads(model, spec["kv_heads"])
+    return with_attention(model, **spec["changes"]) if spec.get("changes") else model
+
+
+def _window_covers(spec, context: int) -> bool:
+    """A window at least as long as the whole sequence leaves every query's view unchanged."""
+    w = spec.get("changes", {}).get("sliding_window")
+    return w is not None and context <= w
+
+
+@torch.inference_mode()
+def _score(model, cache, last_logits, trial) -> tuple[bool, float]:
+    """Teacher-forced answer after the prompt: (greedy would emit it, its log-probability in nats)."""
+    answer = torch.tensor(trial.answer_ids, device=model.device)
+    rest = model(answer[None, :-1], cache=cache, start_pos=cache.length)[0]            # (A-1, V)
+    logits = torch.cat([last_logits.reshape(1, -1), rest]).float()                     # (A, V)
+    correct = bool((logits.argmax(-1) == answer).all())
+    return correct, float(logits.log_softmax(-1).gather(1, answer[:, None]).sum())
+
+
+@torch.inference_mode()
+def prefill_trial(model, trial, extra: int = 0):
+    """Prefill `trial`'s prompt in chunks into a fresh cache with room for its answer and `extra` more
+    tokens; returns (cache, logits (V,) at the last prompt position)."""
+    prompt = torch.tensor([trial.prompt_ids], device=model.device)
+    cache = model.new_cache(1, prompt.shape[1] + len(trial.answer_ids) + extra)
+    for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+        logits = model(prompt[:, start:start + PREFILL_CHUNK], cache=cache, start_pos=start, last_only=True)
+    return cache, logits[0, -1]
+
+
+def evaluate(model, tokenizer, specs, contexts, num_trials, log=print) -> tuple[dict, dict]:
+    """Every variant on every trial -> per-trial records, and per variant (model, cache) of its first trial
+    at the longest context, left with room for DECODE_STEPS more tokens (for `time_decode`)."""
+    kv_specs = [s for s in specs if "kv" in s]
+    results = {s["name"]: [] for s in specs}
+    full = results[specs[0]["name"]]  # specs[0] is full attention: it runs first
+    longest, timers = max(contexts), {}
+    for spec in [s for s in specs if "kv" not in s]:
+        built = _build(model, spec)
+        t0 = time.perf_counter()
+        index = 0                                   # the same (context, trial) order for every variant
+        for context in contexts:
+            for t, trial in enumerate(passkey_trials(tokenizer, context, num_trials, DEPTHS)):
+                index += 1
+                if _window_covers(spec, context):
+                    results[spec["name"]].append(dict(full[index - 1], copied_from_full=True))
+                    continue
+                timed = context == longest and t == 0
+                cache, last = prefill_trial(built, trial, DECODE_STEPS if timed else 0)
+                targets = [(spec, cache)]
+                if spec["family"] == "full":  # the KV formats share this prefill (quantized copies)
+                    targets += [(k, quantize_kv_cache(copy.copy(cache), k["kv"])) for k in kv_specs]
+                for target, c in targets:
+                    correct, logprob = _score(built, c, last, trial)
+                    results[target["name"]].append(dict(context=context, depth=trial.depth, distance=trial.distance,
+                                                        key=trial.key, correct=correct, answer_logprob=logprob))
+                    if timed:
+                        timers[target["name"]] = (built, c)
+            acc = [r["correct"] for r in results[spec["name"]] if r["context"] == context]
+            log(f"  {spec['name']:<34} context {context:5d}: {sum(acc):2d}/{len(acc)} "
+                f"({time.perf_counter() - t0:6.1f} s so far)")
+    return results, timers
+
+
+@torch.inference_mode()
+def time_decode(timers: dict, steps: int = DECODE_STEPS) -> dict[str, list[float]]:
+    """Seconds of single-token decode steps, one variant after another in each of `steps` rounds."""
+    seconds = {name: [] for name in timers}
+    for _ in range(steps):
+        for name, (model, cache) in timers.items():
+            token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+            sync_device(model.device)
+            t0 = time.perf_counter()
+            model(token, cache=cache, start_pos=cache.length)
+            sync_device(model.device)
+            seconds[name].append(time.perf_counter() - t0)
+    return seconds
+
+
+def _kv_bytes(model, spec, longest: int) -> int:
+    """Bytes of the variant's cache object for one sequence of the longest context (measured)."""
+    if "kv" in spec:
+        return quantize_kv_cache(model.new_cache(1, longest), spec["kv"]).nbytes
+    return _build(model, spec).new_cache(1, longest).nbytes
+
+
+def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
+    longest = max(contexts)
+    rows = []
+    for spec in specs:
+        trials = results[spec["name"]]
+        per_context = {}
+        for context in contexts:
+            cell = [r for r in trials if r["context"] == context]
+            per_context[str(context)] = dict(
+                accuracy=sum(r["correct"] for r in cell) / len(cell), trials=len(cell),
+                mean_answer_logprob=statistics.fmean(r["answer_logprob"] for r in cell),
+                copied_from_full=all(r.get("copied_from_full", False) for r in cell))
+        by_depth = {}
+        for d in DEPTHS:
+            at_depth = [r["correct"] for r in trials if r["depth"] == d]
+            by_depth[str(d)] = sum(at_depth) / max(1, len(at_depth))
+        nbytes = _kv_bytes(model, spec, longest)
+        decode = decode_seconds.get(spec["name"], [])
+        rows.append(dict(
+            variant=spec["name"], family=spec["family"], changes=spec.get("changes", {}), kv_format=spec.get("kv"),
+            kv_heads=spec.get("kv_heads", model.config.num_kv_heads), kv_bytes_at_longest=nbytes,
+            kv_bytes_per_context_token=nbytes / longest, accuracy=per_context, accuracy_by_depth=by_depth,
+            overall_accuracy=sum(r["correct"] for r in trials) / len(trials),
+            decode_ms_at_longest=dict(median=1e3 * statistics.median(decode), min=1e3 * min(decode),
+                                      max=1e3 * max(decode), steps=len(decode)) if decode else None,
+            trials=trials))
+    return rows
+
+
+def bench_long_context(quick: bool = False, device: str | None = None) -> dict:
+    device = get_device(device)
+    threads_before = torch.get_num_threads()
+    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
+    try:
+        return _bench(quick, device)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def _bench(quick: bool, device: torch.device) -> dict:
+    contexts, num_trials = (QUICK_CONTEXTS, QUICK_TRIALS) if quick else (CONTEXTS, TRIALS)
+    dtype = torch.bfloat16  # the inference default; the CPU here has bf16 matmul instructions
+    t0 = time.perf_counter()
+    model = load_pretrained(MODEL, device=device, dtype=dtype).set_attention_kernel("sdpa")  # long prompts: fused
+    tokenizer = load_tokenizer(MODEL)
+    specs = variants()
+    load0 = os.getloadavg()
+    print(f"{MODEL} ({dtype}, {device}, {torch.get_num_threads()} threads, load average {load0[0]:.1f}): "
+          f"{len(specs)} variants x contexts {list(contexts)} x {num_trials} trials")
+    results, timers = evaluate(model, tokenizer, specs, contexts, num_trials)
+    rows = summarize(model, specs, results, time_decode(timers), contexts)
+    longest = max(contexts)
+    full = rows[0]
+    assert full["kv_bytes_at_longest"] == kv_cache_bytes(model.config, 1, longest, 2), "cache bytes != accounting"
+    data = dict(model=MODEL, dtype=str(dtype), device=str(device), quick=quick, contexts=list(contexts),
+                trials_per_context=num_trials, depths=list(DEPTHS), sinks=SINKS, decode_steps_timed=DECODE_STEPS,
+                threads=torch.get_num_threads(), load_average_start=list(load0), load_average_end=list(os.getloadavg()),
+                wall_seconds=time.perf_counter() - t0, chance_accuracy=1e-5, rows=rows,
+                note=("accuracy = exact greedy retrieval of a 5-digit key (teacher-forced check); KV formats quantize "
+                      "the cache after a bf16 prefill; decode ms = one B=1 step at the longest context, medians on a "
+                      "shared CPU (see load averages)"))
+    _print_table(data)
+    path = save_json(data, "long_context", result=True, quick=quick)
+    save_figure(plot_long_context(data), "long_context", result=True, quick=quick)
+    print(f"wrote {path} and its .png ({data['wall_seconds'] / 60:.1f} min)")
+    return data
+
+
+def _print_table(data: dict) -> None:
+    print(f"\npasskey accuracy ({data['trials_per_context']} trials per context; KV cache and decode at "
+          f"{max(data['contexts'])} tokens)")
+    print(long_context_table(data))

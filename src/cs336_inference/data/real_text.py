@@ -1,0 +1,42 @@
+"""English text for evaluating a real model offline: CPython's own documentation (`pydoc_data.topics`,
+the text `help('if')` prints), split into fixed calibration and evaluation documents.
+
+Every Python installation carries it, so nothing is downloaded or committed. Token streams are made
+with the model's own tokenizer; `bytes_per_token` lets losses be reported in bits per UTF-8 byte,
+which compares models with different tokenizers (and our byte-level toy models) on one scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+EVAL_EVERY = 4  # topic i (in sorted order) is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
+
+
+def pydoc_documents(split: str) -> list[str]:
+    """The help topics of one split ("calibration" or "eval"), in sorted-name order; the two never overlap."""
+    from pydoc_data.topics import topics
+
+    if split not in ("calibration", "eval"):
+        raise ValueError(f"split must be 'calibration' or 'eval', got {split!r}")
+    names = sorted(topics)
+    return [topics[n] for i, n in enumerate(names) if (i % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
+
+
+def token_stream(tokenizer, documents: list[str], separator: int | None = None) -> torch.Tensor:
+    """The documents' token ids joined into one 1-D stream (separated by `separator`, e.g. end of text)."""
+    ids: list[int] = []
+    for doc in documents:
+        if ids and separator is not None:
+            ids.append(separator)
+        ids.extend(tokenizer.encode(doc))
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def bytes_per_token(tokenizer) -> torch.Tensor:
+    """(V,) UTF-8 bytes each token stands for (a special token counts its own text)."""
+    if hasattr(tokenizer, "cs336_vocab_and_merges"):   # a BPE: its vocabulary as bytes
+        vocab, _ = tokenizer.cs336_vocab_and_merges()
+        return torch.tensor([len(vocab[i]) for i in range(tokenizer.vocab_size)])
+    return torch.tensor([1 if i < 256 else len(tokenizer.decode([i]).encode("utf-8"))   # bytes: one each
+                         for i in range(tokenizer.vocab_size)])
