@@ -46,6 +46,9 @@ sglang = Reference(title="SGLang: Efficient Execution of Structured Language Mod
 roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
                            authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
                            url="https://doi.org/10.1145/1498765.1498785")
+orca = Reference(title="Orca: A Distributed Serving System for Transformer-Based Generative Models",
+                authors=["Gyeong-In Yu", "Joo Seong Jeong", "Geon-Woo Kim", "Soojeong Kim", "Byung-Gon Chun"],
+                date="2022-07-11", url="https://www.usenix.org/conference/osdi22/presentation/yu")
 smollm2 = Reference(title="SmolLM2: When Smol Goes Big -- Data-Centric Training of a Small Language Model",
                     authors=["Loubna Ben Allal", "Anton Lozhkov", "Elie Bakouch"], date="2025-02-04",
                     url="https://arxiv.org/abs/2502.02737")
@@ -754,12 +757,110 @@ def speculative_sampling():
 
 def continuous_batching():
     section("continuous_batching")
-    text("Iteration-level scheduling admits new requests at every decode step (Orca).")
+    from cs336_inference.data import load_corpus
+    from cs336_inference.serving import Engine, TraceConfig, make_trace
+
+    text("Handling dynamic workloads. So far every batch was given: same start, known lengths. Live "
+         "traffic differs in three ways: requests arrive at different times, have different lengths "
+         "(prompts and answers), and share prefixes (a system prompt in front of many requests, n samples "
+         "of one prompt). A server that batches like a training loop (wait, pad, run until the longest is "
+         "done) leaves the hardware idle and users waiting.")
+    model = load_pretrained("target").eval()
+    corpus = load_corpus("val")
+    trace_config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96,
+                               stop_tokens=(10,), system_prompt_fraction=0.5, sampled_fraction=0.2, seed=0)
+    requests = make_trace(corpus[1000:], trace_config, system_prompt=corpus[:64].tolist())
+    prompt_lens = sorted(len(r.prompt) for r in requests)  # @inspect prompt_lens
+    span = requests[-1].arrival_time - requests[0].arrival_time  # @inspect span
+    sampled = sum(r.sampling.n > 1 for r in requests)  # @inspect sampled
+    text(f"A trace: {len(requests)} requests arriving as a Poisson process over {span:.2f} s, prompts of "
+         f"{prompt_lens[0]} to {prompt_lens[-1]} tokens (half behind the same 64-token system prompt), "
+         f"answers that end with their line or after 96 tokens, {sampled} requests asking for 4 samples.")
+
+    text("Orca (iteration-level scheduling): decide who runs before every decode step, not once per batch. "
+         "A finished sequence leaves at once and a waiting request takes its place at the next step.")
+    link(orca)
+    runs = {policy: Engine(model, scheduler=policy, max_num_seqs=12).run(requests) for policy in ("static", "continuous")}
+    static, continuous = runs["static"].summary(), runs["continuous"].summary()
+    speedup = continuous["throughput_tok_per_s"] / static["throughput_tok_per_s"]  # @inspect speedup
+    greedy = [i for i, r in enumerate(requests) if r.sampling.temperature == 0]
+    assert all(runs["static"].outputs[i].tokens == runs["continuous"].outputs[i].tokens for i in greedy)
+    assert continuous["steps"] < static["steps"]
+    text(f"Static batching (a batch runs until its longest answer is done; finished rows are padding) "
+         f"took {static['steps']} steps; continuous batching took {continuous['steps']} steps for the same "
+         f"tokens: {static['throughput_tok_per_s']:.0f} vs {continuous['throughput_tok_per_s']:.0f} tokens/s "
+         f"({speedup:.1f}x) on this CPU, p99 time to first token {static['ttft_p99_s']:.2f} s vs "
+         f"{continuous['ttft_p99_s']:.2f} s. Same tokens: every greedy answer is identical under both.")
+
+    text("Selective batching: the sequences of a step have different lengths (a prefill brings its whole "
+         "prompt, a decode one token). Concatenate them into one [sum of T_b, D] row: every matmul, norm "
+         "and MLP runs on it as on any batch; only attention is done per sequence (each with its own keys).")
+    mixed = next(r for r in runs["continuous"].steps if r.num_prefills >= 2 and r.num_decodes >= 1)
+    shape = " + ".join(map(str, mixed.tokens_per_sequence))  # @inspect shape
+    text(f"One step of the run: [{shape}, D] = [{mixed.num_tokens}, D]: {mixed.num_prefills} prompts and "
+         f"{mixed.num_decodes} decode tokens in one forward.")
+    image("figures/serving.png", width=900)
+    real = json.loads((FIGURES / "serving.json").read_text())["smollm2-135m"]
+    if "skipped" not in real:
+        s = real["scheduling"]
+        real_speedup = s["throughput_ratio"]  # @inspect real_speedup
+        assert real_speedup > 1 and s["continuous"]["ttft_p99_s"] < s["static"]["ttft_p99_s"]
+        text(f"The real model (SmolLM2-135M serving {real['trace']['num_requests']} chat requests, committed "
+             f"`bench serving` run): {real_speedup:.1f}x the throughput, p99 TTFT {s['continuous']['ttft_p99_s']:.0f} s "
+             f"instead of {s['static']['ttft_p99_s']:.0f} s. Less than a GPU would show: on a CPU a decode step "
+             "costs more the more sequences it holds (a GPU step is memory-bound and costs about the same), so "
+             "static batching loses only the compute of its padding rows and its waiting, and prefill (the same "
+             "for both) is a large part of the work.")
+        image("figures/serving_smollm2.png", width=900)
 
 
 def paged_attention():
     section("paged_attention")
-    text("Split each sequence's KV cache into fixed-size blocks mapped by a block table (vLLM).")
+    from cs336_inference.serving import BlockManager, Engine, TraceConfig, make_trace
+    from cs336_inference.data import load_corpus
+
+    text("Continuous batching fills the batch only if the KV memory lets it. Reserving each request's "
+         "maximum length (prompt + max_new_tokens) up front wastes memory twice: the tail a request never "
+         "reaches (internal fragmentation) and free memory split into gaps too short for the next request "
+         "(external fragmentation).")
+    link(vllm)
+    text("vLLM pages the cache like an operating system pages memory: fixed-size blocks, a block table per "
+         "sequence from logical positions to physical blocks, a new block only when the last one is full.")
+    manager = BlockManager(num_blocks=32, block_size=16)
+    system = list(range(100, 164))  # a 64-token system prompt: 4 full blocks
+    manager.allocate("first", system + [1, 2, 3])
+    manager.cache_full_blocks("first", 67)
+    cached = manager.allocate("second", system + [4, 5, 6, 7, 8])  # @inspect cached
+    assert cached == 64 and manager.table("second").blocks[:4] == manager.table("first").blocks[:4]
+    text(f"Sharing: full blocks are named by a hash chained over the previous block's hash and their token "
+         f"ids. A second request behind the same 64-token system prompt finds all {cached // 16} of its "
+         f"blocks: they cost no memory and skip their prefill.")
+    manager.fork("second", "sample 2")
+    copy = manager.append_slot("sample 2", 9)  # @inspect copy
+    assert copy is not None and manager.table("second").blocks[-1] == copy[0]
+    text(f"Parallel samples fork the table (all blocks shared). The first sample to write into the shared, "
+         f"partly filled last block gets a private copy (block {copy[0]} -> {copy[1]}): copy-on-write.")
+
+    model = load_pretrained("target").eval()
+    corpus = load_corpus("val")
+    requests = make_trace(corpus[1000:], TraceConfig(num_requests=24, rate=100.0, prompt_len=(16, 96),
+                                                     max_new_tokens=128, stop_tokens=(10,), sampled_fraction=0.2,
+                                                     seed=0), system_prompt=corpus[:64].tolist())
+    runs = {layout: Engine(model, kv_layout=layout, block_size=16, num_blocks=128, max_num_seqs=64,
+                           watermark_blocks=0).run(requests).summary() for layout in ("paged", "contiguous")}
+    paged, contiguous = runs["paged"], runs["contiguous"]
+    waste = {k: round(100 * v["kv_waste_fraction"], 1) for k, v in runs.items()}  # @inspect waste
+    concurrent = {k: v["max_running"] for k, v in runs.items()}  # @inspect concurrent
+    assert waste["paged"] < waste["contiguous"] and concurrent["paged"] > concurrent["contiguous"]
+    text(f"The same trace in the same 2048 KV slots: reserving prompt + 128 tokens per request wastes "
+         f"{waste['contiguous']:.0f}% of what it reserves and runs at most {concurrent['contiguous']} sequences "
+         f"at once; paged blocks of 16 waste {waste['paged']:.0f}% (only the last block of each sequence is "
+         f"partly empty) and run up to {concurrent['paged']}. With sharing (system prompts, forked samples), "
+         f"{100 * paged['kv_shared_fraction']:.0f}% of the tokens the sequences hold need no slot of their own.")
+    image("figures/serving_memory.png", width=800)
+    text("The rest of a real engine: fused kernels that read the blocks in place (here we gather them in "
+         "plain PyTorch), FlashAttention / FlashDecoding for the attention itself, CUDA graphs to remove "
+         "the launch overhead of small decode steps.")
 
 
 def summary():

@@ -546,3 +546,62 @@ def run_pydoc_documents(split):
 def run_bytes_per_token(tokenizer):
     from cs336_inference.data.real_text import bytes_per_token
     return bytes_per_token(tokenizer)
+
+
+# --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
+
+
+def make_block_allocator(num_blocks: int, block_size: int):
+    from cs336_inference.serving import BlockAllocator
+    return BlockAllocator(num_blocks, block_size)
+
+
+def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
+    """Block tables of many sequences: allocate / append_slot / fork / free / cache_full_blocks."""
+    from cs336_inference.serving import BlockManager, chained_block_hash
+    return BlockManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
+
+
+def make_contiguous_allocator(num_slots: int):
+    from cs336_inference.serving import ContiguousAllocator
+    return ContiguousAllocator(num_slots)
+
+
+def make_contiguous_manager(num_slots: int):
+    """The contiguous layout behind the engine's memory interface (one reserved run per sequence)."""
+    from cs336_inference.serving import ContiguousManager
+    return ContiguousManager(num_slots)
+
+
+def get_out_of_blocks_error() -> type:
+    from cs336_inference.serving import OutOfBlocksError
+    return OutOfBlocksError
+
+
+def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None, **kwargs) -> torch.Tensor:
+    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
+    from cs336_inference.serving import paged_attention
+    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens, **kwargs)
+
+
+def make_paged_kv_cache(model, num_blocks: int, block_size: int):
+    """K/V block pools for `model`; `.batch(tables, context_lens, query_lens)` is a cache for one forward."""
+    from cs336_inference.serving import PagedKVCache
+    return PagedKVCache(model, num_blocks, block_size)
+
+
+def make_request(request_id, prompt, max_new_tokens: int, arrival_time: float = 0.0, **sampling):
+    from cs336_inference.serving import Request, SamplingParams
+    return Request(request_id, tuple(prompt), max_new_tokens, arrival_time, SamplingParams(**sampling))
+
+
+def make_poisson_trace(source_ids, system_prompt=(), **trace_config):
+    """Requests with Poisson arrivals, prompts cut from source_ids (see serving.TraceConfig)."""
+    from cs336_inference.serving import TraceConfig, make_trace
+    return make_trace(source_ids, TraceConfig(**trace_config), system_prompt=system_prompt)
+
+
+def run_engine(model, requests, **config):
+    """Serve `requests` to completion; the result's `.outputs[i].tokens[j]` is sample j of request i."""
+    from cs336_inference.serving import Engine
+    return Engine(model, **config).run(requests)

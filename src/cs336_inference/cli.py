@@ -195,6 +195,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
     "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
     "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
+    "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time

@@ -1,0 +1,64 @@
+"""`ModelRunner`: turn a scheduled batch into one forward of the model over the paged KV cache.
+
+Prefills bring the uncached part of their prompt, decodes their last sampled token; all of them are
+concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward with
+a `PagedBatch` as its cache, and the logits of each sequence's last token come back, (B, V).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged_kv_cache import PagedKVCache
+from .scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model, num_blocks: int, block_size: int):
+        self.model = model
+        self.cache = PagedKVCache(model, num_blocks, block_size)
+
+    @classmethod
+    def for_model(cls, model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
+                  default_tokens: int = 4096) -> "ModelRunner":
+        """Size the pool by blocks, by bytes (the budget divided by one block's bytes over all layers),
+        or to hold `default_tokens` tokens."""
+        if num_blocks is None:
+            per_block = block_size * PagedKVCache.bytes_per_token_of(model)
+            if kv_budget_bytes is not None:
+                num_blocks = kv_budget_bytes // per_block
+                if num_blocks < 1:
+                    raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is less than one block "
+                                     f"({per_block} bytes: {block_size} tokens over all layers)")
+            else:
+                num_blocks = -(-default_tokens // block_size)
+        return cls(model, num_blocks, block_size)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.cache.bytes_per_token
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, manager) -> torch.Tensor:
+        """Run every scheduled token once; logits (B, V) at the last token of each sequence.
+        `manager` (a `BlockManager` or `ContiguousManager`) holds the block tables."""
+        self.cache.copy_blocks(batch.copies)  # copy-on-write before anything writes the copies
+        ids, tables, context_lens, query_lens = [], [], [], []
+        rows = [(seq, seq.num_computed) for seq in batch.prefills] + [(seq, -1) for seq in batch.decodes]
+        for seq, first_new in rows:  # prefills first, then decodes (the order of the logits)
+            table = manager.table(seq.seq_id)  # its tokens: the sequence's, plus its last sampled one
+            new = table.token_ids[first_new:]
+            ids.extend(new)
+            tables.append(table.blocks)
+            context_lens.append(table.num_tokens)
+            query_lens.append(len(new))
+        view = self.cache.batch(tables, context_lens, query_lens)
+        token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
+        return self.model(token_ids, cache=view, last_only=True)[0]          # (B, V)
+
+
+__all__ = ["ModelRunner"]
