@@ -102,6 +102,25 @@ def run_gptq_quantize(weight, inputs, bits=4, group_size=None) -> torch.Tensor:
     return _graded("gptq_quantize")(weight, inputs, bits, group_size)
 
 
+# --- serving: paged KV memory, continuous batching ---
+
+
+def make_block_allocator(num_blocks: int, block_size: int):
+    """An object with .num_free, .allocate(), .incref(b), .free(b) -> bool, .ref_count(b)."""
+    return _graded("BlockAllocator")(num_blocks, block_size)
+
+
+def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> torch.Tensor:
+    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
+    return _graded("paged_attention")(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+
+
+def run_continuous_batching_step(running, waiting, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                 watermark_blocks) -> dict:
+    return _graded("continuous_batching_step")(running, waiting, num_blocks, block_size, max_num_seqs,
+                                               max_num_batched_tokens, watermark_blocks)
+
+
 # --- accounting: numeric and symbolic ---
 
 
@@ -551,11 +570,6 @@ def run_bytes_per_token(tokenizer):
 # --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
 
 
-def make_block_allocator(num_blocks: int, block_size: int):
-    from cs336_inference.serving import BlockAllocator
-    return BlockAllocator(num_blocks, block_size)
-
-
 def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
     """Block tables of many sequences: allocate / append_slot / fork / free / cache_full_blocks."""
     from cs336_inference.serving import BlockManager, chained_block_hash
@@ -576,12 +590,6 @@ def make_contiguous_manager(num_slots: int):
 def get_out_of_blocks_error() -> type:
     from cs336_inference.serving import OutOfBlocksError
     return OutOfBlocksError
-
-
-def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None, **kwargs) -> torch.Tensor:
-    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
-    from cs336_inference.serving import paged_attention
-    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens, **kwargs)
 
 
 def make_paged_kv_cache(model, num_blocks: int, block_size: int):

@@ -39,6 +39,9 @@ FORMULAS = "accounting/formulas.py"
 SYMBOLIC = "accounting/symbolic.py"
 CORPUS = "data/corpus.py"
 REFERENCE = "homework/reference.py"
+ALLOCATOR = "serving/block_allocator.py"
+PAGED = "serving/paged_attention.py"
+SCHEDULER = "serving/scheduler.py"
 LAYERS = "model/layers.py"
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -185,6 +188,33 @@ MUTANTS: tuple[Mutant, ...] = (
            (("torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)",
              "torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=False)"),),
            "GPTQ takes the lower Cholesky factor of H^-1 (the wrong rows of the inverse)"),
+    Mutant("allocator_incref_sets_two", ALLOCATOR,
+           (("self._ref_counts[block] += 1", "self._ref_counts[block] = 2"),),
+           "sharing a block sets its count to 2 instead of adding one (a third holder is lost)"),
+    Mutant("allocator_no_out_of_blocks_error", ALLOCATOR,
+           (("        if not self._free:\n", "        if False:\n"),),
+           "allocate does not check for an empty free list (fails with a KeyError, not a clear refusal)"),
+    Mutant("paged_slots_in_the_wrong_order", PAGED,
+           (('"(B n) s K H -> B K (n s) H"', '"(B n) s K H -> B K (s n) H"'),),
+           "paged attention gathers slot-major instead of block-major (positions scrambled across blocks)"),
+    Mutant("paged_causal_mask_not_offset", PAGED,
+           (("positions = (context_lens - query_lens)[:, None] + torch.arange(T_max)",
+             "positions = torch.arange(T_max)[None, :].expand(len(context_lens), -1)"),),
+           "paged attention's causal mask forgets the cached positions before the new queries"),
+    Mutant("scheduler_preempts_the_oldest", SCHEDULER,
+           (("victim = queue.pop() if queue else seq", "victim = queue.popleft() if queue else seq"),),
+           "under memory pressure the oldest waiting-for-a-slot sequence is preempted, not the youngest"),
+    Mutant("scheduler_ignores_the_watermark", SCHEDULER,
+           (("self._try_admit(self.waiting[0], batch, self.watermark_blocks)",
+             "self._try_admit(self.waiting[0], batch, 0)"),),
+           "admission ignores the watermark of free blocks"),
+    Mutant("scheduler_token_budget_off_by_one", SCHEDULER,
+           (("batch.num_tokens + new_tokens > self.max_num_batched_tokens",
+             "batch.num_tokens + new_tokens >= self.max_num_batched_tokens"),),
+           "a prefill that exactly fills the token budget is refused"),
+    Mutant("scheduler_admits_while_preempting", SCHEDULER,
+           (("        if not batch.preempted:  # no admission while memory is short", "        if True:"),),
+           "new sequences are admitted in the same step that preempted one"),
     Mutant("kv_bytes_without_k_and_v", FORMULAS,
            (("return 2 * config.num_kv_heads * config.head_dim", "return config.num_kv_heads * config.head_dim"),),
            "numeric KV bytes miss the factor 2 for keys and values"),

@@ -18,6 +18,7 @@ AREAS: dict[str, tuple[str, str]] = {
     "sampling": ("sampling", "turning logits into the next token: temperature, top-k, top-p, sampling"),
     "attention": ("attention", "grouped-query attention, a KV cache, MLA's absorbed decode, sliding windows"),
     "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ"),
+    "serving": ("serving", "paged KV memory: a block allocator, paged attention, a continuous-batching step"),
     "accounting": ("accounting", "FLOPs, bytes, latency and throughput: numeric and symbolic (sympy)"),
     "data": ("data", "the training batch sampler"),
 }
