@@ -45,8 +45,21 @@ def _quantize_model_times_1_01():
     qmodel.quantize_model = quantization.quantize_model = stub
 
 
+def _ring_forgets_overwritten_slots():
+    """Issue 15, hole 10 as a library bug: each commit resets `oldest` from the write alone, so a rolled-back
+    draft's overwrites are forgotten once a shorter write follows (a second rollback is then accepted)."""
+    from cs336_inference.model import rolling_kv_cache
+    original = rolling_kv_cache.RollingKVCache.commit
+
+    def stub(self, step):
+        original(self, step)
+        self.oldest = step.end - self.capacity
+    rolling_kv_cache.RollingKVCache.commit = stub
+
+
 STUBS = {"importance_all_zero": _importance_all_zero, "hardware_constant": _hardware_constant,
-         "quantize_model_times_1_01": _quantize_model_times_1_01}
+         "quantize_model_times_1_01": _quantize_model_times_1_01,
+         "ring_forgets_overwritten_slots": _ring_forgets_overwritten_slots}
 
 
 def pytest_configure(config):

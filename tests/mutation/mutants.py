@@ -7,8 +7,9 @@ through the same retargeting a student's package uses. `issue` numbers the twelv
 `equivalent` marks a mutant that cannot change any output (with the reason), left out of the score.
 
 Library stubs: the issue's stand-ins for library functions that are not graded (pruning importance,
-hardware measurement, model quantization); `library_stubs.py` patches them in and run.py runs the library
-tests of that part, which must fail.
+hardware measurement, model quantization), and hole 10 planted in the model's own ring buffer (the issue
+asks for the library fix, not only the graded test); `library_stubs.py` patches them in and run.py runs
+the library tests of that part, which must fail.
 """
 
 from __future__ import annotations
@@ -250,4 +251,7 @@ LIBRARY_STUBS: dict[str, tuple[str, str]] = {
                           "tests/library/test_roofline.py"),
     "quantize_model_times_1_01": ("quantize_model returns the model with every block weight x 1.01",
                                   "tests/library/test_quantization_model.py"),
+    "ring_forgets_overwritten_slots": ("the model's RollingKVCache forgets slots overwritten by a rolled-back "
+                                       "draft (issue 15, hole 10, in the library)",
+                                       "tests/library/test_kv_variant_caches.py"),
 }
