@@ -1,8 +1,8 @@
 """The registry of graded functions: the one list the autograder, the reference solution and the
 student skeleton share.
 
-`reference.py` defines each graded function (or class) once, with the exact signature and the
-shape-annotated docstring a student sees, and marks it with `@graded(area)`. From that:
+`reference/` (one module per area) defines each graded function (or class) once, with the exact
+signature and the shape-annotated docstring a student sees, and marks it with `@graded(area)`. From that:
 - `tests/adapters.py` resolves each name in the implementation under test (the reference by default,
   a student's package with `--impl` / `CS336_INFERENCE_IMPL`);
 - `python -m cs336_inference homework init DIR` writes the skeleton (same signatures and docstrings,

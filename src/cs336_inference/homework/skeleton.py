@@ -1,6 +1,6 @@
 """`python -m cs336_inference homework init DIR`: write a student's package with every graded function.
 
-Generated from the registry (`registry.GRADED`, filled by `reference.py`): the same signatures and
+Generated from the registry (`registry.GRADED`, filled by the `reference` package): the same signatures and
 docstrings as the reference, bodies `raise NotImplementedError`, one module per area, and a README that
 says how to run the grader on it. Nothing is hand-copied, so the skeleton cannot drift from what the
 autograder calls.
