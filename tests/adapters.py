@@ -40,6 +40,14 @@ def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, gener
     return _graded("sample_next_token")(logits, temperature, top_k, top_p, generator)
 
 
+# --- speculative sampling: the accept/resample rule ---
+
+
+def run_speculative_accept(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
+    """p_draft (g, V), q_target (g + 1, V), draft_tokens (g,) -> (num_accepted, next_token)."""
+    return _graded("speculative_accept")(p_draft, q_target, draft_tokens, generator)
+
+
 # --- attention: GQA, KV cache, MLA, sliding window ---
 
 
@@ -565,6 +573,82 @@ def run_pydoc_documents(split):
 def run_bytes_per_token(tokenizer):
     from cs336_inference.data.real_text import bytes_per_token
     return bytes_per_token(tokenizer)
+
+
+# --- speculative decoding: accept rule, draft-verify loop, prompt lookup, theory --------------------
+from cs336_inference.generation import drafters as _drafters  # noqa: E402
+from cs336_inference.generation import prompt_lookup as _prompt_lookup  # noqa: E402
+from cs336_inference.generation import speculative as _speculative  # noqa: E402
+from cs336_inference.generation import speculative_rule as _accept  # noqa: E402
+from cs336_inference.generation import speculative_theory as _spec_theory  # noqa: E402
+
+
+def run_accept_rule(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
+    """The library's accept rule (for the library's tests; the graded adapter is run_speculative_accept)
+    -> (num_accepted, next_token): emit draft_tokens[:num_accepted], then next_token."""
+    k, token = _accept.speculative_accept(p_draft, q_target, draft_tokens, generator)
+    return int(k), int(token)
+
+
+def run_acceptance_probability(p_draft, q_target, draft_tokens) -> torch.Tensor:
+    """min(1, q_i(x_i) / p_i(x_i)) for p_draft, q_target (g, V) and draft_tokens (g,) -> (g,)."""
+    return _accept.acceptance_probability(p_draft, q_target, draft_tokens)
+
+
+def run_residual_distribution(p_draft, q_target) -> torch.Tensor:
+    """norm(max(q - p, 0)) over the last dim."""
+    return _accept.residual_distribution(p_draft, q_target)
+
+
+def run_speculative_generate(target, draft, prompt_ids, gamma, temperature=0.0, **kwargs):
+    """-> a result with .tokens (list[int]), .proposed / .accepted (per target pass), .alpha,
+    .acceptance_by_position, .mean_tokens_per_pass, .target_forwards, .draft_forwards."""
+    return _speculative.speculative_generate(target, draft, prompt_ids, gamma, temperature, **kwargs)
+
+
+def make_speculative_decoder(target, draft, prompt_ids, gamma, temperature=0.0, **kwargs):
+    """A stepper: .step() runs one pass; .sequence, .target_cache, .drafter (.cache for a model draft)."""
+    return _speculative.SpeculativeDecoder(target, draft, prompt_ids, gamma, temperature, **kwargs)
+
+
+def get_drafter_protocol():
+    """Drafters implement start(prompt, max_seq_len, max_rollback), propose(sequence, n, sampling, generator) ->
+    (tokens, probs (n, V) or None), rollback(length) and a `forwards` counter."""
+    return _drafters.Drafter
+
+
+def make_sampling_params(temperature=0.0, top_k=None, top_p=None):
+    return _drafters.SamplingParams(temperature, top_k, top_p)
+
+
+def run_prompt_lookup_propose(sequence, n, max_ngram=3, min_ngram=1) -> list[int]:
+    return _prompt_lookup.prompt_lookup_propose(sequence, n, max_ngram, min_ngram)
+
+
+def make_prompt_lookup_drafter(max_ngram=3, min_ngram=1):
+    return _prompt_lookup.PromptLookupDrafter(max_ngram, min_ngram)
+
+
+def run_expected_tokens_per_pass(alpha, gamma):
+    return _spec_theory.expected_tokens_per_pass(alpha, gamma)
+
+
+def run_expected_speedup(alpha, gamma, cost_ratio, verify_cost=1):
+    return _spec_theory.expected_speedup(alpha, gamma, cost_ratio, verify_cost)
+
+
+def run_optimal_gamma(alpha, cost_ratio, max_gamma=64, verify_cost=1) -> int:
+    return _spec_theory.optimal_gamma(alpha, cost_ratio, max_gamma, verify_cost)
+
+
+def run_acceptance_rate(p, q):
+    return _spec_theory.acceptance_rate(p, q)
+
+
+def run_speculative_output_distribution(p, q) -> dict:
+    """Exact (Fractions) -> {'accepted': per token, 'reject': 1 - alpha, 'residual': per token, 'output': per token}."""
+    d = _spec_theory.speculative_output_distribution(p, q)
+    return dict(accepted=list(d.accepted), reject=d.reject, residual=list(d.residual), output=list(d.output))
 
 
 # --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---

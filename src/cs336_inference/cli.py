@@ -195,6 +195,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
     "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
     "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
+    "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
+    "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
 }
 

@@ -28,6 +28,7 @@ class Mutant:
 
 
 SAMPLING = "generation/sampling.py"
+SPECULATIVE = "generation/speculative_rule.py"
 ATTENTION = "model/attention.py"
 ROLLING = "model/rolling_kv_cache.py"
 MLA = "model/mla.py"
@@ -108,6 +109,22 @@ MUTANTS: tuple[Mutant, ...] = (
            (("probs = logits_to_probs(logits, temperature, top_k, top_p)",
              "probs = logits_to_probs(logits, temperature, None, top_p)"),),
            "sample_next_token forgets to pass top_k on"),
+    Mutant("speculative_bonus_from_the_last_draft_position", SPECULATIVE,
+           (("dist = q_target[g] if k == g", "dist = q_target[g - 1] if k == g"),),
+           "when every draft token is accepted, the bonus token is drawn from q_g instead of q_{g+1}"),
+    Mutant("speculative_resamples_from_q", SPECULATIVE,
+           (("residual = (q_target - p_draft).clamp_min(0)", "residual = q_target.clone()"),),
+           "after a rejection the next token is drawn from q instead of norm(max(q - p, 0))"),
+    Mutant("speculative_ratio_p_over_q", SPECULATIVE,
+           (("q / p.clamp_min(torch.finfo(p.dtype).tiny)", "p / q.clamp_min(torch.finfo(q.dtype).tiny)"),),
+           "draft tokens accepted with probability min(1, p/q) instead of min(1, q/p)"),
+    Mutant("speculative_keeps_going_after_a_rejection", SPECULATIVE,
+           (("k = rejected.index(True) if True in rejected else g", "k = g - sum(rejected)"),),
+           "num_accepted counts every accepted draft token, not the run before the first rejection"),
+    Mutant("speculative_ratio_not_capped_at_one", SPECULATIVE,
+           (("return ratio.clamp(max=1.0)", "return ratio"),),
+           "the acceptance probability q/p is not capped at 1",
+           equivalent="a token is accepted when a uniform in [0, 1) falls below the ratio: any ratio >= 1 accepts"),
     Mutant("rope_rotate_half_layout", LAYERS,
            (("x.float().unflatten(-1, (-1, 2)).contiguous()",
              "x.float().unflatten(-1, (2, -1)).transpose(-1, -2).contiguous()"),

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 # area -> (module name in the student's package, what the area covers)
 AREAS: dict[str, tuple[str, str]] = {
     "sampling": ("sampling", "turning logits into the next token: temperature, top-k, top-p, sampling"),
+    "speculative": ("speculative", "speculative sampling's accept/resample rule"),
     "attention": ("attention", "grouped-query attention, a KV cache, MLA's absorbed decode, sliding windows"),
     "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ"),
     "serving": ("serving", "paged KV memory: a block allocator, paged attention, a continuous-batching step"),

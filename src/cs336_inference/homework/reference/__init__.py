@@ -11,6 +11,7 @@ the student's package; importing them in this order registers every graded name 
 """
 
 from .sampling import logits_to_probs, sample_next_token
+from .speculative import speculative_accept
 from .attention import (RollingKVBuffer, attention_with_kv_cache, grouped_query_attention, mla_absorbed_attention,
                         sliding_window_mask)
 from .quantization import (dequantize, gptq_quantize, llm_int8_matmul, pack_int4, quantize, quantize_kv_int8,
@@ -22,6 +23,7 @@ from .data import get_batch
 
 __all__ = [
     "logits_to_probs", "sample_next_token",
+    "speculative_accept",
     "grouped_query_attention", "attention_with_kv_cache", "mla_absorbed_attention", "sliding_window_mask",
     "RollingKVBuffer",
     "quantize", "dequantize", "quantize_tensor", "pack_int4", "unpack_int4", "quantize_kv_int8", "llm_int8_matmul",
