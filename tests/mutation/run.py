@@ -1,6 +1,6 @@
 """The mutation check of the autograder: plant realistic bugs one at a time and show the graded tests fail.
 
-    python tests/mutation/run.py                 # everything (~2 min on 2 cores)
+    python tests/mutation/run.py                 # everything (3-5 min on 2 shared cores)
     python tests/mutation/run.py --only NAME ... # some mutants (names from mutants.py)
     python tests/mutation/run.py --json out.json
 
