@@ -194,8 +194,8 @@ def csv_rows(result: dict) -> list[dict]:
     return rows
 
 
-def save_csv(rows: list[dict], name: str, quick: bool) -> str:
-    path = output_path(name, ".csv", result=True, quick=quick)
+def save_csv(rows: list[dict], name: str, result: bool, quick: bool) -> str:
+    path = output_path(name, ".csv", result=result, quick=quick)
     columns = list(dict.fromkeys(k for r in rows for k in r))
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
@@ -211,7 +211,8 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
     tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
     *_quick.* in figures/scratch). `sweep`: another SweepConfig than the model's (default
-    `sweep_config(real_model, quick)`). Returns the result dict."""
+    `sweep_config(real_model, quick)`). A `preset` or a custom `sweep` writes to figures/scratch too
+    (only the full sweep is a committed result). Returns the result dict."""
     check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
@@ -232,14 +233,15 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
     if preset is not None:
         name += f"_{preset}"
     print_inference(result)
-    save_json(result, name, result=True, quick=quick)
-    save_csv(csv_rows(result), name, quick)
+    committed = preset is None and sweep is None   # the full sweep is a committed result; the rest is scratch
+    save_json(result, name, result=committed, quick=quick)
+    save_csv(csv_rows(result), name, committed, quick)
     import matplotlib.pyplot as plt
 
     if any(r["axis"] in ("concurrency", "preset") for r in result["rows"]):
-        save_figure(plot_operating_points(result), f"{name}_operating_points", result=True, quick=quick)
+        save_figure(plot_operating_points(result), f"{name}_operating_points", result=committed, quick=quick)
     if any(r["axis"] == "prompt_len" for r in result["rows"]):
-        save_figure(plot_ttft(result), f"{name}_ttft", result=True, quick=quick)
+        save_figure(plot_ttft(result), f"{name}_ttft", result=committed, quick=quick)
     plt.close("all")
     return result
 
