@@ -703,11 +703,39 @@ def quantization():
          f"drops from {rtn_error:.2f} (round to nearest) to {gptq_error:.2f} (GPTQ).")
     link(gptq_paper)
 
-    text("AWQ: weights that multiply large activation channels matter most. Scale those input channels "
-         "up by s = mean|x|^alpha before rounding (alpha found by grid search) and divide the input by s, "
-         "folded into the preceding RMSNorm or linear. The paper: fp16 -> int3/int4 for ~4x less memory "
-         "and ~3.2x faster decode with fused kernels.")
+    text("AWQ: a few activation channels are large, and the weights they multiply matter more than the rest. "
+         "The paper keeps just 0.1-1% of the weights (those input channels) in fp16 and recovers most of the "
+         "quantization loss; which 1% is decided by the activations, not by the weights' own size.")
+    salient_name = "layers.3.ffn.w2"  # the last MLP down projection: its inputs have the largest channels here
+    w = model.get_submodule(salient_name).weight.detach()  # (D, F): F input channels
+    x = capture_linear_inputs(model, [salient_name], calibration)[0][salient_name]  # (..., F) calibration inputs
+    w_int3 = quantize_tensor(w, 3, False, "group", group_size=64).dequantize()
+    keep = round(0.01 * w.shape[1])  # @inspect keep
+    by_activation = x.reshape(-1, w.shape[1]).abs().mean(0).topk(keep).indices
+    by_weight = w.abs().mean(0).topk(keep).indices
+    at_random = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))[:keep]
+    kept_error = {}
+    for how, channels in (("none", []), ("activation", by_activation), ("weight", by_weight), ("random", at_random)):
+        w_hat = w_int3.clone()
+        w_hat[:, channels] = w[:, channels]  # these input channels stay in full precision
+        kept_error[how] = round(layer_output_error(w, w_hat, x), 1)  # @inspect kept_error
+    assert kept_error["activation"] < 0.9 * kept_error["none"] and min(kept_error["weight"], kept_error["random"]) > 0.97 * kept_error["none"]
+    text(f"On our {salient_name} at int3 (groups of 64), keeping {keep} of its {w.shape[1]} input channels (1%) in "
+         f"full precision cuts the output error from {kept_error['none']} to {kept_error['activation']} "
+         f"(-{1 - kept_error['activation'] / kept_error['none']:.0%}) when they are the channels with the largest "
+         f"activations, and barely at all when chosen by weight magnitude "
+         f"({kept_error['weight']}) or at random ({kept_error['random']}).")
+    text("Mixed precision inside one matrix is awkward for kernels, so AWQ keeps every weight at low precision and "
+         "protects the salient channels by scaling: multiply those input channels by s = mean|x|^alpha before "
+         "rounding (alpha by grid search) and divide the input by s, folded into the preceding RMSNorm or linear.")
     link(awq_paper)
+    int3_bits, int4_bits = 3 + 2 * 16 / 128, 4 + 2 * 16 / 128  # an fp16 scale and zero point per group of 128 @inspect int3_bits int4_bits
+    assert (16 / int3_bits, 16 / int4_bits) == (16 / 3.25, 16 / 4.25)
+    text(f"The official lecture sums up the paper as 'fp16 -> int3: 4x lower memory, 3.2x speed-up'. The bytes: "
+         f"with groups of 128, int3 stores {int3_bits} bits per weight ({16 / int3_bits:.1f}x fewer than fp16) "
+         f"and int4 {int4_bits} ({16 / int4_bits:.1f}x); the speed-up comes from the paper's fused kernels "
+         "(reading the small codes directly) and is smaller than the bytes ratio, since the rest of a decode step "
+         "does not shrink.")
 
     text("Every method on the whole target model (python -m cs336_inference bench quantization; "
          "figures/quantization.json, committed):")
