@@ -21,12 +21,13 @@ import torch
 
 from ..accounting import decode_step_bytes, forward_flops
 from ..accounting.roofline import measure_matmul_flops, measure_memory_bandwidth
-from ..device import apply_thread_policy, get_device, seed_everything
+from ..device import get_device, seed_everything, thread_policy
 from ..figures import save_figure, save_json
 from ..generation.generate import generate
 from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
+from ..timing import num_threads
 from .generation import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"
@@ -35,12 +36,8 @@ PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def bench_generation_smollm2(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
-    threads_before = torch.get_num_threads()
-    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
-    try:
+    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
         return _bench(quick, device)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _rss_mb() -> float | None:

@@ -33,13 +33,13 @@ import torch
 
 from ..accounting import kv_cache_bytes
 from ..data.passkey import passkey_trials
-from ..device import apply_thread_policy, get_device
+from ..device import get_device, thread_policy
 from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
 from ..tables import long_context_table
-from ..timing import sync_device
+from ..timing import num_threads, sync_device
 from .long_context_plot import plot_long_context
 
 MODEL = "smollm2-135m"
@@ -184,12 +184,8 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
 
 def bench_long_context(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
-    threads_before = torch.get_num_threads()
-    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
-    try:
+    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
         return _bench(quick, device)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _bench(quick: bool, device: torch.device) -> dict:

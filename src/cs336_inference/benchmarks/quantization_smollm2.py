@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
-from ..device import apply_thread_policy, get_device, seed_everything
+from ..device import get_device, seed_everything, thread_policy
 from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.gguf import gguf_round_trip
@@ -35,6 +35,7 @@ from ..quantization.llm_int8 import count_activation_outliers
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
 from ..tables import quantization_smollm2_table
+from ..timing import num_threads
 from .quantization import WithQuantizedKV
 from .quantization_smollm2_plot import plot_quantization_smollm2
 
@@ -136,12 +137,8 @@ def grid_comparison(model, requantized, rtn) -> dict:
 
 def bench_quantization_smollm2(quick: bool = False, device: str | None = None) -> dict:
     device = get_device(device)
-    threads_before = torch.get_num_threads()
-    apply_thread_policy(parallel=True)  # a 135M model is large work: every core, idle workers sleep
-    try:
+    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
         return _bench(quick, device)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _bench(quick: bool, device: torch.device) -> dict:

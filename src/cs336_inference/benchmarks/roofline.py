@@ -18,11 +18,12 @@ import torch
 from ..accounting.model_roofline import matvec_bandwidth, measure_decode, measure_prefill
 from ..accounting.plots import plot_model, plot_roofline
 from ..accounting.roofline import measure_hardware, roofline_sweep
-from ..device import apply_thread_policy, default_dtype, get_device, seed_everything, thread_policy
+from ..device import default_dtype, get_device, seed_everything, thread_policy
 from ..figures import save_figure, save_json
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
 from ..tables import print_table
+from ..timing import num_threads
 
 
 def threads_for_timing(device: torch.device) -> int:
@@ -34,12 +35,8 @@ def threads_for_timing(device: torch.device) -> int:
 def bench_roofline(quick: bool = False, device: str | None = None) -> dict:
     """Measure, sweep, time the model; print tables; write JSON and two figures."""
     device = get_device(device)
-    threads_before = torch.get_num_threads()
-    apply_thread_policy(parallel=True)   # big matmuls: every core, idle OpenMP workers sleep (device.py)
-    try:
+    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
         return _bench_roofline(quick, device)
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 def _bench_roofline(quick: bool, device: torch.device) -> dict:
