@@ -369,4 +369,4 @@ else:
 #    its gain over round-to-nearest (`layer_output_error`) on `layers.0.ffn.w2` at int3 holds on text it
 #    was not calibrated on.
 #
-# Answers: `tests/test_notebook_exercises.py`.
+# Answers: `tests/library/test_notebook_exercises.py`.

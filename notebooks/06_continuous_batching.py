@@ -160,4 +160,4 @@ print("greedy outputs unchanged")
 # 3. Recompute `summary()["ttft_p99_s"]` from the outputs yourself: each request's first token time
 #    (`token_times`) minus its `arrival_time`, then `numpy.percentile`.
 #
-# Answers: `tests/test_notebook_exercises.py`.
+# Answers: `tests/library/test_notebook_exercises.py`.

@@ -198,4 +198,4 @@ for bs in (4, 8, 16, 32):
 # 3. Three requests behind the same 64-token system prompt (blocks of 16, `cache_full_blocks` after each):
 #    how many prompt tokens does each find cached, and how many blocks do the three hold together?
 #
-# Answers: `tests/test_notebook_exercises.py`.
+# Answers: `tests/library/test_notebook_exercises.py`.

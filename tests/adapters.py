@@ -1,6 +1,13 @@
 """The single indirection through which the tests reach graded functions (the CS336 pattern).
 
-To grade a student's implementation, point these functions at theirs; the tests stay unchanged.
+Two kinds of adapter live here:
+- graded adapters (first block): each `run_NAME` / `make_NAME` calls NAME in the implementation under
+  test, resolved at call time by `implementation.get` (the reference solution by default; a student's
+  package with `pytest --impl SPEC` or CS336_INFERENCE_IMPL=SPEC). Plain tensors, numbers and weight
+  dicts in, tensors out. The names are the registry's (`cs336_inference.homework.registry`): one adapter
+  per graded name, nothing else in this block;
+- library helpers (the rest): build models, caches, configs and run library code the tests need around
+  the graded calls (and the library's own tests). They always use the library, never the student's code.
 Group adapters by topic; add new ones at the end of their topic's block.
 """
 
@@ -8,12 +15,163 @@ from __future__ import annotations
 
 import torch
 
+import implementation
+
 from cs336_inference.device import default_dtype, get_device, seed_everything
-from cs336_inference.generation import decode_one_token, generate, prefill, sampling
+from cs336_inference.generation import decode_one_token, generate, prefill
 from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, TransformerLM, apply_rope, checkpoints,
                                    rope_angles, scaled_dot_product_attention)
 
-# --- foundation: device, layers, model, cache, sampling, generation, checkpoints ---------------
+
+def _graded(name: str):
+    """NAME in the implementation under test (raises "not implemented: NAME" if it has none)."""
+    return implementation.get(name)
+
+
+# === graded adapters ==============================================================================
+# --- sampling ---
+
+
+def run_logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
+    return _graded("logits_to_probs")(logits, temperature, top_k, top_p)
+
+
+def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
+    return _graded("sample_next_token")(logits, temperature, top_k, top_p, generator)
+
+
+# --- speculative sampling: the accept/resample rule ---
+
+
+def run_speculative_accept(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
+    """p_draft (g, V), q_target (g + 1, V), draft_tokens (g,) -> (num_accepted, next_token)."""
+    return _graded("speculative_accept")(p_draft, q_target, draft_tokens, generator)
+
+
+# --- attention: GQA, KV cache, MLA, sliding window ---
+
+
+def run_grouped_query_attention(q, k, v, mask=None) -> torch.Tensor:
+    return _graded("grouped_query_attention")(q, k, v, mask)
+
+
+def run_attention_with_kv_cache(x, weights, k_cache, v_cache, num_heads, rope_theta=10000.0):
+    """-> (out (B, T, D), k_cache' (B, K, S + T, H), v_cache' (B, K, S + T, H))."""
+    return _graded("attention_with_kv_cache")(x, weights, k_cache, v_cache, num_heads, rope_theta)
+
+
+def run_mla_absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask=None) -> torch.Tensor:
+    return _graded("mla_absorbed_attention")(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
+
+
+def run_sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
+    return _graded("sliding_window_mask")(num_new, start, window)
+
+
+def make_rolling_kv_buffer(batch_size, num_kv_heads, head_dim, window, capacity):
+    """An object with .length, .append(k, v), .context() -> (k, v), .truncate(n)."""
+    return _graded("RollingKVBuffer")(batch_size, num_kv_heads, head_dim, window, capacity)
+
+
+# --- quantization ---
+
+
+def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool = True) -> torch.Tensor:
+    return _graded("quantize")(x, scale, zero_point, bits, symmetric)
+
+
+def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
+    return _graded("dequantize")(q, scale, zero_point)
+
+
+def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
+    """-> (codes, scale, zero_point); scale/zero_point are () per tensor, (rows, groups) otherwise."""
+    return _graded("quantize_tensor")(x, bits, symmetric, granularity, group_size)
+
+
+def run_pack_int4(q, signed=True) -> torch.Tensor:
+    return _graded("pack_int4")(q, signed)
+
+
+def run_unpack_int4(packed, signed=True) -> torch.Tensor:
+    return _graded("unpack_int4")(packed, signed)
+
+
+def run_quantize_kv_int8(x) -> tuple[torch.Tensor, torch.Tensor]:
+    return _graded("quantize_kv_int8")(x)
+
+
+def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
+    return _graded("llm_int8_matmul")(x, weight, threshold)
+
+
+def run_gptq_quantize(weight, inputs, bits=4, group_size=None) -> torch.Tensor:
+    """-> the dequantized GPTQ weight W_hat (O, I)."""
+    return _graded("gptq_quantize")(weight, inputs, bits, group_size)
+
+
+# --- serving: paged KV memory, continuous batching ---
+
+
+def make_block_allocator(num_blocks: int, block_size: int):
+    """An object with .num_free, .allocate(), .incref(b), .free(b) -> bool, .ref_count(b)."""
+    return _graded("BlockAllocator")(num_blocks, block_size)
+
+
+def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> torch.Tensor:
+    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
+    return _graded("paged_attention")(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+
+
+def run_continuous_batching_step(running, waiting, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                 watermark_blocks) -> dict:
+    return _graded("continuous_batching_step")(running, waiting, num_blocks, block_size, max_num_seqs,
+                                               max_num_batched_tokens, watermark_blocks)
+
+
+# --- accounting: numeric and symbolic ---
+
+
+def run_kv_cache_bytes(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element=2) -> int:
+    return _graded("kv_cache_bytes")(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element)
+
+
+def run_inference_stats(model: dict, hardware: dict, batch_size, seq_len, bytes_per_element=2) -> dict:
+    return _graded("inference_stats")(model, hardware, batch_size, seq_len, bytes_per_element)
+
+
+def run_matmul_cost():
+    """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
+    return _graded("matmul_cost")()
+
+
+def run_mlp_cost():
+    return _graded("mlp_cost")()
+
+
+def run_attention_cost():
+    return _graded("attention_cost")()
+
+
+def run_generation_flops() -> dict:
+    """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
+    return _graded("generation_flops")()
+
+
+def run_decode_cost() -> dict:
+    return _graded("decode_cost")()
+
+
+# --- data ---
+
+
+def run_get_batch(data, batch_size, seq_len, generator=None):
+    return _graded("get_batch")(data, batch_size, seq_len, generator)
+
+
+# === library helpers (not graded) =================================================================
+
+# --- foundation: device, layers, model, cache, generation, checkpoints ---------------------------
 
 
 def run_get_device(prefer=None) -> torch.device:
@@ -72,14 +230,6 @@ def run_swiglu(w1, w2, w3, x) -> torch.Tensor:
     return ffn(x)
 
 
-def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None):
-    return sampling.sample_next_token(logits, temperature, top_k, top_p, generator)
-
-
-def run_logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    return sampling.logits_to_probs(logits, temperature, top_k, top_p)
-
-
 def run_generate(model, prompt_ids, max_new_tokens, **kwargs):
     return generate(model, prompt_ids, max_new_tokens, **kwargs)
 
@@ -126,10 +276,6 @@ def run_load_corpus(split: str = "train", seed: int = 0) -> torch.Tensor:
     return _data.load_corpus(split, seed)
 
 
-def run_get_batch(data, batch_size, seq_len, generator=None):
-    return _data.get_batch(data, batch_size, seq_len, generator)
-
-
 def run_make_recall_probe(num_items, distance, seed=0, **kwargs):
     return _data.make_recall_probe(num_items, distance, seed, **kwargs)
 
@@ -153,14 +299,6 @@ def run_recall_probes(distance, num_trials, seed=0, **kwargs):
 # --- KV-cache variants: MLA, sliding window, hybrids, cross-layer sharing ----------------------
 from cs336_inference.accounting import formulas as accounting  # noqa: E402
 from cs336_inference.model import LatentKVCache, RollingKVCache  # noqa: E402
-
-
-def run_kv_cache_bytes_per_token(config: ModelConfig, bytes_per_element: int = 2) -> int:
-    return accounting.kv_cache_bytes_per_token(config, bytes_per_element)
-
-
-def run_kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: int = 2) -> int:
-    return accounting.kv_cache_bytes(config, batch_size, seq_len, bytes_per_element)
 
 
 def set_mla_absorb(model, absorb: bool) -> None:
@@ -207,24 +345,6 @@ def make_cache_step(start: int, num_new: int, pad=None):
 
 from cs336_inference.accounting import roofline  # noqa: E402
 from cs336_inference.accounting import symbolic as accounting_symbolic  # noqa: E402
-
-
-def run_matmul_cost():
-    """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
-    return accounting_symbolic.matmul_cost()
-
-
-def run_mlp_cost():
-    return accounting_symbolic.mlp_cost()
-
-
-def run_attention_cost():
-    return accounting_symbolic.attention_cost()
-
-
-def run_generation_flops() -> dict:
-    """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
-    return accounting_symbolic.generation_flops()
 
 
 def run_parameter_count_symbolic():
@@ -304,33 +424,6 @@ def run_distill(student, teacher, train_config, **kwargs):
 # --- quantization: mechanics, packing, fp8, LLM.int8(), GPTQ, AWQ, QAT, quantized model, KV cache ---
 
 
-def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric=None) -> torch.Tensor:
-    from cs336_inference.quantization import quantize
-    return quantize(x, scale, zero_point, bits, symmetric)
-
-
-def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
-    from cs336_inference.quantization import dequantize
-    return dequantize(q, scale, zero_point)
-
-
-def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
-    """-> (codes, scale, zero_point, x_hat); scale/zero_point are () per tensor, (rows, groups) otherwise."""
-    from cs336_inference.quantization import quantize_tensor
-    qt = quantize_tensor(x, bits, symmetric, granularity, group_size)
-    return qt.q, qt.scale, qt.zero_point, qt.dequantize(x.dtype)
-
-
-def run_pack_int4(q, signed=True) -> torch.Tensor:
-    from cs336_inference.quantization import pack_int4
-    return pack_int4(q, signed)
-
-
-def run_unpack_int4(packed, signed=True) -> torch.Tensor:
-    from cs336_inference.quantization import unpack_int4
-    return unpack_int4(packed, signed)
-
-
 def run_pack_bits(q, bits) -> torch.Tensor:
     from cs336_inference.quantization import pack_bits
     return pack_bits(q, bits)
@@ -349,18 +442,6 @@ def run_fp8_round_trip(x, fmt="e4m3", per_channel=False) -> torch.Tensor:
 def get_fp8_range(fmt="e4m3") -> tuple[float, float]:
     from cs336_inference.quantization import fp8_range
     return fp8_range(fmt)
-
-
-def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
-    from cs336_inference.quantization import llm_int8_matmul
-    return llm_int8_matmul(x, weight, threshold)
-
-
-def run_gptq_quantize(weight, inputs, bits=4, group_size=None, act_order=False, **kwargs) -> torch.Tensor:
-    """-> the dequantized GPTQ weight W_hat (O, I)."""
-    from cs336_inference.quantization import gptq_quantize
-    return gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size, act_order=act_order,
-                         **kwargs).quantized.dequantize(weight.dtype)
 
 
 def run_awq_search_scales(weight, inputs, bits=4, group_size=None, symmetric=False) -> torch.Tensor:
@@ -494,12 +575,83 @@ def run_bytes_per_token(tokenizer):
     return bytes_per_token(tokenizer)
 
 
+# --- speculative decoding: accept rule, draft-verify loop, prompt lookup, theory --------------------
+from cs336_inference.generation import drafters as _drafters  # noqa: E402
+from cs336_inference.generation import prompt_lookup as _prompt_lookup  # noqa: E402
+from cs336_inference.generation import speculative as _speculative  # noqa: E402
+from cs336_inference.generation import speculative_rule as _accept  # noqa: E402
+from cs336_inference.generation import speculative_theory as _spec_theory  # noqa: E402
+
+
+def run_accept_rule(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
+    """The library's accept rule (for the library's tests; the graded adapter is run_speculative_accept)
+    -> (num_accepted, next_token): emit draft_tokens[:num_accepted], then next_token."""
+    k, token = _accept.speculative_accept(p_draft, q_target, draft_tokens, generator)
+    return int(k), int(token)
+
+
+def run_acceptance_probability(p_draft, q_target, draft_tokens) -> torch.Tensor:
+    """min(1, q_i(x_i) / p_i(x_i)) for p_draft, q_target (g, V) and draft_tokens (g,) -> (g,)."""
+    return _accept.acceptance_probability(p_draft, q_target, draft_tokens)
+
+
+def run_residual_distribution(p_draft, q_target) -> torch.Tensor:
+    """norm(max(q - p, 0)) over the last dim."""
+    return _accept.residual_distribution(p_draft, q_target)
+
+
+def run_speculative_generate(target, draft, prompt_ids, gamma, temperature=0.0, **kwargs):
+    """-> a result with .tokens (list[int]), .proposed / .accepted (per target pass), .alpha,
+    .acceptance_by_position, .mean_tokens_per_pass, .target_forwards, .draft_forwards."""
+    return _speculative.speculative_generate(target, draft, prompt_ids, gamma, temperature, **kwargs)
+
+
+def make_speculative_decoder(target, draft, prompt_ids, gamma, temperature=0.0, **kwargs):
+    """A stepper: .step() runs one pass; .sequence, .target_cache, .drafter (.cache for a model draft)."""
+    return _speculative.SpeculativeDecoder(target, draft, prompt_ids, gamma, temperature, **kwargs)
+
+
+def get_drafter_protocol():
+    """Drafters implement start(prompt, max_seq_len, max_rollback), propose(sequence, n, sampling, generator) ->
+    (tokens, probs (n, V) or None), rollback(length) and a `forwards` counter."""
+    return _drafters.Drafter
+
+
+def make_sampling_params(temperature=0.0, top_k=None, top_p=None):
+    return _drafters.SamplingParams(temperature, top_k, top_p)
+
+
+def run_prompt_lookup_propose(sequence, n, max_ngram=3, min_ngram=1) -> list[int]:
+    return _prompt_lookup.prompt_lookup_propose(sequence, n, max_ngram, min_ngram)
+
+
+def make_prompt_lookup_drafter(max_ngram=3, min_ngram=1):
+    return _prompt_lookup.PromptLookupDrafter(max_ngram, min_ngram)
+
+
+def run_expected_tokens_per_pass(alpha, gamma):
+    return _spec_theory.expected_tokens_per_pass(alpha, gamma)
+
+
+def run_expected_speedup(alpha, gamma, cost_ratio, verify_cost=1):
+    return _spec_theory.expected_speedup(alpha, gamma, cost_ratio, verify_cost)
+
+
+def run_optimal_gamma(alpha, cost_ratio, max_gamma=64, verify_cost=1) -> int:
+    return _spec_theory.optimal_gamma(alpha, cost_ratio, max_gamma, verify_cost)
+
+
+def run_acceptance_rate(p, q):
+    return _spec_theory.acceptance_rate(p, q)
+
+
+def run_speculative_output_distribution(p, q) -> dict:
+    """Exact (Fractions) -> {'accepted': per token, 'reject': 1 - alpha, 'residual': per token, 'output': per token}."""
+    d = _spec_theory.speculative_output_distribution(p, q)
+    return dict(accepted=list(d.accepted), reject=d.reject, residual=list(d.residual), output=list(d.output))
+
+
 # --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
-
-
-def make_block_allocator(num_blocks: int, block_size: int):
-    from cs336_inference.serving import BlockAllocator
-    return BlockAllocator(num_blocks, block_size)
 
 
 def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
@@ -522,12 +674,6 @@ def make_contiguous_manager(num_slots: int):
 def get_out_of_blocks_error() -> type:
     from cs336_inference.serving import OutOfBlocksError
     return OutOfBlocksError
-
-
-def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens=None, **kwargs) -> torch.Tensor:
-    """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
-    from cs336_inference.serving import paged_attention
-    return paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens, **kwargs)
 
 
 def make_paged_kv_cache(model, num_blocks: int, block_size: int):

@@ -1,4 +1,4 @@
-"""`python -m cs336_inference <command>`: the lecture, training, benchmarks and figures.
+"""`python -m cs336_inference <command>`: the lecture, training, benchmarks, figures and the homework.
 
 Each subcommand is registered in COMMANDS with a function that adds its arguments and one that
 runs it; heavy imports happen inside the runner so `--help` stays instant.
@@ -195,6 +195,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
     "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
     "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
+    "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
+    "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
 }
 
@@ -235,6 +237,27 @@ def _run_figures(args) -> int:
     return 0
 
 
+def _homework_args(p: argparse.ArgumentParser) -> None:
+    actions = p.add_subparsers(dest="action", metavar="action", required=True)
+    init = actions.add_parser("init", help="write a student package DIR with every graded function's signature, "
+                                           "docstring and `raise NotImplementedError`, plus how to grade it")
+    init.add_argument("dir", help="the package folder to create (its name is the package name)")
+    init.add_argument("--force", action="store_true", help="overwrite the generated files in an existing DIR")
+
+
+def _run_homework(args) -> int:
+    from .homework.skeleton import write_skeleton
+
+    try:
+        files = write_skeleton(args.dir, force=args.force)
+    except ValueError as err:
+        print(f"homework init: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {len(files)} files to {args.dir}: {', '.join(f.name for f in files)}")
+    print(f"grade it with: python -m pytest tests/graded --impl {args.dir}")
+    return 0
+
+
 # name -> (help, add_arguments, run)
 COMMANDS: dict[str, tuple] = {
     "lecture": ("run the executable lecture (lecture/lecture_10.py) and print its narration",
@@ -249,6 +272,8 @@ COMMANDS: dict[str, tuple] = {
     "generate": ("continue one prompt, streaming the tokens (--chat: as a chat message)", _generate_args,
                  _run_generate),
     "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
+    "homework": ("the homework: `homework init DIR` writes a student package to implement and grade",
+                 _homework_args, _run_homework),
 }
 
 

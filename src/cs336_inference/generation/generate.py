@@ -116,16 +116,23 @@ def stop_token_set(stop_tokens, vocab_size: int) -> set[int]:
 @torch.inference_mode()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens=None, generator: torch.Generator | None = None,
-             use_cache: bool = True, pad_id: int = 0) -> GenerationResult:
+             use_cache: bool = True, pad_id: int = 0, sampler=None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Prompts may differ in length (left-padded).
 
     temperature 0 is greedy. A sequence stops at the first token in `stop_tokens` (an id, a list or a
     tensor of ids); the call ends when all have stopped or `max_new_tokens` steps have run. pad_id
-    fills the left of shorter prompts (masked out, never attended to).
+    fills the left of shorter prompts (masked out, never attended to). `sampler(logits (B, V),
+    temperature, top_k, top_p, generator) -> (B,)` picks each token (default `sample_next_token`; the
+    autograder passes a student's sampler here).
     """
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
     _checks.generator("generator", generator)
+    if sampler is None:
+        sampler = sample_next_token
+    elif not callable(sampler):
+        raise TypeError(f"sampler must be a callable (logits, temperature, top_k, top_p, generator) -> token ids, "
+                        f"got {type(sampler).__name__}")
     V = model.config.vocab_size
     stop = stop_token_set(stop_tokens, V)
     _checks.integer("pad_id", pad_id, 0, V - 1, allowed=f"a token id in [0, vocab_size={V})")
@@ -154,7 +161,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
 
     for step in range(max_new_tokens):
-        next_ids = sample_next_token(logits, temperature, top_k, top_p, generator)  # (B,)
+        next_ids = sampler(logits, temperature, top_k, top_p, generator)  # (B,)
         host_ids = next_ids.tolist()  # waits for the device: the token really exists now
         result.token_times.append(time.perf_counter() - t0)
         for b, token in enumerate(host_ids):

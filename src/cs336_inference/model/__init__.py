@@ -4,13 +4,15 @@ One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, L
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
 `kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
 `rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
-`checkpoints` (save/load, shipped models, student checkpoints), `tokenizer` (bytes; `load_tokenizer`),
+`checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for
+students' own layouts), `tokenizer` (bytes; `load_tokenizer`),
 `bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
 tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk), `convert`
 (post-hoc attention changes of a trained model).
 """
 
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
+from .checkpoint_keys import COMMON_RENAMES, rename_keys, split_fused_gate_up, split_fused_qkv
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
@@ -26,11 +28,10 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "BPETokenizer", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention", "KVCache",
-    "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS", "REAL_MODELS",
-    "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
+    "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
+    "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
-    "rope_angles",
-    "save", "scaled_dot_product_attention",
+    "rename_keys", "rope_angles", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",
 ]

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from .. import _checks
+from .checkpoint_keys import apply_key_map, diagnose
 from .config import ModelConfig
 from .layers import RotaryEmbedding
 from .real_models import REAL_MODELS, load_real_weights
@@ -143,17 +144,28 @@ def check_state_dict(state: dict[str, torch.Tensor], model: TransformerLM) -> No
 
 
 def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None,
-                          dtype: torch.dtype | None = None) -> TransformerLM:
+                          dtype: torch.dtype | None = None, key_map=None) -> TransformerLM:
     """Build a `TransformerLM(config)` from a CS336 assignment-1 state dict or checkpoint file.
 
     Accepts a raw state dict or a dict with the weights under "model"/"model_state_dict"/...
     (an "optimizer" entry is ignored), with or without torch.compile's `_orig_mod.` prefix.
+    key_map (see `checkpoint_keys`): regex renames {pattern: replacement}, a callable (state_dict,
+    config) -> state_dict, or a list of them, applied first: `COMMON_RENAMES`, `split_fused_qkv(...)`,
+    `split_fused_gate_up(...)` cover the layouts seen in students' repositories. A checkpoint that still
+    does not match is refused naming every key, with a hint when it looks like one of those cases.
     """
     _checks.instance("config", config, ModelConfig, "a ModelConfig")
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)
-    return from_state_dict(config, extract_state_dict(obj), device, dtype, copy=True)
+    state = apply_key_map(extract_state_dict(obj), key_map, config)
+    shapes = TransformerLM(config, device="meta")  # shapes only
+    try:
+        check_state_dict(state, shapes)
+    except ValueError as err:   # name every key (as check_state_dict does) and say what the layout looks like
+        hints = diagnose(state, shapes.state_dict(), config)
+        raise ValueError("\n".join([str(err), *(f"hint: {h}" for h in hints)])) from None
+    return from_state_dict(config, state, device, dtype, copy=True)
 
 
 def from_state_dict(config: ModelConfig, state: dict[str, torch.Tensor], device=None, dtype: torch.dtype | None = None,

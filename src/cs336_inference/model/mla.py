@@ -121,16 +121,30 @@ class MultiHeadLatentAttention(nn.Module):
 
     def attend_absorbed(self, q_nope, q_rope, latent, mask, cache=None, step=None) -> torch.Tensor:
         """Attend over the latents (B, 1, S, C + R) themselves: W_UK folded into q, W_UV applied after. (B, N, T, H)."""
-        N, C = self.num_heads, self.kv_lora_rank
-        w_uk = rearrange(self.k_up_proj.weight, "(N H) C -> N H C", N=N)
-        w_uv = rearrange(self.v_up_proj.weight, "(N H) C -> N H C", N=N)
-        q_latent = einsum(q_nope, w_uk, "B N T H, N H C -> B N T C")   # W_UK,n^T q_n
-        q = torch.cat([q_latent, q_rope], dim=-1)                      # (B, N, T, C + R)
-        # One shared "key head" [c, k_rope] and value head c: MQA over the cache, no copies.
-        scale = (self.head_dim + self.rope_head_dim) ** -0.5           # the scores are the naive ones
-        kv = (latent, latent[..., :C])
-        if cache is None:
-            out_latent = grouped_attention(q, *kv, mask, scale=scale)              # (B, N, T, C)
-        else:
-            out_latent = cache.attend(q, kv, mask, step, scale=scale)
-        return einsum(out_latent, w_uv, "B N T C, N H C -> B N T H")   # W_UV,n o_n
+        attend = None if cache is None else (lambda q, kv, mask, scale: cache.attend(q, kv, mask, step, scale=scale))
+        return absorbed_attention(q_nope, q_rope, latent, self.k_up_proj.weight, self.v_up_proj.weight, mask, attend)
+
+
+def absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, w_uk: torch.Tensor,
+                       w_uv: torch.Tensor, mask: torch.Tensor | None, attend=None) -> torch.Tensor:
+    """MLA's decode path over the cached latents, without up-projecting them to per-head keys and values.
+
+    q_nope (B, N, T, H) and q_rope (B, N, T, R) (already rotated) over latent (B, 1, S, C + R): the C-dim
+    latents c followed by the shared rotated key k_R. w_uk, w_uv (N H, C): the up-projections (k_up_proj,
+    v_up_proj weights). q_n . (W_UK,n c) = (W_UK,n^T q_n) . c, so the query is folded into latent space and
+    every head attends over the same single key head [c, k_R] (MQA-like); the output W_UV,n o_n comes after.
+    The scores are the naive path's, so the scale stays 1/sqrt(H + R). `attend(q, kv, mask, scale)`:
+    the attention over one shared key head (default `grouped_attention`). Returns (B, N, T, H).
+    """
+    N, C = q_nope.shape[1], w_uk.shape[1]
+    w_uk = rearrange(w_uk, "(N H) C -> N H C", N=N)
+    w_uv = rearrange(w_uv, "(N H) C -> N H C", N=N)
+    q_latent = einsum(q_nope, w_uk, "B N T H, N H C -> B N T C")   # W_UK,n^T q_n
+    q = torch.cat([q_latent, q_rope], dim=-1)                      # (B, N, T, C + R)
+    scale = (q_nope.shape[-1] + q_rope.shape[-1]) ** -0.5          # the scores are the naive ones
+    kv = (latent, latent[..., :C])                                 # one shared key head and value head c
+    if attend is None:
+        out_latent = grouped_attention(q, *kv, mask, scale=scale)  # (B, N, T, C)
+    else:
+        out_latent = attend(q, kv, mask, scale)
+    return einsum(out_latent, w_uv, "B N T C, N H C -> B N T H")   # W_UV,n o_n

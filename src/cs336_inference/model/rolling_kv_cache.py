@@ -74,7 +74,7 @@ class RollingKVCache(_KVBuffers):
             raise ValueError(f"cache overflow: writing positions [{step.start}, {step.end}) into a cache of "
                              f"max_seq_len {self.max_seq_len}")
         first = self.first_key(step.start)
-        if first < self.oldest:
+        if first < min(self.oldest, step.start):   # a needed older key was overwritten (window 1 needs none)
             raise ValueError(f"the ring no longer holds positions [{first}, {self.oldest}) that a query at "
                              f"{step.start} needs (oldest intact position: {self.oldest})")
         slots = torch.arange(first, step.start, device=self.k.device) % C
@@ -108,11 +108,14 @@ class RollingKVCache(_KVBuffers):
     def read(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, K, n, H) of the positions the ring still holds, [oldest, length), in order
         (the sinks, if any, are in sink_k / sink_v)."""
-        slots = torch.arange(self.oldest, length, device=self.k.device) % self.capacity
+        slots = torch.arange(min(self.oldest, length), length, device=self.k.device) % self.capacity
         return self.k[:, :, slots], self.v[:, :, slots]
 
     def check_truncate(self, n: int) -> None:
-        if self.first_key(n) < self.oldest:
+        """The next query (at position n) needs positions [first_key(n), n): each must still be in its slot.
+        `oldest` only grows (max over every commit, rolled-back ones included), so a slot overwritten by a
+        rejected draft is never mistaken for intact after a later rollback."""
+        if self.first_key(n) < min(self.oldest, n):
             raise ValueError(
                 f"cannot roll a sliding-window cache back to {n} tokens: the next query needs positions "
                 f"[{self.first_key(n)}, {n}) but the ring buffer of {self.capacity} slots no longer holds "

@@ -67,7 +67,9 @@ class QuantizedKVCache(LayerCache):
     def _encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B, K, T, H) -> codes, scales (B, K, T, H / group_size): absmax per group of values."""
         groups = x.float().unflatten(-1, (-1, self.group_size))                # (B, K, T, H/g, g)
-        scale = (groups.abs().amax(-1) / self.qmax).clamp(min=1e-8).to(self.k_scale.dtype)
+        # clamped after the cast: a tiny scale would round to 0 in fp16, and x / 0 is NaN for an all-zero vector
+        scale = (groups.abs().amax(-1) / self.qmax).to(self.k_scale.dtype)
+        scale = scale.clamp(min=torch.finfo(self.k_scale.dtype).tiny)
         y = (groups / scale.float()[..., None]).clamp(-self.qmax, self.qmax).flatten(-2)  # scale as stored
         if self.fmt == "int8":
             return torch.round(y).to(torch.int8), scale

@@ -1,0 +1,107 @@
+"""Drafters: whatever proposes the next few tokens for the target to verify.
+
+The speculative loop only needs four things from a drafter (the `Drafter` protocol):
+  start(prompt, max_seq_len, max_rollback)  prepare for a new sequence (a model drafter prefills its
+                                    cache, sized to roll back up to max_rollback positions at once)
+  propose(sequence, n, sampling)    up to n tokens that may follow `sequence`, with the distribution
+                                    each was drawn from ((n, V) probabilities, or None when the
+                                    drafts are deterministic: one-hot, as in greedy or n-gram lookup)
+  rollback(length)                  the first `length` tokens of the sequence are final; forget the rest
+  forwards                          how many draft forwards it has run (statistics)
+
+`ModelDrafter` wraps a small `TransformerLM` with its own KV cache (the classic draft model);
+`prompt_lookup.PromptLookupDrafter` copies from the context and needs no model at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..model.transformer import TransformerLM
+from .sampling import _check_sampling_args, logits_to_probs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How both models turn logits into distributions; the same for draft and target, so the
+    output is an exact sample from the target's *filtered* distribution (what `generate` samples)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        _check_sampling_args(self.temperature, self.top_k, self.top_p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    forwards: int
+
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None: ...
+
+    def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]: ...
+
+    def rollback(self, length: int) -> None: ...
+
+
+class ModelDrafter:
+    """A draft `TransformerLM` decoding autoregressively with its own KV cache.
+
+    The cache holds a prefix of the sequence; `propose` first feeds whatever the draft has not seen
+    (the last emitted token, plus the last draft token when every draft was accepted), then runs one
+    forward per further proposed token.
+    """
+
+    def __init__(self, model: TransformerLM):
+        if not isinstance(model, TransformerLM):
+            raise TypeError(f"draft model must be a TransformerLM, got {type(model).__name__}")
+        self.model = model
+        self.cache = None
+        self.forwards = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
+        self.cache = self.model.new_cache(1, max_seq_len, max_rollback=max_rollback)
+        self.forwards = 0
+        self.model(torch.tensor([prompt], device=self.model.device), cache=self.cache, last_only=True)  # prefill
+
+    def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+        tokens, probs = [], []
+        if n == 0:
+            return [], None
+        unseen = sequence[self.cache.length:]  # (1 or 2 tokens in steady state)
+        ids = torch.tensor([unseen], device=self.model.device)
+        for _ in range(n):
+            logits = self.model(ids, cache=self.cache, last_only=True)[0, -1]                  # (V,)
+            self.forwards += 1
+            if sampling.greedy:
+                token = logits.argmax()
+            else:
+                p = sampling.probs(logits)                                                         # (V,)
+                probs.append(p)
+                token = torch.multinomial(p.to(generator.device) if generator is not None else p, 1,
+                                          generator=generator)[0].to(p.device)
+            tokens.append(token)
+            ids = token.reshape(1, 1)
+        token_list = torch.stack(tokens).tolist() if tokens else []  # one device sync for all n
+        return token_list, (torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        if self.cache.length > length:
+            self.cache.truncate(length)

@@ -1,0 +1,56 @@
+"""Prompt-lookup drafting: propose tokens by copying from the context (no draft model).
+
+When the output copies its input (editing, summarising, answering from a document, code edits),
+the last few generated tokens usually occur earlier in the context, and what followed them there is
+a good guess for what comes next. Find the most recent earlier occurrence of the last n tokens
+(n = max_ngram down to min_ngram) and propose the tokens after it (Saxena 2023, "prompt lookup
+decoding"; the same idea as LLMA, Yang et al. 2023).
+
+A proposal is deterministic, so its draft distribution is one-hot: the target accepts token x with
+probability q(x) and otherwise samples from q with x removed, which keeps the output exact.
+Drafting costs a search, not a forward, so the cost ratio c is ~0 and every accepted token is profit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from .drafters import SamplingParams
+
+
+def prompt_lookup_propose(sequence: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
+    """Up to n tokens continuing `sequence`, copied from after the most recent earlier occurrence of
+    its last `ngram` tokens (longest ngram first). Empty when nothing matches."""
+    if n <= 0:
+        return []
+    ids = torch.tensor(sequence)
+    for size in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
+        pattern = ids[-size:]
+        windows = ids[:-1].unfold(0, size, 1)                    # (N - size, size): every earlier n-gram
+        starts = (windows == pattern).all(-1).nonzero()[:, 0]   # where an earlier copy starts
+        if len(starts):
+            follow = int(starts[-1]) + size                      # the most recent copy's continuation
+            return sequence[follow:follow + n]
+    return []
+
+
+class PromptLookupDrafter:
+    """The `Drafter` protocol for prompt lookup: no cache, nothing to roll back."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
+        if min_ngram > max_ngram:
+            raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.forwards = 0  # never runs a model
+
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
+        pass
+
+    def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> tuple[list[int], None]:
+        return prompt_lookup_propose(sequence, n, self.max_ngram, self.min_ngram), None
+
+    def rollback(self, length: int) -> None:
+        pass

@@ -1,0 +1,112 @@
+"""The accept/resample rule of speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+A draft with distribution p proposed tokens x_1..x_g; the target's distributions q_1..q_{g+1} at the
+same positions came from one parallel forward. Walk left to right: accept x_i with probability
+min(1, q_i(x_i) / p_i(x_i)); at the first rejection emit a sample from the residual
+norm(max(q_i - p_i, 0)) and stop; if all g are accepted, emit a bonus sample from q_{g+1}.
+
+Why the output is an exact sample from q: token x comes out of position i either by being proposed
+and accepted, p(x) min(1, q(x)/p(x)) = min(p(x), q(x)), or by a rejection (total probability
+1 - sum_y min(p(y), q(y))) followed by the residual, whose mass at x is (q(x) - min(p(x), q(x)))
+divided by exactly that total. The two add to q(x). `speculative_theory` does this sum in exact
+fractions; the tests check it by enumeration and by sampling.
+
+At temperature 0, p and q are one-hot: a draft token is accepted iff it is the target's argmax and
+the residual is the one-hot on that argmax, so the rule reduces to greedy verification.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Acceptance(NamedTuple):
+    """num_accepted: how many leading draft tokens were kept (0..g); next_token: the token emitted after
+    them (a residual sample at the first rejection, or the bonus token when all g were kept)."""
+
+    num_accepted: int
+    next_token: int
+
+
+def acceptance_probability(p_draft: torch.Tensor, q_target: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+    """min(1, q_i(x_i) / p_i(x_i)) for each proposed token: p_draft, q_target (g, V), draft_tokens (g,) -> (g,).
+
+    A token the draft could not have proposed (p = 0) is accepted iff the target allows it (q > 0).
+    """
+    index = draft_tokens.long()[:, None]
+    p = p_draft.gather(-1, index)[:, 0]
+    q = q_target.gather(-1, index)[:, 0]
+    ratio = torch.where(p > 0, q / p.clamp_min(torch.finfo(p.dtype).tiny), (q > 0).to(q.dtype))
+    return ratio.clamp(max=1.0)
+
+
+def residual_distribution(p_draft: torch.Tensor, q_target: torch.Tensor) -> torch.Tensor:
+    """norm(max(q - p, 0)) over the last dim: what to sample after a rejection.
+
+    Where q <= p everywhere (only possible when p == q), a rejection has probability zero; we return q
+    so a caller that rounds differently still gets a valid distribution.
+    """
+    residual = (q_target - p_draft).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(mass.dtype).tiny), q_target)
+
+
+def _check_accept_args(p_draft, q_target, draft_tokens) -> None:
+    for name, x in (("p_draft", p_draft), ("q_target", q_target)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a floating-point torch.Tensor of probabilities, got "
+                            f"{type(x).__name__ if not isinstance(x, torch.Tensor) else x.dtype}")
+    if (not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dtype.is_floating_point
+            or draft_tokens.dtype == torch.bool):
+        raise TypeError("draft_tokens must be an integer torch.Tensor of shape (g,)")
+    if p_draft.dim() != 2 or draft_tokens.dim() != 1 or draft_tokens.shape[0] != p_draft.shape[0]:
+        raise ValueError(f"p_draft must be (g, V) and draft_tokens (g,) with the same g, got "
+                         f"{tuple(p_draft.shape)} and {tuple(draft_tokens.shape)}")
+    g, V = p_draft.shape
+    if q_target.dim() != 2 or q_target.shape[0] != g + 1:
+        raise ValueError(f"q_target must be (g + 1, V) = ({g + 1}, V): the target's distribution at each "
+                         f"proposed position plus the bonus position, got {tuple(q_target.shape)}")
+    if q_target.shape[1] != V:
+        raise ValueError(f"draft and target vocabularies differ: p_draft has V = {V}, q_target has "
+                         f"V = {q_target.shape[1]}; speculative sampling needs a shared vocabulary")
+    if g and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
+        raise ValueError(f"draft_tokens must be in [0, V={V}), got {draft_tokens.tolist()}")
+
+
+def speculative_accept(p_draft: torch.Tensor, q_target: torch.Tensor, draft_tokens: torch.Tensor,
+                       generator: torch.Generator | None = None) -> Acceptance:
+    """The exact accept/resample rule. p_draft (g, V): the draft's distribution at each proposed
+    position; q_target (g + 1, V): the target's, plus the bonus position; draft_tokens (g,).
+
+    Returns `Acceptance(num_accepted, next_token)`: emit draft_tokens[:num_accepted] then next_token.
+    g = 0 is allowed (nothing proposed: just a sample from q_target[0]).
+    """
+    _check_accept_args(p_draft, q_target, draft_tokens)
+    return accept_unchecked(p_draft, q_target, draft_tokens, generator)
+
+
+def accept_unchecked(p_draft: torch.Tensor, q_target: torch.Tensor, draft_tokens: torch.Tensor,
+                     generator: torch.Generator | None = None) -> Acceptance:
+    """`speculative_accept` without validating its arguments (the decoding loop builds them itself,
+    and every check costs a host-device round trip per pass)."""
+    if generator is not None and generator.device != p_draft.device:
+        p_draft, q_target, draft_tokens = (t.to(generator.device) for t in (p_draft, q_target, draft_tokens))
+    g = draft_tokens.shape[0]
+    accept = acceptance_probability(p_draft, q_target[:g], draft_tokens)                      # (g,)
+    uniforms = torch.rand(g, generator=generator, device=p_draft.device, dtype=accept.dtype)  # (g,)
+    rejected = (uniforms >= accept).tolist()  # u < a happens with probability a
+    k = rejected.index(True) if True in rejected else g
+    dist = q_target[g] if k == g else residual_distribution(p_draft[k], q_target[k])
+    token = int(torch.multinomial(dist, 1, generator=generator))
+    return Acceptance(k, token)
+
+
+def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> Acceptance:
+    """The temperature-0 case of the rule (no randomness): keep draft tokens while each equals the
+    target's argmax at its position, then emit the target's argmax. target_argmax has g + 1 entries."""
+    k = 0
+    while k < len(draft_tokens) and draft_tokens[k] == target_argmax[k]:
+        k += 1
+    return Acceptance(k, target_argmax[k])

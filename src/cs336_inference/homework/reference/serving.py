@@ -1,0 +1,100 @@
+"""The reference solution, serving: paged KV memory (the block allocator, paged attention) and one
+continuous-batching step.
+
+See the package docstring; each function is a thin wrapper over the library."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import serving as _serving
+from ..registry import graded
+
+
+@graded("serving")
+class BlockAllocator:
+    """The physical KV blocks of paged attention (vLLM, Kwon et al. 2023): block ids 0 .. num_blocks - 1 of
+    `block_size` token slots each. A block is free, or held by one or more block tables (its reference
+    count: more than one when sequences share a prefix or were forked).
+    Attribute (or property) `num_free` (int): how many blocks are free.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        """All num_blocks blocks free."""
+        self._blocks = _serving.BlockAllocator(num_blocks, block_size)
+
+    @property
+    def num_free(self) -> int:
+        return self._blocks.num_free
+
+    def allocate(self) -> int:
+        """A free block, now held once. When none is free raise a RuntimeError and change nothing."""
+        return self._blocks.allocate()
+
+    def incref(self, block: int) -> None:
+        """One more table holds `block` (which must be in use: a free block raises ValueError)."""
+        self._blocks.incref(block)
+
+    def free(self, block: int) -> bool:
+        """One holder lets go of `block`; True when that was the last (the block is free again). Freeing a
+        block that is already free raises ValueError and changes nothing."""
+        return self._blocks.free(block)
+
+    def ref_count(self, block: int) -> int:
+        """How many tables hold `block` (0: free)."""
+        return self._blocks.ref_count(block)
+
+
+@graded("serving")
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: list[list[int]],
+                    context_lens: list[int], query_lens: list[int]) -> torch.Tensor:
+    """Causal attention of a ragged batch whose keys and values sit in blocks scattered over one pool.
+
+    q: (sum of T_b, N, H), the new tokens' queries, sequence after sequence; sequence b's T_b queries are
+    its positions S_b - T_b .. S_b - 1. k_pool, v_pool: (num_blocks, block_size, K, H). block_tables[b]:
+    the physical blocks of sequence b, in order: position p lives in block block_tables[b][p // block_size]
+    at slot p % block_size. context_lens[b] = S_b (keys of sequence b, its new ones included);
+    query_lens[b] = T_b. GQA: query head n reads key/value head n // (N / K). Returns (sum of T_b, N, H):
+    each query attends (softmax of q k / sqrt(H)) to its own sequence's positions <= its own.
+    """
+    return _serving.paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+
+
+@graded("serving")
+def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple[int, int]], num_blocks: int,
+                             block_size: int, max_num_seqs: int, max_num_batched_tokens: int,
+                             watermark_blocks: int) -> dict[str, list[int] | int]:
+    """One step of continuous (iteration-level) batching over paged KV memory (Orca; vLLM), no prefix caching.
+
+    running: (seq_id, num_tokens) of each running sequence in admission order (oldest first); it holds
+    ceil(num_tokens / block_size) blocks and this step appends one token to it (a decode), which takes a
+    new block when its blocks are full. waiting: (seq_id, num_tokens) in queue order; admitting one takes
+    ceil(num_tokens / block_size) blocks (a prefill of all its tokens). The other blocks of the
+    num_blocks are free. The step:
+    1. decodes, oldest first: if the sequence needs a block and none is free, preempt the youngest running
+       sequence not yet given its decode slot (it frees all its blocks and goes back to the front of the
+       waiting queue), and repeat; if that youngest one is the sequence itself, it is preempted instead;
+    2. if nothing was preempted, admit waiting sequences in order while all of these hold, stopping at
+       the first that fails: running + admitted sequences stay <= max_num_seqs; the step's tokens (1 per
+       decode + num_tokens per prefill) stay <= max_num_batched_tokens (the first prefill of a step with no
+       decodes is always allowed); its blocks + watermark_blocks <= the free blocks.
+    Returns {"decodes": seq ids, "prefills": seq ids, "preempted": seq ids in the order preempted,
+    "waiting": the queue after the step, "num_free_blocks": free blocks after the step}.
+    """
+    manager = _serving.BlockManager(num_blocks, block_size, prefix_caching=False)
+    scheduler = _serving.ContinuousScheduler(manager, max_num_seqs, max_num_batched_tokens, watermark_blocks)
+
+    def sequence(seq_id, num_tokens):
+        request = _serving.Request(seq_id, tuple(range(1, num_tokens + 1)), max_new_tokens=1)
+        return _serving.Sequence(seq_id, request)
+    for seq_id, num_tokens in running:
+        seq = sequence(seq_id, num_tokens)
+        manager.allocate(seq_id, seq.token_ids)
+        seq.num_computed, seq.status = num_tokens - 1, _serving.SequenceStatus.RUNNING
+        scheduler.running.append(seq)
+    for seq_id, num_tokens in waiting:
+        scheduler.waiting.append(sequence(seq_id, num_tokens))
+    batch = scheduler.schedule(now=0.0)
+    return {"decodes": [s.seq_id for s in batch.decodes], "prefills": [s.seq_id for s in batch.prefills],
+            "preempted": [s.seq_id for s in batch.preempted], "waiting": [s.seq_id for s in scheduler.waiting],
+            "num_free_blocks": manager.num_free_blocks}

@@ -1,0 +1,53 @@
+"""The registry of graded functions: the one list the autograder, the reference solution and the
+student skeleton share.
+
+`reference/` (one module per area) defines each graded function (or class) once, with the exact
+signature and the shape-annotated docstring a student sees, and marks it with `@graded(area)`. From that:
+- `tests/adapters.py` resolves each name in the implementation under test (the reference by default,
+  a student's package with `--impl` / `CS336_INFERENCE_IMPL`);
+- `python -m cs336_inference homework init DIR` writes the skeleton (same signatures and docstrings,
+  bodies `raise NotImplementedError`), one module per area.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# area -> (module name in the student's package, what the area covers)
+AREAS: dict[str, tuple[str, str]] = {
+    "sampling": ("sampling", "turning logits into the next token: temperature, top-k, top-p, sampling"),
+    "speculative": ("speculative", "speculative sampling's accept/resample rule"),
+    "attention": ("attention", "grouped-query attention, a KV cache, MLA's absorbed decode, sliding windows"),
+    "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ"),
+    "serving": ("serving", "paged KV memory: a block allocator, paged attention, a continuous-batching step"),
+    "accounting": ("accounting", "FLOPs, bytes, latency and throughput: numeric and symbolic (sympy)"),
+    "data": ("data", "the training batch sampler"),
+}
+
+
+@dataclass(frozen=True)
+class GradedEntry:
+    name: str      # the function's (or class's) name in the reference and in a student's package
+    area: str      # a key of AREAS
+    obj: object    # the reference implementation
+
+    @property
+    def kind(self) -> str:
+        return "class" if isinstance(self.obj, type) else "function"
+
+
+GRADED: dict[str, GradedEntry] = {}
+
+
+def graded(area: str):
+    """Mark a reference function or class as graded in `area` (registration order = skeleton order)."""
+    if area not in AREAS:
+        raise ValueError(f"unknown area {area!r}; allowed: {sorted(AREAS)}")
+
+    def register(obj):
+        name = obj.__name__
+        if name in GRADED:
+            raise ValueError(f"graded name {name!r} registered twice")
+        GRADED[name] = GradedEntry(name, area, obj)
+        return obj
+    return register

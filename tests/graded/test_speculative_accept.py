@@ -1,0 +1,119 @@
+"""Graded: speculative sampling's accept/resample rule (speculative_accept). The reference is an exact
+enumeration written here in fractions. For fixed draft tokens x_1..x_g, with a_i = min(1, q_i(x_i) / p_i(x_i))
+and the residual r_i = norm(max(q_i - p_i, 0)):
+    P(k accepted, next = y) = a_1 ... a_k (1 - a_{k+1}) r_{k+1}(y)   for k < g,
+                             a_1 ... a_g q_{g+1}(y)                   for k = g,
+and with x_i drawn from p_i the first emitted token is distributed exactly as q_1 (checked in fractions
+here, then on the student's draws). Probabilities are multiples of 1/16, exact in float32 and as fractions.
+Draws are chi-square tested at p = 1e-4 with fixed seeds (deterministic; a correct rule fails with
+probability below 1e-4 per test)."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+from adapters import run_speculative_accept
+
+# chi-square critical values at p = 1e-4 by degrees of freedom
+CHI2_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56,
+            11: 37.37, 12: 39.13}
+
+# g = 2 proposed tokens over V = 4; sixteenths, so float32 holds them exactly
+P = [[8, 4, 2, 2], [2, 2, 4, 8]]                   # the draft's distributions at the two proposed positions
+Q = [[4, 4, 4, 4], [8, 2, 2, 4], [2, 6, 4, 4]]     # the target's, plus the bonus position
+V = 4
+
+
+def _fractions(rows):
+    return [[Fraction(x, 16) for x in row] for row in rows]
+
+
+def _tensor(rows):
+    return torch.tensor(rows, dtype=torch.float32) / 16
+
+
+def exact_outcomes(p, q, x) -> dict[tuple[int, int], Fraction]:
+    """{(k, y): probability} for fixed draft tokens x, by the rule's definition (fractions)."""
+    g, out, alive = len(x), {}, Fraction(1)
+    for i in range(g):
+        px, qx = p[i][x[i]], q[i][x[i]]
+        a = min(Fraction(1), qx / px) if px > 0 else Fraction(int(qx > 0))
+        residual = [max(qy - py, Fraction(0)) for qy, py in zip(q[i], p[i])]
+        mass = sum(residual)
+        for y in range(len(q[i])):
+            if mass > 0 and residual[y] > 0:
+                out[(i, y)] = alive * (1 - a) * residual[y] / mass
+        alive *= a
+    for y, qy in enumerate(q[g]):
+        if qy > 0:
+            out[(g, y)] = alive * qy
+    return out
+
+
+def _draw(p, q, x, n, seed):
+    """n calls of the student's rule with fixed draft tokens -> {(k, y): count}."""
+    g = torch.Generator().manual_seed(seed)
+    p_t, q_t, x_t = _tensor(p), _tensor(q), torch.tensor(x)
+    counts: dict[tuple[int, int], int] = {}
+    for _ in range(n):
+        k, y = run_speculative_accept(p_t, q_t, x_t, generator=g)
+        counts[(int(k), int(y))] = counts.get((int(k), int(y)), 0) + 1
+    return counts
+
+
+def _chi_square(counts, probs, n):
+    unexpected = {o: c for o, c in counts.items() if probs.get(o, 0) == 0}
+    assert not unexpected, f"outcomes (num_accepted, next_token) that cannot happen: {unexpected}"
+    return sum((counts.get(o, 0) - n * float(w)) ** 2 / (n * float(w)) for o, w in probs.items() if w > 0)
+
+
+@pytest.mark.parametrize("x", [[0, 3], [1, 0], [2, 2], [3, 1]], ids=str)
+def test_outcomes_for_fixed_drafts_match_the_exact_enumeration(x):
+    n = 4000
+    probs = exact_outcomes(_fractions(P), _fractions(Q), x)
+    counts = _draw(P, Q, x, n, seed=sum(x) * 7 + x[0])
+    dof = sum(1 for w in probs.values() if w > 0) - 1
+    chi2 = _chi_square(counts, probs, n)
+    assert chi2 < CHI2_1E4[dof], f"x={x}: chi-square {chi2:.1f} (dof {dof}); counts {counts}, want {probs}"
+
+
+def test_the_first_emitted_token_follows_the_target():
+    """Draft tokens drawn from p (here, by the test), then the rule: the first token it emits is a sample of q_1."""
+    # the enumeration itself, checked exactly: summed over draft tokens x ~ p, the first emitted token ~ q_1
+    p, q = _fractions(P), _fractions(Q)
+    first = [Fraction(0)] * V
+    for x1 in range(V):
+        for x2 in range(V):
+            for (k, y), w in exact_outcomes(p, q, [x1, x2]).items():
+                first[x1 if k >= 1 else y] += p[0][x1] * p[1][x2] * w
+    assert first == q[0]
+    n, g = 6000, torch.Generator().manual_seed(11)
+    p_t, q_t = _tensor(P), _tensor(Q)
+    counts = [0] * V
+    for _ in range(n):
+        x = torch.multinomial(p_t, 1, generator=g)[:, 0]
+        k, y = run_speculative_accept(p_t, q_t, x, generator=g)
+        counts[int(x[0]) if int(k) >= 1 else int(y)] += 1
+    q1 = [w / 16 for w in Q[0]]
+    chi2 = sum((c - n * w) ** 2 / (n * w) for c, w in zip(counts, q1))
+    assert chi2 < CHI2_1E4[V - 1], f"first tokens {counts} vs q_1 {q1}"
+
+
+def test_cases_without_randomness():
+    """Where the rule's outcome is certain: a target that agrees with the draft, a token the target forbids,
+    one-hot distributions (temperature 0: greedy verification), nothing proposed."""
+    p, x = _tensor(P), torch.tensor([1, 3])
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        k, _ = run_speculative_accept(p, torch.cat([p, _tensor([Q[2]])]), x, generator=g)
+        assert int(k) == 2, "the target agrees with the draft everywhere: every draft token is accepted"
+        q0 = _tensor([[0, 8, 8, 0], Q[1], Q[2]])           # the target never emits token 3 at the first position
+        k, y = run_speculative_accept(p, q0, torch.tensor([3, 0]), generator=g)
+        assert (int(k), int(y)) in {(0, 1), (0, 2)}, "a token the target forbids is rejected, the residual resamples"
+    one_hot = torch.eye(V)
+    for draft, want in [([2, 1], (2, 3)), ([2, 0], (1, 1)), ([0, 1], (0, 2))]:   # temperature 0: greedy verification
+        k, y = run_speculative_accept(one_hot[draft], one_hot[[2, 1, 3]], torch.tensor(draft),
+                                      generator=torch.Generator().manual_seed(0))
+        assert (int(k), int(y)) == want, f"one-hot draft {draft} against target argmaxes [2, 1, 3]"
+    k, y = run_speculative_accept(torch.zeros(0, V), one_hot[[2]], torch.zeros(0, dtype=torch.long))
+    assert (int(k), int(y)) == (0, 2), "nothing proposed: the token comes from q_1"

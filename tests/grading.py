@@ -1,0 +1,206 @@
+"""The autograder's pytest plugin: points per graded test, a summary line, Gradescope's results.json,
+hidden tests added at grading time, and one short line for what a student has not implemented yet.
+
+Graded tests are the ones under tests/graded/ (points from the one table, tests/graded/points.py: the
+points of a test function are shared equally by its parametrized cases) and, with `--hidden-tests DIR`,
+the tests in DIR (points from `@pytest.mark.points(n)`, default 1; visibility from
+`@pytest.mark.visibility("...")`, default "after_due_date"). A test that is skipped is left out of the
+total (it could not run here, e.g. a GPU test on a CPU machine).
+
+Options (registered by tests/conftest.py):
+  --impl SPEC          grade this package (see tests/implementation.py); default: the reference
+  --grade-json PATH    write Gradescope's results.json to PATH
+  --hidden-tests DIR   also run the graded tests in DIR (kept out of the repository)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+import implementation
+
+GRADED_DIR = Path(__file__).resolve().parent / "graded"
+POINTS_FILE = GRADED_DIR / "points.py"
+VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
+OUTPUT_LIMIT = 4000   # characters of failure text per test in results.json
+
+
+def add_options(parser) -> None:
+    group = parser.getgroup("cs336-grading", "CS336 autograder")
+    group.addoption("--impl", default=None, metavar="SPEC",
+                    help=f"grade this implementation: a module name or a path to a package folder or .py file "
+                         f"(default: ${implementation.ENV_VAR}, else the reference solution)")
+    group.addoption("--grade-json", default=None, metavar="PATH",
+                    help="write the graded results as Gradescope's results.json to PATH")
+    group.addoption("--hidden-tests", default=None, metavar="DIR",
+                    help="also collect the graded tests in DIR (hidden tests, added at grading time)")
+
+
+def load_points() -> dict[str, float]:
+    """{"test_file.py::test_name": points} from tests/graded/points.py."""
+    spec = importlib.util.spec_from_file_location("graded_points", POINTS_FILE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return dict(module.POINTS)
+
+
+@dataclass
+class Record:
+    """One graded test case: its points and what happened in each phase."""
+
+    name: str
+    max_score: float
+    visibility: str
+    hidden: bool
+    outcome: str = "passed"           # passed / failed / skipped
+    output: list[str] = field(default_factory=list)
+    not_implemented: str | None = None
+
+    @property
+    def score(self) -> float:
+        return self.max_score if self.outcome == "passed" else 0.0
+
+
+def not_implemented_name(excinfo) -> str:
+    """The graded name behind a NotImplementedError: from our own message, else the raising function."""
+    message = str(excinfo.value)
+    if isinstance(excinfo.value, implementation.NotImplementedGraded):
+        return message.removeprefix("not implemented: ").split(" ")[0]
+    code = excinfo.traceback[-1].frame.code.raw
+    return getattr(code, "co_qualname", code.co_name).replace(".__init__", "")
+
+
+class Grader:
+    """Registered as a plugin by tests/conftest.py for every run."""
+
+    def __init__(self, config):
+        self.config = config
+        self.json_path = config.getoption("grade_json")
+        hidden = config.getoption("hidden_tests")
+        self.hidden_dir = Path(hidden).resolve() if hidden else None
+        self.points = load_points()
+        self.records: dict[str, Record] = {}
+        self.start = time.time()
+        if self.hidden_dir is not None:
+            if not self.hidden_dir.is_dir():
+                raise pytest.UsageError(f"--hidden-tests {hidden}: not a folder")
+            config.args.append(str(self.hidden_dir))
+
+    @pytest.fixture(autouse=True)
+    def _seed(self):
+        """Every test (hidden ones included, wherever they live) starts from torch.manual_seed(0)."""
+        torch.manual_seed(0)
+        yield
+
+    # --- which tests are graded, and for how many points -----------------------------------------
+
+    def _kind(self, item) -> str | None:
+        path = Path(item.path).resolve()
+        if self.hidden_dir is not None and path.is_relative_to(self.hidden_dir):
+            return "hidden"
+        if path.is_relative_to(GRADED_DIR):
+            return "graded"
+        return None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        cases: dict[str, list] = {}
+        for item in items:
+            kind = self._kind(item)
+            if kind is not None:
+                cases.setdefault(f"{kind}:{item.path.name}::{item.originalname}", []).append((item, kind))
+        for key, group in cases.items():
+            item, kind = group[0]
+            base = key.split(":", 1)[1]
+            if kind == "graded":
+                if base not in self.points:
+                    raise pytest.UsageError(f"graded test {base} has no points in {POINTS_FILE.name}; add it")
+                total, visibility = self.points[base], "visible"
+            else:
+                marker = item.get_closest_marker("points")
+                total = float(marker.args[0]) if marker else 1.0
+                vis = item.get_closest_marker("visibility")
+                visibility = vis.args[0] if vis else "after_due_date"
+                if visibility not in VISIBILITIES:
+                    raise pytest.UsageError(f"{base}: visibility must be one of {VISIBILITIES}, got {visibility!r}")
+            for case, _ in group:
+                name = case.nodeid.split("::", 1)[1]
+                self.records[case.nodeid] = Record(f"{case.path.name}::{name}", total / len(group), visibility,
+                                                   kind == "hidden")
+
+    # --- outcomes -----------------------------------------------------------------------------------
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        record = self.records.get(item.nodeid)
+        if record is None:
+            return
+        excinfo = call.excinfo
+        if report.failed and excinfo is not None and excinfo.errisinstance(NotImplementedError):
+            record.not_implemented = not_implemented_name(excinfo)
+            report.longrepr = f"not implemented: {record.not_implemented}"
+        elif report.failed and excinfo is not None and excinfo.errisinstance(implementation.ImplementationImportError):
+            report.longrepr = str(excinfo.value)
+        if report.failed:
+            record.outcome = "failed"
+            record.output.append(f"[{report.when}] {report.longreprtext}"[:OUTPUT_LIMIT])
+        elif report.skipped and record.outcome == "passed":
+            record.outcome = "skipped"
+            record.output.append(f"skipped: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else ''}")
+
+    # --- the report -----------------------------------------------------------------------------------
+
+    def totals(self) -> tuple[float, float, int, int]:
+        counted = [r for r in self.records.values() if r.outcome != "skipped"]
+        return (sum(r.score for r in counted), sum(r.max_score for r in counted),
+                sum(r.outcome == "passed" for r in counted), len(counted))
+
+    def missing(self) -> list[str]:
+        return sorted({r.not_implemented.split(".")[0] for r in self.records.values() if r.not_implemented})
+
+    def summary_line(self) -> str:
+        score, max_score, passed, total = self.totals()
+        line = (f"graded {implementation.selected()}: {score:.2f} / {max_score:.2f} points "
+                f"({passed}/{total} graded tests passed)")
+        if self.missing():
+            line += f"; not implemented: {', '.join(self.missing())}"
+        return line
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.records:
+            return
+        verbose = (self.json_path or self.hidden_dir or self.config.getoption("impl")
+                   or self.config.getoption("verbose") > 0)
+        terminalreporter.section("grading")
+        if verbose:
+            for record in self.records.values():
+                if record.outcome != "skipped":
+                    mark = "PASS" if record.outcome == "passed" else "FAIL"
+                    terminalreporter.write_line(f"{mark} {record.score:5.2f} / {record.max_score:5.2f}  {record.name}")
+        terminalreporter.write_line(self.summary_line())
+
+    def results_json(self) -> dict:
+        score, max_score, _, _ = self.totals()
+        tests = [{
+            "name": r.name, "score": round(r.score, 6), "max_score": round(r.max_score, 6),
+            "status": "passed" if r.outcome == "passed" else "failed",
+            "output": "\n".join(r.output) if r.output else "passed", "visibility": r.visibility,
+        } for r in self.records.values() if r.outcome != "skipped"]
+        return {"score": round(score, 6), "execution_time": round(time.time() - self.start, 3),
+                "output": self.summary_line(), "visibility": "visible", "stdout_visibility": "hidden",
+                "tests": tests, "extra_data": {"max_score": round(max_score, 6)}}
+
+    def pytest_sessionfinish(self, session):
+        if self.json_path:
+            path = Path(self.json_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.results_json(), indent=2))

@@ -1,0 +1,248 @@
+"""The autograder itself (not graded): retargeting, the skeleton, results.json in Gradescope's structure,
+hidden tests, points, and the mutation check's bookkeeping. Grading runs go through pytest in a fresh
+process, exactly as course staff run them."""
+
+import ast
+import contextlib
+import inspect
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from cs336_inference.homework import GRADED, graded_names, skeleton
+
+ROOT = Path(__file__).resolve().parents[2]
+GRADED_DIR = ROOT / "tests" / "graded"
+
+# Gradescope's results.json, from https://gradescope-autograders.readthedocs.io/en/latest/specs/ ("Output
+# format"): a top-level score (required unless every test has one), optional execution_time, output,
+# visibility, stdout_visibility, extra_data, and tests, each with optional score, max_score, status, name,
+# number, output, tags, visibility, extra_data. Visibility is one of four values; status passed/failed.
+VISIBILITY = {"enum": ["hidden", "after_due_date", "after_published", "visible"]}
+GRADESCOPE_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "score": {"type": "number"},
+        "execution_time": {"type": "number"},
+        "output": {"type": "string"},
+        "output_format": {"enum": ["text", "html", "simple_format", "md", "ansi"]},
+        "visibility": VISIBILITY,
+        "stdout_visibility": VISIBILITY,
+        "extra_data": {"type": "object"},
+        "tests": {"type": "array", "items": {
+            "type": "object",
+            "properties": {
+                "score": {"type": "number"}, "max_score": {"type": "number"},
+                "status": {"enum": ["passed", "failed"]}, "name": {"type": "string"},
+                "number": {"type": "string"}, "output": {"type": "string"},
+                "tags": {"type": "array", "items": {"type": "string"}}, "visibility": VISIBILITY,
+                "extra_data": {"type": "object"},
+            },
+            "additionalProperties": False,
+        }},
+        "leaderboard": {"type": "array"},
+    },
+    "additionalProperties": False,
+    "anyOf": [{"required": ["score"]}, {"properties": {"tests": {"items": {"required": ["score"]}}}}],
+}
+
+
+def grade(*args, env=None):
+    """pytest ARGS -> (exit code, output), run in this process as course staff would run it from a shell
+    (a fresh interpreter per run costs ~5 s of imports; the implementation choice is restored after)."""
+    import implementation
+    before, saved = implementation._spec, {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            code = pytest.main(["-q", "-s", "-p", "no:cacheprovider", *map(str, args)])
+    finally:
+        implementation.select(before)
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    return int(code), out.getvalue()
+
+
+HIDDEN_TESTS = '''
+import pytest
+from adapters import run_get_batch
+import torch
+
+
+@pytest.mark.points(3)
+def test_hidden_passes():
+    assert torch.initial_seed() == 0      # seeded like every test of the suite
+    x, y = run_get_batch(torch.arange(20), 2, 4)
+    assert x.shape == (2, 4)
+
+
+@pytest.mark.visibility("hidden")
+@pytest.mark.parametrize("n", [1, 2])
+def test_hidden_fails(n):
+    assert n == 1, "only the first case passes"
+
+
+def test_hidden_skipped():
+    pytest.skip("needs a GPU")
+'''
+
+
+def test_results_json_has_gradescopes_structure_points_and_hidden_tests(tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "test_staff_only.py").write_text(HIDDEN_TESTS)
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_batch_sampler.py", "--hidden-tests", hidden, "--grade-json", out)
+    assert rc == 1, log                                       # one hidden case fails
+    results = json.loads(out.read_text())
+    jsonschema.validate(results, GRADESCOPE_SCHEMA)
+    tests = {t["name"]: t for t in results["tests"]}
+    from grading import load_points
+    sampler_points = [v for k, v in load_points().items() if k.startswith("test_batch_sampler.py::")]
+    assert sum(t["max_score"] for n, t in tests.items() if n.startswith("test_batch_sampler.py")) == \
+        pytest.approx(sum(sampler_points))
+    assert tests["test_staff_only.py::test_hidden_passes"]["max_score"] == 3.0
+    assert tests["test_staff_only.py::test_hidden_passes"]["visibility"] == "after_due_date"
+    assert tests["test_staff_only.py::test_hidden_fails[1]"] | {"output": ""} == {
+        "name": "test_staff_only.py::test_hidden_fails[1]", "score": 0.5, "max_score": 0.5, "status": "passed",
+        "output": "", "visibility": "hidden"}                # 1 default point shared by two cases
+    failed = tests["test_staff_only.py::test_hidden_fails[2]"]
+    assert failed["score"] == 0 and failed["status"] == "failed" and "only the first case passes" in failed["output"]
+    assert "test_staff_only.py::test_hidden_skipped" not in tests   # a test that cannot run here counts for nothing
+    assert results["score"] == pytest.approx(sum(t["score"] for t in results["tests"]))
+    assert results["score"] == pytest.approx(sum(sampler_points) + 3 + 0.5)
+    assert f"{results['score']:.2f} / {sum(sampler_points) + 4:.2f} points" in results["output"]
+    assert "PASS" in log and results["output"] in log         # per-test points and the summary line are printed
+
+
+def test_the_skeleton_scores_zero_with_one_not_implemented_message_per_graded_function(tmp_path, capsys):
+    from cs336_inference import cli
+    package = tmp_path / "my_solution"
+    assert cli.main(["homework", "init", str(package)]) == 0
+    assert "tests/graded --impl" in capsys.readouterr().out
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR, "--impl", package, "--grade-json", out)
+    assert rc == 1, log[-3000:]                               # test failures, not a crash or a usage error
+    results = json.loads(out.read_text())
+    jsonschema.validate(results, GRADESCOPE_SCHEMA)
+    assert results["score"] == 0 and all(t["status"] == "failed" for t in results["tests"])
+    names = set()
+    for t in results["tests"]:
+        assert t["output"].startswith("[call] not implemented: ") and "\n" not in t["output"], t
+        names.add(t["output"].removeprefix("[call] not implemented: ").split(".")[0])
+    assert names == set(graded_names()), "every graded function must fail some test as not implemented"
+    assert f"not implemented: {', '.join(sorted(graded_names()))}" in results["output"]
+
+
+def test_a_missing_function_fails_only_its_own_tests_and_the_env_var_selects_the_package(tmp_path):
+    partial = tmp_path / "partial_solution.py"
+    partial.write_text("from cs336_inference.homework.reference import *  # noqa\n"
+                       "from cs336_inference.homework.reference import RollingKVBuffer  # noqa\n"
+                       "del get_batch\n")
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_batch_sampler.py", GRADED_DIR / "test_rolling_buffer.py",
+                    "--grade-json", out, env={"CS336_INFERENCE_IMPL": str(partial)})
+    assert rc == 1, log[-3000:]
+    tests = json.loads(out.read_text())["tests"]
+    for t in tests:
+        if t["name"].startswith("test_batch_sampler.py"):
+            assert t["status"] == "failed" and "not implemented: get_batch" in t["output"], t
+        else:
+            assert t["status"] == "passed", t                 # never a fallback, never collateral damage
+
+
+def test_an_unimportable_package_fails_every_graded_test_without_crashing_the_run(tmp_path):
+    broken = tmp_path / "broken_solution.py"
+    broken.write_text("def logits_to_probs(:\n")
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_batch_sampler.py", "--impl", broken, "--grade-json", out)
+    assert rc == 1, log[-3000:]
+    results = json.loads(out.read_text())
+    assert results["score"] == 0
+    assert all("cannot import the implementation" in t["output"] and "SyntaxError" in t["output"]
+               for t in results["tests"])
+
+
+def test_every_graded_test_has_points_and_every_points_entry_is_a_graded_test():
+    from grading import load_points
+    tests = {f"{path.name}::{node.name}" for path in GRADED_DIR.glob("test_*.py")
+             for node in ast.parse(path.read_text()).body
+             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    points = load_points()
+    assert set(points) == tests, {"without points": sorted(tests - set(points)), "stale": sorted(set(points) - tests)}
+    assert all(isinstance(v, (int, float)) and v > 0 for v in points.values())
+
+
+def test_one_adapter_per_graded_name_and_the_skeleton_matches_the_reference(tmp_path):
+    import adapters
+    source = inspect.getsource(adapters)
+    graded_block = source.split("# === graded adapters")[1].split("\n", 1)[1].split("# === library helpers")[0]
+    called = [node.args[0].value for node in ast.walk(ast.parse(graded_block))
+              if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_graded"]
+    assert sorted(called) == sorted(graded_names()), "each graded name needs exactly one adapter"
+    defined = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    assert len(defined) == len(set(defined)), f"duplicate adapters: {[d for d in defined if defined.count(d) > 1]}"
+    # the generated package: same names, same signatures, docstrings with the lecture's shapes
+    skeleton.write_skeleton(tmp_path / "student")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        import student
+        for name, entry in GRADED.items():
+            mine = getattr(student, name)
+            assert (inspect.getdoc(mine) or "") == inspect.getdoc(entry.obj), name
+            members = [("", entry.obj, mine)] if entry.kind == "function" else [
+                (attr, getattr(entry.obj, attr), getattr(mine, attr)) for attr in vars(entry.obj)
+                if inspect.isfunction(getattr(entry.obj, attr)) and (attr == "__init__" or not attr.startswith("_"))]
+            for attr, ref, gen in members:
+                assert inspect.signature(ref) == inspect.signature(gen), f"{name}.{attr}"
+                assert "NotImplementedError" in inspect.getsource(gen)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("student", None)
+
+
+def test_homework_init_refuses_to_overwrite_and_bad_names(tmp_path):
+    from cs336_inference import cli
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "sampling.py").write_text("my work")
+    assert cli.main(["homework", "init", str(tmp_path / "taken")]) == 2
+    assert (tmp_path / "taken" / "sampling.py").read_text() == "my work"
+    assert cli.main(["homework", "init", str(tmp_path / "not-a-name")]) == 2
+    assert not (tmp_path / "not-a-name").exists()
+
+
+def test_every_mutant_applies_to_the_current_source():
+    """The mutation check plants each bug by text replacement; a refactor that moves the code must update
+    tests/mutation/mutants.py (run.py would stop), so check here, fast, on every run."""
+    sys.path.insert(0, str(ROOT / "tests" / "mutation"))
+    try:
+        from mutants import MUTANTS
+    finally:
+        sys.path.pop(0)
+    names = [m.name for m in MUTANTS]
+    assert len(names) == len(set(names))
+    assert sum(1 for m in MUTANTS if m.issue) == 12 and {m.issue for m in MUTANTS if m.issue} == set(range(1, 13))
+    assert sum(1 for m in MUTANTS if not m.issue and not m.equivalent) >= 10
+    for m in MUTANTS:
+        text = (ROOT / "src" / "cs336_inference" / m.path).read_text()
+        for old, _ in m.edits:
+            assert text.count(old) == 1, f"{m.name}: {old!r} occurs {text.count(old)} times in {m.path}"
+
+
+@pytest.mark.slow
+def test_mutation_check_kills_every_non_equivalent_mutant(tmp_path):
+    """The full mutation check (3-5 min): controls (reference copy 100%, skeleton 0), every graded mutant
+    killed by the graded suite, every library stub caught by its library tests."""
+    out = tmp_path / "mutation.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "mutation" / "run.py"), "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["score"] >= 0.95 and report["controls"]["unmodified_copy"]["failed"] == []

@@ -1,0 +1,32 @@
+"""The library's sampler refuses bad arguments clearly (not graded: the distribution itself is graded in
+tests/graded/test_sampling_rules.py, through the adapters)."""
+
+import pytest
+import torch
+
+from cs336_inference.generation import logits_to_probs, sample_next_token
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-1.0), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+])
+def test_bad_sampling_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        sample_next_token(torch.randn(2, 5), **kwargs)
+    with pytest.raises(ValueError, match=match):
+        logits_to_probs(torch.randn(2, 5), **kwargs)
+
+
+def test_integer_logits_rejected():
+    with pytest.raises(TypeError, match="logits"):
+        sample_next_token(torch.ones(2, 5, dtype=torch.long))
+
+
+def test_sampling_on_the_generators_device_returns_tokens_on_the_logits_device():
+    logits = torch.randn(3, 7)
+    tokens = sample_next_token(logits, generator=torch.Generator().manual_seed(0))
+    assert tokens.device == logits.device and tokens.dtype == torch.int64

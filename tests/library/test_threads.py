@@ -1,0 +1,59 @@
+"""The CPU thread policy, read back from the CLI path (`python -m cs336_inference info`) in fresh
+processes: OpenMP's wait policy must be set before torch loads, so only a new process shows it.
+
+Not graded (the library's own runtime setup)."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cs336_inference import device
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+
+def _info(*args, **env) -> dict:
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
+                                                              "CS336_NUM_THREADS")}
+    clean["PYTHONPATH"] = str(SRC) + os.pathsep + clean.get("PYTHONPATH", "")
+    out = subprocess.run([sys.executable, "-m", "cs336_inference", "info", *args], env={**clean, **env},
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    return dict(line.split(": ", 1) for line in out.splitlines())
+
+
+def test_the_cli_applies_passive_waiting_and_one_thread_for_small_work():
+    info = _info()
+    assert info["omp_wait_policy"] == "PASSIVE"
+    assert info["torch_threads"] == "1" == info["policy_small"]
+    assert int(info["policy_large"]) >= 1
+
+
+def test_explicit_settings_win():
+    info = _info("--parallel", CS336_NUM_THREADS="2", OMP_WAIT_POLICY="active")
+    assert info["omp_wait_policy"] == "ACTIVE"
+    assert info["torch_threads"] == "2" == info["policy_small"] == info["policy_large"]
+
+
+def test_thread_counts_from_the_environment_are_checked(monkeypatch):
+    monkeypatch.delenv("CS336_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert device.thread_policy(parallel=False) == 3
+    monkeypatch.setenv("CS336_NUM_THREADS", "2")                  # the package's own variable wins
+    assert device.thread_policy(parallel=True) == 2
+    monkeypatch.setenv("CS336_NUM_THREADS", "two")
+    with pytest.raises(ValueError, match="CS336_NUM_THREADS must be a positive int"):
+        device.thread_policy()
+    with pytest.raises(TypeError, match="parallel"):
+        device.thread_policy(parallel=1)
+
+
+def test_the_wait_policy_module_does_not_import_torch():
+    """It must run before torch loads OpenMP; importing torch itself would make that impossible."""
+    tree = ast.parse((SRC / "cs336_inference" / "_openmp.py").read_text())
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert imported <= {"__future__", "os", "sys"}, imported

@@ -1,0 +1,151 @@
+"""The mutation check of the autograder: plant realistic bugs one at a time and show the graded tests fail.
+
+    python tests/mutation/run.py                 # everything (3-5 min on 2 shared cores)
+    python tests/mutation/run.py --only NAME ... # some mutants (names from mutants.py)
+    python tests/mutation/run.py --json out.json
+
+1. control: an unmodified copy of the package graded through --impl must score 100%; the generated
+   skeleton must score 0 with every graded name reported "not implemented";
+2. graded mutants (mutants.MUTANTS): copy src/cs336_inference to a temporary folder as package `mutant_NN`,
+   apply the edits, grade `mutant_NN.homework.reference` (the reference solution with one change) with
+   `pytest tests/graded --impl ...`; killed = at least one graded test fails;
+3. library stubs (mutants.LIBRARY_STUBS): run the library tests of that part with the stub patched in.
+Prints each mutant, whether it was killed and by which tests, and the mutation score over the
+non-equivalent mutants; exits 1 if a control fails, an equivalent mutant is killed, or the score < 95%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "src" / "cs336_inference"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mutants import LIBRARY_STUBS, MUTANTS, Mutant  # noqa: E402
+
+GOAL = 0.95
+
+
+def copy_package(dest: Path, mutant: Mutant | None = None) -> None:
+    """src/cs336_inference -> dest (a package named dest.name: every internal import is relative)."""
+    shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    if mutant is None:
+        return
+    path = dest / mutant.path
+    text = path.read_text()
+    for old, new in mutant.edits:
+        count = text.count(old)
+        if count != 1:
+            raise SystemExit(f"mutant {mutant.name}: {old!r} occurs {count} times in {mutant.path} (want 1); "
+                             f"update tests/mutation/mutants.py to the current source")
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def grade(impl: str, workdir: Path) -> dict:
+    """pytest tests/graded --impl impl -> the results.json dict. Runs in this process (pytest.main): the
+    mutant packages have distinct names and the adapters resolve the implementation at call time, so one
+    torch import serves every mutant (~2 s each instead of ~8 s in a fresh process)."""
+    out = workdir / f"{impl.replace('/', '_').replace('.', '_')}.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        pytest.main([str(ROOT / "tests" / "graded"), "-q", "--tb=no", "-p", "no:cacheprovider", "--impl", impl,
+                     "--grade-json", str(out)])
+    if not out.exists():
+        raise SystemExit(f"grading {impl} wrote no results.json")
+    return json.loads(out.read_text())
+
+
+def failed_tests(results: dict) -> list[str]:
+    return [t["name"] for t in results["tests"] if t["status"] == "failed"]
+
+
+def run_library_stub(name: str, test_file: str) -> list[str]:
+    env = {**os.environ, "CS336_LIBRARY_STUB": name,
+           "PYTHONPATH": str(Path(__file__).resolve().parent) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-m", "pytest", test_file, "-q", "--tb=no", "-rf", "-p", "no:cacheprovider",
+                           "-p", "library_stubs"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return [line.split(" ", 1)[1].split(" - ")[0] for line in proc.stdout.splitlines() if line.startswith("FAILED ")]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="run only these mutants / stubs (skips the controls)")
+    parser.add_argument("--json", help="write every result to this file")
+    args = parser.parse_args(argv)
+    selected = set(args.only or [])
+    start = time.time()
+    report: dict = {"mutants": [], "library_stubs": [], "controls": {}}
+    problems = []
+    with tempfile.TemporaryDirectory(prefix="cs336-mutants-") as tmp:
+        tmp = Path(tmp)
+        sys.path.insert(0, str(tmp))        # the mutant packages are imported from here
+        if not selected:
+            copy_package(tmp / "mutant_control")
+            control = grade("mutant_control.homework.reference", tmp)
+            failed = failed_tests(control)
+            report["controls"]["unmodified_copy"] = {"score": control["score"], "failed": failed}
+            print(f"control, unmodified copy: {control['output']}")
+            if failed:
+                problems.append(f"the unmodified copy failed {failed}")
+            subprocess.run([sys.executable, "-m", "cs336_inference", "homework", "init", str(tmp / "skeleton")],
+                           check=True, capture_output=True, env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+            skeleton = grade(str(tmp / "skeleton"), tmp)
+            report["controls"]["skeleton"] = {"score": skeleton["score"], "output": skeleton["output"]}
+            print(f"control, skeleton: {skeleton['output']}")
+            if skeleton["score"] != 0 or any(t["status"] == "passed" for t in skeleton["tests"]):
+                problems.append("the skeleton scored above 0")
+        print(f"\n{'mutant':45s} {'issue':>5s}  killed  by (first of the failing graded tests)")
+        for i, mutant in enumerate(MUTANTS):
+            if selected and mutant.name not in selected:
+                continue
+            package = f"mutant_{i:02d}"
+            copy_package(tmp / package, mutant)
+            failed = failed_tests(grade(f"{package}.homework.reference", tmp))
+            killed = bool(failed)
+            report["mutants"].append({"name": mutant.name, "issue": mutant.issue, "what": mutant.what,
+                                      "equivalent": mutant.equivalent, "killed": killed, "failed_tests": failed})
+            label = "yes" if killed else ("equiv." if mutant.equivalent else "NO")
+            first = failed[0] if failed else (mutant.equivalent or "")
+            print(f"{mutant.name:45s} {mutant.issue or '':>5}  {label:6s}  {first} "
+                  f"{f'(+{len(failed) - 1} more)' if len(failed) > 1 else ''}")
+            if mutant.equivalent and killed:
+                problems.append(f"{mutant.name} is marked equivalent but {failed[0]} fails on it")
+            shutil.rmtree(tmp / package)
+        for name, (what, test_file) in LIBRARY_STUBS.items():
+            if selected and name not in selected:
+                continue
+            failed = run_library_stub(name, test_file)
+            report["library_stubs"].append({"name": name, "what": what, "tests": test_file, "killed": bool(failed),
+                                            "failed_tests": failed})
+            print(f"library stub {name:32s} killed: {'yes' if failed else 'NO':3s} by {', '.join(failed) or '-'}")
+            if not failed:
+                problems.append(f"library stub {name} passed {test_file}")
+    scored = [m for m in report["mutants"] if not m["equivalent"]]
+    killed = sum(m["killed"] for m in scored)
+    score = killed / len(scored) if scored else 1.0
+    report.update(score=score, killed=killed, non_equivalent=len(scored), seconds=round(time.time() - start, 1))
+    print(f"\nmutation score: {killed}/{len(scored)} non-equivalent graded mutants killed ({100 * score:.1f}%), "
+          f"{sum(1 for m in report['mutants'] if m['equivalent'])} equivalent; {report['seconds']} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    if score < GOAL and not selected:
+        problems.append(f"mutation score {100 * score:.1f}% < {100 * GOAL:.0f}%")
+    for problem in problems:
+        print(f"PROBLEM: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
