@@ -1,9 +1,13 @@
 """CS336 Lecture 10: Inference, executable.
 
-Mirrors the official lecture's sections and order (../shared/LECTURE10.md); unlike the original it
-*runs* every technique with `cs336_inference` on a real (tiny) model. Every number stated is computed
-by the library and asserted. Run directly to read the narration in a terminal; under edtrace the
-same calls produce a trace for the CS336 trace viewer.
+Mirrors the official lecture's (Spring 2026) sections and order; unlike the original it *runs* the
+techniques with `cs336_inference`, on a tiny shipped model and on SmolLM2-135M. Every number stated is
+computed by the library and asserted.
+
+Terminal narration:  python -m cs336_inference lecture   (or python lecture/lecture_10.py)
+Trace for the CS336 trace viewer (edtrace), from the repository root or from lecture/:
+    python -m edtrace.execute -m lecture_10 -o var/traces
+`part()` and `section()` put a heading into the trace; inspect directives sit on one-line assignments only.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import math  # noqa: E402
 import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
-from lecture_util import Reference, image, link, section, text  # noqa: E402
+from lecture_util import Reference, image, link, part, section, text  # noqa: E402
 
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
@@ -59,33 +63,65 @@ minitron = Reference(title="Compact Language Models via Pruning and Knowledge Di
 
 
 def main():
+    text("# Lecture 10: Inference")
+    text("Executable: every technique runs here on a real (tiny) model with `cs336_inference`, and every "
+         "number stated is computed and asserted.")
     apply_thread_policy(parallel=False)  # tiny models: one CPU thread is fastest, and immune to a busy machine
-    # 1. Understanding the inference workload
+
+    part("1. Understanding the inference workload")
     landscape()
     review_transformer()
     review_of_arithmetic_intensity()
     arithmetic_intensity_of_inference()
     throughput_and_latency()
-    # 2. Taking shortcuts (lossy)
+
+    part("2. Taking shortcuts (lossy)")
     reduce_kv_cache_size()
     quantization()
     model_pruning()
-    # 3. Use shortcuts but double check (lossless)
+    text("Part 2 in one line: make the model cheaper to run (fewer cache bytes, fewer bits per weight, fewer "
+         "weights) without losing much accuracy, and measure the accuracy on what you care about: a faster "
+         "architecture trained from scratch, or initialised from the original and repaired by distillation.")
+
+    part("3. Use shortcuts but double check (lossless)")
     speculative_sampling()
-    # 4. Handling dynamic workloads
+
+    part("4. Handling dynamic workloads")
+    text("Batching sequences of live traffic is harder than batching a training set:")
+    text("1. Requests arrive at different times: waiting to fill a batch makes the early ones wait.")
+    text("2. Sequences share prefixes (a system prompt in front of many requests, n samples of one "
+         "prompt): computing and storing that prefix once per sequence is waste.")
+    text("3. Sequences have different lengths (prompts and answers): padding them to one length "
+         "computes and stores nothing useful.")
     continuous_batching()
     paged_attention()
-    # 5. Summary
+
+    part("5. Summary")
     summary()
+
+
+openai_tokens = Reference(title="OpenAI bests Google in race for consumer AI token consumption",
+                          organization="PYMNTS", date="2025",
+                          url="https://www.pymnts.com/artificial-intelligence-2/2025/"
+                              "openai-bests-google-in-race-for-consumer-ai-token-consumption/")
+deepseek_v4 = Reference(title="DeepSeek-V4: Towards Highly Efficient Million-Token Context Intelligence",
+                        organization="DeepSeek", date="2026-04",
+                        url="https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf")
 
 
 def landscape():
     section("landscape")
     text("Inference is where a model earns its keep: chat, code completion, agents and batch jobs in "
          "deployment, but also evaluation and the rollouts of reinforcement learning.")
-    text("Training is paid once; inference is paid for every token ever served. One provider reported "
-         "serving ~8.6T tokens per day, against ~32T tokens to pretrain a frontier model: a few days "
-         "of traffic equal a whole pretraining run. Agents can generate without bound.")
+    served_per_day, pretraining_tokens = 8.6e12, 32e12  # tokens: one provider's traffic; one frontier pretraining run
+    days_of_traffic = pretraining_tokens / served_per_day  # @inspect days_of_traffic
+    assert 3 < days_of_traffic < 4
+    text(f"Training is paid once; inference is paid for every token ever served. OpenAI was reported to process "
+         f"~{served_per_day / 1e12:.1f}T tokens per day (2025), and DeepSeek-V4 was pretrained on "
+         f"{pretraining_tokens / 1e12:.0f}T tokens: {days_of_traffic:.1f} days of one provider's traffic equal a "
+         "whole pretraining run. Agents can generate without bound, and every generated token is compute spent.")
+    link(openai_tokens)
+    link(deepseek_v4)
     text("Open-source engines: vLLM (PagedAttention), SGLang (RadixAttention), TensorRT-LLM, llama.cpp.")
     link(vllm)
     link(sglang)
@@ -97,10 +133,33 @@ def landscape():
 
 def review_transformer():
     section("review_transformer")
-    text("Notation: B batch, S tokens already in the cache, T new tokens, D d_model, F d_ff, N query "
-         "heads, K key/value heads, G = N/K, H head dim, L layers, V vocab.")
-    text("Contracting dimensions are summed over (D in x @ W_q); batching dimensions (B, and N or K in "
-         "attention) just ride along. Which dimensions a matmul contracts decides its arithmetic intensity.")
+    text("Notation (einops-like: a letter names a dimension and its length): B batch, S tokens already in "
+         "the cache (conditioned on), T new tokens (to produce logits for), D d_model, F d_ff, N query heads, "
+         "K key/value heads, G = N/K query heads per KV head, H head dim, L layers, V vocab.")
+    x, w = torch.randn(2, 3, 8), torch.randn(8, 4)
+    bth = torch.einsum("btd,dh->bth", x, w).shape  # @inspect bth
+    assert bth == (2, 3, 4)
+    text(f"BTD x DH -> BTH ({tuple(bth)} here): D is *contracting* (in both operands, summed away); B, T and H "
+         "are *regular* (in one operand, kept in the result).")
+    q, k = torch.randn(2, 8), torch.randn(2, 8)
+    b = torch.einsum("bd,bd->b", q, k).shape  # @inspect b
+    assert b == (2,)
+    text("BD x BD -> B: B is a *batching* dimension (in both operands, kept): each b pairs its own q with its "
+         "own k, as each sequence's queries meet only its own KV cache in attention. Which kind a dimension "
+         "is decides the arithmetic intensity: weights shared across a regular B are read once for all of B; "
+         "operands with a batching B are read once per b.")
+    text("Conventions for counting: F = 4D (the MLP up-projects 4x), D = NH (the model dimension split "
+         "across N heads), N = KG (GQA: N query heads in K groups), S = T in training (condition on S tokens "
+         "to predict T).")
+    layer_weights = 3 * sym.D * sym.F + 2 * sym.D * sym.N * sym.H + 2 * sym.D * sym.K * sym.H  # @inspect layer_weights
+    per_layer = sp.expand(layer_weights.subs({sym.F: 4 * sym.D, sym.K: sym.N, sym.H: sym.D / sym.N}))  # @inspect per_layer
+    assert per_layer == 16 * sym.D**2
+    llama = REAL_MODELS["llama2-13b"]
+    f_over_d = llama.d_ff / llama.d_model  # @inspect f_over_d
+    assert llama.num_heads * llama.head_dim == llama.d_model and 2.6 < f_over_d < 2.8
+    text(f"With them (and K = N) a layer holds 3DF + 2DNH + 2DKH = {per_layer} weights. Real SwiGLU models keep "
+         f"D = NH (Llama 2 13B: {llama.num_heads} x {llama.head_dim} = {llama.d_model}) but use F ~ 8D/3 "
+         f"(Llama 2 13B: F/D = {f_over_d:.2f}): three D x F matrices then cost what two D x 4D ones did.")
     device = get_device()
     seed_everything(0)
     model = load_pretrained("target", device=device)  # the CS336 assignment-1 layout, trained offline
@@ -158,13 +217,23 @@ def a_real_model():
 
 def review_of_arithmetic_intensity():
     section("review_of_arithmetic_intensity")
-    text("Y = X @ W with X (B x D) and W (D x F) in bf16 (2 bytes per element): count FLOPs and bytes.")
-    cost = matmul_cost()
-    flops, nbytes = cost.flops, cost.bytes  # @inspect flops nbytes
-    intensity = cost.intensity  # @inspect intensity
-    limit = matmul_intensity_limit()  # @inspect limit
-    assert flops == 2 * sym.B * sym.D * sym.F and sp.simplify(limit - sym.B) == 0
-    text(f"FLOPs {flops}, bytes {nbytes}: intensity {intensity}, which tends to B when B << D, F. "
+    text("Y = X @ W with X (B x D) and W (D x F) in bf16 (2 bytes per element): B is the batch, D the hidden "
+         "dimension, F the MLP's up-projection. Count the FLOPs and the bytes moved to and from memory, step by step.")
+    B, D, F = sym.B, sym.D, sym.F
+    flops = bytes_moved = 0
+    text("1. Read X (B x D) from memory.")
+    bytes_moved += 2 * B * D  # @inspect bytes_moved
+    text("2. Read W (D x F) from memory.")
+    bytes_moved += 2 * D * F  # @inspect bytes_moved
+    text("3. Compute Y = X @ W: one multiply and one add per (b, d, f).")
+    flops += 2 * B * D * F  # @inspect flops
+    text("4. Write Y (B x F) to memory.")
+    bytes_moved += 2 * B * F  # @inspect bytes_moved
+    assert (flops, bytes_moved) == (matmul_cost().flops, matmul_cost().bytes)  # the library counts the same
+    intensity = sp.simplify(flops / bytes_moved)  # @inspect intensity
+    limit = sp.limit(sp.limit(intensity, D, sp.oo), F, sp.oo)  # @inspect limit
+    assert limit == B == matmul_intensity_limit()
+    text(f"Arithmetic intensity (FLOPs per byte) = {intensity}, which tends to {limit} when B << D, F. "
          "With B = 1 (a matrix-vector product) every byte read buys one FLOP.")
     link(roofline_paper)
     h100 = HARDWARE["H100"]
@@ -190,44 +259,97 @@ def arithmetic_intensity_of_inference():
          f"and value (the KV cache) makes step t a one-token forward: {cached}, O(T^2).")
     text("The KV cache holds, for every sequence, token, layer and KV head, an H-dim key and an H-dim value. "
          "Prefill runs the prompt (T = S tokens at once); generation runs T = 1 token per step.")
-    mlp = mlp_cost()
-    mlp_flops, mlp_bytes, mlp_limit = mlp.flops, mlp.bytes, mlp_intensity_limit()  # @inspect mlp_flops mlp_bytes mlp_limit
-    assert sp.simplify(mlp_limit - sym.B * sym.T) == 0
-    text(f"MLP (up, gate, down): {mlp_flops} FLOPs over {mlp_bytes} bytes; intensity -> {mlp_limit}. "
-         "Prefill (T large) is compute-bound; generation (T = 1) needs a large batch B to get there.")
+    text("FLOPs and bytes of the MLP and of attention, for T new tokens per sequence over S tokens already "
+         "cached; later T = S (prefill) and T = 1 (generation).")
+    B, S, T, D, F = sym.B, sym.S, sym.T, sym.D, sym.F
+    text("MLP (SwiGLU: up, gate, down projections; only the matmuls):")
+    flops = bytes_moved = 0
+    text("1. U = X @ W_up: read X (B x T x D) and W_up (D x F), write U (B x T x F).")
+    flops += 2 * B * T * D * F  # @inspect flops
+    bytes_moved += 2 * B * T * D + 2 * D * F + 2 * B * T * F  # @inspect bytes_moved
+    text("2. G = X @ W_gate: X is reused; read W_gate (D x F), write G (B x T x F).")
+    flops += 2 * B * T * D * F  # @inspect flops
+    bytes_moved += 2 * D * F + 2 * B * T * F  # @inspect bytes_moved
+    text("3. Y = (SiLU(G) * U) @ W_down: read W_down (F x D), write Y (B x T x D). As in the lecture's count, "
+         "reading U and G back is left out (it would add 4BTF and change no limit).")
+    flops += 2 * B * T * F * D  # @inspect flops
+    bytes_moved += 2 * F * D + 2 * B * T * D  # @inspect bytes_moved
+    assert (flops, sp.expand(bytes_moved)) == (mlp_cost().flops, mlp_cost().bytes)  # the library counts the same
+    mlp_intensity = sp.simplify(flops / bytes_moved)  # @inspect mlp_intensity
+    mlp_limit = sp.limit(sp.limit(mlp_intensity, D, sp.oo), F, sp.oo)  # @inspect mlp_limit
+    assert mlp_limit == B * T == mlp_intensity_limit()
+    text(f"{sp.factor(flops)} FLOPs over {sp.expand(bytes_moved)} bytes: intensity -> {mlp_limit} when B T << D, F. "
+         "Prefill (T large) is compute-bound; generation (T = 1) needs B concurrent requests to get there, "
+         "and B is whatever traffic brings.")
+
+    text("Attention (with a fused kernel such as FlashAttention: the S x T scores never touch memory):")
+    flops = bytes_moved = 0
+    text("1. Read Q (B x T x D), K (B x S x D) and V (B x S x D).")
+    bytes_moved += 2 * B * T * D + 2 * B * S * D + 2 * B * S * D  # @inspect bytes_moved
+    text("2. Scores A = Q K^T: every new query against every key, summed over D = N H.")
+    flops += 2 * B * S * T * D  # @inspect flops
+    text("3. Y = softmax(A) V: the same shapes again.")
+    flops += 2 * B * S * T * D  # @inspect flops
+    text("4. Write Y (B x T x D).")
+    bytes_moved += 2 * B * T * D  # @inspect bytes_moved
     att = attention_cost()
-    att_intensity = att.intensity  # @inspect att_intensity
-    prefill, generation = attention_intensity_prefill(), attention_intensity_generation()  # @inspect prefill generation
-    assert sp.simplify(att_intensity - sym.S * sym.T / (sym.S + sym.T)) == 0
-    assert sp.simplify(prefill - sym.S / 2) == 0 and (1 - generation).is_positive
-    assert sym.B not in generation.free_symbols
-    text(f"Attention (fused kernel): {att.flops} FLOPs over {att.bytes} bytes, intensity {att_intensity}. "
-         f"Prefill (T = S): {prefill}. Generation (T = 1): {generation} < 1, and B does not appear: every "
-         "sequence reads its own KV cache, so batching cannot make attention compute-bound.")
+    assert (flops, bytes_moved) == (att.flops, att.bytes)  # the library counts the same
+    att_intensity = sp.simplify(flops / bytes_moved)  # @inspect att_intensity
+    prefill = sp.simplify(att_intensity.subs(T, S))  # @inspect prefill
+    generation = sp.simplify(att_intensity.subs(T, 1))  # @inspect generation
+    assert sp.simplify(att_intensity - S * T / (S + T)) == 0 and prefill == S / 2 == attention_intensity_prefill()
+    assert (1 - generation).is_positive and generation == attention_intensity_generation() and B not in generation.free_symbols
+    text(f"Intensity {att_intensity}. Prefill (T = S): {prefill}, large for long prompts. Generation (T = 1): "
+         f"{generation} < 1, and B does not appear: in the MLP every sequence multiplies the same weights "
+         "(read once for the whole batch), in attention every sequence reads its own KV cache, so batching "
+         "cannot make attention compute-bound.")
+    text("So: prefill is compute-bound (MLP intensity B S, attention S/2); generation is memory-bound (MLP "
+         "intensity B, which needs concurrent requests; attention below 1, which nothing improves).")
 
 
 def throughput_and_latency():
     section("throughput_and_latency")
-    text("Decode is memory-bound, so a step takes as long as reading the weights and every KV cache.")
-    params = parameter_count()  # @inspect params
-    memory, latency, throughput = decode_memory(), decode_latency(), decode_throughput()  # @inspect memory latency throughput
-    text(f"params = {params}; memory = {memory}; latency = memory / bandwidth; throughput = B / latency.")
+    text("Decode is memory-bound, so a step takes as long as reading the weights and every KV cache. The best "
+         "case (compute and memory traffic overlap perfectly, no overhead):")
+    B, S, D, F, N, K, H, L, V = sym.B, sym.S, sym.D, sym.F, sym.N, sym.K, sym.H, sym.L, sym.V
+    params = 2 * V * D + 3 * D * F * L + (2 * D * N * H + 2 * D * K * H) * L  # embedding + lm_head, MLP, attention @inspect params
+    kv_per_sequence = S * K * H * L * 2 * 2  # S tokens, K heads of H dims, L layers, key + value, 2 bytes @inspect kv_per_sequence
+    memory = B * kv_per_sequence + 2 * params  # B caches + the weights in bf16 @inspect memory
+    latency = memory / sym.bandwidth  # seconds per decode step: read all of memory once @inspect latency
+    throughput = B / latency  # B tokens per step @inspect throughput
+    assert params == parameter_count() and memory == decode_memory() and latency == decode_latency()
+    assert sp.simplify(throughput - decode_throughput()) == 0
     llama = REAL_MODELS["llama2-13b"]  # @inspect llama
-    values = {sym.V: llama.vocab_size, sym.D: llama.d_model, sym.F: llama.d_ff, sym.N: llama.num_heads,
-              sym.K: llama.num_kv_heads, sym.H: llama.head_dim, sym.L: llama.num_layers, sym.S: 1024,
-              sym.bandwidth: HARDWARE["H100"].memory_bandwidth}
+    values = {V: llama.vocab_size, D: llama.d_model, F: llama.d_ff, N: llama.num_heads, K: llama.num_kv_heads,
+              H: llama.head_dim, L: llama.num_layers, S: 1024, sym.bandwidth: HARDWARE["H100"].memory_bandwidth}
+    text(f"Llama 2 13B (D = {llama.d_model}, F = {llama.d_ff}, N = K = {llama.num_heads}, H = {llama.head_dim}, "
+         f"L = {llama.num_layers}, V = {llama.vocab_size}) at S = 1024 on an H100 "
+         f"({HARDWARE['H100'].memory_bandwidth / 1e12:.2f} TB/s, 80 GB):")
+    runs = {}
     for batch_size in (1, 64, 256):
         stats = llama2_13b_on_h100(batch_size)  # @inspect stats
-        assert stats.total_memory_bytes == memory.subs(values).subs(sym.B, batch_size)
-        assert math.isclose(stats.latency_per_token_s, float(latency.subs(values).subs(sym.B, batch_size)))
+        assert stats.total_memory_bytes == memory.subs(values).subs(B, batch_size)
+        assert math.isclose(stats.latency_per_token_s, float(latency.subs(values).subs(B, batch_size)))
         assert stats.bound == "memory" and stats.fits_in_memory == (batch_size <= 64)
+        runs[batch_size] = stats
         text(f"B = {batch_size}: {stats.summary()}.")
-    text("Larger batches: worse latency, better (but diminishing) throughput; at B = 256 the caches no longer "
-         "fit in 80 GB. Replicas multiply throughput at equal latency; sharding one model is harder.")
+    gain_64 = runs[64].throughput_tokens_per_s / runs[1].throughput_tokens_per_s  # @inspect gain_64
+    gain_256 = runs[256].throughput_tokens_per_s / runs[64].throughput_tokens_per_s  # @inspect gain_256
+    assert runs[1].latency_per_token_s < runs[64].latency_per_token_s < runs[256].latency_per_token_s
+    assert gain_64 > 10 and gain_256 < 2
+    text(f"Larger batches: worse latency (each step reads B caches), better throughput (the weights are read once "
+         f"for all B), with diminishing returns: B = 1 -> 64 multiplies throughput {gain_64:.0f}x, 64 -> 256 only "
+         f"{gain_256:.1f}x, and at B = 256 the caches no longer fit in 80 GB. Replicas multiply throughput at equal "
+         "latency; sharding one model and its cache across devices is harder.")
     image("figures/accounting_latency_throughput.png", width=700)
-    ttft = llama2_13b_on_h100(1).ttft_s  # @inspect ttft
-    text(f"TTFT is the prefill: one compute-bound pass over the prompt ({ttft * 1e3:.0f} ms for 1024 tokens at "
-         "B = 1). So: small batches for prefill, large batches for decode.")
+    h100 = HARDWARE["H100"]
+    prefill_flops = runs[1].prefill_flops  # @inspect prefill_flops
+    ttft = prefill_flops / h100.peak_flops  # @inspect ttft
+    assert math.isclose(ttft, runs[1].ttft_s)
+    text(f"TTFT is the prefill: one compute-bound pass over the prompt, {prefill_flops / 1e12:.1f} TFLOPs for 1024 "
+         f"tokens, i.e. {ttft * 1e3:.0f} ms at B = 1 *if* the H100 ran at 100% of its {h100.peak_flops / 1e12:.0f} "
+         "TFLOP/s peak. That is a lower bound: real kernels reach a fraction of peak, so real TTFT is longer. "
+         "So: small batches for prefill (fast TTFT), large batches for decode (throughput).")
 
 
 def llama2_13b_on_h100(batch_size: int, num_kv_heads: int = 40, seq_len: int = 1024):
@@ -279,16 +401,23 @@ def reduce_kv_cache_size():
         per_token = measured_bytes_per_token(tiny.replace(num_kv_heads=K))  # @inspect per_token
         assert per_token == 2 * K * H * L * 4
         text(f"  tiny model, K = {K}: 2 (K and V) x K={K} x H={H} x L={L} x 4 bytes = {per_token} bytes per token")
-    mha64, gqa64, gqa256 = (llama2_13b_on_h100(64, 40), llama2_13b_on_h100(64, 8),  # @inspect mha64 gqa64 gqa256
-                            llama2_13b_on_h100(256, 8))
+    mha64 = llama2_13b_on_h100(64, 40)  # Llama 2 13B as published: MHA, K = N = 40 @inspect mha64
+    gqa64 = llama2_13b_on_h100(64, 8)  # GQA with K = 8 (5 query heads per KV head) @inspect gqa64
+    gqa256 = llama2_13b_on_h100(256, 8)  # the memory GQA freed spent on a larger batch @inspect gqa256
     assert mha64.kv_cache_bytes == 5 * gqa64.kv_cache_bytes  # N / K = 40 / 8
     assert not llama2_13b_on_h100(256, 40).fits_in_memory and gqa256.fits_in_memory
-    assert gqa64.latency_per_token_s < mha64.latency_per_token_s
+    assert gqa64.latency_per_token_s < gqa256.latency_per_token_s < mha64.latency_per_token_s
+    assert gqa64.throughput_tokens_per_s > mha64.throughput_tokens_per_s
     text(f"Llama 2 13B, S = 1024, B = 64 on an H100: K = 40 needs {mha64.kv_cache_bytes / 1e9:.1f} GB of cache, "
          f"K = 8 only {gqa64.kv_cache_bytes / 1e9:.1f} GB, so a step takes "
-         f"{gqa64.latency_per_token_s * 1e3:.1f} ms instead of {mha64.latency_per_token_s * 1e3:.1f} ms. And B = 256, "
-         f"which did not fit with K = 40, fits again with K = 8 ({gqa256.total_memory_bytes / 1e9:.1f} GB): "
-         f"{gqa256.throughput_tokens_per_s:,.0f} tokens/s. The GQA paper finds quality close to MHA.")
+         f"{gqa64.latency_per_token_s * 1e3:.1f} ms instead of {mha64.latency_per_token_s * 1e3:.1f} ms: at the same "
+         f"batch GQA improves latency *and* throughput ({mha64.throughput_tokens_per_s:,.0f} -> "
+         f"{gqa64.throughput_tokens_per_s:,.0f} tokens/s). (The official lecture's narration says 'worse latency' "
+         "here; its own numbers, like ours, show the step getting faster.) Latency gets worse only when the freed "
+         f"memory buys a larger batch: B = 256, which did not fit with K = 40, fits with K = 8 "
+         f"({gqa256.total_memory_bytes / 1e9:.1f} GB): {gqa256.latency_per_token_s * 1e3:.1f} ms per step (worse "
+         f"than GQA at B = 64, still better than MHA at B = 64), {gqa256.throughput_tokens_per_s:,.0f} tokens/s. "
+         "The GQA paper finds quality close to MHA.")
 
     # MLA
     text("MLA (DeepSeek-V2): cache one latent c = W_DKV h of C dims per token and layer, and up-project it to "
@@ -372,8 +501,13 @@ def reduce_kv_cache_size():
     # What it costs: the experiment
     kv_experiment_summary()
     kv_cuts_on_a_real_model()
-    text("Further: DeepSeek-V4-style attention compresses every m tokens into one and attends to the top-k "
-         "compressed blocks; beyond attention, linear attention and state-space models (Mamba 2, Gated "
+    text("DeepSeek-V4 (1M-token context) compresses and sparsifies the cache itself: Compressed Sparse "
+         "Attention (CSA) compresses every m tokens into one entry, DeepSeek Sparse Attention (DSA) attends only "
+         "to the top-k selected entries, and Heavily Compressed Attention (HCA) compresses further still.")
+    link(deepseek_v4)
+    text("Summary: decode is memory-bound, so shrink the KV cache without hurting accuracy: fewer dimensions per "
+         "token (GQA, MLA, CLA), fewer tokens (local attention on some layers, compression), fewer bits "
+         "(a quantized cache). Beyond attention, linear attention and state-space models (Mamba 2, Gated "
          "DeltaNet) keep a constant-size state, and diffusion LMs change the decoding loop itself.")
 
 
@@ -393,8 +527,9 @@ def kv_experiment_summary():
     variants = results["variants"]
     best_recall = max(max(r["recall"].values()) for r in variants.values())  # @inspect best_recall
     lowest = min(variants, key=lambda v: variants[v]["val_loss"])  # @inspect lowest
-    naive, absorbed = (variants["MLA (C=16, R=8)"]["decode_ms_per_step_naive_mla"],  # @inspect naive absorbed
-                       variants["MLA (C=16, R=8)"]["decode_ms_per_step"])
+    mla_row = variants["MLA (C=16, R=8)"]
+    naive = mla_row["decode_ms_per_step_naive_mla"]  # up-projects every cached latent each step @inspect naive
+    absorbed = mla_row["decode_ms_per_step"]  # W_UK, W_UV folded into query and output @inspect absorbed
     assert naive > absorbed
     text(f"Speed follows the bytes: decode steps at S = {results['latency']['context']} are fastest for the smallest "
          f"caches, and MLA needs the absorbed path ({absorbed:.2f} ms vs {naive:.2f} ms when it up-projects "
@@ -567,11 +702,39 @@ def quantization():
          f"drops from {rtn_error:.2f} (round to nearest) to {gptq_error:.2f} (GPTQ).")
     link(gptq_paper)
 
-    text("AWQ: weights that multiply large activation channels matter most. Scale those input channels "
-         "up by s = mean|x|^alpha before rounding (alpha found by grid search) and divide the input by s, "
-         "folded into the preceding RMSNorm or linear. The paper: fp16 -> int3/int4 for ~4x less memory "
-         "and ~3.2x faster decode with fused kernels.")
+    text("AWQ: a few activation channels are large, and the weights they multiply matter more than the rest. "
+         "The paper keeps just 0.1-1% of the weights (those input channels) in fp16 and recovers most of the "
+         "quantization loss; which 1% is decided by the activations, not by the weights' own size.")
+    salient_name = "layers.3.ffn.w2"  # the last MLP down projection: its inputs have the largest channels here
+    w = model.get_submodule(salient_name).weight.detach()  # (D, F): F input channels
+    x = capture_linear_inputs(model, [salient_name], calibration)[0][salient_name]  # (..., F) calibration inputs
+    w_int3 = quantize_tensor(w, 3, False, "group", group_size=64).dequantize()
+    keep = round(0.01 * w.shape[1])  # @inspect keep
+    by_activation = x.reshape(-1, w.shape[1]).abs().mean(0).topk(keep).indices
+    by_weight = w.abs().mean(0).topk(keep).indices
+    at_random = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(0))[:keep]
+    kept_error = {}
+    for how, channels in (("none", []), ("activation", by_activation), ("weight", by_weight), ("random", at_random)):
+        w_hat = w_int3.clone()
+        w_hat[:, channels] = w[:, channels]  # these input channels stay in full precision
+        kept_error[how] = round(layer_output_error(w, w_hat, x), 1)  # @inspect kept_error
+    assert kept_error["activation"] < 0.9 * kept_error["none"] and min(kept_error["weight"], kept_error["random"]) > 0.97 * kept_error["none"]
+    text(f"On our {salient_name} at int3 (groups of 64), keeping {keep} of its {w.shape[1]} input channels (1%) in "
+         f"full precision cuts the output error from {kept_error['none']} to {kept_error['activation']} "
+         f"(-{1 - kept_error['activation'] / kept_error['none']:.0%}) when they are the channels with the largest "
+         f"activations, and barely at all when chosen by weight magnitude "
+         f"({kept_error['weight']}) or at random ({kept_error['random']}).")
+    text("Mixed precision inside one matrix is awkward for kernels, so AWQ keeps every weight at low precision and "
+         "protects the salient channels by scaling: multiply those input channels by s = mean|x|^alpha before "
+         "rounding (alpha by grid search) and divide the input by s, folded into the preceding RMSNorm or linear.")
     link(awq_paper)
+    int3_bits, int4_bits = 3 + 2 * 16 / 128, 4 + 2 * 16 / 128  # an fp16 scale and zero point per group of 128 @inspect int3_bits int4_bits
+    assert (16 / int3_bits, 16 / int4_bits) == (16 / 3.25, 16 / 4.25)
+    text(f"The official lecture sums up the paper as 'fp16 -> int3: 4x lower memory, 3.2x speed-up'. The bytes: "
+         f"with groups of 128, int3 stores {int3_bits} bits per weight ({16 / int3_bits:.1f}x fewer than fp16) "
+         f"and int4 {int4_bits} ({16 / int4_bits:.1f}x); the speed-up comes from the paper's fused kernels "
+         "(reading the small codes directly) and is smaller than the bytes ratio, since the rest of a decode step "
+         "does not shrink.")
 
     text("Every method on the whole target model (python -m cs336_inference bench quantization; "
          "figures/quantization.json, committed):")
@@ -586,10 +749,10 @@ def quantization():
         text(f"- {r['variant']}: {r['model_bytes'] / 1e6:.2f} MB, {r['val_bits_per_byte']:.4f} bits/byte "
              f"({r['delta_bits_per_byte']:+.4f}), KL {r['kl_to_fp32']:.4f}, top-1 agreement {r['top1_agreement']:.1%}",
              verbatim=True)
-    rtn_loss, gptq_loss = int3["delta_bits_per_byte"], int3_gptq["delta_bits_per_byte"]  # @inspect rtn_loss, gptq_loss
-    qat_loss, awq_loss = rows[f"int3 QAT g{g}"]["delta_bits_per_byte"], int3_awq["delta_bits_per_byte"]  # @inspect qat_loss, awq_loss
-    rtn4_loss, awq4_loss = int4["delta_bits_per_byte"], rows[f"int4 AWQ g{g}"]["delta_bits_per_byte"]  # @inspect rtn4_loss, awq4_loss
-    rtn_kl, gptq_kl = int3["kl_to_fp32"], int3_gptq["kl_to_fp32"]  # @inspect rtn_kl, gptq_kl
+    rtn_loss, gptq_loss = int3["delta_bits_per_byte"], int3_gptq["delta_bits_per_byte"]  # @inspect rtn_loss gptq_loss
+    qat_loss, awq_loss = rows[f"int3 QAT g{g}"]["delta_bits_per_byte"], int3_awq["delta_bits_per_byte"]  # @inspect qat_loss awq_loss
+    rtn4_loss, awq4_loss = int4["delta_bits_per_byte"], rows[f"int4 AWQ g{g}"]["delta_bits_per_byte"]  # @inspect rtn4_loss awq4_loss
+    rtn_kl, gptq_kl = int3["kl_to_fp32"], int3_gptq["kl_to_fp32"]  # @inspect rtn_kl gptq_kl
     assert gptq_loss < rtn_loss and qat_loss < rtn_loss and gptq_kl < rtn_kl / 2 and gptq_loss < awq_loss
     assert rows[f"int4 GPTQ g{g}"]["kl_to_fp32"] < int4["kl_to_fp32"]
     text(f"At int3, round to nearest costs {rtn_loss:+.4f} bits/byte; GPTQ (calibrated on "
@@ -616,8 +779,8 @@ def quantization():
     speed = {(r["variant"], r["batch"]): r for r in gen["rows"]}
     bench_model = TransformerLM(ModelConfig.from_name(gen["preset"]), device="meta")
     assert speed[("fp32", 1)]["weight_bytes_per_step"] == 4 * bench_model.num_parameters(exclude_embeddings=True)
-    fp32_ms, int8_ms, int4_ms = (speed[(v, 1)]["ms_per_step"] for v in ("fp32", "int8", "int4"))  # @inspect fp32_ms, int8_ms, int4_ms
-    int8_speedup, int4_speedup = fp32_ms / int8_ms, fp32_ms / int4_ms  # @inspect int8_speedup, int4_speedup
+    fp32_ms, int8_ms, int4_ms = (speed[(v, 1)]["ms_per_step"] for v in ("fp32", "int8", "int4"))  # @inspect fp32_ms int8_ms int4_ms
+    int8_speedup, int4_speedup = fp32_ms / int8_ms, fp32_ms / int4_ms  # @inspect int8_speedup int4_speedup
     assert min(int8_speedup, int4_speedup) > 1, "the committed generation table must show quantized decode faster"
     int4_kl = speed[("int4", 1)]["kl_to_fp32"]  # @inspect int4_kl
     text(f"Measured side by side (python -m cs336_inference bench generation; figures/generation.json, "
@@ -735,10 +898,9 @@ def model_pruning():
     assert pruned.config == d_cfg
     val = load_corpus("val")
     quick = dict(seq_len=256, batch_size=4, max_batches=2)
-    bpb = {name: evaluate_lm(m, val, **quick)["bits_per_byte"]
-           for name, m in [("target", target), ("pruned", pruned), ("draft", draft), ("scratch", scratch)]}  # @inspect bpb
-    agree = {name: compare_to_reference(m, target, val, **quick)["top1_agreement"]
-             for name, m in [("draft", draft), ("scratch", scratch)]}  # @inspect agree
+    models = {"target": target, "pruned": pruned, "draft": draft, "scratch": scratch}
+    bpb = {name: evaluate_lm(m, val, **quick)["bits_per_byte"] for name, m in models.items()}  # @inspect bpb
+    agree = {name: compare_to_reference(models[name], target, val, **quick)["top1_agreement"] for name in ("draft", "scratch")}  # @inspect agree
     assert bpb["pruned"] > bpb["draft"] > bpb["target"]
     text(f"Validation bits per byte: target {bpb['target']:.2f}; pruned, before repair {bpb['pruned']:.2f}; "
          f"pruned + distilled (the shipped draft) {bpb['draft']:.2f}; same shape from scratch with the same "
@@ -785,7 +947,7 @@ def speculative_sampling():
     text("Proof by example, with two tokens A and B where the draft over-proposes A: p = (3/4, 1/4), "
          "q = (1/2, 1/2), in exact fractions:")
     d = speculative_output_distribution([Fraction(3, 4), Fraction(1, 4)], [Fraction(1, 2), Fraction(1, 2)])
-    p_A_out, p_B_out = d.output  # @inspect p_A_out, p_B_out
+    p_A_out, p_B_out = d.output  # @inspect p_A_out p_B_out
     assert d.output == d.q and d.accepted[0] == Fraction(3, 4) * (Fraction(1, 2) / Fraction(3, 4))
     assert d.output[1] == Fraction(1, 4) + Fraction(3, 4) * (1 - Fraction(1, 2) / Fraction(3, 4))
     text(f"P[A] = p(A) q(A)/p(A) = {d.accepted[0]} = q(A). P[B] = p(B) + p(A) (1 - q(A)/p(A)) = "
@@ -803,7 +965,7 @@ def speculative_sampling():
         out = speculative_generate(target, d_model, prompt, gamma=4, max_new_tokens=64)
         assert out.tokens == plain  # greedy speculative == the target's greedy output, token for token
         alphas[name], passes[name] = out.alpha, out.target_forwards
-    alpha_draft, alpha_scratch, alpha_lookup = alphas["draft"], alphas["scratch"], alphas["lookup"]  # @inspect alpha_draft, alpha_scratch, alpha_lookup
+    alpha_draft, alpha_scratch, alpha_lookup = alphas["draft"], alphas["scratch"], alphas["lookup"]  # @inspect alpha_draft alpha_scratch alpha_lookup
     assert alpha_draft > alpha_scratch > alpha_lookup
     text(f"On our toy pair (greedy, gamma = 4, 64 tokens): the output is identical to the target's own greedy "
          f"output; the pruned + distilled draft has its tokens accepted at alpha = {alpha_draft:.2f} and needs "
@@ -852,7 +1014,7 @@ def speculative_sampling():
         greedy = [r for (t, _), r in real.items() if t == 0]
         best = max(greedy, key=lambda r: r["measured_speedup"])
         ratio = [r["measured_over_predicted"] for r in greedy]
-        ratio_lo, ratio_hi = min(ratio), max(ratio)  # @inspect ratio_lo, ratio_hi
+        ratio_lo, ratio_hi = min(ratio), max(ratio)  # @inspect ratio_lo ratio_hi
         sampled = [r for (t, _), r in real.items() if t == 1]
         hot = max(r["alpha"] for r in sampled)  # @inspect hot
         hot_best = max(r["measured_speedup"] for r in sampled)  # @inspect hot_best
@@ -888,11 +1050,9 @@ def continuous_batching():
     from cs336_inference.data import load_corpus
     from cs336_inference.serving import Engine, TraceConfig, make_trace
 
-    text("Handling dynamic workloads. So far every batch was given: same start, known lengths. Live "
-         "traffic differs in three ways: requests arrive at different times, have different lengths "
-         "(prompts and answers), and share prefixes (a system prompt in front of many requests, n samples "
-         "of one prompt). A server that batches like a training loop (wait, pad, run until the longest is "
-         "done) leaves the hardware idle and users waiting.")
+    text("So far every batch was given: same start, known lengths. A server that batches live traffic like a "
+         "training loop (wait for a batch, pad it, run until its longest sequence is done) leaves the hardware "
+         "idle and users waiting. A trace with all three difficulties:")
     model = load_pretrained("target").eval()
     corpus = load_corpus("val")
     trace_config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96,
@@ -901,9 +1061,12 @@ def continuous_batching():
     prompt_lens = sorted(len(r.prompt) for r in requests)  # @inspect prompt_lens
     span = requests[-1].arrival_time - requests[0].arrival_time  # @inspect span
     sampled = sum(r.sampling.n > 1 for r in requests)  # @inspect sampled
-    text(f"A trace: {len(requests)} requests arriving as a Poisson process over {span:.2f} s, prompts of "
-         f"{prompt_lens[0]} to {prompt_lens[-1]} tokens (half behind the same 64-token system prompt), "
-         f"answers that end with their line or after 96 tokens, {sampled} requests asking for 4 samples.")
+    system = corpus[:64].tolist()
+    shared = sum(list(r.prompt[:64]) == system for r in requests)  # @inspect shared
+    text(f"{len(requests)} requests arriving as a Poisson process over {span:.2f} s (1. different times), prompts "
+         f"of {prompt_lens[0]} to {prompt_lens[-1]} tokens and answers that end with their line or after 96 "
+         f"tokens (3. different lengths), {shared} of them behind the same 64-token system prompt and {sampled} "
+         "asking for 4 samples of one prompt (2. shared prefixes).")
 
     text("Orca (iteration-level scheduling): decide who runs before every decode step, not once per batch. "
          "A finished sequence leaves at once and a waiting request takes its place at the next step.")
@@ -993,8 +1156,21 @@ def paged_attention():
 
 def summary():
     section("summary")
-    text("Inference is memory-bound decode plus compute-bound prefill; shrink bytes (cache, weights), "
-         "verify cheap guesses (speculation), and keep the hardware busy under dynamic load.")
+    text("- Inference matters: actual use (chat, code, agents, batch jobs), evaluation, reinforcement learning; "
+         "a few days of one provider's traffic are a whole pretraining run.")
+    text("- It differs from training: generation is sequential and memory-bound (attention's intensity stays "
+         "below 1 whatever the batch), and live traffic is dynamic (arrivals, lengths, shared prefixes).")
+    text("- Techniques: new architectures that cache less (GQA, MLA, CLA, local attention), quantization, "
+         "pruning + distillation, speculative sampling.")
+    text("- Ideas from systems: speculative execution (draft, then verify), paging (the KV cache in blocks), "
+         "scheduling at every iteration (continuous batching).")
+    text("- New architectures have huge potential: the KV cache is the bottleneck, so changing what is cached "
+         "(or replacing attention's cache by a fixed-size state) changes the whole cost.")
+    text("Measuring it for one model and one device: sweep prompt length, output length, concurrency and "
+         "precision; record TTFT, p50/p99 inter-token latency, throughput, peak memory and the quality lost; "
+         "split each request's time into queueing, prefill and decode. Tokens/s alone hides waiting users; "
+         "latency alone hides idle hardware. (`python -m cs336_inference bench inference`, coming, will run "
+         "that sweep; `bench serving` and `bench generation` measure parts of it today.)")
 
 
 if __name__ == "__main__":

@@ -1,16 +1,23 @@
 """edtrace's text/link/image, echoed to the terminal so `python lecture/lecture_10.py` narrates.
 
-Under edtrace the renderings go to the trace viewer as usual; run directly they are also printed.
+Under edtrace (`python -m edtrace.execute -m lecture_10 -o DIR`) the renderings go into the trace as
+usual: a rendering is attached to the lecture line that made it, so `part(...)` and `section(...)`
+show up as headings on the lines of `main()` and of each section. Run directly, everything is also
+printed. Image paths are relative to the repository root, whatever the working directory.
 """
 
 from __future__ import annotations
 
+import os
 import textwrap
+from pathlib import Path
 
 import edtrace
 from edtrace import Reference
 
-__all__ = ["Reference", "image", "link", "section", "text"]
+__all__ = ["ROOT", "Reference", "image", "link", "part", "section", "section_heading", "text"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def text(message: str, **kwargs) -> None:
@@ -28,9 +35,30 @@ def link(reference: Reference | None = None, **kwargs) -> None:
 
 
 def image(path: str, **kwargs) -> None:
-    edtrace.image(path, **kwargs)
+    """Show `path` (relative to the repository root). edtrace records it relative to the working
+    directory, as it records the lecture file itself, so a trace written from the root or from
+    lecture/ points at the right file either way."""
+    resolved = Path(path) if Path(path).is_absolute() else ROOT / path
+    if not resolved.is_file():
+        raise FileNotFoundError(f"lecture image not found: {resolved} (regenerate it with "
+                                "`python -m cs336_inference figures` or the benchmark that writes it)")
+    edtrace.image(os.path.relpath(resolved), **kwargs)
     print(f"  [figure: {path}]")
 
 
-def section(title: str) -> None:
-    print("\n" + "=" * 100 + f"\n{title}\n" + "=" * 100)
+def part(title: str) -> None:
+    """A part of the lecture (the official lecture's `### ...` lines in main())."""
+    edtrace.text(f"## {title}")
+    print("\n" + "#" * 100 + f"\n{title.upper()}\n" + "#" * 100)
+
+
+def section_heading(name: str) -> str:
+    """The heading of the section function `name`: 'review_of_arithmetic_intensity' -> 'Review of arithmetic intensity'."""
+    heading = f" {name.replace('_', ' ')} ".replace(" kv ", " KV ").strip()
+    return heading[0].upper() + heading[1:]
+
+
+def section(name: str) -> None:
+    """The first line of each section function: a heading in the trace and in the terminal."""
+    edtrace.text(f"### {section_heading(name)}")
+    print("\n" + "=" * 100 + f"\n{name}\n" + "=" * 100)

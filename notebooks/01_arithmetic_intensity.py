@@ -22,6 +22,8 @@
 # %%
 import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
+from dataclasses import replace
+
 import matplotlib.pyplot as plt
 import sympy as sp
 import torch
@@ -36,6 +38,7 @@ from cs336_inference.accounting.model_roofline import measure_decode, measure_pr
 from cs336_inference.accounting.plots import plot_kv_memory, plot_latency_throughput, plot_model, plot_roofline
 from cs336_inference.figures import save_figure
 from cs336_inference.accounting import measure_hardware, roofline_sweep
+from cs336_inference.accounting.roofline import predicted_flops
 
 device = get_device()
 print("device:", device)
@@ -109,17 +112,28 @@ print("saved", save_figure(fig, "01_kv_memory_mha_vs_gqa"))
 # ## 4. This machine's roofline, measured
 # Two numbers describe the machine: peak matmul FLOP/s and streaming memory bandwidth. Their ratio
 # is its accelerator intensity. Then Y = X @ W with a W larger than the caches, for growing B:
-# achieved FLOP/s should follow min(peak, intensity x bandwidth). (Shared machines are noisy:
-# these are medians. We time with every core and OpenMP's passive wait policy, set when
-# `cs336_inference` was imported before torch: threads that spin-wait for each other stall when
-# another program holds a core, and make small matmuls ten times slower.)
+# achieved FLOP/s should follow min(peak, intensity x bandwidth). (We time with every core and
+# OpenMP's passive wait policy, set when `cs336_inference` was imported before torch: threads that
+# spin-wait for each other stall when another program holds a core.) On a shared machine the load
+# changes while we measure, so the roofs are measured before *and* after the sweep and the roof is
+# the best this run saw: a "peak" taken at a busy moment would otherwise sit below what the sweep
+# reaches at a quiet one.
 
 # %%
-hw = measure_hardware(device)
+hw_before = measure_hardware(device)
+sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(10)], repeats=3, hardware=hw_before)
+hw_after = measure_hardware(device)
+peaks = {"before": hw_before.peak_flops, "after": hw_after.peak_flops, "sweep": max(sweep.achieved_flops)}
+hw = replace(hw_before, peak_flops=max(peaks.values()),
+             memory_bandwidth=max(hw_before.memory_bandwidth, hw_after.memory_bandwidth))
+sweep = replace(sweep, hardware=hw, predicted_flops=[predicted_flops(i, hw.peak_flops, hw.memory_bandwidth)
+                                                     for i in sweep.intensity])
+print("matmul GFLOP/s: " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in peaks.items()))
+if peaks["sweep"] > max(peaks["before"], peaks["after"]):
+    print("the sweep beat both peak measurements: the load changed during the run, so the roof is the sweep's best")
 print(hw.summary())
-sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(10)], repeats=2, hardware=hw)
 for b, a, p in zip(sweep.batch_sizes, sweep.achieved_flops, sweep.predicted_flops):
-    print(f"B={b:4d}: {a / 1e9:7.1f} GFLOP/s achieved, roofline {p / 1e9:7.1f}")
+    print(f"B={b:4d}: {a / 1e9:7.1f} GFLOP/s achieved ({a / hw.peak_flops:4.0%} of peak), roofline {p / 1e9:7.1f}")
 print(f"ridge at B = {sweep.ridge_batch_size:.1f}; measured knee (80% of best) at B = {sweep.knee_batch_size()}")
 fig = plot_roofline(sweep)
 print("saved", save_figure(fig, "01_roofline_measured"))
@@ -128,7 +142,8 @@ print("saved", save_figure(fig, "01_roofline_measured"))
 # ## 5. A real model on this machine
 # The "bench-90m" preset (~88M parameters, 352 MB in fp32) is far bigger than the CPU caches, so its
 # decode should be memory-bound: time per step ≈ bytes read / bandwidth. Prefill processes many
-# tokens per weight read and is much cheaper per token. We also time the step's weight matmuls
+# tokens per weight read and should be much cheaper per token (the printout says what this run
+# measured). We also time the step's weight matmuls
 # alone: the gap between them and bytes / bandwidth is the BLAS library not streaming small
 # matrices at full speed; the rest of the step (attention, norms, Python) is the remainder.
 
@@ -137,11 +152,19 @@ config = ModelConfig.from_name("bench-90m")
 model = TransformerLM(config, device=device, dtype=default_dtype(device)).eval()
 prefill = measure_prefill(model, 128, hw, repeats=2)
 decode = [measure_decode(model, b, 128, hw, repeats=3) for b in (1, 4, 16)]
+print(f"{model.num_parameters() / 1e6:.0f}M parameters; token embeddings {tuple(model.token_embeddings.weight.shape)} "
+      f"(V, D), layer 0 w1 {tuple(model.layers[0].ffn.w1.weight.shape)} (F, D)")
 print(f"prefill: {prefill['seconds_per_token'] * 1e3:.2f} ms per prompt token")
 for d in decode:
     print(f"decode B={d['batch_size']:2d}: {d['seconds'] * 1e3:7.2f} ms/step measured "
           f"(matmuls alone {d['matmul_only_seconds'] * 1e3:6.2f}), {d['predicted_seconds'] * 1e3:7.2f} "
-          f"predicted ({d['bytes'] / 1e6:.0f} MB read, {d['achieved_bandwidth'] / 1e9:.1f} GB/s achieved)")
+          f"predicted ({d['bytes'] / 1e6:.0f} MB read, {d['achieved_bandwidth'] / 1e9:.1f} GB/s achieved, "
+          f"{d['achieved_bandwidth'] / hw.memory_bandwidth:.0%} of the measured stream)")
+cheaper = decode[0]["seconds"] / prefill["seconds_per_token"]
+print(f"this run: a prompt token costs 1/{cheaper:.0f} of a B = 1 decode step" if cheaper > 1 else
+      f"this run: prefill was not cheaper per token ({cheaper:.2f}x): the machine was too busy to tell")
+tokens_per_s = {d["batch_size"]: d["batch_size"] / d["seconds"] for d in decode}
+print("decode tokens/s by batch:", {b: round(v, 1) for b, v in tokens_per_s.items()})
 fig = plot_model(prefill, decode)
 print("saved", save_figure(fig, "01_bench90m_prefill_decode"))
 
@@ -160,3 +183,24 @@ element = model.lm_head.weight.element_size()
 print(f"cache.nbytes / tokens = {cache.nbytes // 200:,}  "
       f"formula: {kv_cache_bytes_per_token(config, element):,} bytes/token")
 plt.close("all")
+
+# %% [markdown]
+# ## Summary
+# - A matmul's arithmetic intensity tends to B (the rows sharing each weight); an accelerator is
+#   compute-bound only above its own intensity (H100: ~295 FLOP per byte).
+# - Prefill is compute-bound (MLP intensity B·S, attention S/2); decode is memory-bound (MLP intensity B,
+#   attention below 1 whatever B is, since each sequence reads its own cache).
+# - Decode latency ≈ (weights + B caches) / bandwidth; throughput = B / latency grows with B until the
+#   caches fill memory; GQA's smaller cache buys a larger batch.
+# - Measured roofs on a shared machine move with the load: measure around the experiment, take medians,
+#   and read every ratio from the same run.
+#
+# ## Exercises
+# 1. With `sym.matmul_cost()`, find the smallest B at which X (B x 4096) @ W (4096 x 4096) in bf16 is
+#    compute-bound on an H100 (intensity above `HARDWARE["H100"].accelerator_intensity`).
+# 2. With `with_kv_heads` and `max_batch_size`, find the largest batch of Llama 2 13B at S = 1024 that
+#    fits in an H100's 80 GB with K = 40 and with K = 8.
+# 3. With `kv_cache_bytes_per_token` and `num_parameters`, find the context length S at which one
+#    Llama 2 13B sequence's KV cache outweighs the bf16 weights (and at B = 64: S / 64).
+#
+# Answers: `tests/library/test_notebook_exercises.py`.

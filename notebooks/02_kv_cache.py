@@ -132,7 +132,10 @@ print("max |absorbed - naive| =", f"{(outs[True] - outs[False]).abs().max().item
 # ## What each cache holds
 # `cache.nbytes` counts the tensors actually allocated; `bytes_per_token` what one cached position of
 # one sequence costs over all layers (layers sharing a cache count once). Both equal the accounting
-# formulas. Decoding past the window, the rolling buffer's bytes stay flat.
+# formulas. The shapes: keys and values (B, K, S_max, H) for MHA/GQA/MQA; for MLA one (B, 1, S_max, C + R)
+# tensor, the latent and the RoPE key side by side (one key head shared by all queries); for the window a
+# ring of W positions (plus attention-sink slots, none here). Decoding past the window, the rolling
+# buffer's bytes stay flat.
 
 # %%
 S_max = 128
@@ -143,8 +146,9 @@ for name, model in models.items():
     assert cache.bytes_per_token == kv_cache_bytes_per_token(cfg, bytes_per_element=4)
     assert cache.nbytes == kv_cache_bytes(cfg, 1, S_max, 4)
     rows.append((name, cache.bytes_per_token, cache.nbytes, len(cache.unique_layers())))
+    shapes = [tuple(t.shape) for t in vars(cache.unique_layers()[0]).values() if isinstance(t, torch.Tensor)]
     print(f"{name:<34} {cache.bytes_per_token:>5} B/token  {cache.nbytes:>7,} B at S_max={S_max}  "
-          f"{len(cache.unique_layers())} layer caches")
+          f"{len(cache.unique_layers())} layer caches, the first holds {shapes}")
 
 cla_cache = models["CLA (2 layers share)"].new_cache(1, S_max)
 print("CLA: layer 1 reads layer 0's cache object:", cla_cache.layers[1] is cla_cache.layers[0])
@@ -257,3 +261,25 @@ else:
 # KV heads into one (GQA's conversion) needs the paper's uptraining; without it the model breaks.
 # Quantizing the cache is the cheap win: int8 and fp8 keep full accuracy at about half the bytes,
 # int4 (groups of 32) at about a quarter. Decode time at B = 1 barely changes: the weights dominate.
+
+# %% [markdown]
+# ## Summary
+# - Decode reads every sequence's cache each step, so bytes per cached token set both the step time at
+#   long context and how many sequences fit.
+# - Fewer dimensions per token: GQA/MQA share KV heads (N/K times smaller), MLA caches a C + R latent,
+#   CLA shares a cache across layers. Fewer tokens: a sliding window keeps W positions (receptive field
+#   L·(W−1) after L layers); hybrids keep a few global layers. Fewer bits: a quantized cache.
+# - Every variant decodes exactly like its own full forward; what it loses is what its mask or its
+#   projection throws away, and that shows only on tasks that need distant tokens (passkey), not on
+#   short-run perplexity.
+#
+# ## Exercises
+# 1. Build the base model above with `num_kv_heads` = 4, 2, 1 and check with `model.new_cache(1, 128).nbytes`
+#    that the cache shrinks exactly N/K times.
+# 2. With `kv_cache_bytes_per_token(REAL_MODELS["deepseek-v2"])`, compare DeepSeek-V2's MLA cache with the
+#    same model as MHA (`.replace(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)`): how many
+#    times smaller, and why (512 + 64 vs 2·N·H per layer)?
+# 3. Receptive field: in the `window 16` model (L = 4), change token 0 of an 80-token input and find the
+#    last position whose logits change. Predict it first: L·(W−1).
+#
+# Answers: `tests/library/test_notebook_exercises.py`.

@@ -69,14 +69,19 @@ print("KV-group scores:\n", scores["kv_groups"])
 
 # %% [markdown]
 # ## 2. Prune to the draft's shape, then repair by distillation
-# The pruned model keeps the original weights of everything it keeps, so it starts far better than
-# a random model but far worse than the target. A few distillation steps (KL to the target's
+# The pruned model keeps the original weights of everything it keeps (the rows and columns of the
+# kept heads and channels: the shapes below), so it starts far better than a random model but far
+# worse than the target. A few distillation steps (KL to the target's
 # next-token distribution) recover much of the gap; the shipped draft ran the full recipe.
 
 # %%
 d = draft.config
 pruned = prune_model(target, calibration, num_layers=d.num_layers, num_kv_heads=d.num_kv_heads,
                      num_heads=d.num_heads, d_ff=d.d_ff, scores=scores)
+for key in ("attn.q_proj", "attn.k_proj", "ffn.w1", "ffn.w2"):
+    print(f"layers.0.{key}: {tuple(target.get_submodule(f'layers.0.{key}').weight.shape)} -> "
+          f"{tuple(pruned.get_submodule(f'layers.0.{key}').weight.shape)}")
+print(f"{target.num_parameters():,} -> {pruned.num_parameters():,} parameters")
 val = load_corpus("val")
 quick = dict(seq_len=256, batch_size=4, max_batches=4)
 before = compare_to_reference(pruned, target, val, **quick)
@@ -106,3 +111,22 @@ save_figure(fig, "04_pruning_bpb")
 # The distilled draft agrees with the target more often than the from-scratch draft: exactly the
 # property speculative decoding rewards, since a draft token is accepted with probability
 # min(1, q/p), which is high where the draft's distribution matches the target's.
+
+# %% [markdown]
+# ## Summary
+# - Importance comes from activations on a little calibration data: head output norms (a GQA group is
+#   kept or cut whole), MLP channel magnitudes, and the loss increase when a layer is skipped.
+# - Pruning keeps the original weights of what it keeps; distillation (KL to the target's next-token
+#   distribution) repairs the rest, and beats training the same shape from scratch for the same steps.
+# - A distilled draft agrees with the target more often, which is exactly what speculative decoding
+#   turns into accepted tokens.
+#
+# ## Exercises
+# 1. Halve the MLP (`prune_model(target, calibration, d_ff=F // 2, scores=scores)`) and compare its bits
+#    per byte (`evaluate_lm`) with the same cut on random channel scores (replace `scores["mlp"]`).
+# 2. Predict `pruned.num_parameters()` from its config: 2VD + L(3DF + 2DNH + 2DKH + 2D) + D (embedding and
+#    lm_head, MLP, attention, the two norms per layer and the final one).
+# 3. Drop one layer with `prune_model(..., num_layers=L - 1)`: it removes the layer `scores["layers"]`
+#    ranks lowest. Compare with dropping the highest-ranked one (negate the layer scores).
+#
+# Answers: `tests/library/test_notebook_exercises.py`.

@@ -308,12 +308,15 @@ else:
 # ## Exercises
 # 1. Use `speculative_output_distribution` to find p, q over three tokens where α is 0.5 but the
 #    residual puts all its mass on one token. What does the draft do wrong?
-# 2. With α = 0.8, for which cost ratios c is γ = 1 optimal (`optimal_gamma`)? Repeat with `verify_cost`
-#    set to this machine's measured v(γ) from §5: how does the best γ move?
-# 3. Make the draft worse on purpose (add noise to its `lm_head`) and check with a chi-square test that
-#    `speculative_generate` at temperature 1 still samples the target's distribution of the first 2 tokens.
-# 4. Prompt lookup with `max_ngram = 1` vs 3 on the echo drills and on a story: which finds more
-#    accepted drafts, and why does a longer n-gram match help on one and not the other?
-# 5. Implement a Medusa-style head: a linear layer on the target's last hidden state predicting token
-#    t+2, trained on the target's own greedy outputs; use it as a drafter (see `generation.drafters`) and
-#    measure its α at position 1.
+# 2. With α = 0.8 and `verify_cost` v = 1, for which cost ratios c is γ = 1 optimal (`optimal_gamma`)?
+#    Derive the threshold by comparing γ = 1 with γ = 2, then repeat with v = 1.5: how does it move?
+#
+# Answers: `tests/library/test_notebook_exercises.py`. Further, open-ended:
+# * Make the draft worse on purpose (add noise to its `lm_head`) and check with a chi-square test that
+#   `speculative_generate` at temperature 1 still samples the target's distribution of the first 2 tokens.
+# * Prompt lookup with `max_ngram = 1` vs 3 on the echo drills and on a story: which finds more
+#   accepted drafts, and why does a longer n-gram match help on one and not the other?
+# * Implement a Medusa-style head: a linear layer on the target's last hidden state predicting token
+#   t+2, trained on the target's own greedy outputs; use it as a drafter (see `generation.drafters`) and
+#   measure its α at position 1. Set `verify_cost` to this machine's measured v(γ) from §5 and see how
+#   the best γ moves.

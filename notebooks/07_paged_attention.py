@@ -109,6 +109,8 @@ order = torch.randperm(20).tolist()
 tables = [order[0:3], order[3:4], order[4:8]]
 q = torch.randn(len(lengths), N, H)               # one decode query per sequence
 out = paged_attention(q, pool_k, pool_v, tables, lengths)
+print(f"pool of keys (blocks, block_size, K, H) {tuple(pool_k.shape)}; queries (B, N, H) {tuple(q.shape)} "
+      f"-> out {tuple(out.shape)}; block tables {tables}")
 for i, (S, table) in enumerate(zip(lengths, tables)):
     k = torch.cat([pool_k[blk] for blk in table])[:S].transpose(0, 1)       # (K, S, H) contiguous
     v = torch.cat([pool_v[blk] for blk in table])[:S].transpose(0, 1)
@@ -176,3 +178,24 @@ for bs in (4, 8, 16, 32):
     s = Engine(model, block_size=bs, num_blocks=2048 // bs, max_num_seqs=64, watermark_blocks=0).run(requests).summary()
     print(f"block size {bs:2}: waste {100 * s['kv_waste_fraction']:4.1f}%, at most {s['max_running']} running, "
           f"{s['throughput_tok_per_s']:5.0f} tok/s")
+
+# %% [markdown]
+# ## Summary
+# - Reserving each request's maximum length wastes the tail it never reaches (internal fragmentation)
+#   and leaves free memory in holes too small to use (external fragmentation).
+# - Paging: fixed-size blocks from a free list, a block table per sequence, a new block only when the last
+#   is full; the waste is at most one partly filled block per sequence.
+# - Blocks are shared by reference count: a common system prompt (found by chained block hashes) and the
+#   n samples of one prompt are stored once; copy-on-write splits a shared block when one sequence writes.
+# - Attention reads the blocks through the table and gives exactly the contiguous result; more sequences
+#   fit in the same memory, so the batch is larger and requests wait less.
+#
+# ## Exercises
+# 1. Allocate sequences of 37, 5 and 60 tokens in a `BlockManager` with blocks of 16 and predict
+#    `memory_stats()`: reserved slots, used slots, internal fragmentation.
+# 2. Fork a 10-token sequence twice (blocks of 4) and `append_slot` one token to each of the three: which
+#    appends copy a block, and how many blocks are in use afterwards?
+# 3. Three requests behind the same 64-token system prompt (blocks of 16, `cache_full_blocks` after each):
+#    how many prompt tokens does each find cached, and how many blocks do the three hold together?
+#
+# Answers: `tests/library/test_notebook_exercises.py`.

@@ -38,6 +38,37 @@ def median_seconds(fn, device: torch.device, repeats: int, warmup: int = 2) -> f
     return statistics.median(times)
 
 
+def alternating_timings(fns: dict, repeats: int = 3, warmup: int = 1, device: torch.device | None = None,
+                        clock: str = "wall") -> dict[str, dict]:
+    """Time every function of `fns` ({name: fn}) `repeats` times, alternating A, B, A, B, ... so that a
+    change of machine load during the run hits every variant alike (after `warmup` untimed rounds).
+
+    Returns {name: {"median", "min", "max", "times"}} in seconds. clock: "wall" (time.perf_counter) or
+    "cpu" (this process's CPU time, time.process_time: with one thread, the time the work ran rather
+    than the time it waited for a core another process held).
+    """
+    if not isinstance(fns, dict) or not fns or not all(callable(f) for f in fns.values()):
+        raise ValueError(f"fns must be a non-empty dict of name -> callable, got {fns!r:.80}")
+    _checks.positive_int("repeats", repeats)
+    _checks.non_negative_int("warmup", warmup)
+    clocks = {"wall": time.perf_counter, "cpu": time.process_time}
+    if clock not in clocks:
+        raise ValueError(f"clock must be one of {sorted(clocks)}, got {clock!r}")
+    now = clocks[clock]
+    device = device if device is not None else torch.device("cpu")
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(warmup + repeats):
+        for name, fn in fns.items():
+            sync_device(device)
+            t0 = now()
+            fn()
+            sync_device(device)
+            if round_ >= warmup:
+                times[name].append(now() - t0)
+    return {name: {"median": statistics.median(t), "min": min(t), "max": max(t), "times": t}
+            for name, t in times.items()}
+
+
 @contextlib.contextmanager
 def num_threads(n: int):
     """Run the body with torch using `n` intra-op threads, then restore the previous count."""
