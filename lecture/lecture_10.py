@@ -1169,8 +1169,8 @@ def summary():
     text("Measuring it for one model and one device: sweep prompt length, output length, concurrency and "
          "precision; record TTFT, p50/p99 inter-token latency, throughput, peak memory and the quality lost; "
          "split each request's time into queueing, prefill and decode. Tokens/s alone hides waiting users; "
-         "latency alone hides idle hardware. (`python -m cs336_inference bench inference`, coming, will run "
-         "that sweep; `bench serving` and `bench generation` measure parts of it today.)")
+         "latency alone hides idle hardware. (`python -m cs336_inference bench inference` runs that sweep, "
+         "with presets for the three operating points: interactive chat, offline batch, RL rollouts.)")
 
 
 if __name__ == "__main__":

@@ -697,3 +697,25 @@ def run_engine(model, requests, **config):
     """Serve `requests` to completion; the result's `.outputs[i].tokens[j]` is sample j of request i."""
     from cs336_inference.serving import Engine
     return Engine(model, **config).run(requests)
+
+
+def make_request_output(request_id, prompt_len: int, arrival_time: float, token_times: list[list[float]],
+                        first_scheduled_time: float | None = None):
+    """A finished request as the engine reports it: per sample, the time each output token existed."""
+    from cs336_inference.serving import RequestOutput
+    return RequestOutput(request_id, prompt_len, arrival_time, tokens=[[0] * len(t) for t in token_times],
+                         token_times=[list(t) for t in token_times], finish_reasons=["length"] * len(token_times),
+                         first_scheduled_time=first_scheduled_time,
+                         finish_time=max(t[-1] for t in token_times if t) if any(token_times) else None)
+
+
+def run_request_metrics(output):
+    """One request's TTFT, TPOT, ITLs, E2E and queueing / prefill / decode split (vLLM's definitions)."""
+    from cs336_inference.serving import request_metrics
+    return request_metrics(output)
+
+
+def run_benchmark_metrics(outputs, duration: float | None = None) -> dict:
+    """A run's counts, throughputs and {mean, median, p99} of ttft, tpot, itl, e2el, queueing, prefill, decode."""
+    from cs336_inference.serving import benchmark_metrics
+    return benchmark_metrics(outputs, duration)

@@ -37,15 +37,41 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="smaller sizes, for a smoke run (writes figures/scratch/NAME_quick.*, "
                         "never the committed results)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    # Options only some benchmarks take (refused by the others): bench inference's model and one operating point.
+    p.add_argument("--model", default=None, help="inference: the model (target, or smollm2-135m; default target)")
+    p.add_argument("--preset", default=None,
+                   help="inference: run only this operating point (chat, batch or rollouts) at every precision")
+    p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
+    p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
+    p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
+
+
+# bench option -> keyword of the benchmark functions that take it
+BENCH_OPTIONS = {"model": "model", "preset": "preset", "concurrency": "concurrency", "output_len": "output_len"}
 
 
 def _run_bench(args) -> int:
+    import inspect
+
     from .device import apply_thread_policy
 
-    apply_thread_policy(parallel=args.which in PARALLEL_BENCHMARKS)
     module_name, func_name = BENCHMARKS[args.which]
     module = __import__(f"cs336_inference.{module_name}", fromlist=[func_name])
-    getattr(module, func_name)(quick=args.quick, device=args.device)
+    func = getattr(module, func_name)
+    accepted = inspect.signature(func).parameters
+    kwargs = {}
+    for option, keyword in BENCH_OPTIONS.items():
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if keyword not in accepted:
+            print(f"bench {args.which} does not take --{option.replace('_', '-')}", file=sys.stderr)
+            return 2
+        kwargs[keyword] = value
+    if getattr(args, "no_progress", False) and "progress" in accepted:
+        kwargs["progress"] = False
+    apply_thread_policy(parallel=args.which in PARALLEL_BENCHMARKS)
+    func(quick=args.quick, device=args.device, **kwargs)
     return 0
 
 
@@ -198,6 +224,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
     "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
+    "inference": ("benchmarks.inference", "bench_inference"),  # the complete benchmark: --model, --preset
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time

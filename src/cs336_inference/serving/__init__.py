@@ -15,7 +15,7 @@ from .contiguous_allocator import ContiguousAllocator
 from .contiguous_manager import ContiguousManager
 from .engine import Engine, EngineConfig, EngineResult, StepRecord
 from .memory_stats import KVMemoryStats
-from .metrics import summarize
+from .metrics import RequestMetrics, benchmark_metrics, distribution, request_metrics, summarize
 from .paged_attention import paged_attention
 from .paged_kv_cache import PagedBatch, PagedKVCache, PagedLayerCache, PagedStep
 from .prefix_cache import PrefixCache, chained_block_hash
@@ -27,8 +27,10 @@ from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 __all__ = [
     "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError",
-    "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestOutput",
+    "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestMetrics",
+    "RequestOutput",
     "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler",
-    "StepRecord", "TraceConfig", "blocks_for", "chained_block_hash", "make_chat_trace", "make_trace", "paged_attention",
-    "poisson_arrivals", "summarize",
+    "StepRecord", "TraceConfig", "benchmark_metrics", "blocks_for", "distribution",
+    "chained_block_hash", "make_chat_trace", "make_trace", "paged_attention",
+    "poisson_arrivals", "request_metrics", "summarize",
 ]

@@ -1,0 +1,266 @@
+"""What `bench inference` sweeps: workloads, the lecture's three operating points, and the sweep plan.
+
+A `Workload` is a request trace plus the engine's batch limit: how long the prompts and outputs are,
+how many requests, how they arrive (Poisson at `rate` per second, or all at once: an offline job),
+how many samples each asks for, and how many sequences may run at once (`concurrency`, the engine's
+`max_num_seqs`). A run is a workload served at one precision with one KV layout (and, where it
+applies, with speculative decoding).
+
+The three operating points of the lecture (interactive chat, offline batch, RL rollouts) are
+`OPERATING_POINTS`, one set sized for the shipped toy model and one for a real model on a CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from .. import _checks
+
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+KV_LAYOUTS = ("paged", "contiguous")
+# The speculative axis (see inference_speculative): plain decoding, prompt lookup, the shipped draft model.
+SPECULATIVE = ("off", "prompt_lookup", "draft")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    prompt_len: tuple[int, int]       # tokens, uniform in [lo, hi] (before any shared system prompt)
+    output_len: int                   # max_new_tokens; exact unless stop_at_eos
+    concurrency: int                  # sequences running at once (the engine's max_num_seqs)
+    num_requests: int
+    rate: float = math.inf            # mean arrivals per second (Poisson); inf = all at t = 0 (offline)
+    samples: int = 1                  # n samples per prompt (they share the prompt's KV blocks)
+    temperature: float = 0.0          # 0 = greedy
+    stop_at_eos: bool = False         # end at the model's stop tokens (else exactly output_len, like
+                                      # vLLM's --ignore-eos for synthetic prompts)
+    system_prompt_len: int = 0        # a shared prefix in front of a share of the prompts
+    system_prompt_fraction: float = 0.0
+    chat: bool = False                # real models with a chat template: format as chat messages
+    seed: int = 0
+
+    def __post_init__(self):
+        _checks.instance("name", self.name, str)
+        lo, hi = self.prompt_len
+        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
+            raise ValueError(f"workload {self.name!r}: prompt_len must be (lo, hi) ints with 1 <= lo <= hi, "
+                             f"got {self.prompt_len!r}")
+        for name in ("output_len", "concurrency", "num_requests", "samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload {self.name!r}: {name} must be an int >= 1, got {value!r}"
+                                 + (" (a request must generate at least one token)" if name == "output_len" else "")
+                                 + (" (at least one sequence must run)" if name == "concurrency" else ""))
+        if not (isinstance(self.rate, (int, float)) and self.rate > 0):
+            raise ValueError(f"workload {self.name!r}: rate must be > 0 requests/s (inf: all at once), "
+                             f"got {self.rate!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+            raise ValueError(f"workload {self.name!r}: temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.system_prompt_fraction <= 1:
+            raise ValueError(f"workload {self.name!r}: system_prompt_fraction must be in [0, 1], "
+                             f"got {self.system_prompt_fraction!r}")
+        _checks.non_negative_int("system_prompt_len", self.system_prompt_len)
+
+    @property
+    def max_prompt_len(self) -> int:
+        return self.prompt_len[1] + self.system_prompt_len
+
+    def replace(self, **changes) -> "Workload":
+        return dataclasses.replace(self, **changes)
+
+    def describe(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["prompt_len"] = list(self.prompt_len)
+        d["rate"] = None if math.isinf(self.rate) else self.rate
+        return d
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of the sweep: a workload at a precision, KV layout and speculative setting."""
+
+    axis: str                          # which sweep it belongs to ("concurrency", "prompt_len", ...)
+    workload: Workload
+    precision: str = "fp32"
+    kv_layout: str = "paged"
+    speculative: str = "off"
+
+    def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
+        if self.speculative not in SPECULATIVE:
+            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+
+
+def _toy_points() -> dict[str, Workload]:
+    """Operating points for the shipped target (byte tokens, context 512)."""
+    return {
+        # A person waits for every token: requests trickle in, small batches, answers end naturally.
+        "chat": Workload("chat", prompt_len=(32, 128), output_len=128, concurrency=8, num_requests=32, rate=40.0,
+                         stop_at_eos=True, system_prompt_len=64, system_prompt_fraction=0.5, chat=True),
+        # Nobody waits: every document is queued at once, long prompts, the biggest batch that fits.
+        "batch": Workload("batch", prompt_len=(192, 320), output_len=64, concurrency=32, num_requests=64),
+        # RL: many samples per prompt at temperature 1, long generations, the whole batch at once.
+        "rollouts": Workload("rollouts", prompt_len=(32, 64), output_len=192, concurrency=32, num_requests=8,
+                             samples=8, temperature=1.0, stop_at_eos=True),
+    }
+
+
+def _real_points() -> dict[str, Workload]:
+    """The same three operating points sized for a ~135M-parameter model on a shared 2-core CPU (a decode
+    step takes ~0.1-0.4 s there): chat messages with the model's template, answers ending at its stop token."""
+    return {
+        "chat": Workload("chat", prompt_len=(16, 48), output_len=32, concurrency=4, num_requests=6, rate=2.0,
+                         stop_at_eos=True, system_prompt_fraction=0.5, chat=True),
+        "batch": Workload("batch", prompt_len=(128, 256), output_len=16, concurrency=8, num_requests=8),
+        "rollouts": Workload("rollouts", prompt_len=(24, 48), output_len=32, concurrency=8, num_requests=2,
+                             samples=4, temperature=1.0, stop_at_eos=True),
+    }
+
+
+OPERATING_POINTS = tuple(_toy_points())
+
+
+def operating_points(real_model: bool, quick: bool = False) -> dict[str, Workload]:
+    """The three presets (chat, batch, rollouts) for the toy target or a real model; quick: an eighth
+    of the requests and of the output tokens (a smoke run)."""
+    points = _real_points() if real_model else _toy_points()
+    if quick:
+        points = {k: w.replace(num_requests=max(2, w.num_requests // 8), output_len=max(4, w.output_len // 8))
+                  for k, w in points.items()}
+    return points
+
+
+def check_preset(preset) -> str:
+    if not isinstance(preset, str) or preset not in OPERATING_POINTS:
+        raise ValueError(f"preset must be one of the operating points {list(OPERATING_POINTS)}, got {preset!r}")
+    return preset
+
+
+SPARSE_RATE = 1e-4   # arrivals per second far apart: each request runs alone (TTFT = prefill, no queueing);
+                     # the engine jumps over idle gaps, so they cost no time (throughput is not meaningful)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The axes of one `bench inference` run. Each axis varies one knob around a base workload and is
+    crossed with every precision; the concurrency axis is the operating-point picture (throughput vs
+    latency), the prompt-length axis serves one request at a time (TTFT = prefill)."""
+
+    precisions: tuple[str, ...] = PRECISIONS
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    concurrency_base: Workload = Workload("concurrency", prompt_len=(128, 128), output_len=64, concurrency=1,
+                                          num_requests=16)
+    requests_per_slot: int = 2          # concurrency axis: num_requests = max(base, this x concurrency)
+    prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 448)
+    prompt_base: Workload = Workload("prompt_len", prompt_len=(16, 16), output_len=4, concurrency=1, num_requests=4,
+                                     rate=SPARSE_RATE)
+    output_lens: tuple[int, ...] = (1, 16, 64, 192)
+    output_base: Workload = Workload("output_len", prompt_len=(64, 64), output_len=1, concurrency=8, num_requests=16)
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS   # compared on the chat operating point
+    speculative: tuple[str, ...] = SPECULATIVE  # compared on the chat point, one request at a time (if > 1 mode)
+    speculative_requests: int = 8       # chat requests served per speculative mode
+    presets: dict = field(default_factory=_toy_points)
+    warmup: Workload = Workload("warmup", prompt_len=(32, 64), output_len=8, concurrency=4, num_requests=4)
+    quality_windows: tuple[int, int] = (256, 8)   # held-out windows for bits/byte and KL: (tokens, count)
+    repeats: int = 3                    # each run this many times, rounds interleaved; the median run is kept
+
+    def __post_init__(self):
+        if not self.precisions:
+            raise ValueError(f"precisions must name at least one of {PRECISIONS}, got {self.precisions!r}")
+        for p in self.precisions:
+            if p not in PRECISIONS:
+                raise ValueError(f"precisions: each must be one of {PRECISIONS}, got {p!r}")
+        for c in self.concurrencies:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+                raise ValueError(f"concurrencies: each must be an int >= 1 (at least one sequence runs), got {c!r}")
+        for o in self.output_lens:
+            if isinstance(o, bool) or not isinstance(o, int) or o < 1:
+                raise ValueError(f"output_lens: each must be an int >= 1 (a request generates at least one "
+                                 f"token), got {o!r}")
+        for p in self.prompt_lens:
+            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
+                raise ValueError(f"prompt_lens: each must be an int >= 1, got {p!r}")
+        for layout in self.kv_layouts:
+            if layout not in KV_LAYOUTS:
+                raise ValueError(f"kv_layouts: each must be one of {KV_LAYOUTS}, got {layout!r}")
+        for mode in self.speculative:
+            if mode not in SPECULATIVE:
+                raise ValueError(f"speculative: each must be one of {SPECULATIVE}, got {mode!r}")
+        for k in self.presets:
+            check_preset(k)
+        _checks.positive_int("repeats", self.repeats)
+
+    def with_precisions(self, precisions: tuple[str, ...]) -> "SweepConfig":
+        """The same sweep over `precisions` (kept in the given order where this sweep has them)."""
+        return dataclasses.replace(self, precisions=tuple(p for p in precisions if p in self.precisions))
+
+    def runs(self, only_preset: str | None = None) -> list[RunSpec]:
+        """Every run of the sweep, in order: operating points x precisions, the chat point with the other
+        KV layouts and speculative modes (at the base precision), then the concurrency, prompt-length and
+        output-length axes x precisions. `only_preset`: just that operating point at every precision."""
+        if only_preset is not None:
+            check_preset(only_preset)
+            return [RunSpec("preset", self.presets[only_preset], p) for p in self.precisions]
+        base = self.precisions[0]
+        out = [RunSpec("preset", w, p) for w in self.presets.values() for p in self.precisions]
+        chat = self.presets.get("chat")
+        if chat is not None:
+            out += [RunSpec("kv_layout", chat, base, layout) for layout in self.kv_layouts if layout != "paged"]
+            if len(self.speculative) > 1:   # one sequence at a time on the model's own (contiguous) cache
+                alone = chat.replace(concurrency=1, rate=SPARSE_RATE,
+                                     num_requests=min(chat.num_requests, self.speculative_requests))
+                out += [RunSpec("speculative", alone, base, "contiguous", mode) for mode in self.speculative]
+        for p in self.precisions:
+            for c in self.concurrencies:
+                n = max(self.concurrency_base.num_requests, self.requests_per_slot * c)
+                out.append(RunSpec("concurrency", self.concurrency_base.replace(concurrency=c, num_requests=n), p))
+        for p in self.precisions:
+            for length in self.prompt_lens:
+                out.append(RunSpec("prompt_len", self.prompt_base.replace(prompt_len=(length, length)), p))
+        for p in self.precisions:
+            for length in self.output_lens:
+                out.append(RunSpec("output_len", self.output_base.replace(output_len=length), p))
+        return out
+
+    def describe(self) -> dict:
+        """The sweep as plain data (for the JSON)."""
+        return {"precisions": list(self.precisions), "concurrencies": list(self.concurrencies),
+                "concurrency_base": self.concurrency_base.describe(), "requests_per_slot": self.requests_per_slot,
+                "prompt_lens": list(self.prompt_lens), "prompt_base": self.prompt_base.describe(),
+                "output_lens": list(self.output_lens), "output_base": self.output_base.describe(),
+                "kv_layouts": list(self.kv_layouts), "speculative": list(self.speculative),
+                "speculative_requests": self.speculative_requests,
+                "presets": {k: w.describe() for k, w in self.presets.items()}, "warmup": self.warmup.describe(),
+                "quality_windows": list(self.quality_windows), "repeats": self.repeats}
+
+
+def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
+    """The sweep for the toy target or a real model (smaller: a 2-core CPU decodes a 135M model at tens
+    of tokens/s); quick: a smoke run of every axis in seconds."""
+    if quick:
+        return SweepConfig(precisions=("fp32", "bf16", "int4"), concurrencies=(1, 4),
+                           concurrency_base=Workload("concurrency", (32, 32), 8, 1, 4), prompt_lens=(16, 64),
+                           prompt_base=Workload("prompt_len", (16, 16), 2, 1, 2, rate=SPARSE_RATE),
+                           output_lens=(1, 8), output_base=Workload("output_len", (32, 32), 1, 2, 4),
+                           presets=operating_points(real_model, quick=True),
+                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1,
+                           speculative=("off", "prompt_lookup") if real_model else SPECULATIVE,
+                           speculative_requests=2)
+    if real_model:
+        return SweepConfig(concurrencies=(1, 2, 4, 8, 16), requests_per_slot=1,
+                           concurrency_base=Workload("concurrency", (64, 64), 16, 1, 4),
+                           prompt_lens=(32, 128, 512, 1024),
+                           prompt_base=Workload("prompt_len", (32, 32), 2, 1, 2, rate=SPARSE_RATE),
+                           output_lens=(1, 16), output_base=Workload("output_len", (64, 64), 1, 4, 4),
+                           presets=operating_points(True), warmup=Workload("warmup", (16, 16), 2, 2, 2),
+                           quality_windows=(256, 4), repeats=1, speculative=("off", "prompt_lookup"))
+    return SweepConfig()
+
+
+__all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE", "SweepConfig",
+           "Workload", "check_preset", "operating_points", "sweep_config"]
