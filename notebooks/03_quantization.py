@@ -38,7 +38,7 @@ from cs336_inference.data.real_text import pydoc_documents
 from cs336_inference.generation import decode_one_token
 from cs336_inference.model import load_pretrained, load_tokenizer
 from cs336_inference.model.gguf import gguf_round_trip
-from cs336_inference.model.real_models import gguf_path
+from cs336_inference.model.real_models import real_model_missing
 from cs336_inference.tables import quantization_smollm2_table
 from cs336_inference.timing import num_threads
 from cs336_inference.data import load_corpus
@@ -297,12 +297,10 @@ print("this run: the reference kernel was " + ("slower" if ms["int4 (reference k
 # grid it adds a second rounding error.
 
 # %%
-try:
-    gguf_path("smollm2-135m")
-    have_smollm2 = True
-except (ModuleNotFoundError, FileNotFoundError) as e:
-    print(e)
-    have_smollm2 = False
+missing = real_model_missing("smollm2-135m")  # None when the wheel is installed, else how to install it
+have_smollm2 = missing is None
+if missing:
+    print(missing)
 if have_smollm2:
     smol = load_pretrained("smollm2-135m", device=device)
     w = smol.layers[0].ffn.w1.weight.detach()

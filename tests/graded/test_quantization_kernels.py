@@ -7,6 +7,7 @@ import pytest
 import torch
 from adapters import (run_dequantize, run_gptq_quantize, run_llm_int8_matmul, run_pack_int4, run_quantize,
                       run_quantize_kv_int8, run_quantize_tensor, run_unpack_int4)
+from reference_quantization import naive_affine_rtn
 
 
 def test_lecture_worked_example():
@@ -233,17 +234,6 @@ def test_gptq_equals_the_column_by_column_reference(bits, group_size):
     torch.testing.assert_close(got.double(), ref_gptq(w, x, bits, group_size), atol=2e-5, rtol=0)
 
 
-def _rtn_affine(w, bits, group):
-    out = torch.empty_like(w, dtype=torch.float64)
-    g = group or w.shape[1]
-    for start in range(0, w.shape[1], g):
-        chunk = w[:, start:start + g].double()
-        lo, hi = chunk.min(1, keepdim=True).values.clamp(max=0), chunk.max(1, keepdim=True).values.clamp(min=0)
-        s = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
-        z = torch.round(-lo / s)
-        out[:, start:start + g] = (torch.clamp(torch.round(chunk / s) + z, 0, 2**bits - 1) - z) * s
-    return out
-
 
 @pytest.mark.parametrize("bits, group_size", [(4, None), (3, 32)])
 def test_gptq_beats_round_to_nearest_on_the_layer_output(bits, group_size):
@@ -254,4 +244,4 @@ def test_gptq_beats_round_to_nearest_on_the_layer_output(bits, group_size):
 
     def error(m):
         return float((x.double() @ (w.double() - m.double()).T).norm())
-    assert error(w_hat) < 0.9 * error(_rtn_affine(w, bits, group_size))
+    assert error(w_hat) < 0.9 * error(naive_affine_rtn(w, bits, group_size))

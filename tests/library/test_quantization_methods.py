@@ -2,13 +2,15 @@
 library's GPTQ options beyond the graded core (act-order, blocked lazy updates, bad inputs), AWQ and
 the straight-through estimator. Plain GPTQ is graded in tests/graded/test_quantization_kernels.py.
 
-The reference quantizer (`_naive_rtn`) and the layer error ||X W^T - X W_hat^T|| are written in this
-file; the library's methods only supply W_hat (GPTQ) or the scales s (AWQ).
+The reference quantizer (`naive_affine_rtn` in tests/reference_quantization.py) and the layer error
+||X W^T - X W_hat^T|| are written in the tests; the library's methods only supply W_hat (GPTQ) or the
+scales s (AWQ).
 """
 
 import pytest
 import torch
 from adapters import run_awq_search_scales, run_ste_fake_quantize
+from reference_quantization import naive_affine_rtn
 
 from cs336_inference.quantization import gptq_quantize
 
@@ -16,18 +18,6 @@ from cs336_inference.quantization import gptq_quantize
 def _gptq_w_hat(weight, inputs, bits=4, group_size=None, **kwargs):
     return gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size, **kwargs).quantized.dequantize()
 
-
-def _naive_rtn(w, bits, group):
-    """Affine min/max round-to-nearest per group of `group` input columns (per row if None)."""
-    out = torch.empty_like(w, dtype=torch.float64)
-    g = group or w.shape[1]
-    for start in range(0, w.shape[1], g):
-        chunk = w[:, start:start + g].double()
-        lo, hi = chunk.min(1, keepdim=True).values.clamp(max=0), chunk.max(1, keepdim=True).values.clamp(min=0)
-        s = ((hi - lo) / (2**bits - 1)).clamp(min=1e-12)
-        z = torch.round(-lo / s)
-        out[:, start:start + g] = (torch.clamp(torch.round(chunk / s) + z, 0, 2**bits - 1) - z) * s
-    return out
 
 
 def _layer_error(w, w_hat, x):
@@ -50,7 +40,7 @@ def test_gptq_with_act_order_and_lazy_blocks_beats_rtn(bits, group_size, act_ord
     w = torch.randn(96, 128) / 128**0.5
     x = _correlated_inputs(1024, 128, seed=bits)
     w_gptq = _gptq_w_hat(w, x, bits=bits, group_size=group_size, act_order=act_order, block_size=32)
-    e_gptq, e_rtn = _layer_error(w, w_gptq, x), _layer_error(w, _naive_rtn(w, bits, group_size), x)
+    e_gptq, e_rtn = _layer_error(w, w_gptq, x), _layer_error(w, naive_affine_rtn(w, bits, group_size), x)
     assert e_gptq < 0.9 * e_rtn, f"GPTQ error {e_gptq:.4f} should beat RTN {e_rtn:.4f} at {bits} bits"
 
 
@@ -85,8 +75,8 @@ def test_awq_beats_rtn_with_salient_input_channels(bits, group_size):
     s = run_awq_search_scales(w, x, bits=bits, group_size=group_size)
     assert s.shape == (128,) and torch.all(s > 0)
     assert float(s[salient].min()) > float(s.median()), "salient channels should be scaled up"
-    w_awq = _naive_rtn(w.double() * s.double(), bits, group_size) / s.double()   # (x / s) Q(W s)^T
-    e_awq, e_rtn = _layer_error(w, w_awq, x), _layer_error(w, _naive_rtn(w, bits, group_size), x)
+    w_awq = naive_affine_rtn(w.double() * s.double(), bits, group_size) / s.double()   # (x / s) Q(W s)^T
+    e_awq, e_rtn = _layer_error(w, w_awq, x), _layer_error(w, naive_affine_rtn(w, bits, group_size), x)
     assert e_awq < 0.9 * e_rtn, f"AWQ error {e_awq:.4f} should beat RTN {e_rtn:.4f}"
 
 
@@ -98,7 +88,7 @@ def test_awq_refuses_empty_calibration():
 def test_straight_through_estimator_forward_quantizes_backward_is_identity():
     w = torch.randn(8, 32, requires_grad=True)
     y = run_ste_fake_quantize(w, bits=3, group_size=16)
-    torch.testing.assert_close(y.detach().double(), _naive_rtn(w.detach(), 3, 16), rtol=0, atol=1e-6)
+    torch.testing.assert_close(y.detach().double(), naive_affine_rtn(w.detach(), 3, 16), rtol=0, atol=1e-6)
     (y * torch.arange(32.0)).sum().backward()
     torch.testing.assert_close(w.grad, torch.arange(32.0).expand(8, 32))
 

@@ -73,6 +73,16 @@ def gguf_path(name: str) -> Path:
                             f"{list(found.submodule_search_locations)}; reinstall it with: {spec.install}")
 
 
+def real_model_missing(name: str) -> str | None:
+    """None when `name`'s wheel and GGUF file are installed, else why not (with the install command):
+    the lecture and notebooks print it and skip their real-model cells."""
+    try:
+        gguf_path(name)
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        return str(e)
+    return None
+
+
 def cache_dir() -> Path:
     """$CS336_CACHE_DIR, else $XDG_CACHE_HOME/cs336_inference, else ~/.cache/cs336_inference."""
     if os.environ.get("CS336_CACHE_DIR"):
