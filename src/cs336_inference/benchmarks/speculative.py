@@ -28,12 +28,11 @@ from __future__ import annotations
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from ..data.corpus import VAL_EVERY, build_corpus
 from ..device import get_device, seed_everything, thread_policy
 from ..figures import save_json
 from ..generation.generate import generate
@@ -43,99 +42,12 @@ from ..generation.sampling import sample_next_token
 from ..generation.speculative import speculative_generate
 from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
-from ..model.checkpoints import load_pretrained
-from ..model.tokenizer import ENDOFTEXT
 from ..tables import print_table
 from ..timing import num_threads, sync_device
 from .speculative_plot import plot_speculative
+from .speculative_workloads import Workload, real_workloads, toy_workloads
 
 TEMPERATURES = (0.0, 1.0)
-
-
-@dataclass
-class Workload:
-    name: str
-    target: torch.nn.Module
-    drafters: dict            # name -> TransformerLM or "prompt_lookup"
-    prompts: list[list[int]]
-    max_new_tokens: int
-    note: str = ""
-    stop_tokens: list[int] | None = None
-    gammas: tuple[int, ...] | None = None  # None: the benchmark's sweep
-    extra: dict = field(default_factory=dict)
-
-
-def _val_documents(prefix: str) -> list[str]:
-    docs = build_corpus(0).decode("utf-8").split(ENDOFTEXT)
-    return [d for i, d in enumerate(docs) if i % VAL_EVERY == VAL_EVERY - 1 and d.startswith(prefix)]
-
-
-def toy_workloads(device, quick: bool) -> list[Workload]:
-    target = load_pretrained("target", device=device)
-    draft, scratch = load_pretrained("draft", device=device), load_pretrained("draft-scratch", device=device)
-    n_prompts, new = (1, 32) if quick else (2, 96)
-    stories = [list(d[:64].encode()) for d in _val_documents("Once upon a time")[:n_prompts]]
-    echoes = [list(d[:320].encode()) for d in _val_documents("Echo drill") if len(d) > 480][:n_prompts]
-    return [
-        Workload("toy-story", target, {"draft": draft, "draft-scratch": scratch, "prompt_lookup": "prompt_lookup"},
-                 stories, new, "free continuation of a story opening (64 bytes)"),
-        Workload("toy-echo", target, {"draft": draft, "prompt_lookup": "prompt_lookup"}, echoes, new,
-                 "echo drills: each line repeats an earlier one (320-byte prompt), an input-grounded task"),
-    ]
-
-
-def _prose_paragraphs() -> list[str]:
-    """Plain-prose paragraphs (350-650 characters) of CPython's own help text: offline English to edit."""
-    from pydoc_data.topics import topics
-
-    out = []
-    for name in sorted(topics):
-        for par in topics[name].split("\n\n"):
-            if 350 < len(par) < 650 and not par.startswith(" ") and not any(m in par for m in ("::", "*", "`", "\n ")):
-                out.append(" ".join(par.split()))
-    return out
-
-
-REAL_TASKS = ("Rewrite the following passage, putting each sentence on its own line:\n\n",
-              "Summarize the following passage:\n\n")
-
-
-def real_workloads(device, quick: bool) -> list[Workload]:
-    """SmolLM2-135M-Instruct (when its loader and package are installed) with prompt lookup: chat tasks
-    whose answer copies a given passage (edit, summarise), and free writing where nothing can be copied."""
-    try:
-        from ..model.real_models import REAL_MODELS  # absent before the real-model loader existed
-        from ..model.tokenizer import load_tokenizer
-    except ImportError as e:
-        print(f"(real model: no loader in this checkout ({e}); toy workloads only)")
-        return []
-    name = "smollm2-135m"
-    try:
-        target = load_pretrained(name, device=device) if name in REAL_MODELS else None
-        tok = load_tokenizer(name) if target is not None else None
-    except (ImportError, FileNotFoundError) as e:
-        print(f"(real model unavailable: {e}; toy workloads only)")
-        return []
-    if target is None:
-        return []
-    paragraphs = _prose_paragraphs()
-
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-
-    n_prompts, new = (1, 24) if quick else (2, 128)
-    grounded = [chat(REAL_TASKS[i % 2] + paragraphs[1 + 5 * i]) for i in range(n_prompts)]
-    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]  # contrast
-    lookup = {"prompt_lookup": "prompt_lookup"}
-    extra = dict(model=name, parameters=target.num_parameters(), dtype=str(target.dtype))
-    return [
-        Workload("smollm2-grounded", target, lookup, grounded, new,
-                 "SmolLM2-135M-Instruct, chat: rewrite / summarise a given passage (the answer copies the input)",
-                 stop_tokens=tok.stop_ids, extra=extra),
-        Workload("smollm2-free", target, lookup, free, new // 2,
-                 "SmolLM2-135M-Instruct, chat: write a story (nothing to copy from the prompt)",
-                 stop_tokens=tok.stop_ids, gammas=(1, 2, 4, 8), extra=extra),
-    ]
 
 
 def _timed(fn, device):

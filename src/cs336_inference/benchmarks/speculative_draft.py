@@ -28,7 +28,7 @@ from ..figures import save_json
 from ..generation.speculative import speculative_generate
 from ..generation.speculative_theory import expected_speedup, optimal_gamma
 from ..timing import num_threads
-from .speculative import REAL_TASKS, _prose_paragraphs, real_workloads
+from .speculative_workloads import REAL_TASKS, prose_paragraphs, real_workloads
 
 DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
 
@@ -43,7 +43,7 @@ def _training_text(tok, held_out: set[str]) -> torch.Tensor:
         for par in topics[name].split("\n\n"):
             if par.strip() and " ".join(par.split()) not in held_out:
                 pieces.append(tok.encode(par) + tok.stop_ids[-1:])
-    for i, par in enumerate(_prose_paragraphs()):
+    for i, par in enumerate(prose_paragraphs()):
         if par in held_out:
             continue
         chat = tok.apply_chat_template([{"role": "user", "content": REAL_TASKS[i % 2] + par}])
@@ -90,7 +90,7 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
     target, prompts = w.target, w.prompts
     minutes = 1.0 if quick else minutes
     with num_threads(thread_policy(parallel=True)):  # training is large work: every core the policy allows
-        held_out = {par for par in _prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
+        held_out = {par for par in prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
         stream = _training_text(tok, held_out)
         split = int(0.95 * len(stream))
         train, val = stream[:split], stream[split:]
