@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/_openmp.py)
-import json  # noqa: E402
 import math  # noqa: E402
 
 import sympy as sp  # noqa: E402
@@ -30,6 +29,7 @@ from lecture_util import Reference, image, link, part, section, text  # noqa: E4
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
 from cs336_inference.model import load_pretrained, load_tokenizer  # noqa: E402
+from cs336_inference.figures import load_result  # noqa: E402
 from cs336_inference.model.real_models import real_model_missing  # noqa: E402
 from cs336_inference.accounting import symbolic as sym  # noqa: E402
 from cs336_inference.accounting import (HARDWARE, REAL_MODELS, kv_cache_bytes, kv_cache_bytes_per_token,  # noqa: E402
@@ -56,7 +56,6 @@ orca = Reference(title="Orca: A Distributed Serving System for Transformer-Based
 smollm2 = Reference(title="SmolLM2: When Smol Goes Big -- Data-Centric Training of a Small Language Model",
                     authors=["Loubna Ben Allal", "Anton Lozhkov", "Elie Bakouch"], date="2025-02-04",
                     url="https://arxiv.org/abs/2502.02737")
-FIGURES = Path(__file__).resolve().parents[1] / "figures"
 minitron = Reference(title="Compact Language Models via Pruning and Knowledge Distillation",
                      authors=["Saurav Muralidharan", "Sharath Turuvekere Sreenivas", "Raviraj Joshi"],
                      date="2024-07-19", url="https://arxiv.org/abs/2407.14679")
@@ -511,11 +510,10 @@ def reduce_kv_cache_size():
 
 def kv_experiment_summary():
     """The committed results of `python -m cs336_inference bench kv_variants` (not retrained here)."""
-    path = Path(__file__).resolve().parents[1] / "figures" / "kv_variants.json"
-    if not path.exists():
+    results = load_result("kv_variants")
+    if results is None:
         text("Run `python -m cs336_inference bench kv_variants` to train the variants and compare them.")
         return
-    results = json.loads(path.read_text())
     text("A cache variant has to keep three numbers: quality (loss and long-range recall), cache bytes per "
          "token, and decode speed at long context. `python -m cs336_inference bench kv_variants` trains a small "
          "model of each variant with the same parameter budget, data and steps:")
@@ -571,11 +569,10 @@ def kv_cuts_on_a_real_model():
     text(f"Live, {trial.context} tokens, key {trial.key} placed {distance} tokens before the answer: full "
          f"attention says {answers['full attention']!r}; the same weights with a 128-token window (+ 4 sink "
          f"tokens) say {answers['window 128 + 4 sinks']!r}: the key left the cache.")
-    path = FIGURES / "long_context.json"
-    if not path.exists():
+    results = load_result("long_context")
+    if results is None:
         text("Run `python -m cs336_inference bench long_context` for the full table (~30 min on 2 idle CPU cores).")
         return
-    results = json.loads(path.read_text())
     rows = {r["variant"]: r for r in results["rows"]}
     contexts, longest = results["contexts"], str(max(results["contexts"]))
     table = long_context_table(results)  # @inspect table
@@ -635,8 +632,6 @@ qat_paper = Reference(title="Quantization and Training of Neural Networks for Ef
 
 
 def quantization():
-    import json
-
     from cs336_inference.model import load_pretrained
     from cs336_inference.data import evaluate_lm, load_corpus
     from cs336_inference.quantization import (capture_linear_inputs, dequantize, gptq_quantize, layer_output_error,
@@ -736,7 +731,7 @@ def quantization():
 
     text("Every method on the whole target model (python -m cs336_inference bench quantization; "
          "figures/quantization.json, committed):")
-    table = json.loads((Path(__file__).resolve().parents[1] / "figures" / "quantization.json").read_text())
+    table = load_result("quantization")
     rows = {r["variant"]: r for r in table["rows"]}
     g = table["group_size"]
     fp32, int8 = rows["fp32"], rows["int8 per-channel"]
@@ -773,7 +768,7 @@ def quantization():
          "re-reads a full-precision matrix every step and decodes *slower* than fp32. The default kernel hands "
          "the packed codes to torch's int4pack / int8pack matmuls, which dequantize in registers (bf16 activations).")
     # Speed needs weights that do not fit in cache: the ~90M-parameter benchmark model (bench generation).
-    gen = json.loads((Path(__file__).resolve().parents[1] / "figures" / "generation.json").read_text())
+    gen = load_result("generation")
     speed = {(r["variant"], r["batch"]): r for r in gen["rows"]}
     bench_model = TransformerLM(ModelConfig.from_name(gen["preset"]), device="meta")
     assert speed[("fp32", 1)]["weight_bytes_per_step"] == 4 * bench_model.num_parameters(exclude_embeddings=True)
@@ -823,11 +818,10 @@ def quantization_on_a_real_model():
          f"projection has {dims[-1]} of {model.config.d_ff} dims above LLM.int8()'s threshold 6 (layer 0: "
          f"{dims[0]}), and the largest value is {peak:.0f}. One such value stretches an absmax int8 row scale "
          "until the rest of the row rounds to zero; LLM.int8() keeps those columns in 16 bits.")
-    path = FIGURES / "quantization_smollm2.json"
-    if not path.exists():
+    results = load_result("quantization_smollm2")
+    if results is None:
         text("Run `python -m cs336_inference bench quantization_smollm2` for every method on real text.")
         return
-    results = json.loads(path.read_text())
     rows = {r["variant"]: r for r in results["rows"]}
     table = quantization_smollm2_table(results)  # @inspect table
     text(f"`python -m cs336_inference bench quantization_smollm2` ({results['eval_tokens']:,} held-out tokens of "
@@ -983,12 +977,11 @@ def speculative_sampling():
          f"{expected_speedup(alpha_draft, best, 0.05):.1f}x. Typical pairs: 70B with 8B, 8B with 1B, distilled "
          "from the target so they agree with it.")
 
-    path = Path(__file__).resolve().parents[1] / "figures" / "speculative.json"
     text("Measured on this CPU (python -m cs336_inference bench speculative; figures/speculative.json, "
          "committed): decode speed-up over the target alone, the best gamma per drafter at temperature 0, "
          "next to the prediction from the measured alpha and measured costs (c: draft token / target "
          "token; v: target pass over gamma + 1 tokens / one decode step).")
-    bench = json.loads(path.read_text())
+    bench = load_result("speculative")
     rows = [r for r in bench["rows"] if r["temperature"] == 0]
     for workload in dict.fromkeys(r["workload"] for r in rows):
         for drafter in dict.fromkeys(r["drafter"] for r in rows if r["workload"] == workload):
@@ -1089,7 +1082,7 @@ def continuous_batching():
     text(f"One step of the run: [{shape}, D] = [{mixed.num_tokens}, D]: {mixed.num_prefills} prompts and "
          f"{mixed.num_decodes} decode tokens in one forward.")
     image("figures/serving.png", width=900)
-    real = json.loads((FIGURES / "serving.json").read_text())["smollm2-135m"]
+    real = load_result("serving")["smollm2-135m"]
     if "skipped" not in real:
         s = real["scheduling"]
         real_speedup = s["throughput_ratio"]  # @inspect real_speedup

@@ -33,8 +33,6 @@
 # %%
 import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
-import json
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -42,7 +40,7 @@ import torch
 from cs336_inference import ModelConfig, TransformerLM, generate, get_device, seed_everything
 from cs336_inference.accounting import kv_cache_bytes, kv_cache_bytes_per_token
 from cs336_inference.data.passkey import passkey_trials
-from cs336_inference.figures import figures_dir, save_figure
+from cs336_inference.figures import load_result, save_figure
 from cs336_inference.model import load_pretrained, load_tokenizer
 from cs336_inference.model.convert import with_attention
 from cs336_inference.model.real_models import real_model_missing
@@ -180,11 +178,8 @@ plt.show()
 # We read the committed results rather than retrain here.
 
 # %%
-path = Path("../figures/kv_variants.json")
-if not path.exists():
-    path = figures_dir() / "kv_variants.json"
-if path.exists():
-    results = json.loads(path.read_text())
+results = load_result("kv_variants")  # figures/kv_variants.json, or None
+if results is not None:
     print(f"window = {results['window']}, {results['train']['steps']} steps, device {results['device']}")
     print(kv_variants_table(results))
 else:
@@ -234,11 +229,8 @@ if have_smollm2:
 # needle at depths 0 to 1, ~30 min on two idle CPU cores) is committed; we read it here.
 
 # %%
-path = Path("../figures/long_context.json")
-if not path.exists():
-    path = figures_dir() / "long_context.json"
-if path.exists():
-    lc = json.loads(path.read_text())
+lc = load_result("long_context")
+if lc is not None:
     print(f"{lc['model']} ({lc['dtype']}, {lc['device']}), {lc['trials_per_context']} trials per context")
     print(long_context_table(lc))
     by_name = {r["variant"]: r for r in lc["rows"]}

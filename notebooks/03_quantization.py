@@ -25,10 +25,8 @@
 # %%
 import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
 # isort: split
-import json
 import statistics
 import time
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
@@ -42,7 +40,7 @@ from cs336_inference.model.real_models import real_model_missing
 from cs336_inference.tables import quantization_smollm2_table
 from cs336_inference.timing import num_threads
 from cs336_inference.data import load_corpus
-from cs336_inference.figures import save_figure
+from cs336_inference.figures import load_result, save_figure
 from cs336_inference.quantization import (
     awq_search_scales, capture_linear_inputs, count_activation_outliers, dequantize, fp8_range, fp8_round_trip,
     gptq_quantize, layer_output_error, model_nbytes, pack_int4, planted_outlier_demo, qrange, quantize,
@@ -199,7 +197,7 @@ print(f"KV bytes per token: fp32 {cache.bytes_per_token}, int8 {q_cache.bytes_pe
 # the fp32 model on the same tokens. (Speed comes in the next section, on a model too big for the caches.)
 
 # %%
-table = json.loads((Path.cwd().parent / "figures" / "quantization.json").read_text())
+table = load_result("quantization")  # figures/quantization.json
 print(f"{table['model']}: {table['parameters']:,} parameters, eval on {table['eval_tokens']:,} tokens")
 print(f"{'variant':<22}{'MB':>7}{'bpb':>8}{'Δbpb':>8}{'KL':>8}{'top1':>7}")
 for r in table["rows"]:
@@ -334,9 +332,8 @@ if have_smollm2:
 # divide D = 576, so the "g128" methods use groups of 96.
 
 # %%
-path = Path.cwd().parent / "figures" / "quantization_smollm2.json"
-if path.exists():
-    real = json.loads(path.read_text())
+real = load_result("quantization_smollm2")
+if real is not None:
     print(f"{real['model']}, {real['eval_tokens']:,} eval tokens, {real['calibration_tokens']:,} calibration tokens")
     print(quantization_smollm2_table(real))
 else:

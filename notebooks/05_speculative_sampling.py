@@ -34,7 +34,7 @@ import matplotlib.pyplot as plt
 import torch
 
 from cs336_inference import ByteTokenizer, generate, get_device, seed_everything
-from cs336_inference.figures import save_figure
+from cs336_inference.figures import load_result, save_figure
 from cs336_inference.generation import (SpeculativeDecoder, expected_speedup, expected_tokens_per_pass,
                                         optimal_gamma, speculative_accept, speculative_generate,
                                         speculative_output_distribution)
@@ -242,9 +242,6 @@ for g in (1, 2, 4, 8):
 # the time, for free. One greedy run each (noisy; skipped when the model's package is not installed):
 
 # %%
-import json  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 from cs336_inference.data.real_text import pydoc_documents  # noqa: E402
 from cs336_inference.model import load_tokenizer  # noqa: E402
 from cs336_inference.model.real_models import real_model_missing  # noqa: E402
@@ -276,9 +273,8 @@ if have_smollm2:
 # measured next to the prediction from the measured α and measured costs:
 
 # %%
-path = Path.cwd().parent / "figures" / "speculative.json"
-if path.exists():
-    bench = json.loads(path.read_text())
+bench = load_result("speculative")
+if bench is not None:
     rows = [r for r in bench["rows"] if r["temperature"] == 0]
     print(f"{'workload':17s} {'drafter':14s} gamma alpha tok/pass     c     v measured predicted")
     for key in dict.fromkeys((r["workload"], r["drafter"]) for r in rows):

@@ -36,6 +36,13 @@ def figures_dir() -> Path:
     return path
 
 
+def load_result(name: str) -> dict | None:
+    """A committed benchmark result, figures/NAME.json, or None where this checkout has none (the lecture
+    and notebooks read these instead of re-running a long benchmark)."""
+    path = figures_dir() / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def scratch_dir() -> Path:
     """Where everything that is not a committed result goes (git-ignored in a checkout)."""
     if os.environ.get("CS336_FIGURES"):

@@ -34,6 +34,14 @@ def test_only_full_benchmark_runs_write_the_committed_folder(checkout):
     assert json.loads((checkout / "figures" / "r.json").read_text()) == {"a": 1}
 
 
+def test_load_result_reads_only_committed_results(checkout):
+    assert figures.load_result("r") is None                      # nothing committed yet
+    figures.save_json({"a": 1}, "r", quick=True)                  # a scratch run is not a result
+    assert figures.load_result("r") is None
+    (checkout / "figures" / "r.json").write_text('{"a": 2}')
+    assert figures.load_result("r") == {"a": 2}
+
+
 def test_a_quick_benchmark_leaves_the_committed_folder_alone(checkout):
     from cs336_inference.benchmarks.accounting import bench_accounting
     bench_accounting(quick=True)
