@@ -102,4 +102,5 @@ def thread_report() -> dict:
     """What the CPU threading looks like in this process (for `python -m cs336_inference info`)."""
     return {"torch_threads": torch.get_num_threads(), "policy_small": thread_policy(False),
             "policy_large": thread_policy(True), "omp_wait_policy": _openmp.wait_policy(),
+            "gomp_spincount": _openmp.spin_count(),
             **{var.lower(): os.environ.get(var) for var in THREAD_ENV_VARS}}

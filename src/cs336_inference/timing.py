@@ -110,7 +110,7 @@ class _OtherLoad:
     CPUs' busy time) minus this process's own CPU time (`os.times`), refreshed at most once per
     `interval` seconds. The load average cannot tell our own threads from other people's; this can."""
 
-    def __init__(self, interval: float = 1.0):
+    def __init__(self, interval: float = 0.25):
         self.interval = interval
         self.last: tuple[float, float, float] | None = None   # (wall, all busy seconds, own seconds)
         self.value: float | None = None
@@ -148,6 +148,20 @@ other_cpu_load = _OtherLoad()
 
 def cpu_contended(threshold: float = 0.5) -> bool:
     """True when other processes kept at least `threshold` of a core busy over the last second or so
-    (False where it cannot be measured). Cheap to call often: it reads /proc at most once a second."""
+    (False where it cannot be measured). Cheap to call often: it reads /proc at most every 0.25 s."""
     load = other_cpu_load()
     return load is not None and load >= threshold
+
+
+def decode_threads():
+    """The thread count one decode step should run with, as a context: all of torch's threads, or one
+    while other processes keep a core busy (`cpu_contended`).
+
+    A batch-1 decode step is a chain of short parallel regions; each waits for its slowest thread. On an
+    idle machine two threads stream the weights faster than one; when a core is taken, the thread on it
+    stalls every region (and OpenMP's short spin between regions, `_openmp`, takes time from the busy
+    core), while one thread keeps most of the speed: a single core nearly saturates memory bandwidth.
+    """
+    if torch.get_num_threads() > 1 and cpu_contended():
+        return num_threads(1)
+    return contextlib.nullcontext()

@@ -2,6 +2,7 @@
 on save and load) and torch's fused attention kernel, both against the plain model in this test."""
 
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -145,3 +146,64 @@ def test_a_busy_process_is_seen_as_contention():
         import time
         time.sleep(0.6)
         assert meter() >= 0.5                   # the loop holds (nearly) a whole core
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_streaming_matmul_equals_a_float64_matmul(dtype, tol):
+    """The compiled batch-1 linear's formula against x W^T in float64 (bf16: inputs rounded to bf16,
+    then one rounding of the fp32-accumulated output, so ~2^-8 relative)."""
+    from cs336_inference.model.layers import streaming_matmul
+
+    torch.manual_seed(0)
+    w = torch.randn(48, 40).to(dtype)
+    for x in (torch.randn(40).to(dtype), torch.randn(1, 1, 40).to(dtype), torch.randn(2, 3, 40).to(dtype)):
+        expected = x.double() @ w.double().T
+        got = streaming_matmul(x, w)
+        assert got.dtype == dtype and got.shape == expected.shape
+        torch.testing.assert_close(got.double(), expected, rtol=tol, atol=tol)
+
+
+def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_matmul():
+    """What `Linear` does while a graph is traced (is_compiling patched on, eagerly): one row without
+    autograd -> streaming_matmul; several rows, or autograd on -> F.linear."""
+    from cs336_inference.model import layers
+
+    seen = []
+
+    def recording(x, w):
+        seen.append(tuple(x.shape))
+        return x @ w.T
+
+    lin = layers.Linear(8, 6)
+    with mock.patch.object(torch.compiler, "is_compiling", lambda: True), \
+            mock.patch.object(layers, "streaming_matmul", recording):
+        with torch.no_grad():
+            for shape in ((1, 1, 8), (8,), (3, 1, 8)):
+                assert lin(torch.randn(shape)).shape == (*shape[:-1], 6)
+        lin(torch.randn(1, 8))                     # grad enabled: a training graph keeps F.linear
+    assert seen == [(1, 1, 8), (8,)]
+
+
+def test_decode_threads_drops_to_one_thread_only_under_contention(monkeypatch):
+    from cs336_inference import timing
+    from cs336_inference.timing import decode_threads, num_threads
+
+    with num_threads(2):
+        monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: True)
+        with decode_threads():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2          # restored
+        monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: False)
+        with decode_threads():
+            assert torch.get_num_threads() == 2
+        # the eager decode step under contention: same logits as with two threads
+        model = _model()
+        ids = torch.randint(0, 97, (2, 9))
+        caches = [adapters.make_kv_cache(model, 2, 9) for _ in range(2)]
+        with torch.no_grad():
+            for cache in caches:
+                adapters.run_model(model, ids[:, :8], cache)
+            calm = adapters.run_decode_one_token(model, ids[:, 8], caches[0])
+            monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: True)
+            busy = adapters.run_decode_one_token(model, ids[:, 8], caches[1])
+        torch.testing.assert_close(busy, calm, rtol=0, atol=1e-5)

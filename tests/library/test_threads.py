@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 
 def _info(*args, **env) -> dict:
     clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS",
-                                                              "CS336_NUM_THREADS")}
+                                                              "CS336_NUM_THREADS", "GOMP_SPINCOUNT")}
     clean["PYTHONPATH"] = str(SRC) + os.pathsep + clean.get("PYTHONPATH", "")
     out = subprocess.run([sys.executable, "-m", "cs336_inference", "info", *args], env={**clean, **env},
                          capture_output=True, text=True, timeout=120, check=True).stdout
@@ -28,6 +28,7 @@ def _info(*args, **env) -> dict:
 def test_the_cli_applies_passive_waiting_and_one_thread_for_small_work():
     info = _info()
     assert info["omp_wait_policy"] == "PASSIVE"
+    assert info["gomp_spincount"] == "10000"             # a short spin, then sleep (see _openmp)
     assert info["torch_threads"] == "1" == info["policy_small"]
     assert int(info["policy_large"]) >= 1
 
@@ -35,6 +36,8 @@ def test_the_cli_applies_passive_waiting_and_one_thread_for_small_work():
 def test_explicit_settings_win():
     info = _info("--parallel", CS336_NUM_THREADS="2", OMP_WAIT_POLICY="active")
     assert info["omp_wait_policy"] == "ACTIVE"
+    assert info["gomp_spincount"] == "default"           # an explicit ACTIVE keeps OpenMP's own spin
+    assert _info(GOMP_SPINCOUNT="500")["gomp_spincount"] == "500"
     assert info["torch_threads"] == "2" == info["policy_small"] == info["policy_large"]
 
 

@@ -11,8 +11,8 @@ def _fmt(value, spec: str) -> str:
 
 def print_generation(result: dict) -> None:
     print(f"\n{result['preset']} on {result['device']}: {result['parameters']:,} parameters, "
-          f"{result['threads']} thread(s), OMP_WAIT_POLICY={result['omp_wait_policy']}, "
-          f"bf16 matmul unit: {result['cpu_bf16_matmul']}")
+          f"{result['threads']} thread(s), OMP_WAIT_POLICY={result['omp_wait_policy']} "
+          f"(GOMP_SPINCOUNT={result.get('gomp_spincount', '-')}), bf16 matmul unit: {result['cpu_bf16_matmul']}")
     print(f"streaming bandwidth (measured in this run): {result['measured_bandwidth_GBps']:.1f} GB/s; "
           f"load average {_fmt(result['load_average_start'], '.2f')} at start, "
           f"{_fmt(result['load_average_decode'], '.2f')} after the decode rounds")
@@ -34,7 +34,7 @@ def print_generation(result: dict) -> None:
     print(f"\nbusy (one other process spinning, load {_fmt(busy['load_average'], '.2f')}), batch 1:")
     for name, v in busy.items():
         if isinstance(v, dict):
-            print(f"  {name:<11} {v['ms_per_step']:8.1f} ms/step ({v['ms_min']:.1f}-{v['ms_max']:.1f})")
+            print(f"  {name:<14} {v['ms_per_step']:8.1f} ms/step ({v['ms_min']:.1f}-{v['ms_max']:.1f})")
     print("\ngoals:")
     for goal, v in result["goals"].items():
         state = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..model.kv_cache import KVCache
+from ..timing import decode_threads
 
 
 def compile_decode(model, **compile_options):
@@ -33,6 +34,7 @@ def compile_decode(model, **compile_options):
             raise ValueError(f"token ids must be in [0, vocab_size={vocab}), got {token_ids.tolist()}")
         model._check_cache(cache, token_ids.shape[0])   # eagerly: the graph must not guard on the cache object
         ids = token_ids[:, None].clone(memory_format=torch.contiguous_format)   # fresh strides: no guard on them
-        return compiled(ids, cache=cache)[:, -1]
+        with decode_threads():   # the graph's kernels run on torch's threads, read at each call
+            return compiled(ids, cache=cache)[:, -1]
 
     return step

@@ -14,6 +14,7 @@ import torch
 
 from .. import _checks
 from ..model.kv_cache import KVCache
+from ..timing import decode_threads
 from .sampling import _check_sampling_args, sample_next_token
 
 
@@ -67,7 +68,8 @@ def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache, pad: torch.
     """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token."""
     if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
         raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
-    return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
+    with decode_threads():   # one thread while another process holds a core
+        return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
 
 
 def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
