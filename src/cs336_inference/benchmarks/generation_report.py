@@ -38,6 +38,8 @@ def print_generation(result: dict) -> None:
     print("\ngoals:")
     for goal, v in result["goals"].items():
         state = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]
+        if v.get("within_noise") and v["value"] < v["target"]:
+            state += " (a tie: each median inside the other's min-max over rounds)"
         print(f"  {goal:<48} {_fmt(v['value'], '.2f'):>6} (target >= {v['target']:g}, {v['variant']})  {state}")
     if "naive_over_cached" in result:
         print(f"\nprefill {result['prefill_tok_per_s_prompt32']:.0f} tok/s (prompt 32); {result['new_tokens']} tokens "
