@@ -38,7 +38,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                         "never the committed results)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
     # Options only some benchmarks take (refused by the others): bench inference's model and one operating point.
-    p.add_argument("--model", default=None, help="inference: the model (target, or smollm2-135m; default target)")
+    p.add_argument("--model", default=None, help="inference: the model (target, or smollm2-135m; default "
+                   "target); generation: smollm2-135m instead of the random-init preset")
     p.add_argument("--preset", default=None,
                    help="inference: run only this operating point (chat, batch or rollouts) at every precision")
     p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")

@@ -12,11 +12,12 @@ import adapters
 CFG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
 
 
-def test_peer_computes_the_same_logits_and_greedy_tokens():
+@pytest.mark.parametrize("tied", [False, True])
+def test_peer_computes_the_same_logits_and_greedy_tokens(tied):
     pytest.importorskip("transformers", reason='the Hugging Face peer needs: pip install -e ".[peer]"')
     from cs336_inference.benchmarks import peer
 
-    model = adapters.make_model(adapters.make_config(**CFG), seed=0).eval()
+    model = adapters.make_model(adapters.make_config(**CFG, tie_embeddings=tied), seed=0).eval()
     hf = peer.hf_llama_from(model)
     ids = torch.randint(0, 97, (2, 20))
     with torch.no_grad():

@@ -141,13 +141,28 @@ def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> 
     return times
 
 
-def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m") -> dict:
+def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m",
+                     model: str | None = None) -> dict:
+    """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
+    (results in figures/generation_smollm2_135m.*)."""
     device = get_device(device)
     seed_everything(0)
-    config = ModelConfig.from_name(preset)
-    if quick:
-        config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
-    model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
+    name = "generation"
+    if model is None:
+        config = ModelConfig.from_name(preset)
+        if quick:
+            config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
+        model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
+    else:
+        from ..model import load_pretrained
+        from ..model.real_models import real_model_missing
+
+        missing = real_model_missing(model)
+        if missing:
+            raise ValueError(f"bench generation --model {model}: {missing}")
+        name, preset = f"generation_{model.replace('-', '_')}", model
+        model = load_pretrained(model, device=device, dtype=torch.float32).eval()
+        config = model.config
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
               "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
@@ -229,8 +244,8 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
                    naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
     print_generation(result)
-    save_json(result, "generation", result=True, quick=quick)  # --quick: scratch generation_quick.*
-    plot_generation(result, quick)
+    save_json(result, name, result=True, quick=quick)  # --quick: scratch generation_quick.*
+    plot_generation(result, quick, name)
     return result
 
 

@@ -47,7 +47,7 @@ def print_generation(result: dict) -> None:
               f"({result['naive_over_cached']:.1f}x)")
 
 
-def plot_generation(result: dict, quick: bool) -> None:
+def plot_generation(result: dict, quick: bool, name: str = "generation") -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -69,5 +69,5 @@ def plot_generation(result: dict, quick: bool) -> None:
     ax3.tick_params(axis="x", rotation=30)
     ax3.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, "generation", result=True, quick=quick)
+    save_figure(fig, name, result=True, quick=quick)
     plt.close(fig)

@@ -3,10 +3,11 @@
 Bench- and test-only, from the optional extra: `pip install -e ".[peer]"` (transformers is large, so
 `.ci/setup` leaves it out unless CS336_PEER=1). Without it the benchmark prints why it skips the row.
 
-Our `TransformerLM` is a Llama: pre-norm RMSNorm, SwiGLU (w1 = gate, w3 = up, w2 = down), untied
-lm_head, no biases. One layout differs: CS336 rotates *adjacent* pairs (x[2k], x[2k+1]) while HF
-rotates the two halves (x[k], x[k + H/2]). Permuting each head's q and k rows from
-[0, 1, 2, 3, ...] to [0, 2, 4, ..., 1, 3, 5, ...] turns one into the other, and q.k is unchanged
+Our `TransformerLM` is a Llama: pre-norm RMSNorm, SwiGLU (w1 = gate, w3 = up, w2 = down), no
+biases, lm_head untied or tied to the embedding table (SmolLM2; HF's `tie_word_embeddings`). One
+layout differs: CS336 rotates *adjacent* pairs (x[2k], x[2k+1]) while HF rotates the two halves
+(x[k], x[k + H/2]). Permuting each head's q and k rows from [0, 1, 2, 3, ...] to
+[0, 2, 4, ..., 1, 3, 5, ...] turns one into the other, and q.k is unchanged
 by permuting both the same way, so the converted model computes the same function.
 """
 
@@ -41,10 +42,9 @@ def hf_llama_from(model, dtype: torch.dtype | None = None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = model.config
-    if (cfg.attention_type != "gqa" or cfg.sliding_window is not None or cfg.kv_share_group != 1
-            or getattr(cfg, "tie_embeddings", False)):
-        raise ValueError("the Llama peer covers plain GQA/MHA models (no MLA, sliding window, cross-layer "
-                         "sharing or tied embeddings)")
+    if cfg.attention_type != "gqa" or cfg.sliding_window is not None or cfg.kv_share_group != 1:
+        raise ValueError("the Llama peer covers plain GQA/MHA models (no MLA, sliding window or cross-layer "
+                         "sharing)")
     state = model.state_dict()   # CS336 keys (a fused model saves them too)
     if not all(isinstance(v, torch.Tensor) and v.is_floating_point() for v in state.values()):
         raise ValueError("the peer needs a full-precision model (quantized layers have no Llama equivalent)")
@@ -53,8 +53,9 @@ def hf_llama_from(model, dtype: torch.dtype | None = None):
                             num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
                             num_key_value_heads=cfg.num_kv_heads, head_dim=H,
                             max_position_embeddings=cfg.context_length, rms_norm_eps=cfg.norm_eps,
-                            rope_theta=cfg.rope_theta, tie_word_embeddings=False, attention_bias=False,
-                            mlp_bias=False)
+                            rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_embeddings, attention_bias=False,
+                            mlp_bias=False, bos_token_id=None, eos_token_id=None)   # no stop token: HF
+    # would otherwise treat id 2 as end-of-sequence and suppress it while generating
     hf_state = {"model.embed_tokens.weight": state["token_embeddings.weight"],
                 "model.norm.weight": state["ln_final.weight"], "lm_head.weight": state["lm_head.weight"]}
     for i in range(cfg.num_layers):
@@ -104,5 +105,5 @@ def hf_greedy(hf, prompt_ids: torch.Tensor, max_new_tokens: int) -> list[list[in
     """Greedy continuation of equal-length prompts (B, T) by HF's own `generate` (no early stop)."""
     # an explicit all-ones mask: otherwise HF treats prompt tokens equal to pad_token_id as padding
     out = hf.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), max_new_tokens=max_new_tokens,
-                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+                      do_sample=False, pad_token_id=0)
     return out[:, prompt_ids.shape[1]:].tolist()
