@@ -144,10 +144,10 @@ def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> 
 def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m",
                      model: str | None = None) -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
-    (results in figures/generation_smollm2_135m.*)."""
+    (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
     device = get_device(device)
     seed_everything(0)
-    name = "generation"
+    result_name = "generation"
     if model is None:
         config = ModelConfig.from_name(preset)
         if quick:
@@ -160,7 +160,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
         missing = real_model_missing(model)
         if missing:
             raise ValueError(f"bench generation --model {model}: {missing}")
-        name, preset = f"generation_{model.replace('-', '_')}", model
+        result_name, preset = f"generation_{model.replace('-', '_')}", model
         model = load_pretrained(model, device=device, dtype=torch.float32).eval()
         config = model.config
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
@@ -179,14 +179,18 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     result["peer"] = "transformers " + __import__("transformers").__version__ if hf is not None else None
 
     # Same greedy tokens: our readable path, our fast path and the peer, from the same prompt.
-    prompt = torch.randint(0, config.vocab_size, (1, 16), device=device)
+    # Tokens for the greedy check and the KL: random ids for a random-init model, real text for a real one.
+    width = 64 if not quick else 32
+    real = result_name != "generation"
+    text = _real_text(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
+    prompt = text[None, :16].to(device)
     n_check = 16 if quick else 32
     greedy = {name: generate(models[name], prompt.tolist(), n_check).tokens for name in ("fp32 plain", "fp32")}
     result["greedy_fast_equals_plain"] = greedy["fp32"] == greedy["fp32 plain"]
     if hf is not None:
         result["greedy_equals_peer"] = greedy["fp32"] == peer.hf_greedy(hf, prompt, n_check)
 
-    ids = torch.randint(0, config.vocab_size, (4, 64 if not quick else 32), device=device)
+    ids = text.view(4, width).to(device)
     quality = {name: kl_to_reference(m, model, ids) for name, m in models.items()}
     quality |= {f"{name} compiled": quality[name] for name in COMPILED}   # same graph, same numbers
 
@@ -244,8 +248,8 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
                    naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
     print_generation(result)
-    save_json(result, name, result=True, quick=quick)  # --quick: scratch generation_quick.*
-    plot_generation(result, quick, name)
+    save_json(result, result_name, result=True, quick=quick)  # --quick: scratch generation_quick.*
+    plot_generation(result, quick, result_name)
     return result
 
 
@@ -306,6 +310,15 @@ def goals(result: dict) -> dict:
     busy_goal["within_noise"] = tie
     busy_goal["met"] = bool(busy_goal["met"] or tie)
     return out
+
+
+def _real_text(model_name: str, n: int) -> torch.Tensor:
+    """The first n tokens of the real-text evaluation split (CPython's help text), in the model's tokenizer."""
+    from ..data.real_text import pydoc_documents, token_stream
+    from ..model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_name)
+    return token_stream(tokenizer, pydoc_documents("eval"), tokenizer.special_to_id.get("<|endoftext|>"))[:n]
 
 
 def _bf16_unit(device) -> str:
