@@ -99,15 +99,19 @@ def test_sdpa_kernel_equals_the_hand_written_attention(variant):
 @pytest.mark.slow
 def test_compiled_decode_has_no_graph_break_and_matches_eager():
     """fullgraph=True makes a graph break an error, and a recompile limit of 2 makes recompiling per
-    position or per cache object an error: positions 8.. of fresh caches, batch 1 then 3, twice over,
+    position, per cache object or per thread count an error: positions 8.. of fresh caches, batch 1
+    then 3, twice over (the second time on one thread, as `decode_threads` does under contention),
     run on at most two graphs (batch 1 is specialised, then the batch size becomes a symbol)."""
     from cs336_inference.generation import compile_decode
 
     torch._dynamo.reset()
     model = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
     step = compile_decode(model)             # fullgraph=True, dynamic=True
-    with torch._dynamo.config.patch(recompile_limit=2):
-        for B in (1, 3, 1, 3):
+    from cs336_inference.timing import num_threads
+
+    with torch._dynamo.config.patch(recompile_limit=2), num_threads(2):    # restores the count afterwards
+        for B, threads in ((1, 2), (3, 2), (1, 1), (3, 1)):   # the second pass as under contention (one thread)
+            torch.set_num_threads(threads)
             ids = torch.randint(0, 97, (B, 14))
             # room beyond the last position: filling a cache to the brim is its own (third) graph
             eager_cache = adapters.make_kv_cache(model, B, 16)

@@ -5,8 +5,12 @@ writes, attention, residuals), each a Python call and a kernel launch; at batch 
 a sizeable slice of the step. `torch.compile` traces the whole forward once into one graph and fuses
 those element-wise ops. What keeps the graph whole and reused: the model skips reading token ids back to
 Python and checking the cache's identity while compiling (this step checks both eagerly instead),
-`Linear` skips its thread-count dependent path, and `dynamic=True` makes the position a symbol
-rather than a new graph per step.
+`Linear` skips its thread-count dependent path, `dynamic=True` makes the position a symbol
+rather than a new graph per step, and the graph does not guard on torch's global state flags
+(`GLOBAL_STATE`: the thread count, autocast, TF32 switches): the step runs on one thread while another
+process holds a core (`timing.decode_threads`), and a guard on the thread count would recompile the
+graph, tens of seconds, the first time that happens. The compiled kernels read the thread count when
+they run, so the same graph serves both. Grad mode, dtypes and shapes still guard.
 The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
 """
 
@@ -18,12 +22,18 @@ from ..model.kv_cache import KVCache
 from ..timing import decode_threads
 
 
+def _without_global_state(entries) -> list[bool]:
+    """Keep every guard but the one on torch's global flags (it includes the thread count)."""
+    return [entry.guard_type != "GLOBAL_STATE" for entry in entries]
+
+
 def compile_decode(model, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
-    compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True).
+    compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
+    options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring).
     """
-    options = dict(fullgraph=True, dynamic=True) | compile_options
+    options = dict(fullgraph=True, dynamic=True, options={"guard_filter_fn": _without_global_state}) | compile_options
     compiled = torch.compile(model, **options)
     vocab = model.config.vocab_size
 
