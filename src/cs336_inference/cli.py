@@ -226,11 +226,13 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
     "inference": ("benchmarks.inference", "bench_inference"),  # the complete benchmark: --model, --preset
+    "thread_policy": ("benchmarks.thread_policy", "bench_thread_policy"),  # OpenMP waits, idle vs busy
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
 # toy models, where one thread is as fast and immune to a busy machine.
-PARALLEL_BENCHMARKS = {"generation", "roofline", "long_context", "quantization_smollm2", "generation_smollm2"}
+PARALLEL_BENCHMARKS = {"generation", "roofline", "long_context", "quantization_smollm2", "generation_smollm2",
+                       "thread_policy"}
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:

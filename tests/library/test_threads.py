@@ -60,3 +60,22 @@ def test_the_wait_policy_module_does_not_import_torch():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "os", "sys"}, imported
+
+
+@pytest.mark.slow
+def test_bench_thread_policy_runs_each_policy_in_its_own_process(tmp_path, monkeypatch):
+    """Smoke run: every policy's process reports back the OpenMP settings it ran under."""
+    from cs336_inference import figures
+    from cs336_inference.benchmarks.thread_policy import POLICIES, bench_thread_policy
+
+    monkeypatch.setattr(figures, "scratch_dir", lambda: tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    result = bench_thread_policy(quick=True, device="cpu")
+    assert set(result["policies"]) == set(POLICIES)
+    got = {name: (r["omp_wait_policy"], r["gomp_spincount"], r["switch"]) for name, r in result["policies"].items()}
+    assert got["sleep"] == ("PASSIVE", "0", True)
+    assert got["short spin"] == ("PASSIVE", "10000", True)
+    assert got["short spin, no switch"] == ("PASSIVE", "10000", False)
+    assert got["spin"] == ("ACTIVE", "default", True)
+    assert all(r["idle compiled"]["ms"] > 0 for r in result["policies"].values())
+    assert (tmp_path / "thread_policy_quick.json").exists() and (tmp_path / "thread_policy_quick.png").exists()

@@ -1,0 +1,134 @@
+"""`python -m cs336_inference bench thread_policy`: how OpenMP's waiting and our thread count shape decode.
+
+OpenMP reads its wait policy once, when torch loads, so each policy runs in its own fresh process
+(this module run as a script). Each process builds the same ~90M model (fused projections, SDPA),
+compiles its decode step, and times batch-1 decode, eager and compiled, on an idle machine and
+while a busy loop holds one core. Policies:
+- "sleep": OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0 (idle workers sleep at once);
+- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=10000;
+- "short spin, no switch": the same without `timing.decode_threads` dropping to one thread
+  under contention (shows why the switch is there);
+- "spin": OMP_WAIT_POLICY=ACTIVE (OpenMP's long spin).
+Rounds alternate idle and busy inside each process; we report medians with min/max over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+POLICIES = {
+    "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
+    "short spin": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}, switch=True),
+    "short spin, no switch": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}, switch=False),
+    "spin": dict(env={"OMP_WAIT_POLICY": "ACTIVE"}, switch=True),
+}
+PATHS = ("eager", "compiled")
+
+
+def bench_thread_policy(quick: bool = False, device: str | None = None) -> dict:
+    from ..device import get_device, thread_policy
+    from ..figures import save_json
+    from ..timing import load_average
+
+    if get_device(device).type != "cpu":
+        raise ValueError("bench thread_policy measures CPU threading; run it with --device cpu")
+    threads = thread_policy(parallel=True)
+    result = {"threads": threads, "quick": quick, "load_average_start": load_average(), "policies": {}}
+    for name, policy in POLICIES.items():
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+        env |= policy["env"] | {"CS336_NUM_THREADS": str(threads)}
+        args = [sys.executable, "-m", "cs336_inference.benchmarks.thread_policy", "--child",
+                "--quick" if quick else "--full", "switch" if policy["switch"] else "no-switch"]
+        out = subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=1800).stdout
+        result["policies"][name] = json.loads(out.strip().splitlines()[-1])
+        print(f"  {name}: done", flush=True)
+    result["load_average_end"] = load_average()
+    _print(result)
+    save_json(result, "thread_policy", result=True, quick=quick)
+    _plot(result, quick)
+    return result
+
+
+def _child(quick: bool, switch: bool) -> dict:
+    """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
+    import contextlib
+
+    import torch   # after the package: `-m cs336_inference.benchmarks...` imported it (and _openmp) first
+
+    from .. import timing
+    from ..device import apply_thread_policy
+    from ..generation.compiled import compile_decode
+    from ..model.config import ModelConfig
+    from ..model.transformer import TransformerLM
+    from .generation import decode_step_fn
+
+    apply_thread_policy(parallel=True)
+    if not switch:
+        timing.cpu_contended = lambda threshold=0.5: False   # what decode_threads reads
+    torch.manual_seed(0)
+    config = ModelConfig.from_name("bench-90m")
+    if quick:
+        config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
+    model = TransformerLM(config).eval().fuse_projections().set_attention_kernel("sdpa")
+    compiled = compile_decode(model)
+    makers = {"eager": lambda: decode_step_fn(model, 1, 32, 40),
+              "compiled": lambda: decode_step_fn(model, 1, 32, 40, lambda m, t, c: compiled(t, c))}
+    makers["compiled"]()()   # compile outside the timing
+    rounds, steps = (1, 5) if quick else (3, 25)
+    times = {(cond, path): [] for cond in ("idle", "busy") for path in PATHS}
+    for _ in range(rounds):
+        for cond in ("idle", "busy"):
+            with timing.busy_cpu(1) if cond == "busy" else contextlib.nullcontext():
+                time.sleep(0.5)   # the contention meter (re-read every 0.25 s) sees the new state
+                for path in PATHS:
+                    times[(cond, path)].append(timing.median_seconds(makers[path](), torch.device("cpu"), steps))
+    from .._openmp import spin_count, wait_policy
+
+    return {"omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(), "switch": switch,
+            "threads": torch.get_num_threads(),
+            **{f"{cond} {path}": dict(ms=statistics.median(t) * 1e3, ms_min=min(t) * 1e3, ms_max=max(t) * 1e3)
+               for (cond, path), t in times.items()}}
+
+
+def _print(result: dict) -> None:
+    print(f"\nbatch-1 decode, bench-90m{' (quick: smaller)' if result['quick'] else ''}, "
+          f"{result['threads']} threads, ms/step (min-max over rounds); load average "
+          f"{result['load_average_start']:.2f} at start, {result['load_average_end']:.2f} at the end")
+    head = f"{'policy':<24}" + "".join(f"{c + ' ' + p:>22}" for c in ("idle", "busy") for p in PATHS)
+    print(head)
+    for name, r in result["policies"].items():
+        cells = "".join(f"{r[f'{c} {p}']['ms']:>8.1f} ({r[f'{c} {p}']['ms_min']:.1f}-{r[f'{c} {p}']['ms_max']:.1f})"
+                        .rjust(22) for c in ("idle", "busy") for p in PATHS)
+        print(f"{name:<24}{cells}")
+
+
+def _plot(result: dict, quick: bool) -> None:
+    import matplotlib.pyplot as plt
+
+    from ..figures import save_figure
+
+    names = list(result["policies"])
+    columns = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        r = result["policies"][name]
+        ax.bar([j + i * width for j in range(len(columns))], [r[c]["ms"] for c in columns], width, label=name)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))], columns)
+    ax.set_ylabel("ms per decode step (lower is better)")
+    ax.set_title(f"OpenMP wait policy and decode threads, batch 1, {result['threads']} threads")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, "thread_policy", result=True, quick=quick)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] != ["--child"]:
+        sys.exit("run it as: python -m cs336_inference bench thread_policy")
+    print(json.dumps(_child(quick=sys.argv[2] == "--quick", switch=sys.argv[3] == "switch")))
