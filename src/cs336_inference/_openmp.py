@@ -8,9 +8,9 @@ OMP_WAIT_POLICY=PASSIVE idle workers sleep instead, but waking a sleeping worker
 microseconds per region, and a compiled batch-1 decode step is ~60 short regions back to back.
 So we also set a *short* spin, GOMP_SPINCOUNT=10000 (GNU OpenMP, which torch's Linux wheels use):
 a worker keeps polling for a fraction of a millisecond, long enough to catch the next region of the
-same step, then sleeps. Measured on the 88M preset (2 threads, compiled decode): sleeping 15-16 ms
-per step, short spin 10-13 ms. When another process holds a core, the decode loop drops to one thread
-(`timing.decode_threads`), so nothing spins against it. The runtime reads these variables once,
+same step, then sleeps (`bench thread_policy`, 88M compiled decode on 2 idle threads: 15.0 ms per
+step sleeping, 12.8 with the short spin). When another process holds a core, the decode loop drops
+to one thread (`timing.decode_threads`), so nothing spins against it. The runtime reads these variables once,
 when torch is imported, so `cs336_inference/__init__.py` imports this module before anything
 imports torch: importing the package first applies them. A value you set yourself always wins.
 """
