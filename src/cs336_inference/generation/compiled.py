@@ -33,7 +33,10 @@ def compile_decode(model, **compile_options):
     compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
     options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring).
     """
-    options = dict(fullgraph=True, dynamic=True, options={"guard_filter_fn": _without_global_state}) | compile_options
+    options = dict(fullgraph=True, dynamic=True)
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):   # torch >= 2.7 takes guard_filter_fn
+        options["options"] = {"guard_filter_fn": _without_global_state}   # (older: a thread switch recompiles)
+    options |= compile_options
     compiled = torch.compile(model, **options)
     vocab = model.config.vocab_size
 
