@@ -5,7 +5,7 @@ OpenMP reads its wait policy once, when torch loads, so each policy runs in its 
 compiles its decode step, and times batch-1 decode, eager and compiled, on an idle machine and
 while a busy loop holds one core. Policies:
 - "sleep": OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0 (idle workers sleep at once);
-- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=10000;
+- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=`_openmp.SHORT_SPIN`;
 - "short spin, no switch": the same without `timing.decode_threads` dropping to one thread
   under contention (shows why the switch is there);
 - "spin": OMP_WAIT_POLICY=ACTIVE (OpenMP's long spin).
@@ -21,10 +21,12 @@ import subprocess
 import sys
 import time
 
+from .._openmp import SHORT_SPIN
+
 POLICIES = {
     "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
-    "short spin": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}, switch=True),
-    "short spin, no switch": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "10000"}, switch=False),
+    "short spin": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN}, switch=True),
+    "short spin, no switch": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN}, switch=False),
     "spin": dict(env={"OMP_WAIT_POLICY": "ACTIVE"}, switch=True),
 }
 PATHS = ("eager", "compiled")
