@@ -10,7 +10,8 @@
 
 from .chat import ChatSession, TextStream, extend, stream
 from .compiled import compile_decode
-from .drafters import Drafter, ModelDrafter, SamplingParams
+from .drafters import Drafter, ModelDrafter
+from .sampling_params import SamplingParams
 from .generate import GenerationResult, decode_one_token, generate, left_pad, prefill
 from .prompt_lookup import PromptLookupDrafter, prompt_lookup_propose
 from .sampling import logits_to_probs, sample_next_token
