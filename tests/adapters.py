@@ -551,7 +551,7 @@ def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0
 
 
 def make_chat_session(model, tokenizer, **kwargs):
-    from cs336_inference.generation import ChatSession
+    from cs336_inference.serving import ChatSession
     return ChatSession(model, tokenizer, **kwargs)
 
 

@@ -55,7 +55,7 @@ def test_step_deltas_equal_generate_and_run(model, text):
     assert engine.has_unfinished() and engine.stats()["waiting"] == 3
     streams = _drain(engine)
     assert set(streams) == {(ids[0], 0), ("s", 0), ("s", 1), (ids[2], 0)}
-    for (rid, k), (tokens, outs) in streams.items():
+    for tokens, outs in streams.values():
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]   # finished exactly once, last
         assert [o.num_output_tokens for o in outs] == list(range(1, len(tokens) + 1))
         assert all(len(o.new_token_ids) == 1 and o.error is None for o in outs)

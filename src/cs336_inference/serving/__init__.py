@@ -7,7 +7,8 @@ many sequences: prefix sharing, fork, copy-on-write), `paged_attention`, and the
 Scheduling (Orca, Yu et al. 2022; chunked prefill, Sarathi): `Request`, `StaticScheduler`,
 `ContinuousScheduler`, one `ScheduledBatch` per step.
 Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add_request`, `step`,
-`abort`; `run` replays a trace from `make_trace`), `RequestOutput` (a step's deltas),
+`abort`; `run` replays a trace from `make_trace`; `ChatSession`s share one engine through
+`RequestStreams`), `RequestOutput` (a step's deltas),
 `RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles).
 """
 
@@ -15,6 +16,7 @@ from ..generation.sampling_params import SamplingParams
 from .block_allocator import BlockAllocator, OutOfBlocksError
 from .block_pool import BlockPool
 from .block_table import BlockTable, blocks_for
+from .chat import ChatSession, RequestStreams
 from .contiguous_allocator import ContiguousAllocator
 from .contiguous_manager import ContiguousManager
 from .engine import Engine
@@ -31,11 +33,11 @@ from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 
 __all__ = [
-    "BlockAllocator", "BlockPool", "BlockTable", "ContiguousAllocator", "ContiguousManager",
+    "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator", "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
     "OutOfBlocksError", "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
-    "RequestMetrics", "RequestOutput", "RequestRecord", "SamplingParams", "ScheduledBatch", "Scheduler",
-    "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "benchmark_metrics",
+    "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
+    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "benchmark_metrics",
     "blocks_for", "chained_block_hash", "distribution", "make_chat_trace", "make_trace", "paged_attention",
     "poisson_arrivals", "request_metrics", "summarize",
 ]

@@ -148,7 +148,8 @@ def benchmark_metrics(records: list[RequestRecord], duration: float | None = Non
         "itl": [gap for m in per_request for gap in m.itls], "e2el": [m.e2el for m in per_request],
         "queueing": [m.queueing for m in per_request], "prefill": [m.prefill for m in per_request],
         "decode": [m.decode for m in per_request]}
-    return {"completed": len(per_request), "failed": len(records) - len(outputs), "duration_s": duration, "input_tokens": input_tokens,
+    return {"completed": len(per_request), "failed": len(records) - len(outputs), "duration_s": duration,
+            "input_tokens": input_tokens,
             "output_tokens": output_tokens, "request_throughput": len(per_request) / duration,
             "output_throughput": output_tokens / duration,
             "total_token_throughput": (input_tokens + output_tokens) / duration,

@@ -36,8 +36,9 @@ class TraceConfig:
             raise ValueError(f"rate must be a number > 0 (requests per second; inf: all at once), got {self.rate!r}")
         _checks.non_negative_float("temperature", self.temperature)
         _checks.integer("seed", self.seed)
-        if (not isinstance(self.prompt_len, (tuple, list)) or len(self.prompt_len) != 2
-                or not all(_checks._is_int(x) for x in self.prompt_len) or not 1 <= self.prompt_len[0] <= self.prompt_len[1]):
+        lo_hi = self.prompt_len
+        if (not isinstance(lo_hi, (tuple, list)) or len(lo_hi) != 2 or not all(_checks._is_int(x) for x in lo_hi)
+                or not 1 <= lo_hi[0] <= lo_hi[1]):
             raise ValueError(f"prompt_len must be (lo, hi) ints with 1 <= lo <= hi, got {self.prompt_len!r}")
         for name in ("system_prompt_fraction", "sampled_fraction"):
             _checks.probability(name, getattr(self, name))
