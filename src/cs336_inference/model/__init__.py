@@ -4,6 +4,7 @@ One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, L
 `attention` (kernels and masks), `gqa` / `mla` / `window` (one attention variant each),
 `kv_cache` (the layer-cache interface, the contiguous cache and the model's cache),
 `rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
+`variants` (the handout's ablations: SiLU FFN, QK-norm, NoPE, no norms),
 `checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for
 students' own layouts), `tokenizer` (bytes; `load_tokenizer`),
 `bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
@@ -24,12 +25,14 @@ from .mla import MultiHeadLatentAttention
 from .bpe_tokenizer import BPETokenizer
 from .real_models import REAL_MODELS
 from .tokenizer import ByteTokenizer, load_tokenizer
-from .transformer import TransformerBlock, TransformerLM
+from .transformer import PostNormBlock, TransformerBlock, TransformerLM
+from .variants import QKNorm, SiLUFeedForward, WeightlessQKNorm, no_rope
 from .window import SlidingWindowAttention
 
 __all__ = [
     "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
     "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
+    "PostNormBlock", "QKNorm", "SiLUFeedForward", "WeightlessQKNorm", "no_rope",
     "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
