@@ -6,7 +6,8 @@ One concept per file: `config` (ModelConfig), `layers` (RMSNorm, SwiGLU, RoPE, L
 `rolling_kv_cache` / `latent_kv_cache` (the sliding-window and MLA layer caches), `transformer` (TransformerLM),
 `variants` (the handout's ablations: SiLU FFN, QK-norm, NoPE, no norms),
 `checkpoints` (save/load, shipped models, student checkpoints; `checkpoint_keys`: key maps for
-students' own layouts), `tokenizer` (bytes; `load_tokenizer`),
+students' own layouts; `key_inference`: key_map="auto"; `checkpoint_hints`: what to pass when a checkpoint
+does not match; `verify`: the loaded model against the student's own forward), `tokenizer` (bytes; `load_tokenizer`),
 `bpe_tokenizer` (a real model's byte-level BPE), `gguf` (llama.cpp files -> config, CS336 state dict,
 tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on disk), `convert`
 (post-hoc attention changes of a trained model).
@@ -15,6 +16,8 @@ tokenizer), `real_models` (SmolLM2-135M from its installed package, cached on di
 from .attention import attention_mask, grouped_attention, scaled_dot_product_attention
 from .checkpoint_keys import COMMON_RENAMES, rename_keys, split_fused_gate_up, split_fused_qkv
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
+from .key_inference import AutoKeyMapError, InferredKeyMap, infer_key_map
+from .verify import CheckpointMismatchError, verify_checkpoint
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
 from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache
@@ -30,11 +33,14 @@ from .variants import QKNorm, SiLUFeedForward, WeightlessQKNorm, no_rope
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
+    "AutoKeyMapError", "BPETokenizer", "COMMON_RENAMES", "CheckpointMismatchError", "InferredKeyMap",
+    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
     "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
     "PostNormBlock", "QKNorm", "SiLUFeedForward", "WeightlessQKNorm", "no_rope",
     "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
-    "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
+    "available_pretrained", "grouped_attention", "infer_key_map",
+    "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
     "rename_keys", "rope_angles", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",
+    "verify_checkpoint",
 ]
