@@ -159,3 +159,31 @@ def test_verify_names_the_kind_of_difference_it_cannot_explain():
     assert verify_checkpoint(run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)), student) < 1e-4
     with pytest.raises(ValueError, match=r"returned logits of shape \(2, 16\)"):
         verify_checkpoint(swapped, lambda ids: ids.float())
+
+
+def test_the_homework_skeleton_loads_and_verifies_the_students_model(tmp_path, capsys):
+    import importlib.util
+
+    from cs336_inference.homework import skeleton
+    skeleton.write_skeleton(tmp_path / "my_solution")
+    spec = importlib.util.spec_from_file_location("a1_loader", tmp_path / "my_solution" / "my_assignment1_model.py")
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    student = StudentLM(Arch(post_norm=True), RENAMED, seed=12)
+    model = loader.load_my_model(student.state_dict(), _config(student.arch, norm_position="post"), student)
+    assert _delta(model, student) < 1e-4
+    with pytest.raises(CheckpointMismatchError, match="norm_position='post'"):
+        loader.load_my_model(student.state_dict(), _config(student.arch), student)
+
+
+def test_auto_with_tied_embeddings_takes_the_table_once_or_twice():
+    student = StudentLM(Arch(), RENAMED, seed=13)
+    with torch.no_grad():
+        student.out_linear.W.copy_(student.embedding.embedding)      # the student tied them: both names saved
+    state = student.state_dict()
+    tied = _config(student.arch, tie_embeddings=True)
+    both = run_load_cs336_checkpoint(state, tied, key_map="auto")
+    once = run_load_cs336_checkpoint({k: v for k, v in state.items() if k != "out_linear.W"}, tied, key_map="auto")
+    with torch.no_grad():
+        want = student(IDS)
+        assert float((both(IDS) - want).abs().max()) < 1e-4 and torch.equal(once(IDS), both(IDS))

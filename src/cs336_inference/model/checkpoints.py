@@ -175,6 +175,9 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None, 
     _checks.instance("config", config, ModelConfig, "a ModelConfig")
     device = _check_device(device)
     allowed = _allow_dropped(allow_dropped)
+    if verify is not None and not callable(verify):
+        raise TypeError(f"verify must be your own model (or a callable ids -> logits) to compare with, got "
+                        f"{type(verify).__name__}")
     obj = path_or_state_dict
     if isinstance(obj, (str, os.PathLike)):
         obj = _read(obj)

@@ -156,13 +156,13 @@ def _layer_roles(key: str, shape: tuple, parents: list[str], leaf: str, shapes: 
 
 def _global_roles(parents: list[str], leaf: str, config: ModelConfig) -> tuple[dict, set]:
     D, V = config.d_model, config.vocab_size
+    forms = [f for p in [*parents, leaf] for f in _forms(p)]
+    headish = any(re.search(_HEADISH, f) for f in forms)
     shapes = {"token_embeddings.weight": (V, D)}
-    if not config.tie_embeddings:
+    if not config.tie_embeddings or headish:   # a tied model's copy of the table is checked by the loader
         shapes["lm_head.weight"] = (V, D)
     if config.has_final_norm:
         shapes["ln_final.weight"] = (D,)
-    forms = [f for p in [*parents, leaf] for f in _forms(p)]
-    headish = any(re.search(_HEADISH, f) for f in forms)
     by_name = set()
     if headish and "lm_head.weight" in shapes:
         by_name.add("lm_head.weight")
@@ -254,7 +254,7 @@ def infer_key_map(state: dict[str, torch.Tensor], config: ModelConfig) -> Inferr
         raise AutoKeyMapError(f"key_map='auto' found layer indices {sorted(layers)} in the checkpoint but "
                               f"config.num_layers={config.num_layers}; check num_layers")
     renames, unmapped, splits = {}, unmapped_early, {}
-    global_shapes = _global_roles([], "", config)[0]
+    global_shapes = _global_roles(["head"], "", config)[0]
     chosen, left = _resolve(globals_, "the embedding, final norm and head", global_shapes)
     renames.update(chosen)
     unmapped += left
