@@ -3,13 +3,15 @@ on 127.0.0.1): the official `openai` client, 64 concurrent streams, aborts, bad 
 real model (slow). Expected tokens come from `generate`, in this process, on the same weights."""
 
 import asyncio
+import http.client
 import json
+import time
 
-import httpx
 import pytest
 
 from cs336_inference.generation.generate import generate
 from cs336_inference.model import load_pretrained, load_tokenizer
+from cs336_inference.serving.client import EndpointRequest, http_sender, open_session, run_load
 from cs336_inference.serving.http.server import render_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -66,42 +68,39 @@ def test_64_concurrent_streams_deliver_every_token_in_order(toy_server, target):
     expected = generate(model, ids, 16).tokens                                  # one batched reference
     assert len({len(i) for i in ids}) == 1 and len(prompts) == 64
 
-    async def one(client, prompt):
-        body = {"model": "target", "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
-        async with client.stream("POST", toy_server.v1 + "/completions", json=body) as response:
-            assert response.status_code == 200
-            return sse_events([line async for line in response.aiter_lines()])
-
     async def main():
-        limits = httpx.Limits(max_connections=64)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
-            return await asyncio.wait_for(asyncio.gather(*(one(client, p) for p in prompts)), timeout=60)
+        async with open_session(64) as session:
+            send = http_sender(session, toy_server.v1, "target")
+            requests = [EndpointRequest(p, 16) for p in prompts]     # greedy, ignore_eos: 16 tokens each
+            return await asyncio.wait_for(run_load(send, requests), timeout=60)
 
-    for prompt, tokens, events in zip(prompts, expected, asyncio.run(main())):
-        text = "".join(c["text"] for e in events for c in e["choices"])
-        assert text == tokenizer.decode(tokens), prompt
-        assert events[-1]["usage"]["completion_tokens"] == 16 and events[-1]["choices"] == []
-        assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "length"
+    results, _ = asyncio.run(main())
+    for prompt, tokens, result in zip(prompts, expected, results):
+        assert result.ok, result.error
+        assert result.text[0] == tokenizer.decode(tokens), prompt        # every token, in order
+        assert result.usage["completion_tokens"] == 16 and result.finish_reasons == {0: "length"}
+        assert 1 <= len(result.chunk_times[0]) <= 16
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(toy_server):
     before = toy_server.metrics()
     body = {"model": "target", "prompt": "The cat", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.Client(timeout=30) as client:
-        with client.stream("POST", toy_server.v1 + "/completions", json=body) as response:
-            lines = response.iter_lines()
-            for _ in range(5):
-                next(lines)
-            during = toy_server.metrics()
+    connection = http.client.HTTPConnection(toy_server.url.split("//")[1], timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 200
+    events = [response.readline() for _ in range(10)]                     # 5 events and their blank lines
+    assert all(e.startswith(b"data: {") for e in events[::2]), events
+    during = toy_server.metrics()
+    connection.close()                                                    # the client goes away mid-stream
     assert during["cs336:kv_blocks_used"] > before["cs336:kv_blocks_used"]
     assert during["cs336:num_requests_running"] >= 1
     for _ in range(100):                                   # the abort reaches the engine within a step
         after = toy_server.metrics()
         if after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"] and after["cs336:num_open_streams"] == 0:
             break
-        asyncio.run(asyncio.sleep(0.05))
+        time.sleep(0.05)
     assert after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"], after
     assert after["cs336:num_requests_running"] == 0
     assert after["cs336:request_aborted_total"] == before["cs336:request_aborted_total"] + 1

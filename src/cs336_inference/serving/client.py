@@ -105,20 +105,22 @@ def request_payload(model: str, r: EndpointRequest) -> dict:
     return body
 
 
-async def stream_completion(client, url: str, payload: dict) -> StreamResult:
-    """POST `payload` to `url` (an httpx.AsyncClient) and read its server-sent events to [DONE]."""
+async def stream_completion(session, url: str, payload: dict) -> StreamResult:
+    """POST `payload` to `url` with an aiohttp.ClientSession and read its server-sent events to [DONE]."""
     result = StreamResult(sent=time.perf_counter())
     try:
-        async with client.stream("POST", url, json=payload) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                result.error = f"HTTP {response.status_code}: {(await response.aread()).decode(errors='replace')[:500]}"
+        async with session.post(url, json=payload) as response:
+            result.status = response.status
+            if response.status != 200:
+                result.error = f"HTTP {response.status}: {(await response.text(errors='replace'))[:500]}"
                 return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            done = False
+            async for line in response.content:    # one line at a time (aiohttp splits on newlines)
+                if not line.startswith(b"data:"):
                     continue                       # blank separators, comments, keep-alives
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
+                    done = True
                     break
                 now, chunk = time.perf_counter(), json.loads(data)
                 if "error" in chunk:
@@ -134,6 +136,8 @@ async def stream_completion(client, url: str, payload: dict) -> StreamResult:
                         result.text[i] = result.text.get(i, "") + piece
                     if choice.get("finish_reason"):
                         result.finish_reasons[i] = choice["finish_reason"]
+            if not done and result.error is None:
+                result.error = "the stream ended before data: [DONE]"
     except Exception as error:  # the network, a malformed event: this request failed, the run goes on
         result.error = f"{type(error).__name__}: {error}"
     return result
@@ -175,12 +179,22 @@ async def run_load(send, requests: list[EndpointRequest], concurrency: int | Non
     return list(results), time.perf_counter() - start
 
 
-def http_sender(client, base_url: str, model: str):
+def open_session(concurrency: int, timeout_s: float = 6 * 3600):
+    """An aiohttp session for `concurrency` streams at once (vLLM's benchmark client is aiohttp too:
+    its C parser costs a fraction of a pure-Python client's per chunk, which a benchmark must not
+    spend on itself)."""
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                 connector=aiohttp.TCPConnector(limit=concurrency))
+
+
+def http_sender(session, base_url: str, model: str):
     """`send` for `run_load`: stream each request from `base_url` (e.g. http://127.0.0.1:8000/v1)."""
     url = base_url.rstrip("/") + "/completions"
 
     async def send(r: EndpointRequest) -> StreamResult:
-        return await stream_completion(client, url, request_payload(model, r))
+        return await stream_completion(session, url, request_payload(model, r))
 
     return send
 
@@ -210,5 +224,5 @@ def stream_metrics(results: list[StreamResult], duration: float) -> dict:
             "e2el": distribution([r.e2el for r in done])}
 
 
-__all__ = ["EndpointRequest", "StreamResult", "arrival_times", "count_tokens", "http_sender", "request_payload",
-           "run_load", "stream_completion", "stream_metrics"]
+__all__ = ["EndpointRequest", "StreamResult", "arrival_times", "count_tokens", "http_sender", "open_session",
+           "request_payload", "run_load", "stream_completion", "stream_metrics"]

@@ -78,7 +78,8 @@ class _Generation(BaseModel):
             return []
         values = [value] if isinstance(value, str) else value
         if not isinstance(values, list) or not all(isinstance(s, str) and s for s in values) or len(values) > MAX_STOP:
-            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, got {value!r:.80}")
+            raise ValueError(f"stop must be a non-empty string or a list of at most {MAX_STOP} of them, "
+                             f"got {value!r:.80}")
         return values
 
     @model_validator(mode="after")
@@ -200,7 +201,8 @@ def parse_body(model: type[BaseModel], body: bytes):
         if first["type"] == "missing":
             message = f"{param} is required"
         elif param and not message.startswith(param):
-            message = f"{param}: {message}" + ("" if first["type"] == "value_error" else f" (got {first['input']!r:.60})")
+            got = "" if first["type"] == "value_error" else f" (got {first['input']!r:.60})"
+            message = f"{param}: {message}{got}"
         raise OpenAIError(message, param=param) from None
 
 
