@@ -185,10 +185,12 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
-    from .generation import ChatSession
+    from .serving import ChatSession  # on the serving engine: prefix caching reuses earlier turns
 
-    model, tokenizer, generator = _load_model(args)
+    model, tokenizer, _ = _load_model(args)
     session = ChatSession(model, tokenizer, system=args.system)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p)
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
     while True:
         try:
@@ -203,7 +205,7 @@ def _run_chat(args) -> int:
             continue
         print("model> ", end="", flush=True)
         try:
-            for piece in session.send(text, **_sampling(args, generator)):
+            for piece in session.send(text, seed=args.seed + len(session.history), **sampling):
                 print(piece, end="", flush=True)
         except ValueError as e:  # the conversation outgrew the cache: say so and keep the REPL alive
             print(f"\n[{e}]")
