@@ -264,6 +264,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
     "inference": ("benchmarks.inference", "bench_inference"),  # the complete benchmark: --model, --preset
     "thread_policy": ("benchmarks.thread_policy", "bench_thread_policy"),  # OpenMP waits, idle vs busy
+    "serving_http": ("benchmarks.serving_http", "bench_serving_http"),  # the engine in process vs behind `serve`
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time

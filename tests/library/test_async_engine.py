@@ -185,3 +185,19 @@ def test_shutdown_aborts_what_is_in_flight_and_stops_the_thread():
                 pass
 
     run(main())
+
+
+def test_the_async_api_gives_generate_s_greedy_tokens_on_the_real_engine(one_thread):
+    from cs336_inference.generation.generate import generate
+    from cs336_inference.model import load_pretrained
+    from cs336_inference.serving import Engine, SamplingParams
+
+    model = load_pretrained("target").eval()
+    prompts = [[84, 104, 101, 32, 99, 97, 116], [65, 32, 100, 111, 103], [79, 110, 99, 101, 32, 117, 112, 111, 110]]
+    expected = [generate(model, [p], 20).tokens[0] for p in prompts]
+
+    async def main():
+        async with AsyncEngine(Engine(model, clock=time.monotonic, max_num_seqs=4)) as served:
+            return await asyncio.gather(*(collect(served, p, SamplingParams(max_tokens=20)) for p in prompts))
+
+    assert [r[0] for r in run(main())] == expected

@@ -12,7 +12,7 @@ import pytest
 from cs336_inference.generation.generate import generate
 from cs336_inference.model import load_pretrained, load_tokenizer
 from cs336_inference.serving.client import EndpointRequest, http_sender, open_session, run_load
-from cs336_inference.serving.http.server import render_chat
+from cs336_inference.serving.chat import render_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

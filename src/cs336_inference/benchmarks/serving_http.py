@@ -220,8 +220,8 @@ def bench_serving_http(quick: bool = False, device: str | None = None, concurren
               "p99_ttft_ratio_http_to_engine": {
                   load: _ratio(rows, load, "ttft", "p99") for load in dict.fromkeys(r["load"] for r in rows)}}
     print_serving_http(result)
-    save_json(result, NAME, quick=quick)
-    save_figure(plot_serving_http(result), NAME, quick=quick)
+    save_json(result, NAME, result=True, quick=quick)
+    save_figure(plot_serving_http(result), NAME, result=True, quick=quick)
     return result
 
 

@@ -5,6 +5,6 @@ strings), `choices` (one HTTP request's engine requests as one stream), `server`
 `prometheus` (`/metrics`).
 """
 
-from .server import OpenAIServer, build_app, render_chat, run_server
+from .server import OpenAIServer, build_app, run_server
 
-__all__ = ["OpenAIServer", "build_app", "render_chat", "run_server"]
+__all__ = ["OpenAIServer", "build_app", "run_server"]

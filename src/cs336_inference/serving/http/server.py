@@ -24,17 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ..async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
+from ..chat import render_chat
 from .choices import Choice, merge, run_choice
 from .prometheus import prometheus_text
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_body
-
-
-def render_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation's prompt tokens: the model's own chat template, ending with the assistant's
-    header; models without one (the byte-level toy models) see each message's text and a newline."""
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-    return tokenizer.encode("".join(m["content"] + "\n" for m in messages))
 
 
 def _sse(obj) -> str:
@@ -295,4 +288,4 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
     uvicorn.Server(config).run()
 
 
-__all__ = ["OpenAIServer", "build_app", "render_chat", "run_server"]
+__all__ = ["OpenAIServer", "build_app", "run_server"]
