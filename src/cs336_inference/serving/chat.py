@@ -23,6 +23,14 @@ from .engine import Engine
 from .request import RequestOutput
 
 
+def render_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation's prompt tokens: the model's own chat template, ending with the assistant's
+    header; models without one (the byte-level toy models) see each message's text and a newline."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return tokenizer.encode("".join(m["content"] + "\n" for m in messages))
+
+
 class RequestStreams:
     """A synchronous stream per request over one `Engine` (single-threaded, like the engine)."""
 
@@ -86,9 +94,7 @@ class ChatSession:
             self.messages.append({"role": "system", "content": self.system})
 
     def _render(self, messages) -> list[int]:
-        if hasattr(self.tokenizer, "apply_chat_template") and getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        return self.tokenizer.encode("".join(m["content"] + "\n" for m in messages))
+        return render_chat(self.tokenizer, messages)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays)."""
@@ -128,4 +134,4 @@ class ChatSession:
         self.history.append(TurnStats(len(ids) - reused, reused, len(generated), first - t0, last - first))
 
 
-__all__ = ["ChatSession", "RequestStreams"]
+__all__ = ["ChatSession", "RequestStreams", "render_chat"]
