@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import csv
 import math
+import re
 
 import torch
 from tqdm.auto import tqdm
@@ -206,13 +207,18 @@ def save_csv(rows: list[dict], name: str, result: bool, quick: bool) -> str:
 
 def bench_inference(quick: bool = False, device: str | None = None, model: str = "target", preset: str | None = None,
                     concurrency: int | None = None, output_len: int | None = None, progress: bool = True,
-                    sweep: SweepConfig | None = None) -> dict:
+                    sweep: SweepConfig | None = None, endpoint: str | None = None, tokenizer: str | None = None,
+                    arrivals: str = "poisson") -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
     tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
     *_quick.* in figures/scratch). `sweep`: another SweepConfig than the model's (default
     `sweep_config(real_model, quick)`). A `preset` or a custom `sweep` writes to figures/scratch too
-    (only the full sweep is a committed result). Returns the result dict."""
+    (only the full sweep is a committed result). Returns the result dict.
+    `endpoint`: measure the server at that URL instead, as its streaming client (inference_endpoint;
+    `tokenizer` cuts the prompts and re-counts tokens, `arrivals` poisson or fixed); figures/scratch only."""
+    if endpoint is not None:
+        return bench_endpoint(endpoint, model, quick, preset, concurrency, output_len, tokenizer, arrivals, progress)
     check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
@@ -243,6 +249,21 @@ def bench_inference(quick: bool = False, device: str | None = None, model: str =
     if any(r["axis"] == "prompt_len" for r in result["rows"]):
         save_figure(plot_ttft(result), f"{name}_ttft", result=committed, quick=quick)
     plt.close("all")
+    return result
+
+
+def bench_endpoint(endpoint, model, quick, preset, concurrency, output_len, tokenizer, arrivals, progress) -> dict:
+    from .inference_endpoint import endpoint_csv_rows, measure_endpoint, plot_endpoint, print_endpoint
+
+    result = _finite(measure_endpoint(endpoint, model, quick, preset, concurrency, output_len, tokenizer, arrivals,
+                                      progress))
+    result.update(quick=quick, machine=describe_machine(torch.device("cpu")), load_avg_after=load_avg())
+    name = f"{NAME}_endpoint_{re.sub(r'[^A-Za-z0-9]+', '_', model).strip('_')}" + (f"_{preset}" if preset else "")
+    print_endpoint(result)
+    paths = [save_json(result, name, result=False, quick=quick),
+             save_csv(endpoint_csv_rows(result), name, False, quick),
+             save_figure(plot_endpoint(result), name, result=False, quick=quick)]
+    print("wrote " + ", ".join(str(p) for p in paths))
     return result
 
 
