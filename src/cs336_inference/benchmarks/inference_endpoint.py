@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import urllib.request
 from pathlib import Path
 
@@ -161,6 +162,22 @@ def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str
             "sweep": config.describe(), "rows": rows}
 
 
+def endpoint_name(model: str, preset: str | None) -> str:
+    """The result's name: inference_endpoint_MODEL[_PRESET] (the model's served name, made a file name)."""
+    return "inference_endpoint_" + re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_") + (f"_{preset}" if preset else "")
+
+
+def by_mode(in_process, endpoint):
+    """One table/CSV/plot function for both kinds of `bench inference` result: `endpoint` for an
+    --endpoint result, `in_process` for the others (None: nothing to draw for that kind)."""
+
+    def pick(result: dict):
+        fn = endpoint if result.get("mode") == "endpoint" else in_process
+        return fn(result) if fn is not None else None
+
+    return pick
+
+
 def endpoint_csv_rows(result: dict) -> list[dict]:
     """One flat row per run (scalars only)."""
     return [{"endpoint": result["endpoint"], "model": result["model"],
@@ -210,5 +227,5 @@ def plot_endpoint(result: dict):
     return fig
 
 
-__all__ = ["FileTokenizer", "base_url", "endpoint_csv_rows", "endpoint_requests", "endpoint_runs",
-           "measure_endpoint", "plot_endpoint", "print_endpoint", "resolve_tokenizer"]
+__all__ = ["FileTokenizer", "base_url", "by_mode", "endpoint_csv_rows", "endpoint_name", "endpoint_requests",
+           "endpoint_runs", "measure_endpoint", "plot_endpoint", "print_endpoint", "resolve_tokenizer"]
