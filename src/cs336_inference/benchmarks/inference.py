@@ -33,6 +33,7 @@ from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
 from .base import Benchmark, load_avg
 from .inference_config import PRECISIONS, RunSpec, SweepConfig, check_preset, sweep_config
+from .inference_endpoint import ENDPOINT, endpoint_name, measure_endpoint
 from .inference_report import plot_operating_points, plot_ttft, print_inference
 from .inference_runs import (GAMMA, build_precision, make_requests, quality_vs_reference, quality_windows,
                              run_benchmark, source_tokens, stop_tokens)
@@ -63,11 +64,21 @@ def check_arguments(model: str, preset, concurrency, output_len) -> None:
 
 
 def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,
-            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None) -> dict:
+            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None,
+            endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed). Results:
     figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png. `sweep`: another
-    SweepConfig than the model's. A `preset` or a custom `sweep` is a partial run (figures/scratch)."""
+    SweepConfig than the model's. A `preset` or a custom `sweep` is a partial run (figures/scratch).
+    `endpoint`: measure the OpenAI-compatible server at that URL instead, as its streaming client
+    (`inference_endpoint`; `tokenizer` cuts the prompts and re-counts, `arrivals` poisson or fixed):
+    figures/scratch/inference_endpoint_MODEL.*."""
+    if endpoint is not None:
+        run.name, run.committed, run.report = endpoint_name(model, preset), False, ENDPOINT
+        return measure_endpoint(endpoint, model, run.quick, preset, concurrency, output_len, tokenizer,
+                                arrivals or "poisson", progress)
+    if tokenizer is not None or arrivals is not None:
+        raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
     check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
