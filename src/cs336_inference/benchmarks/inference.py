@@ -46,6 +46,8 @@ from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
 from .inference_config import PRECISIONS, RunSpec, SweepConfig, Workload, check_preset, sweep_config
+from .inference_endpoint import (by_mode, endpoint_csv_rows, endpoint_name, measure_endpoint, plot_endpoint,
+                                 print_endpoint)
 from .inference_report import plot_operating_points, plot_ttft, print_inference
 from .inference_speculative import GAMMA
 from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
@@ -188,12 +190,22 @@ def csv_rows(result: dict) -> list[dict]:
 
 
 def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,
-            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None) -> dict:
+            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None,
+            endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed).
     Results: figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png. `sweep`:
     another SweepConfig than the model's (default `sweep_config(real_model, quick)`). A `preset` or a
-    custom `sweep` is a partial run: it writes to figures/scratch (NAME_PRESET), never the committed result."""
+    custom `sweep` is a partial run: it writes to figures/scratch (NAME_PRESET), never the committed result.
+    `endpoint`: measure the OpenAI-compatible server at that URL instead, as its streaming client
+    (`inference_endpoint`; `tokenizer` cuts the prompts and re-counts, `arrivals` poisson or fixed):
+    figures/scratch/inference_endpoint_MODEL.*."""
+    if endpoint is not None:
+        run.name, run.committed = endpoint_name(model, preset), False
+        return measure_endpoint(endpoint, model, run.quick, preset, concurrency, output_len, tokenizer,
+                                arrivals or "poisson", progress)
+    if tokenizer is not None or arrivals is not None:
+        raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
     check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
@@ -241,9 +253,10 @@ def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, ru
         "sweep": config.describe(), "rows": rows})
 
 
-BENCHMARK = bench_inference = Benchmark(
-    NAME, measure, print_inference, csv=csv_rows, parallel=lambda options: options.get("model") in REAL_MODELS,
-    results=(NAME, f"{NAME}_smollm2_135m"),
-    plots={"{name}_operating_points": plot_operating_points, "{name}_ttft": plot_ttft})
+BENCHMARK = bench_inference = Benchmark(   # an --endpoint result has its own table, CSV and plot (by_mode)
+    NAME, measure, by_mode(print_inference, print_endpoint), csv=by_mode(csv_rows, endpoint_csv_rows),
+    parallel=lambda options: options.get("model") in REAL_MODELS, results=(NAME, f"{NAME}_smollm2_135m"),
+    plots={"{name}_operating_points": by_mode(plot_operating_points, None), "{name}_ttft": by_mode(plot_ttft, None),
+           "{name}": by_mode(None, plot_endpoint)})
 
 __all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]
