@@ -3,13 +3,13 @@
 torch's CPU kernels run on OpenMP worker threads. Between parallel regions an idle worker spins for
 a while (the default wait policy) so the next region starts a few microseconds sooner. On a shared
 2-core machine that spinning steals the core another process, or our own main thread, needs; every
-op then waits for a descheduled thread and small kernels become 10-100x slower. With
+op then waits for a descheduled thread and small kernels become many times slower. With
 OMP_WAIT_POLICY=PASSIVE idle workers sleep instead, but waking a sleeping worker costs tens of
 microseconds per region, and a compiled batch-1 decode step is ~60 short regions back to back.
 So we also set a *short* spin, GOMP_SPINCOUNT=10000 (GNU OpenMP, which torch's Linux wheels use):
 a worker keeps polling for a fraction of a millisecond, long enough to catch the next region of the
-same step, then sleeps (`bench thread_policy`, 88M compiled decode on 2 idle threads: 15.0 ms per
-step sleeping, 12.8 with the short spin). When another process holds a core, the decode loop drops
+same step, then sleeps (`bench thread_policy` times both, and the long spin, idle and busy; its
+numbers are in figures/thread_policy.json and the README). When another process holds a core, the decode loop drops
 to one thread (`timing.decode_threads`), so nothing spins against it. The runtime reads these variables once,
 when torch is imported, so `cs336_inference/__init__.py` imports this module before anything
 imports torch: importing the package first applies them. A value you set yourself always wins.
