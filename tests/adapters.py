@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+import guard
 import implementation
 
 from cs336_inference.device import default_dtype, get_device, seed_everything
@@ -23,9 +24,17 @@ from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, 
                                    rope_angles, scaled_dot_product_attention)
 
 
-def _graded(name: str):
-    """NAME in the implementation under test (raises "not implemented: NAME" if it has none)."""
-    return implementation.get(name)
+def _graded(name: str, returns="any"):
+    """NAME in the implementation under test, as a guarded callable (tests/guard.py): it raises "not
+    implemented: NAME" if the package has none, and its result must be of the kind `returns` names
+    ("tensor", "int", "number", "bool", "dict", "list", a tuple of those, or {member: kind} for an object)."""
+    def graded_call(*args):
+        fn = guard.call(name, implementation.get, (name,), returns="raw")
+        return guard.call(name, fn, guard.private_copies(args), returns=returns)
+    return graded_call
+
+
+T, T2, T3 = "tensor", ("tensor", "tensor"), ("tensor", "tensor", "tensor")
 
 
 # === graded adapters ==============================================================================
@@ -33,11 +42,11 @@ def _graded(name: str):
 
 
 def run_logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
-    return _graded("logits_to_probs")(logits, temperature, top_k, top_p)
+    return _graded("logits_to_probs", T)(logits, temperature, top_k, top_p)
 
 
 def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    return _graded("sample_next_token")(logits, temperature, top_k, top_p, generator)
+    return _graded("sample_next_token", T)(logits, temperature, top_k, top_p, generator)
 
 
 # --- speculative sampling: the accept/resample rule ---
@@ -45,128 +54,138 @@ def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, gener
 
 def run_speculative_accept(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
     """p_draft (g, V), q_target (g + 1, V), draft_tokens (g,) -> (num_accepted, next_token)."""
-    return _graded("speculative_accept")(p_draft, q_target, draft_tokens, generator)
+    return _graded("speculative_accept", ("int", "int"))(p_draft, q_target, draft_tokens, generator)
 
 
 # --- attention: GQA, KV cache, MLA, sliding window ---
 
 
 def run_grouped_query_attention(q, k, v, mask=None) -> torch.Tensor:
-    return _graded("grouped_query_attention")(q, k, v, mask)
+    return _graded("grouped_query_attention", T)(q, k, v, mask)
 
 
 def run_attention_with_kv_cache(x, weights, k_cache, v_cache, num_heads, rope_theta=10000.0):
     """-> (out (B, T, D), k_cache' (B, K, S + T, H), v_cache' (B, K, S + T, H))."""
-    return _graded("attention_with_kv_cache")(x, weights, k_cache, v_cache, num_heads, rope_theta)
+    return _graded("attention_with_kv_cache", T3)(x, weights, k_cache, v_cache, num_heads, rope_theta)
 
 
 def run_mla_absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask=None) -> torch.Tensor:
-    return _graded("mla_absorbed_attention")(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
+    return _graded("mla_absorbed_attention", T)(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
 
 
 def run_sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
-    return _graded("sliding_window_mask")(num_new, start, window)
+    return _graded("sliding_window_mask", T)(num_new, start, window)
+
+
+ROLLING_BUFFER = {"length": "int", "append": "any", "context": T2, "truncate": "any"}
 
 
 def make_rolling_kv_buffer(batch_size, num_kv_heads, head_dim, window, capacity):
     """An object with .length, .append(k, v), .context() -> (k, v), .truncate(n)."""
-    return _graded("RollingKVBuffer")(batch_size, num_kv_heads, head_dim, window, capacity)
+    return _graded("RollingKVBuffer", ROLLING_BUFFER)(batch_size, num_kv_heads, head_dim, window, capacity)
 
 
 # --- quantization ---
 
 
 def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool = True) -> torch.Tensor:
-    return _graded("quantize")(x, scale, zero_point, bits, symmetric)
+    return _graded("quantize", T)(x, scale, zero_point, bits, symmetric)
 
 
 def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
-    return _graded("dequantize")(q, scale, zero_point)
+    return _graded("dequantize", T)(q, scale, zero_point)
 
 
 def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
     """-> (codes, scale, zero_point); scale/zero_point are () per tensor, (rows, groups) otherwise."""
-    return _graded("quantize_tensor")(x, bits, symmetric, granularity, group_size)
+    return _graded("quantize_tensor", T3)(x, bits, symmetric, granularity, group_size)
 
 
 def run_pack_int4(q, signed=True) -> torch.Tensor:
-    return _graded("pack_int4")(q, signed)
+    return _graded("pack_int4", T)(q, signed)
 
 
 def run_unpack_int4(packed, signed=True) -> torch.Tensor:
-    return _graded("unpack_int4")(packed, signed)
+    return _graded("unpack_int4", T)(packed, signed)
 
 
 def run_quantize_kv_int8(x) -> tuple[torch.Tensor, torch.Tensor]:
-    return _graded("quantize_kv_int8")(x)
+    return _graded("quantize_kv_int8", T2)(x)
 
 
 def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
-    return _graded("llm_int8_matmul")(x, weight, threshold)
+    return _graded("llm_int8_matmul", T)(x, weight, threshold)
 
 
 def run_gptq_quantize(weight, inputs, bits=4, group_size=None) -> torch.Tensor:
     """-> the dequantized GPTQ weight W_hat (O, I)."""
-    return _graded("gptq_quantize")(weight, inputs, bits, group_size)
+    return _graded("gptq_quantize", T)(weight, inputs, bits, group_size)
 
 
 # --- serving: paged KV memory, continuous batching ---
 
 
+BLOCK_ALLOCATOR = {"num_free": "int", "allocate": "int", "incref": "any", "free": "bool", "ref_count": "int"}
+
+
 def make_block_allocator(num_blocks: int, block_size: int):
     """An object with .num_free, .allocate(), .incref(b), .free(b) -> bool, .ref_count(b)."""
-    return _graded("BlockAllocator")(num_blocks, block_size)
+    return _graded("BlockAllocator", BLOCK_ALLOCATOR)(num_blocks, block_size)
 
 
 def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> torch.Tensor:
     """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
-    return _graded("paged_attention")(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+    return _graded("paged_attention", T)(q, k_pool, v_pool, block_tables, context_lens, query_lens)
 
 
 def run_continuous_batching_step(running, waiting, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                  watermark_blocks) -> dict:
-    return _graded("continuous_batching_step")(running, waiting, num_blocks, block_size, max_num_seqs,
+    return _graded("continuous_batching_step", "dict")(running, waiting, num_blocks, block_size, max_num_seqs,
                                                max_num_batched_tokens, watermark_blocks)
 
 
 # --- accounting: numeric and symbolic ---
 
 
+SYMPY2 = ("any", "any")   # (flops, bytes): sympy expressions (any sympy class, or a number)
+
+
 def run_kv_cache_bytes(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element=2) -> int:
-    return _graded("kv_cache_bytes")(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element)
+    return _graded("kv_cache_bytes", "number")(batch_size, seq_len, num_layers, num_kv_heads, head_dim,
+                                               bytes_per_element)
 
 
 def run_inference_stats(model: dict, hardware: dict, batch_size, seq_len, bytes_per_element=2) -> dict:
-    return _graded("inference_stats")(model, hardware, batch_size, seq_len, bytes_per_element)
+    return _graded("inference_stats", "dict")(model, hardware, batch_size, seq_len, bytes_per_element)
 
 
 def run_matmul_cost():
     """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
-    return _graded("matmul_cost")()
+    return _graded("matmul_cost", SYMPY2)()
 
 
 def run_mlp_cost():
-    return _graded("mlp_cost")()
+    return _graded("mlp_cost", SYMPY2)()
 
 
 def run_attention_cost():
-    return _graded("attention_cost")()
+    return _graded("attention_cost", SYMPY2)()
 
 
 def run_generation_flops() -> dict:
     """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
-    return _graded("generation_flops")()
+    return _graded("generation_flops", "dict")()
 
 
 def run_decode_cost() -> dict:
-    return _graded("decode_cost")()
+    return _graded("decode_cost", "dict")()
 
 
 # --- data ---
 
 
 def run_get_batch(data, batch_size, seq_len, generator=None):
-    return _graded("get_batch")(data, batch_size, seq_len, generator)
+    return _graded("get_batch", T2)(data, batch_size, seq_len, generator)
 
 
 # === library helpers (not graded) =================================================================
