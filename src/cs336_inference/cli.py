@@ -185,10 +185,12 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
-    from .generation import ChatSession
+    from .serving import ChatSession  # on the serving engine: prefix caching reuses earlier turns
 
-    model, tokenizer, generator = _load_model(args)
+    model, tokenizer, _ = _load_model(args)
     session = ChatSession(model, tokenizer, system=args.system)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p)
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
     while True:
         try:
@@ -203,12 +205,47 @@ def _run_chat(args) -> int:
             continue
         print("model> ", end="", flush=True)
         try:
-            for piece in session.send(text, **_sampling(args, generator)):
+            for piece in session.send(text, seed=args.seed + len(session.history), **sampling):
                 print(piece, end="", flush=True)
         except ValueError as e:  # the conversation outgrew the cache: say so and keep the REPL alive
             print(f"\n[{e}]")
             continue
         print("\n" + _stats_line(session.history[-1]))
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (the real model) or a shipped toy model (target, draft, draft-scratch)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: room for "
+                   "max-num-seqs sequences of min(context, 2048) tokens)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.set_defaults(seed=0)
+
+
+def _run_serve(args) -> int:
+    import time
+
+    try:
+        from .serving.http import OpenAIServer, run_server
+    except ImportError as error:
+        print(f"serve needs the server extra ({error.name} is missing): pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    from .serving import Engine
+    from .serving.async_engine import AsyncEngine
+
+    if not 0 <= args.port <= 65535:
+        print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    model, tokenizer, _ = _load_model(args)
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    name = args.served_model_name or args.model
+    run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
+    return 0
 
 
 # name -> (module in this package, function(quick: bool, device: str | None))
@@ -227,6 +264,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
     "inference": ("benchmarks.inference", "bench_inference"),  # the complete benchmark: --model, --preset
     "thread_policy": ("benchmarks.thread_policy", "bench_thread_policy"),  # OpenMP waits, idle vs busy
+    "serving_http": ("benchmarks.serving_http", "bench_serving_http"),  # the engine in process vs behind `serve`
 }
 
 # Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
@@ -301,6 +339,8 @@ COMMANDS: dict[str, tuple] = {
              _chat_args, _run_chat),
     "generate": ("continue one prompt, streaming the tokens (--chat: as a chat message)", _generate_args,
                  _run_generate),
+    "serve": ("an OpenAI-compatible HTTP server on the serving engine (/v1/completions, /v1/chat/completions)",
+              _serve_args, _run_serve),
     "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
     "homework": ("the homework: `homework init DIR` writes a student package to implement and grade",
                  _homework_args, _run_homework),
