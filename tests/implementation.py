@@ -112,6 +112,7 @@ def _watch() -> None:
     global _snapshot
     if not is_reference():
         importlib.import_module(REFERENCE)   # ours: loaded first, so its registry is not counted as a change
+        tamper.import_lazy_modules()
         _snapshot = tamper.Snapshot.take()
 
 

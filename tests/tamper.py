@@ -49,12 +49,21 @@ MODULES = ("builtins", "math", "cmath", "operator", "functools", "itertools", "f
            "pluggy", "pluggy._callers", "pluggy._hooks", "pluggy._manager", "pluggy._result")
 _HEAP_TYPE, _IMMUTABLE_TYPE = 1 << 9, 1 << 8   # type flags: static C types and immutable ones cannot change
 SMALL = 512                                 # module-level dicts/lists/sets up to this size are copied
+# modules whose module-level containers are compared too (elsewhere they are caches that change by themselves,
+# such as re's pattern cache): the tolerance table of assert_close, and the test modules' own tables
+CONTAINER_MODULES = ("torch.testing._comparison",)
 
 
 def _test_modules() -> list[types.ModuleType]:
     """The test suite's own modules: anything loaded from tests/ (adapters, grading, graded tests, ...)."""
     root = str(TESTS_DIR) + os.sep
     return [m for m in list(sys.modules.values()) if str(getattr(m, "__file__", None) or "").startswith(root)]
+
+
+def import_lazy_modules() -> None:
+    """Modules torch imports on first use that rebind names of modules already watched (torch._dynamo
+    wraps torch.manual_seed): imported before a snapshot, so that first use is not mistaken for tampering."""
+    import torch._dynamo  # noqa: F401
 
 
 def watched_modules() -> list[types.ModuleType]:
@@ -113,8 +122,10 @@ class Snapshot:
     def take(cls, modules: list[types.ModuleType] | None = None) -> "Snapshot":
         snap = cls()
         seen: set[int] = set()
+        tests = {id(m) for m in _test_modules()}
         for module in modules if modules is not None else watched_modules():
             name = module.__name__
+            containers = name in CONTAINER_MODULES or id(module) in tests
             space = module.__dict__
             mutable = space.get("__mutable__", ())
             saved = {k: v for k, v in space.items() if k not in mutable and _watched(v)}
@@ -137,7 +148,8 @@ class Snapshot:
                 elif isinstance(value, types.FunctionType):
                     seen.add(id(value))
                     snap._add_function(f"{name}.{key}", value)
-                elif isinstance(value, (dict, list, set)) and len(value) <= SMALL and not key.startswith("__"):
+                elif containers and isinstance(value, (dict, list, set)) and len(value) <= SMALL \
+                        and not key.startswith("__"):
                     seen.add(id(value))
                     snap.containers.append((f"{name}.{key}", value, value.copy()))
         snap.function_ids = snap._function_ids()

@@ -199,7 +199,7 @@ MUTANTS: tuple[Mutant, ...] = (
            (("    H += damp * torch.mean(torch.diag(H))", "    H += 0 * torch.mean(torch.diag(H))"),),
            "GPTQ without the 1% dampening of the Hessian"),
     Mutant("gptq_group_scales_from_original_weights", GPTQ,
-           (("s, z = compute_scale_zero_point(torch.cat([W1[:, i:], W[:, end:]], 1)[:, :g],",
+           (("s, z = compute_scale_zero_point(torch.cat([W1[:, i:], past], 1)[:, :g],",
              "s, z = compute_scale_zero_point(weight.double()[:, j:j + g],"),),
            "GPTQ group scales from the original weights instead of the error-updated ones"),
     Mutant("gptq_lower_cholesky", GPTQ,
