@@ -6,6 +6,8 @@ never which."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapters
 from cs336_inference.model import load_pretrained
@@ -43,8 +45,6 @@ def _generate(model, prompt, max_tokens, **kwargs):
 
 
 def test_step_deltas_equal_generate_and_run(model, text):
-    import torch
-
     engine = Engine(model, block_size=4, max_num_seqs=4)
     prompts = [text[100:120], text[500:507], text[900:931]]
     greedy = SamplingParams(max_tokens=9, stop_token_ids=(10,))
@@ -167,3 +167,58 @@ def test_identical_prompts_admitted_in_the_same_step_share_their_blocks(model, t
     assert first.reserved_tokens == 8 * (5 + 1 + 1)                   # 4 shared blocks + one last block each
     want = _generate(model, prompt, 6)
     assert all(o.tokens == [want] for o in result.outputs)
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts what makes the host wait for the device: a tensor read back as a Python number
+    (`aten._local_scalar_dense`: item(), int(t), bool(t), ...) and `Tensor.tolist` (which torch
+    does not dispatch on a CPU tensor, so it is counted by wrapping it). `phase` labels each one."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.phase = [], "step"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs.append((self.phase, "item"))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        real, counter = torch.Tensor.tolist, self
+
+        def tolist(t):
+            counter.syncs.append((counter.phase, "tolist"))
+            return real(t)
+        self._real, torch.Tensor.tolist = real, tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._real
+        return super().__exit__(*exc)
+
+
+def test_an_engine_step_syncs_with_the_device_once(model, text):
+    """Steps with prefill chunks, decodes, a fork and sampled rows: the model's execution reads
+    nothing back from the device, and the whole step reads exactly once (the sampled ids)."""
+    engine = Engine(model, block_size=4, max_num_batched_tokens=24, chunked_prefill=True)
+    engine.add_request(text[0:40], SamplingParams(max_tokens=6))
+    engine.add_request(text[50:60], SamplingParams(0.8, top_k=20, top_p=0.9, max_tokens=6, n=2, seed=3))
+    execute = engine.runner.execute
+    counter = _HostSyncs()
+
+    def counted_execute(*args, **kwargs):
+        counter.phase = "model"
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            counter.phase = "step"
+    engine.runner.execute = counted_execute
+    ran = 0
+    while engine.has_unfinished():
+        counter.syncs.clear()
+        with counter:
+            engine.step()
+        if engine.last_step is not None:
+            ran += 1
+            assert counter.syncs == [("step", "tolist")], f"step {ran}: {counter.syncs}"
+    assert ran >= 6

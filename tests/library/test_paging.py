@@ -340,3 +340,42 @@ def test_contiguous_manager_reserves_every_sample_and_copies_on_fork():
     assert m.table("a").blocks == list(range(m.table("a").blocks[0], m.table("a").blocks[0] + 4))
     m.free("a"), m.free("b")
     assert m.memory_stats().reserved_tokens == 0 and m.num_free_blocks == 30
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_paged_attention_never_reads_padding_as_data(kernel, poison):
+    """Block 0 pads the shorter tables of a batch and the last block of a sequence has slots past its
+    length: whatever they hold (NaN, inf, another sequence's keys) must not reach any output."""
+    g = torch.Generator().manual_seed(0)
+    bs, K, H = 4, 2, 8
+    k_pool, v_pool = torch.randn(12, bs, K, H, generator=g), torch.randn(12, bs, K, H, generator=g)
+    tables, context_lens, query_lens = [[3, 5, 7], [2], [9, 4]], [10, 3, 6], [1, 1, 4]
+    q = torch.randn(sum(query_lens), 2 * K, H, generator=g)
+    want = _naive_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
+    for pool in (k_pool, v_pool):
+        pool[0] = poison                                   # the padding block, held by nobody
+        pool[7, 2:] = poison                               # past position 10 in sequence 0's last block
+        pool[2, 3:] = poison
+        pool[4, 2:] = -poison
+    got = paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens, kernel=kernel)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_paged_attention_refuses_bad_tables_and_lengths():
+    k = torch.zeros(4, 2, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="twice"):
+        paged_attention(q, k, k, [[1, 1]], [3])           # two positions in one slot
+    with pytest.raises(ValueError, match=r"outside the pool's \[0, 4\)"):
+        paged_attention(q, k, k, [[1, 9]], [3])
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention(q, k, k, torch.tensor([[-1, 2]]), [3])
+    with pytest.raises(TypeError, match="context_lens"):
+        paged_attention(q, k, k, [[1, 2]], [3.7])          # never truncated to 3
+    with pytest.raises(TypeError, match="context_lens"):
+        paged_attention(q, k, k, [[1, 2]], torch.tensor([3.0]))
+    with pytest.raises(TypeError, match="block_tables"):
+        paged_attention(q, k, k, [[1.0, 2.0]], [3])
+    assert paged_attention(q, k, k, torch.tensor([[1, 2, 0]]), [3]).shape == (1, 1, 8)  # unused padding may repeat

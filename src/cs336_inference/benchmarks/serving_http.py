@@ -32,7 +32,6 @@ import urllib.request
 import torch
 
 from ..data.corpus import load_corpus
-from ..figures import save_figure, save_json
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import load_tokenizer
 from ..serving import Engine
@@ -41,7 +40,7 @@ from ..serving.client import (EndpointRequest, StreamResult, arrival_times, http
                               stream_metrics)
 from ..serving.request import SamplingParams
 from ..tables import format_table
-from .machine import describe_machine, load_avg
+from .base import Benchmark, load_avg
 
 NAME = "serving_http"
 MODES = ("engine", "async", "http")
@@ -182,12 +181,11 @@ def one_run(mode: str, model, url: str, requests, ids, concurrency: int) -> tupl
     return stream_metrics(results, duration), [r.text.get(0, "") for r in results]
 
 
-def bench_serving_http(quick: bool = False, device: str | None = None, concurrency: int = 32,
-                       repeats: int | None = None) -> dict:
-    """Serve the same load in process and over HTTP; print the table, write figures/serving_http.*."""
-    if device not in (None, "cpu"):
+def measure(run, concurrency: int = 32, repeats: int | None = None) -> dict:
+    """Serve the same load in process and over HTTP (one thread: the scaffold's policy for the toy model)."""
+    if run.device.type != "cpu":
         raise ValueError("bench serving_http runs the toy target on the CPU (the server process picks its device)")
-    torch.set_num_threads(1)
+    quick = run.quick
     repeats = repeats or (1 if quick else 3)
     num_requests, output_len = (2 * concurrency, 16) if quick else (4 * concurrency, 64)
     model = load_pretrained("target").eval()
@@ -214,15 +212,10 @@ def bench_serving_http(quick: bool = False, device: str | None = None, concurren
                 rows.append({"load": load, "rate": None if math.isinf(rate) else rate, "mode": mode,
                              "concurrency": concurrency, "num_requests": num_requests, "output_len": output_len,
                              "same_text_as_engine": same, "repeats": repeats, **best})
-    result = {"benchmark": NAME, "model": "target", "device": "cpu", "threads": torch.get_num_threads(),
-              "machine": describe_machine(torch.device("cpu")), "load_avg_before": load_before,
-              "load_avg_after": load_avg(), "quick": quick, "rows": rows,
+    return {"benchmark": NAME, "model": "target", "device": "cpu", "threads": torch.get_num_threads(),
+              "load_avg_before": load_before, "load_avg_after": load_avg(), "rows": rows,
               "p99_ttft_ratio_http_to_engine": {
                   load: _ratio(rows, load, "ttft", "p99") for load in dict.fromkeys(r["load"] for r in rows)}}
-    print_serving_http(result)
-    save_json(result, NAME, result=True, quick=quick)
-    save_figure(plot_serving_http(result), NAME, result=True, quick=quick)
-    return result
 
 
 def _ratio(rows, load, metric, stat):
@@ -270,5 +263,7 @@ def plot_serving_http(result: dict):
     fig.tight_layout()
     return fig
 
+
+BENCHMARK = bench_serving_http = Benchmark(NAME, measure, print_serving_http, plots={NAME: plot_serving_http})
 
 __all__ = ["bench_serving_http", "drive_engine", "make_load", "plot_serving_http", "serve_process"]
