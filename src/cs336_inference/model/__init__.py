@@ -16,10 +16,10 @@ from .checkpoint_keys import COMMON_RENAMES, rename_keys, split_fused_gate_up, s
 from .checkpoints import available_pretrained, load, load_cs336_checkpoint, load_pretrained, save
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
-from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache
+from .kv_cache import CacheStep, ContiguousKVCache, ForwardStep, KVCache, LayerCache
 from .latent_kv_cache import LatentKVCache
 from .rolling_kv_cache import RollingKVCache
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
 from .bpe_tokenizer import BPETokenizer
 from .real_models import REAL_MODELS
@@ -28,9 +28,9 @@ from .transformer import TransformerBlock, TransformerLM
 from .window import SlidingWindowAttention
 
 __all__ = [
-    "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
-    "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
-    "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
+    "BPETokenizer", "COMMON_RENAMES", "ByteTokenizer", "CacheStep", "ContiguousKVCache", "ForwardStep",
+    "GroupedQueryAttention", "KVCache", "LatentKVCache", "LayerCache", "ModelConfig", "MultiHeadLatentAttention",
+    "PRESETS", "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",
     "available_pretrained", "grouped_attention", "load", "load_cs336_checkpoint", "load_pretrained", "load_tokenizer",
     "rename_keys", "rope_angles", "save", "scaled_dot_product_attention", "split_fused_gate_up", "split_fused_qkv",

@@ -17,7 +17,7 @@ from .engine import Engine, EngineConfig, EngineResult, StepRecord
 from .memory_stats import KVMemoryStats
 from .metrics import RequestMetrics, benchmark_metrics, distribution, request_metrics, summarize
 from .paged_attention import paged_attention
-from .paged_kv_cache import PagedBatch, PagedKVCache, PagedLayerCache, PagedStep
+from .paged_kv_cache import PagedKVCache, PagedLayerCache, PagedStep
 from .prefix_cache import PrefixCache, chained_block_hash
 from .request import Request, RequestOutput, SamplingParams
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
@@ -27,7 +27,7 @@ from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 __all__ = [
     "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError",
-    "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestMetrics",
+    "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestMetrics",
     "RequestOutput",
     "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler",
     "StepRecord", "TraceConfig", "benchmark_metrics", "blocks_for", "distribution",

@@ -42,13 +42,15 @@ class _PaddedGroup:
     mask: torch.Tensor          # (b, 1, T_max, S_max) True = may attend
 
     @classmethod
-    def build(cls, tables: torch.Tensor, context_lens: torch.Tensor, query_lens: torch.Tensor,
-              block_size: int, device) -> "_PaddedGroup":
-        S_max, T_max = int(context_lens.max()), int(query_lens.max())
+    def build(cls, tables: torch.Tensor, context_lens: list[int], query_lens: list[int], block_size: int,
+              device) -> "_PaddedGroup":
+        """From host data (the lengths as lists of ints): building reads nothing back from the device."""
+        S_max, T_max = max(context_lens), max(query_lens)
+        context_lens, query_lens = torch.tensor(context_lens), torch.tensor(query_lens)
         b = context_lens.shape[0]
         # query t of sequence i is row (i, t) of the padded (b, T_max) layout
         seq = torch.repeat_interleave(torch.arange(b), query_lens)                   # (sum T,)
-        row = torch.arange(int(query_lens.sum())) - (torch.cumsum(query_lens, 0) - query_lens)[seq]
+        row = torch.arange(seq.shape[0]) - (torch.cumsum(query_lens, 0) - query_lens)[seq]
         # key j is visible to query t of sequence i iff j <= its position S_i - T_i + t (causal) and
         # j < S_i (a real key); padding rows (t >= T_i) see all real keys and are dropped later
         positions = (context_lens - query_lens)[:, None] + torch.arange(T_max)       # (b, T_max)
@@ -84,23 +86,26 @@ class PagedLayout:
 
     @classmethod
     def build(cls, block_tables, context_lens, query_lens, block_size: int, device=None) -> "PagedLayout":
-        """block_tables: (B, n) tensor or B lists of block ids; context_lens (B,) S_b; query_lens (B,) T_b."""
-        context_lens = torch.as_tensor(context_lens, dtype=torch.long).cpu()
-        B = context_lens.shape[0]
-        query_lens = (torch.ones(B, dtype=torch.long) if query_lens is None
-                      else torch.as_tensor(query_lens, dtype=torch.long).cpu())
+        """block_tables: (B, n) tensor or B lists of block ids; context_lens (B,) S_b; query_lens (B,) T_b
+        (lists of ints or tensors; the work is done on host lists, so nothing waits for a device)."""
+        context_lens = [int(n) for n in (context_lens.tolist() if isinstance(context_lens, torch.Tensor)
+                                         else context_lens)]
+        B = len(context_lens)
+        query_lens = ([1] * B if query_lens is None else
+                      [int(n) for n in (query_lens.tolist() if isinstance(query_lens, torch.Tensor) else query_lens)])
         _check_lengths(block_tables, context_lens, query_lens, block_size)
         tables = padded_block_tables(block_tables)                                  # (B, n), CPU
-        starts = torch.cumsum(query_lens, 0) - query_lens                          # first query row of each
-        members = [torch.nonzero(query_lens == 1).flatten(), torch.nonzero(query_lens > 1).flatten()]
-        members = [m for m in members if len(m)]
+        members = [[i for i in range(B) if query_lens[i] == 1], [i for i in range(B) if query_lens[i] > 1]]
+        members = [m for m in members if m]
+        starts = [sum(query_lens[:i]) for i in range(B)]                           # first query row of each
         groups = []
         for m in members:
-            group = _PaddedGroup.build(tables[m], context_lens[m], query_lens[m], block_size, device)
-            rows = None if len(members) == 1 else torch.cat(
-                [torch.arange(int(starts[i]), int(starts[i] + query_lens[i])) for i in m.tolist()]).to(device)
+            group = _PaddedGroup.build(tables[m], [context_lens[i] for i in m], [query_lens[i] for i in m],
+                                       block_size, device)
+            rows = None if len(members) == 1 else torch.tensor(
+                [r for i in m for r in range(starts[i], starts[i] + query_lens[i])], device=device)
             groups.append((rows, group))
-        return cls(query_lens, groups, block_size, int(query_lens.sum()))
+        return cls(torch.tensor(query_lens), groups, block_size, sum(query_lens))
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
@@ -140,19 +145,19 @@ def _gather(pool: torch.Tensor, tables: torch.Tensor, S_max: int) -> torch.Tenso
     return rearrange(blocks, "(B n) s K H -> B K (n s) H", B=tables.shape[0])[:, :, :S_max]
 
 
-def _check_lengths(block_tables, context_lens, query_lens, block_size) -> None:
-    B = context_lens.shape[0]
-    if context_lens.dim() != 1 or B == 0 or query_lens.shape != (B,):
-        raise ValueError(f"context_lens and query_lens must both be (B,) with B >= 1, got "
-                         f"{tuple(context_lens.shape)} and {tuple(query_lens.shape)}")
-    if int(query_lens.min()) < 1 or bool((query_lens > context_lens).any()):
-        raise ValueError(f"need 1 <= query_lens <= context_lens, got query_lens {query_lens.tolist()}, "
-                         f"context_lens {context_lens.tolist()}")
+def _check_lengths(block_tables, context_lens: list[int], query_lens: list[int], block_size) -> None:
+    B = len(context_lens)
+    if B == 0 or len(query_lens) != B:
+        raise ValueError(f"context_lens and query_lens must both be (B,) with B >= 1, got {B} and "
+                         f"{len(query_lens)} lengths")
+    if any(not 1 <= t <= s for s, t in zip(context_lens, query_lens)):
+        raise ValueError(f"need 1 <= query_lens <= context_lens, got query_lens {query_lens}, "
+                         f"context_lens {context_lens}")
     lengths = ([len(t) for t in block_tables] if not isinstance(block_tables, torch.Tensor)
                else [block_tables.shape[1]] * block_tables.shape[0])
     if len(lengths) != B:
         raise ValueError(f"block_tables has {len(lengths)} sequences, context_lens {B}")
-    for b, (n, s) in enumerate(zip(lengths, context_lens.tolist())):
+    for b, (n, s) in enumerate(zip(lengths, context_lens)):
         if n * block_size < s:
             raise ValueError(f"sequence {b} has {s} keys but its block table maps only {n} blocks "
                              f"of {block_size}")
