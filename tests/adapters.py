@@ -551,7 +551,7 @@ def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0
 
 
 def make_chat_session(model, tokenizer, **kwargs):
-    from cs336_inference.generation import ChatSession
+    from cs336_inference.serving import ChatSession
     return ChatSession(model, tokenizer, **kwargs)
 
 
@@ -655,9 +655,9 @@ def run_speculative_output_distribution(p, q) -> dict:
 
 
 def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
-    """Block tables of many sequences: allocate / append_slot / fork / free / cache_full_blocks."""
-    from cs336_inference.serving import BlockManager, chained_block_hash
-    return BlockManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
+    """Block tables of many sequences: allocate / allocate_slots / fork / free / cache_blocks."""
+    from cs336_inference.serving import KVCacheManager, chained_block_hash
+    return KVCacheManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
 
 
 def make_contiguous_allocator(num_slots: int):
@@ -683,7 +683,10 @@ def make_paged_kv_cache(model, num_blocks: int, block_size: int):
 
 
 def make_request(request_id, prompt, max_new_tokens: int, arrival_time: float = 0.0, **sampling):
+    """A trace request; sampling: SamplingParams fields (stop_tokens= is taken as stop_token_ids=)."""
     from cs336_inference.serving import Request, SamplingParams
+    if "stop_tokens" in sampling:
+        sampling["stop_token_ids"] = sampling.pop("stop_tokens")
     return Request(request_id, tuple(prompt), max_new_tokens, arrival_time, SamplingParams(**sampling))
 
 
@@ -702,8 +705,9 @@ def run_engine(model, requests, **config):
 def make_request_output(request_id, prompt_len: int, arrival_time: float, token_times: list[list[float]],
                         first_scheduled_time: float | None = None):
     """A finished request as the engine reports it: per sample, the time each output token existed."""
-    from cs336_inference.serving import RequestOutput
-    return RequestOutput(request_id, prompt_len, arrival_time, tokens=[[0] * len(t) for t in token_times],
+    from cs336_inference.serving import RequestRecord
+    return RequestRecord(request_id=request_id, prompt_len=prompt_len, arrival_time=arrival_time,
+                         tokens=[[0] * len(t) for t in token_times],
                          token_times=[list(t) for t in token_times], finish_reasons=["length"] * len(token_times),
                          first_scheduled_time=first_scheduled_time,
                          finish_time=max(t[-1] for t in token_times if t) if any(token_times) else None)

@@ -20,7 +20,7 @@ from .device import apply_thread_policy, default_dtype, get_device, seed_everyth
 from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
                          prefill, sample_next_token, speculative_accept, speculative_generate)
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    load_tokenizer, scaled_dot_product_attention)
+                    load_tokenizer, scaled_dot_product_attention, verify_checkpoint)
 
 __version__ = "0.1.0"
 
@@ -29,4 +29,5 @@ __all__ = [
     "decode_one_token", "default_dtype", "expected_speedup", "expected_tokens_per_pass", "generate", "get_device",
     "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "prefill", "sample_next_token",
     "scaled_dot_product_attention", "seed_everything", "speculative_accept", "speculative_generate",
+    "verify_checkpoint",
 ]

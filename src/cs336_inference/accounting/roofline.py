@@ -149,6 +149,13 @@ class RooflineSweep:
         data["knee_batch_size_80pct"] = self.knee_batch_size()
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict) -> "RooflineSweep":
+        """The sweep back from `to_dict()` (a benchmark's JSON), to plot it again."""
+        fields = {k: v for k, v in data.items() if k not in ("ridge_batch_size", "knee_batch_size_80pct")}
+        hardware = {k: v for k, v in fields.pop("hardware").items() if k != "accelerator_intensity"}
+        return cls(HardwareMeasurement(**hardware), **fields)
+
 
 def _element_size(dtype: str) -> int:
     return torch.empty(0, dtype=getattr(torch, dtype)).element_size()

@@ -32,8 +32,6 @@ import torch.nn as nn
 from ..accounting.roofline import measure_memory_bandwidth
 from .._openmp import spin_count, wait_policy
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
-from ..device import get_device, seed_everything
-from ..figures import save_json
 from ..generation.compiled import compile_decode
 from ..generation.generate import decode_one_token, generate
 from ..model.config import ModelConfig
@@ -42,6 +40,7 @@ from ..quantization.linear import QuantizedLinear
 from ..quantization.model import quantize_model
 from ..timing import busy_cpu, load_average, median_seconds
 from . import peer
+from .base import Benchmark
 from .generation_report import plot_generation, print_generation
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
@@ -142,13 +141,10 @@ def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> 
     return times
 
 
-def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m",
-                     model: str | None = None) -> dict:
+def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
     (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
-    device = get_device(device)
-    seed_everything(0)
-    result_name = "generation"
+    device, quick = run.device, run.quick
     if model is None:
         config = ModelConfig.from_name(preset)
         if quick:
@@ -161,7 +157,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
         missing = real_model_missing(model)
         if missing:
             raise ValueError(f"bench generation --model {model}: {missing}")
-        result_name, preset = f"generation_{model.replace('-', '_')}", model
+        run.name, preset = f"generation_{model.replace('-', '_')}", model
         model = load_pretrained(model, device=device, dtype=torch.float32).eval()
         config = model.config
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
@@ -184,7 +180,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     # Same greedy tokens: our readable path, our fast path and the peer, from the same prompt.
     # Tokens for the greedy check and the KL: random ids for a random-init model, real text for a real one.
     width = 64 if not quick else 32
-    real = result_name != "generation"
+    real = run.name != "generation"
     text = _real_text(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
     prompt = text[None, :16].to(device)
     n_check = 16 if quick else 32
@@ -253,9 +249,6 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     result |= dict(new_tokens=new_tokens, cached_generation_s=cached.total_time, naive_generation_s=naive.total_time,
                    naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
-    print_generation(result)
-    save_json(result, result_name, result=True, quick=quick)  # --quick: scratch generation_quick.*
-    plot_generation(result, quick, result_name)
     return result
 
 
@@ -340,3 +333,8 @@ def _bf16_unit(device) -> str:
     if "avx512_bf16" in flags:
         return "AVX-512 BF16 (avx512_bf16)"
     return "none (bf16 is converted to fp32)"
+
+
+BENCHMARK = bench_generation = Benchmark("generation", measure, print_generation, parallel=True,
+                                         results=("generation", "generation_smollm2_135m"),
+                                         plots={"{name}": plot_generation})

@@ -33,27 +33,24 @@ parallel thread policy for a real model; the load average before and after is in
 
 from __future__ import annotations
 
-import csv
 import math
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import _checks
-from ..device import default_dtype, get_device, seed_everything, thread_policy
-from ..figures import output_path, save_figure, save_json
+from ..device import default_dtype
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import REAL_MODELS
 from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
-from ..timing import num_threads
 from .inference_config import PRECISIONS, RunSpec, SweepConfig, Workload, check_preset, sweep_config
 from .inference_report import plot_operating_points, plot_ttft, print_inference
 from .inference_speculative import GAMMA
 from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
                              source_tokens, stop_tokens)
-from .machine import describe_machine, load_avg
+from .base import Benchmark, load_avg
 
 NAME = "inference"
 
@@ -185,65 +182,31 @@ def csv_rows(result: dict) -> list[dict]:
     """One flat row per run (scalars only), each with the machine it ran on."""
     m = result["machine"]
     machine = {"model": result["model"], "device": result["device"], "cpu": m["cpu"],
-               "torch_threads": m["torch_threads"],
-               "torch": m["torch"], "gpu": m.get("gpu"), "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
-    rows = []
-    for r in result["rows"]:
-        flat = {k: v for k, v in r.items() if not isinstance(v, (dict, list))}
-        rows.append({**machine, **flat})
-    return rows
+               "torch_threads": m["torch_threads"], "torch": m["torch"], "gpu": m.get("gpu"),
+               "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
+    return [{**machine, **{k: v for k, v in r.items() if not isinstance(v, (dict, list))}} for r in result["rows"]]
 
 
-def save_csv(rows: list[dict], name: str, result: bool, quick: bool) -> str:
-    path = output_path(name, ".csv", result=result, quick=quick)
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return str(path)
-
-
-def bench_inference(quick: bool = False, device: str | None = None, model: str = "target", preset: str | None = None,
-                    concurrency: int | None = None, output_len: int | None = None, progress: bool = True,
-                    sweep: SweepConfig | None = None) -> dict:
+def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,
+            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
-    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
-    tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
-    *_quick.* in figures/scratch). `sweep`: another SweepConfig than the model's (default
-    `sweep_config(real_model, quick)`). A `preset` or a custom `sweep` writes to figures/scratch too
-    (only the full sweep is a committed result). Returns the result dict."""
+    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed).
+    Results: figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png. `sweep`:
+    another SweepConfig than the model's (default `sweep_config(real_model, quick)`). A `preset` or a
+    custom `sweep` is a partial run: it writes to figures/scratch (NAME_PRESET), never the committed result."""
     check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
-    device = get_device(device)
-    seed_everything(0)
-    real = model in REAL_MODELS
-    config = (sweep or sweep_config(real, quick)).with_precisions(precision_order(device))
+    device, real = run.device, model in REAL_MODELS
+    config = (sweep or sweep_config(real, run.quick)).with_precisions(precision_order(device))
     check_drafts(model, config.speculative if preset is None else ())
     runs = config.runs(only_preset=preset)
     if preset is not None:
         runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
                         s.speculative) for s in runs]
-    threads = thread_policy(parallel=real) if device.type == "cpu" else torch.get_num_threads()
-    with num_threads(threads):   # the toy model: one thread; a real model is large work: every core (device.py)
-        result = _sweep(model, real, device, config, runs, progress)
-    result.update(quick=quick, preset=preset)
-    name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
-    if preset is not None:
-        name += f"_{preset}"
-    print_inference(result)
-    committed = preset is None and sweep is None   # the full sweep is a committed result; the rest is scratch
-    save_json(result, name, result=committed, quick=quick)
-    save_csv(csv_rows(result), name, committed, quick)
-    import matplotlib.pyplot as plt
-
-    if any(r["axis"] in ("concurrency", "preset") for r in result["rows"]):
-        save_figure(plot_operating_points(result), f"{name}_operating_points", result=committed, quick=quick)
-    if any(r["axis"] == "prompt_len" for r in result["rows"]):
-        save_figure(plot_ttft(result), f"{name}_ttft", result=committed, quick=quick)
-    plt.close("all")
-    return result
+    run.name = (NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}") + (f"_{preset}" if preset else "")
+    run.committed = preset is None and sweep is None
+    return {**_sweep(model, real, device, config, runs, progress), "preset": preset}
 
 
 def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, runs: list[RunSpec],
@@ -270,12 +233,17 @@ def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, ru
     match_plain_greedy(rows)
     return _finite({
         "benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
-        "machine": describe_machine(device), "load_avg_before": load_before, "load_avg_after": load_avg(),
+        "load_avg_before": load_before, "load_avg_after": load_avg(),
         "base_precision": config.precisions[0], "precisions": list(config.precisions),
         "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
         "quality_tokens": int(windows[:, 1:].numel()),
         "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
         "sweep": config.describe(), "rows": rows})
 
+
+BENCHMARK = bench_inference = Benchmark(
+    NAME, measure, print_inference, csv=csv_rows, parallel=lambda options: options.get("model") in REAL_MODELS,
+    results=(NAME, f"{NAME}_smollm2_135m"),
+    plots={"{name}_operating_points": plot_operating_points, "{name}_ttft": plot_ttft})
 
 __all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]

@@ -153,6 +153,8 @@ def plot_operating_points(result: dict):
     decode; mean seconds, base precision)."""
     import matplotlib.pyplot as plt
 
+    if not _rows(result, "concurrency") and not _rows(result, "preset"):
+        return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
     rows = _rows(result, "concurrency")
     repeated = any(r.get("repeats", 1) > 1 for r in rows)
@@ -196,8 +198,10 @@ def plot_ttft(result: dict):
     """TTFT against prompt length (one request at a time: TTFT is the prefill), one curve per precision."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
     rows = _rows(result, "prompt_len")
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for i, precision in enumerate(dict.fromkeys(r["precision"] for r in rows)):
         pts = sorted((r for r in rows if r["precision"] == precision), key=lambda r: r["workload_spec"]["prompt_len"])
         ax.plot([r["workload_spec"]["prompt_len"][0] for r in pts], [1e3 * r["ttft_median_s"] for r in pts], "o-",

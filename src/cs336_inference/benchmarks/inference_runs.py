@@ -21,8 +21,8 @@ from ..serving import Engine, TraceConfig, benchmark_metrics, make_chat_trace, m
 from ..serving.request import Request
 from .inference_config import PRECISIONS, Workload
 from .inference_speculative import serve_one_at_a_time
-from .machine import PeakMemory
-from .quantization_smollm2 import compare_on_text
+from .base import PeakMemory
+from ..data.evaluation import compare_on_text
 
 NEWLINE = 10   # the byte tokenizer's stop token for the toy model: an answer ends with its line
 BLOCK_SIZE = 16

@@ -19,7 +19,7 @@ import torch
 
 from ..generation.generate import generate
 from ..generation.speculative import SpeculativeDecoder
-from ..serving.request import Request, RequestOutput
+from ..serving.request import Request, RequestRecord
 from ..timing import sync_device
 
 GAMMA = 4   # drafts per target pass: near the best measured by `bench speculative` on both models
@@ -36,7 +36,7 @@ def _plain(target, request: Request, sample: int) -> tuple[list[int], list[float
     """Plain decoding of one sample: tokens, their times after the call started, finish reason."""
     p = request.sampling
     out = generate(target, [list(request.prompt)], request.max_new_tokens, p.temperature, p.top_k, p.top_p,
-                   p.stop_tokens or None, _generator(request, sample))
+                   p.stop_token_ids or None, _generator(request, sample))
     tokens = out.tokens[0]
     return tokens, out.token_times[:len(tokens)], out.finish_reasons[0], {}
 
@@ -46,7 +46,7 @@ def _speculative(target, draft, gamma: int, request: Request, sample: int) -> tu
     p = request.sampling
     t0 = time.perf_counter()
     decoder = SpeculativeDecoder(target, draft, [list(request.prompt)], gamma, p.temperature, request.max_new_tokens,
-                                 p.top_k, p.top_p, p.stop_tokens or None, _generator(request, sample))
+                                 p.top_k, p.top_p, p.stop_token_ids or None, _generator(request, sample))
     sync_device(target.device)
     times = [time.perf_counter() - t0] * len(decoder.result.tokens)       # the first token, from the prefill
     while not decoder.finished:
@@ -62,7 +62,7 @@ def _speculative(target, draft, gamma: int, request: Request, sample: int) -> tu
 def serve_one_at_a_time(target, requests: list[Request], draft=None, gamma: int = GAMMA) -> tuple[list, dict]:
     """Serve `requests` in arrival order, one sequence at a time (the samples of an n > 1 request one
     after the other), plainly (`draft=None`) or speculatively (`draft`: a TransformerLM or
-    "prompt_lookup"). Returns the RequestOutputs (in the given order, engine-clock times) and the
+    "prompt_lookup"). Returns the RequestRecords (in the given order, engine-clock times) and the
     drafting statistics: target passes, drafts proposed and accepted, tokens per pass."""
     now, outputs, stats = 0.0, {}, {"passes": 0, "proposed": 0, "accepted": 0}
     for request in sorted(requests, key=lambda r: r.arrival_time):
@@ -79,9 +79,9 @@ def serve_one_at_a_time(target, requests: list[Request], draft=None, gamma: int 
             now = times[-1][-1] if times[-1] else now
             for k, v in counts.items():
                 stats[k] += v
-        outputs[request.request_id] = RequestOutput(
-            request.request_id, len(request.prompt), request.arrival_time, tokens, times, reasons,
-            first_scheduled_time=start, finish_time=now)
+        outputs[request.request_id] = RequestRecord(
+            request_id=request.request_id, prompt_len=len(request.prompt), arrival_time=request.arrival_time,
+            tokens=tokens, token_times=times, finish_reasons=reasons, first_scheduled_time=start, finish_time=now)
     if draft is not None and stats["passes"]:
         generated = sum(len(t) for o in outputs.values() for t in o.tokens) - sum(r.sampling.n for r in requests)
         stats["tokens_per_pass"] = generated / stats["passes"]   # the first token of each sample is the prefill's

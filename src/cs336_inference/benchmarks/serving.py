@@ -30,16 +30,16 @@ from __future__ import annotations
 import os
 import statistics
 
+import torch
+
 from ..data.corpus import load_corpus
 from ..data.real_text import pydoc_documents, token_stream
-from ..device import get_device, seed_everything
-from ..figures import save_figure, save_json
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import load_tokenizer
 from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
 from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..tables import print_table
-from ..timing import num_threads
+from .base import Benchmark
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line
 METRICS = [("throughput_tok_per_s", "throughput (tok/s)", "{:,.0f}"), ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
@@ -139,19 +139,17 @@ def sharing_savings(model, quick: bool) -> dict:
     return out
 
 
-def bench_serving(quick: bool = False, device: str | None = None, model_name: str = "target") -> dict:
-    device = get_device(device)
-    seed_everything(0)
+def measure(run, model_name: str = "target") -> dict:
+    quick, device = run.quick, run.device
     load_before = os.getloadavg()
     model = load_pretrained(model_name, device=device).eval()
     requests, config = serving_trace(quick)
-    with num_threads(1):  # spinning OpenMP threads stall on a shared CPU; one thread is steady
-        scheduling, sched_runs = compare_schedulers(model, requests, repeats=1 if quick else 3)
-        memory, layout_runs = compare_layouts(model, requests, budget_tokens=2048)
-        sharing = sharing_savings(model, quick)
-        real, real_runs = ({"skipped": "full runs only"}, None) if quick else real_model_results(device)
-    results = {"device": str(device), "model": model_name, "threads": 1, "load_avg_before": list(load_before),
-               "load_avg_after": list(os.getloadavg()),
+    scheduling, sched_runs = compare_schedulers(model, requests, repeats=1 if quick else 3)
+    memory, layout_runs = compare_layouts(model, requests, budget_tokens=2048)
+    sharing = sharing_savings(model, quick)
+    real, real_runs = ({"skipped": "full runs only"}, None) if quick else real_model_results(device)
+    results = {"device": str(device), "model": model_name, "threads": torch.get_num_threads(),
+               "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg()),
                "trace": {**config.__dict__, "prompt_len": list(config.prompt_len),
                          "stop_tokens": list(config.stop_tokens)},
                "scheduling": scheduling, "memory": memory, "sharing": sharing, REAL_MODEL: real}
@@ -161,11 +159,10 @@ def bench_serving(quick: bool = False, device: str | None = None, model_name: st
                             scheduling["continuous"]["ttft_p99_s"] < scheduling["static"]["ttft_p99_s"],
                         "paged waste < 4% (block 16)": paged16 < 4,
                         "paged waste < 4% (block 8)": memory["layouts"]["paged, block 8"]["waste_pct"] < 4}
-    print_results(results)
-    save_json(results, "serving", result=True, quick=quick)  # --quick: scratch serving_quick.*
-    _plot(sched_runs, layout_runs, results, quick)
+    # drawn from the runs' step records, which the JSON does not keep: `figures` cannot redraw these
+    _plot(sched_runs, layout_runs, results, run)
     if real_runs is not None:
-        _plot_real(*real_runs, real)
+        _plot_real(*real_runs, real, run)
     return results
 
 
@@ -230,7 +227,7 @@ def _print_memory(m: dict) -> None:
                 title=f"\ncontinuous batching in {m['budget_tokens']} KV token slots")
 
 
-def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> None:
+def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -249,7 +246,7 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> No
                  f"({results['scheduling']['throughput_ratio']:.1f}x throughput, median of "
                  f"{results['scheduling']['repeats']})")
     fig.tight_layout()
-    save_figure(fig, "serving", result=True, quick=quick)
+    run.save_figure(fig, "serving")
     plt.close(fig)
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.5))
@@ -261,11 +258,11 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, quick: bool) -> No
     ax2.set_title("running sequences in the same budget")
     ax2.legend()
     fig.tight_layout()
-    save_figure(fig, "serving_memory", result=True, quick=quick)
+    run.save_figure(fig, "serving_memory")
     plt.close(fig)
 
 
-def _plot_real(sched_runs: dict, layout_runs: dict, real: dict) -> None:
+def _plot_real(sched_runs: dict, layout_runs: dict, real: dict, run) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
@@ -283,9 +280,11 @@ def _plot_real(sched_runs: dict, layout_runs: dict, real: dict) -> None:
     fig.suptitle(f"{REAL_MODEL}: chat requests, static vs continuous batching "
                  f"({real['scheduling']['throughput_ratio']:.1f}x throughput)")
     fig.tight_layout()
-    save_figure(fig, "serving_smollm2", result=True, quick=False)  # full runs only
+    run.save_figure(fig, "serving_smollm2")  # full runs only
     plt.close(fig)
 
+
+BENCHMARK = bench_serving = Benchmark("serving", measure, print_results)
 
 __all__ = ["bench_serving", "compare_layouts", "compare_schedulers", "print_results", "real_model_results",
            "real_model_trace", "serving_trace", "sharing_savings"]

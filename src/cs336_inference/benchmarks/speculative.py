@@ -25,7 +25,6 @@ given passage, and on free writing for contrast.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,8 +32,6 @@ from functools import partial
 
 import torch
 
-from ..device import get_device, seed_everything, thread_policy
-from ..figures import save_json
 from ..generation.generate import generate
 from ..generation.prompt_lookup import prompt_lookup_propose
 from ..generation.drafters import SamplingParams
@@ -43,8 +40,9 @@ from ..generation.speculative import speculative_generate
 from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
 from ..tables import print_table
-from ..timing import num_threads, sync_device
-from .speculative_plot import plot_speculative
+from ..timing import sync_device
+from .base import Benchmark
+from .speculative_plot import plot_acceptance, plot_speculative
 from .speculative_workloads import Workload, real_workloads, toy_workloads
 
 TEMPERATURES = (0.0, 1.0)
@@ -224,7 +222,7 @@ def _decode_rate(runs: list[_Run], prefill: dict, who: str, clock: str) -> float
     return sum(r.tokens for r in runs) / seconds
 
 
-def _acceptance(results, gamma: int) -> tuple[float, list]:
+def acceptance(results, gamma: int) -> tuple[float, list]:
     """Pooled alpha (accepted / examined) and acceptance by draft position over many runs."""
     passes = [(g, k) for r in results for g, k in zip(r.proposed, r.accepted)]
     examined = sum(k + (k < g) for g, k in passes)
@@ -256,7 +254,7 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
         plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in ("wall", "cpu")}
         for (drafter, gamma), reps in spec.items():
             results = [run.result for runs in reps for run in runs]
-            alpha, by_position = _acceptance(results, gamma)
+            alpha, by_position = acceptance(results, gamma)
             speedups = {c: [_decode_rate(runs, prefill, drafter, c) / base for runs, base in zip(reps, plain_rate[c])]
                         for c in ("wall", "cpu")}
             main = speedups[clock]
@@ -288,28 +286,15 @@ def _print_table(rows: list[dict], clock: str) -> None:
                        ("measured_over_predicted", "meas/pred", "{:.2f}")])
 
 
-def bench_speculative(quick: bool = False, device: str | None = None, workloads=None) -> dict:
-    """Run every workload; print the table; write figures/speculative(.json, .png) (or *_quick)."""
-    device = get_device(device)
-    seed_everything(0)
-    # Batch-1 decoding is latency work: one thread by the package's policy (CS336_NUM_THREADS overrides).
-    # With one CPU thread the process's CPU time is the run's time on an idle core, however busy the
-    # shared machine is (wall-clock is reported beside it); with more threads wall-clock is the measure.
-    with num_threads(thread_policy(parallel=False)):
-        result = _bench_speculative(quick, device, workloads)
-    _print_table(result["rows"], result["clock"])
-    print(f"\nload average {result['load_average_before']:.1f} -> {result['load_average_after']:.1f} on "
-          f"{os.cpu_count()} cores, {result['threads']} thread(s), {result['seconds']:.0f} s")
-    save_json(result, "speculative", result=True, quick=quick)
-    plot_speculative(result, "speculative", quick=quick)
-    return result
-
-
-def _bench_speculative(quick: bool, device: torch.device, workloads) -> dict:
+def measure(run, workloads=None) -> dict:
+    """Every workload (default: the toy pair's, and SmolLM2's where it is installed). Batch-1 decoding
+    is latency work, so one thread (the package's policy; CS336_NUM_THREADS overrides); with one CPU
+    thread the process's CPU time is the run's time on an idle core, however busy the shared machine
+    is (wall-clock is reported beside it); with more threads wall-clock is the measure."""
+    device, quick = run.device, run.quick
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     gammas = (1, 4) if quick else tuple(range(1, 9))
     repeats = 1 if quick else 3
-    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
     rows, costs, notes = [], {}, {}
@@ -322,5 +307,9 @@ def _bench_speculative(quick: bool, device: torch.device, workloads) -> dict:
         notes[w.name] = dict(note=w.note, prompts=len(w.prompts), max_new_tokens=w.max_new_tokens,
                              prompt_tokens=[len(p) for p in w.prompts], **w.extra)
     return dict(device=str(device), threads=torch.get_num_threads(), clock=clock, gammas=list(gammas),
-                repeats=repeats, load_average_before=load_before, load_average_after=os.getloadavg()[0],
-                seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
+                repeats=repeats, seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
+
+
+BENCHMARK = bench_speculative = Benchmark(
+    "speculative", measure, lambda result: _print_table(result["rows"], result["clock"]),
+    plots={"speculative": plot_speculative, "speculative_acceptance": plot_acceptance})

@@ -21,7 +21,11 @@ import subprocess
 import sys
 import time
 
+import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
+
 from .._openmp import SHORT_SPIN
+from ..timing import load_average
+from .base import Benchmark
 
 POLICIES = {
     "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
@@ -32,14 +36,10 @@ POLICIES = {
 PATHS = ("eager", "compiled")
 
 
-def bench_thread_policy(quick: bool = False, device: str | None = None) -> dict:
-    from ..device import get_device, thread_policy
-    from ..figures import save_json
-    from ..timing import load_average
-
-    if get_device(device).type != "cpu":
+def measure(run) -> dict:
+    if run.device.type != "cpu":
         raise ValueError("bench thread_policy measures CPU threading; run it with --device cpu")
-    threads = thread_policy(parallel=True)
+    quick, threads = run.quick, torch.get_num_threads()   # the parallel policy's count
     result = {"threads": threads, "quick": quick, "load_average_start": load_average(), "policies": {}}
     for name, policy in POLICIES.items():
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -50,17 +50,12 @@ def bench_thread_policy(quick: bool = False, device: str | None = None) -> dict:
         result["policies"][name] = json.loads(out.strip().splitlines()[-1])
         print(f"  {name}: done", flush=True)
     result["load_average_end"] = load_average()
-    _print(result)
-    save_json(result, "thread_policy", result=True, quick=quick)
-    _plot(result, quick)
     return result
 
 
 def _child(quick: bool, switch: bool) -> dict:
     """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
     import contextlib
-
-    import torch   # after the package: `-m cs336_inference.benchmarks...` imported it (and _openmp) first
 
     from .. import timing
     from ..cpu_tuning import decode_threads, tune_for_cpu
@@ -112,10 +107,8 @@ def _print(result: dict) -> None:
         print(f"{name:<24}{cells}")
 
 
-def _plot(result: dict, quick: bool) -> None:
+def _plot(result: dict):
     import matplotlib.pyplot as plt
-
-    from ..figures import save_figure
 
     names = list(result["policies"])
     columns = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
@@ -129,8 +122,11 @@ def _plot(result: dict, quick: bool) -> None:
     ax.set_title(f"OpenMP wait policy and decode threads, batch 1, {result['threads']} threads")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, "thread_policy", result=True, quick=quick)
-    plt.close(fig)
+    return fig
+
+
+BENCHMARK = bench_thread_policy = Benchmark("thread_policy", measure, _print, parallel=True,
+                                            plots={"thread_policy": _plot})
 
 
 if __name__ == "__main__":

@@ -173,6 +173,7 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     if cfg.attention_type != "gqa" or cfg.kv_share_group != 1:
         raise ValueError(f"prune_model supports GQA models without cross-layer KV sharing, got "
                          f"attention_type={cfg.attention_type!r}, kv_share_group={cfg.kv_share_group}")
+    cfg.require_handout_base("prune_model")   # it slices ln1/ln2/ln_final and w1/w2/w3
     H = cfg.head_dim
     new_L = _target("num_layers", num_layers, cfg.num_layers, prune_ratio)
     new_K = _target("num_kv_heads", num_kv_heads, cfg.num_kv_heads, prune_ratio)

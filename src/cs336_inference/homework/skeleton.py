@@ -135,7 +135,34 @@ PYTHONPATH; `CS336_INFERENCE_IMPL={path}` works too.) A function you have not wr
 tests, with `not implemented: NAME`; the summary line prints your points, and `--grade-json results.json`
 writes them in Gradescope's format. The tests compare against references written in the tests
 (loops, exact enumeration, chi-square tests with fixed seeds), never against the library.
+
+## Your assignment-1 model (not graded)
+
+`my_assignment1_model.load_my_model(checkpoint, config, my_model)` loads your own trained model into this
+library (`key_map="auto"`) and checks with `verify_checkpoint` that it computes your model's logits.
 """
+
+
+# Not graded: the student's own assignment-1 model in this library, checked against their forward.
+A1_LOADER = '''"""Load your assignment-1 model into cs336-inference (not graded), checked against your own forward.
+
+    from {name}.my_assignment1_model import load_my_model
+    model = load_my_model("checkpoint.pt", ModelConfig(vocab_size=..., ...), my_model)
+
+key_map="auto" places each of your tensors by its shape and name, and prints the mapping (paste it back as
+key_map= to pin it). verify_checkpoint runs your forward and this library's on random ids and raises, naming
+the likely cause (post-norm, NoPE, QK-norm: the ModelConfig fields to set), when their logits differ.
+"""
+
+from cs336_inference.model import ModelConfig, load_cs336_checkpoint, verify_checkpoint
+
+
+def load_my_model(checkpoint, config: ModelConfig, my_model, key_map="auto"):
+    """checkpoint: a path or a state dict; my_model: your assignment-1 model with those weights loaded."""
+    model = load_cs336_checkpoint(checkpoint, config, key_map=key_map)
+    verify_checkpoint(model, my_model)
+    return model
+'''
 
 
 def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
@@ -157,6 +184,7 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     areas = "".join(f"- `{AREAS[a][0]}.py`: {AREAS[a][1]}\n"
                     for a in dict.fromkeys(e.area for e in _entries()))
     sources["README.md"] = README.format(name=name, areas=areas, path=str(directory))
+    sources["my_assignment1_model.py"] = A1_LOADER.format(name=name)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, text in sources.items():

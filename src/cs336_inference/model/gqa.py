@@ -17,11 +17,13 @@ from einops import rearrange
 from .attention import grouped_attention, require_shared_kv
 from .config import ModelConfig
 from .kv_cache import ContiguousKVCache, ForwardStep, LayerCache
-from .layers import apply_rope, fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
+from .layers import fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
+from .variants import attach_positional
 
 
 class GroupedQueryAttention(nn.Module):
-    """Causal self-attention with N query heads and K key/value heads, RoPE on q and k.
+    """Causal self-attention with N query heads and K key/value heads, RoPE on q and k (or the
+    config's positional / QK-norm variant: `rotate_q`, `rotate_k`, see `variants`).
 
     With CLA (config.kv_share_group > 1) a layer that is not first in its group has no k_proj/v_proj:
     it attends over the keys/values its group's first layer returned this forward (`shared_kv`).
@@ -42,6 +44,7 @@ class GroupedQueryAttention(nn.Module):
             self.k_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
             self.v_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
         self.output_proj = nn.Linear(N * H, D, bias=False, device=device, dtype=dtype)
+        attach_positional(self, config, device=device, dtype=dtype)   # rotate_q/k: RoPE, NoPE, QK-norm
         keep_unfused_state_dict_keys(self)
 
     def fuse_projections(self) -> None:
@@ -75,9 +78,9 @@ class GroupedQueryAttention(nn.Module):
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), *((self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None))
-        q = apply_rope(rearrange(q, "B T (N H) -> B N T H", H=self.head_dim), cos, sin)
+        q = self.rotate_q(rearrange(q, "B T (N H) -> B N T H", H=self.head_dim), cos, sin)
         if self.owns_kv:
-            k = apply_rope(rearrange(k, "B T (K H) -> B K T H", H=self.head_dim), cos, sin)
+            k = self.rotate_k(rearrange(k, "B T (K H) -> B K T H", H=self.head_dim), cos, sin)
             kv = (k, rearrange(v, "B T (K H) -> B K T H", H=self.head_dim))
             if cache is not None:
                 kv = cache.update(*kv, step)  # every key the new queries may see

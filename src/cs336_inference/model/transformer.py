@@ -26,9 +26,10 @@ from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
 from .config import ModelConfig
 from .kv_cache import ForwardStep, KVCache, check_pad, rope_positions
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU
+from .layers import RMSNorm, RotaryEmbedding
+from .variants import build_ffn, build_norm
 
-__all__ = ["ModelConfig", "TransformerBlock", "TransformerLM"]
+__all__ = ["ModelConfig", "PostNormBlock", "TransformerBlock", "TransformerLM"]
 
 
 def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
@@ -43,16 +44,29 @@ def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
-        self.ln1 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.ln1 = build_norm(config, "ln1", device=device, dtype=dtype)    # RMSNorm, or Identity (norm="none")
         self.attn = build_attention(config, layer_idx, device=device, dtype=dtype)
-        self.ln2 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-        self.ffn = SwiGLU(config.d_model, config.d_ff, device=device, dtype=dtype)
+        self.ln2 = build_norm(config, "ln2", device=device, dtype=dtype)
+        self.ffn = build_ffn(config, device=device, dtype=dtype)             # SwiGLU, or SiLU (ffn="silu")
 
     def forward(self, x: torch.Tensor, rope, mask=None, cache=None, step=None, shared_kv=None):
         """x (B, T, D) -> (x (B, T, D), the keys/values attention used); see `GroupedQueryAttention.forward`."""
         attn_out, kv = self.attn(self.ln1(x), rope, mask, cache, step, shared_kv)
         x = x + attn_out
         return x + self.ffn(self.ln2(x)), kv
+
+
+class PostNormBlock(TransformerBlock):
+    """The handout's post-norm ablation (the original Transformer's order): the same modules and keys,
+    x = ln1(x + attn(x)), then x = ln2(x + ffn(x))."""
+
+    def forward(self, x: torch.Tensor, rope, mask=None, cache=None, step=None, shared_kv=None):
+        attn_out, kv = self.attn(x, rope, mask, cache, step, shared_kv)
+        x = self.ln1(x + attn_out)
+        return self.ln2(x + self.ffn(x)), kv
+
+
+BLOCKS = {"pre": TransformerBlock, "post": PostNormBlock}   # by config.norm_position
 
 
 class TransformerLM(nn.Module):
@@ -62,8 +76,8 @@ class TransformerLM(nn.Module):
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
-        self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+            BLOCKS[config.norm_position](config, i, device=device, dtype=dtype) for i in range(config.num_layers))
+        self.ln_final = build_norm(config, "ln_final", device=device, dtype=dtype)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
         self.tie_weights()
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
@@ -96,12 +110,16 @@ class TransformerLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.ln_final.weight.device   # a norm weight: present even when lm_head is quantized
+        return self.rope.cos.device   # a buffer every model has, even with lm_head quantized and no norms
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activation dtype (quantized layers store codes, so ask a norm)."""
-        return self.ln_final.weight.dtype
+        """The activation dtype (quantized layers store codes, so ask a norm, or else the embedding)."""
+        for module in (self.ln_final, *(m for b in self.layers for m in (b.ln1, b.ln2)), self.token_embeddings):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                return weight.dtype
+        return torch.float32
 
     def fuse_projections(self) -> "TransformerLM":
         """Decode option: q/k/v and SwiGLU's w1/w3 each as one matmul (fewer calls per step). The

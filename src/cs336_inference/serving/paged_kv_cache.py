@@ -31,13 +31,12 @@ class PagedStep(ForwardStep):
 
     positions: torch.Tensor     # (sum T,) position of each new token in its own sequence
     slot_mapping: torch.Tensor  # (sum T,) pool slot of each new token's K/V
-    last_rows: torch.Tensor     # (B,) the row of each sequence's last new token
     layout: PagedLayout         # block tables, query rows and masks, shared by every layer
     layers: list                # the layer pools (one object per cross-layer group)
 
     def select_last(self, x: torch.Tensor) -> torch.Tensor:
         """x (1, sum T, D) -> (1, B, D): the last new token of every sequence (its logits are sampled)."""
-        return x[:, self.last_rows]
+        return x[:, self.layout.last_rows]
 
     def commit(self) -> None:
         """Nothing to stage: `update` wrote only the slots of this step's new tokens, which no sequence
@@ -126,13 +125,9 @@ class PagedKVCache:
             for p in range(S - T, S):
                 positions.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-        last, total = [], 0
-        for T in query_lens:
-            total += T
-            last.append(total - 1)
         device = self.device
         return PagedStep(positions=torch.tensor(positions, device=device),
-                         slot_mapping=torch.tensor(slots, device=device), last_rows=torch.tensor(last, device=device),
+                         slot_mapping=torch.tensor(slots, device=device),
                          layout=PagedLayout.build(tables, context_lens, query_lens, bs, device), layers=self.layers)
 
 

@@ -81,7 +81,7 @@ def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple
     Returns {"decodes": seq ids, "prefills": seq ids, "preempted": seq ids in the order preempted,
     "waiting": the queue after the step, "num_free_blocks": free blocks after the step}.
     """
-    manager = _serving.BlockManager(num_blocks, block_size, prefix_caching=False)
+    manager = _serving.KVCacheManager(num_blocks, block_size, prefix_caching=False)
     scheduler = _serving.ContinuousScheduler(manager, max_num_seqs, max_num_batched_tokens, watermark_blocks)
 
     def sequence(seq_id, num_tokens):
@@ -90,7 +90,8 @@ def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple
     for seq_id, num_tokens in running:
         seq = sequence(seq_id, num_tokens)
         manager.allocate(seq_id, seq.token_ids)
-        seq.num_computed, seq.status = num_tokens - 1, _serving.SequenceStatus.RUNNING
+        seq.num_computed_tokens, seq.status = num_tokens, _serving.SequenceStatus.RUNNING
+        seq.token_ids.append(0)  # its last sampled token: this step's decode runs it
         scheduler.running.append(seq)
     for seq_id, num_tokens in waiting:
         scheduler.waiting.append(sequence(seq_id, num_tokens))
