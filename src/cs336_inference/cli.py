@@ -45,10 +45,16 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
     p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
+    p.add_argument("--endpoint", default=None, help="inference: measure the OpenAI-compatible server at this URL "
+                   "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
+    p.add_argument("--tokenizer", default=None, help="inference --endpoint: cut prompts and count tokens with this "
+                   "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
+    p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
+                   help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
-BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len")
+BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len", "endpoint", "tokenizer", "arrivals")
 
 
 def benchmark(name: str):

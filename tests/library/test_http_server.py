@@ -194,3 +194,17 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     expected, _ = greedy_text(model, tokenizer, render_chat(tokenizer, messages), 24, tokenizer.stop_ids)
     assert text == expected and "Paris" in text
+
+
+def test_bench_inference_endpoint_counts_the_tokens_the_server_reports(toy_server, git_tree_unchanged):
+    from cs336_inference.benchmarks.inference import bench_inference
+
+    result = bench_inference(quick=True, endpoint=toy_server.url, model="target", preset="batch", progress=False)
+    (row,) = result["rows"]
+    assert row["completed"] == row["num_requests"] and row["failed"] == 0
+    for r in row["requests"]:
+        assert r["usage_reported"] and r["error"] is None
+        assert r["output_tokens"] == r["counted_output_tokens"] == row["output_len"]     # ignore_eos: exact
+        assert r["prompt_tokens"] == r["counted_prompt_tokens"]
+    assert row["output_tokens"] == sum(r["output_tokens"] for r in row["requests"])
+    assert row["ttft_p99_s"] >= row["ttft_median_s"] > 0 and row["output_throughput"] > 0

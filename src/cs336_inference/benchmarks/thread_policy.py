@@ -63,7 +63,7 @@ def _child(quick: bool, switch: bool) -> dict:
     from ..generation.compiled import compile_decode
     from ..model.config import ModelConfig
     from ..model.transformer import TransformerLM
-    from .generation import decode_step_fn
+    from ..accounting.model_roofline import decode_step_fn
 
     apply_thread_policy(parallel=True)
     torch.manual_seed(0)

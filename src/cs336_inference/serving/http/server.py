@@ -279,9 +279,18 @@ def _model_card(server: OpenAIServer) -> dict:
             "max_model_len": server.context_length}
 
 
-def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning") -> None:
-    """Serve until SIGINT/SIGTERM (uvicorn then drains the connections and the engine stops)."""
+def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
+               switch_interval_s: float = 0.001) -> None:
+    """Serve until SIGINT/SIGTERM (uvicorn then drains the connections and the engine stops).
+
+    switch_interval_s: how long the engine thread may hold the GIL while the event loop waits for it
+    (Python's default is 5 ms). Each request's intake and each step's token delivery is a wake-up of
+    the loop, so a shorter interval takes milliseconds off every TTFT and ITL of a busy server."""
+    import sys
+
     import uvicorn
+
+    sys.setswitchinterval(switch_interval_s)
 
     config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False)
     print(f"serving {server.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
