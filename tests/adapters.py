@@ -784,7 +784,7 @@ def get_out_of_blocks_error() -> type:
 
 
 def make_paged_kv_cache(model, num_blocks: int, block_size: int):
-    """K/V block pools for `model`; `.batch(tables, context_lens, query_lens)` is a cache for one forward."""
+    """K/V block pools for `model`; `.step(tables, context_lens, query_lens)` is one forward's `step=`."""
     from cs336_inference.serving import PagedKVCache
     return PagedKVCache(model, num_blocks, block_size)
 
