@@ -208,3 +208,14 @@ def test_bench_inference_endpoint_counts_the_tokens_the_server_reports(toy_serve
         assert r["prompt_tokens"] == r["counted_prompt_tokens"]
     assert row["output_tokens"] == sum(r["output_tokens"] for r in row["requests"])
     assert row["ttft_p99_s"] >= row["ttft_median_s"] > 0 and row["output_throughput"] > 0
+
+
+def test_serve_refuses_bad_arguments_before_listening(capsys):
+    from cs336_inference.cli import main
+
+    assert main(["serve", "--model", "target", "--port", "70000"]) == 2
+    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model", "--port", "0"]) == 2
+    assert "'no-such-model'" in capsys.readouterr().err
+    assert main(["serve", "--model", "target", "--port", "0", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err

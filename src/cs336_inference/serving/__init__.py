@@ -36,7 +36,8 @@ from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 
 __all__ = [
-    "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator", "ContiguousManager",
+    "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
+    "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
     "OutOfBlocksError", "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
