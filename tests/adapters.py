@@ -258,6 +258,14 @@ def run_load_cs336_checkpoint(path_or_state_dict, config, **kwargs):
     return checkpoints.load_cs336_checkpoint(path_or_state_dict, config, **kwargs)
 
 
+def run_infer_key_map(state_dict, config):
+    return checkpoints.infer_key_map(state_dict, config)
+
+
+def run_verify_checkpoint(model, student_forward, **kwargs) -> float:
+    return checkpoints.verify_checkpoint(model, student_forward, **kwargs)
+
+
 # --- data, evaluation, training, pruning (trained models) -----------------------------------------
 
 from cs336_inference.data import corpus as _data  # noqa: E402

@@ -32,6 +32,7 @@ from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from ..serving.client import (EndpointRequest, arrival_times, count_tokens, http_sender, open_session, run_load,
                               stream_metrics)
 from ..tables import format_table
+from .base import Benchmark
 from .inference_config import SPARSE_RATE, RunSpec, Workload, sweep_config
 from .inference_runs import flatten_metrics, make_requests, source_tokens, stop_tokens
 
@@ -138,7 +139,7 @@ def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str
                      arrivals: str = "poisson", progress: bool = True) -> dict:
     """Run the sweep (or one operating point) against `endpoint`; the result dict (rows like the
     in-process benchmark's, precision "server")."""
-    from .inference import _override, check_arguments
+    from .inference import check_arguments
 
     check_arguments(model, preset, concurrency, output_len)
     if arrivals not in ("poisson", "fixed"):
@@ -152,7 +153,8 @@ def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str
     config = sweep_config(real, quick)
     runs = endpoint_runs(config, preset)
     if preset is not None:
-        runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len)) for s in runs]
+        changes = {k: v for k, v in (("concurrency", concurrency), ("output_len", output_len)) if v is not None}
+        runs = [RunSpec(s.axis, s.workload.replace(**changes)) for s in runs]
     stop, source = stop_tokens(tok, real), source_tokens(tok, real).tolist()
     one_endpoint_run(url, model, RunSpec("warmup", config.warmup), source, tok, stop, arrivals)
     rows = [one_endpoint_run(url, model, spec, source, tok, stop, arrivals)
@@ -167,17 +169,6 @@ def endpoint_name(model: str, preset: str | None) -> str:
     return "inference_endpoint_" + re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_") + (f"_{preset}" if preset else "")
 
 
-def by_mode(in_process, endpoint):
-    """One table/CSV/plot function for both kinds of `bench inference` result: `endpoint` for an
-    --endpoint result, `in_process` for the others (None: nothing to draw for that kind)."""
-
-    def pick(result: dict):
-        fn = endpoint if result.get("mode") == "endpoint" else in_process
-        return fn(result) if fn is not None else None
-
-    return pick
-
-
 def endpoint_csv_rows(result: dict) -> list[dict]:
     """One flat row per run (scalars only)."""
     return [{"endpoint": result["endpoint"], "model": result["model"],
@@ -185,7 +176,7 @@ def endpoint_csv_rows(result: dict) -> list[dict]:
 
 
 def print_endpoint(result: dict) -> None:
-    from .inference_report import LATENCY_COLUMNS
+    from .inference_report import LATENCY
 
     print(f"\nbench inference --endpoint {result['endpoint']} --model {result['model']} (tokens counted by the "
           f"server's usage; prompts cut with the {result['tokenizer']} tokenizer; {result['arrivals']} arrivals)")
@@ -196,7 +187,7 @@ def print_endpoint(result: dict) -> None:
             print(format_table(rows, [("workload", "workload", None), ("concurrency", "C", None),
                                       ("prompt_len_lo", "prompt", None),
                                       ("num_requests", "requests", None), ("output_len", "max tokens", None),
-                                      *LATENCY_COLUMNS, ("failed", "failed", None)]))
+                                      *LATENCY, ("failed", "failed", None)]))
 
 
 def plot_endpoint(result: dict):
@@ -227,5 +218,9 @@ def plot_endpoint(result: dict):
     return fig
 
 
-__all__ = ["FileTokenizer", "base_url", "by_mode", "endpoint_csv_rows", "endpoint_name", "endpoint_requests",
+# the Benchmark whose table, CSV and plot present an --endpoint result (`bench inference` measures it)
+ENDPOINT = Benchmark("inference_endpoint", measure_endpoint, print_endpoint, csv=endpoint_csv_rows,
+                     plots={"{name}": plot_endpoint})
+
+__all__ = ["ENDPOINT", "FileTokenizer", "base_url", "endpoint_csv_rows", "endpoint_name", "endpoint_requests",
            "endpoint_runs", "measure_endpoint", "plot_endpoint", "print_endpoint", "resolve_tokenizer"]
