@@ -138,10 +138,8 @@ def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str
                      concurrency: int | None = None, output_len: int | None = None, tokenizer: str | None = None,
                      arrivals: str = "poisson", progress: bool = True) -> dict:
     """Run the sweep (or one operating point) against `endpoint`; the result dict (rows like the
-    in-process benchmark's, precision "server")."""
-    from .inference import check_arguments
-
-    check_arguments(model, preset, concurrency, output_len)
+    in-process benchmark's, precision "server"). The caller (`inference.measure`) checked model,
+    preset, concurrency and output_len."""
     if arrivals not in ("poisson", "fixed"):
         raise ValueError(f"arrivals must be 'poisson' or 'fixed', got {arrivals!r}")
     url = base_url(endpoint)
