@@ -143,6 +143,10 @@ def _load_model(args):
     device = get_device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
     model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
+    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
+        from .cpu_tuning import describe, tune_for_cpu
+
+        print(describe(tune_for_cpu(model)), file=sys.stderr)
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
     return model, load_tokenizer(args.model), generator
 

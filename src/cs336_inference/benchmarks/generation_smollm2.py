@@ -26,7 +26,7 @@ from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
 from .base import Benchmark
-from .generation import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
+from ..accounting.model_roofline import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}

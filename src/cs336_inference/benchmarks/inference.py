@@ -32,7 +32,7 @@ from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
 from .base import Benchmark, load_avg
-from .inference_config import PRECISIONS, RunSpec, SweepConfig, check_preset, sweep_config
+from .inference_config import PRECISIONS, RunSpec, SweepConfig, check_arguments, sweep_config
 from .inference_endpoint import ENDPOINT, endpoint_name, measure_endpoint
 from .inference_report import plot_operating_points, plot_ttft, print_inference
 from .inference_runs import (GAMMA, build_precision, make_requests, quality_vs_reference, quality_windows,
@@ -47,20 +47,6 @@ def precision_order(device: torch.device) -> tuple[str, ...]:
     base for the KV-layout comparison and for the plots' ordering."""
     base = "bf16" if default_dtype(device) == torch.bfloat16 else "fp32"
     return (base,) + tuple(p for p in PRECISIONS if p != base)
-
-
-def check_arguments(model: str, preset, concurrency, output_len) -> None:
-    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
-    _checks.instance("model", model, str)
-    if preset is not None:
-        check_preset(preset)
-    for name, value, why in (("concurrency", concurrency, "at least one sequence must run"),
-                             ("output_len", output_len, "a request generates at least one token")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
-    if (concurrency is not None or output_len is not None) and preset is None:
-        raise ValueError("concurrency / output_len override one operating point: give preset too "
-                         f"(one of {list(sweep_config(False).presets)})")
 
 
 def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,

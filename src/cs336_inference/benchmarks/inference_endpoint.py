@@ -33,7 +33,7 @@ from ..serving.client import (EndpointRequest, arrival_times, count_tokens, http
                               stream_metrics)
 from ..tables import format_table
 from .base import Benchmark
-from .inference_config import SPARSE_RATE, RunSpec, Workload, sweep_config
+from .inference_config import SPARSE_RATE, RunSpec, Workload, check_arguments, sweep_config
 from .inference_runs import flatten_metrics, make_requests, source_tokens, stop_tokens
 
 AXES = ("preset", "concurrency", "prompt_len", "output_len")
@@ -138,8 +138,8 @@ def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str
                      concurrency: int | None = None, output_len: int | None = None, tokenizer: str | None = None,
                      arrivals: str = "poisson", progress: bool = True) -> dict:
     """Run the sweep (or one operating point) against `endpoint`; the result dict (rows like the
-    in-process benchmark's, precision "server"). The caller (`inference.measure`) checked model,
-    preset, concurrency and output_len."""
+    in-process benchmark's, precision "server")."""
+    check_arguments(model, preset, concurrency, output_len)
     if arrivals not in ("poisson", "fixed"):
         raise ValueError(f"arrivals must be 'poisson' or 'fixed', got {arrivals!r}")
     url = base_url(endpoint)

@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn as nn
 
-from .generation import decode_step_seconds
+from ..accounting.model_roofline import decode_step_seconds
 from ..quantization.kv import quantize_kv_cache
 from ..quantization.linear import QuantizedLinear, model_nbytes
 from ..quantization.model import quantize_model

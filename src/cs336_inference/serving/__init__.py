@@ -28,7 +28,7 @@ from .kv_cache_manager import KVCacheManager
 from .memory_stats import KVMemoryStats
 from .metrics import RequestMetrics, benchmark_metrics, distribution, request_metrics, summarize
 from .paged_attention import paged_attention
-from .paged_kv_cache import PagedBatch, PagedKVCache, PagedLayerCache, PagedStep
+from .paged_kv_cache import PagedKVCache, PagedLayerCache, PagedStep
 from .prefix_cache import PrefixCache, chained_block_hash
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
@@ -39,7 +39,7 @@ __all__ = [
     "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
     "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
-    "OutOfBlocksError", "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
+    "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
     "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "benchmark_metrics",
     "blocks_for", "chained_block_hash", "distribution", "make_chat_trace", "make_trace", "paged_attention",
