@@ -203,6 +203,20 @@ class SweepConfig:
                 "presets": {k: w.describe() for k, w in self.presets.items()}, "repeats": self.repeats}
 
 
+def check_arguments(model: str, preset, concurrency, output_len) -> None:
+    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
+    _checks.instance("model", model, str)
+    if preset is not None:
+        check_preset(preset)
+    for name, value, why in (("concurrency", concurrency, "at least one sequence must run"),
+                             ("output_len", output_len, "a request generates at least one token")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
+    if (concurrency is not None or output_len is not None) and preset is None:
+        raise ValueError("concurrency / output_len override one operating point: give preset too "
+                         f"(one of {list(sweep_config(False).presets)})")
+
+
 def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
     """The sweep for the toy target or a real model (smaller: a 2-core CPU decodes a 135M model at tens
     of tokens/s); quick: a smoke run of every axis in seconds."""
@@ -224,20 +238,6 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
                            presets=operating_points(True), warmup=Workload("warmup", (16, 16), 2, 2, 2),
                            quality_windows=(256, 4), repeats=1, speculative=("off", "prompt_lookup"))
     return SweepConfig()
-
-
-def check_arguments(model: str, preset, concurrency, output_len) -> None:
-    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
-    _checks.instance("model", model, str)
-    if preset is not None:
-        check_preset(preset)
-    for name, value, why in (("concurrency", concurrency, "at least one sequence must run"),
-                             ("output_len", output_len, "a request generates at least one token")):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
-    if (concurrency is not None or output_len is not None) and preset is None:
-        raise ValueError("concurrency / output_len override one operating point: give preset too "
-                         f"(one of {list(sweep_config(False).presets)})")
 
 
 __all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE", "SweepConfig",
