@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grading
+import guard
 import implementation
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -20,7 +21,12 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "points(n): points of a hidden graded test (shared by its parametrized cases)")
     config.addinivalue_line("markers", "visibility(v): Gradescope visibility of a hidden graded test")
-    implementation.select(config.getoption("impl") or os.environ.get(implementation.ENV_VAR))
+    spec = config.getoption("impl")
+    try:
+        implementation.select(spec if spec is not None else os.environ.get(implementation.ENV_VAR))
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    guard.install_interrupt_handler()
     config.pluginmanager.register(grading.Grader(config), "cs336-grader")
 
 
@@ -58,6 +64,7 @@ TOY_SERVER_ARGS = ("target", "--max-num-seqs", "64")
 _early_servers: dict = {}
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: only tests that will run count
 def pytest_collection_modifyitems(session, config, items):
     import importlib.util
 

@@ -20,6 +20,7 @@ import torch.nn as nn
 class Layout:
     embedding: str = "token_embeddings.weight"
     layers: str = "layers"
+    index: str = "{i}"                      # "layer_{i}": blocks in an nn.ModuleDict
     attn: str = "attn"                      # the attention module's name inside a block
     q: str = "q_proj.weight"                # names inside the attention module ("Wq": a bare parameter)
     k: str = "k_proj.weight"
@@ -89,8 +90,8 @@ class StudentLM(nn.Module):
         gains = lambda n: 1 + 0.3 * torch.randn(n, generator=g)  # noqa: E731
         _put(self, layout.embedding, torch.randn(a.vocab, D, generator=g))
         for i in range(a.layers):
-            at = f"{layout.layers}.{i}.{layout.attn}."
-            ff = f"{layout.layers}.{i}.{layout.ffn}."
+            at = f"{layout.layers}.{layout.index.format(i=i)}.{layout.attn}."
+            ff = f"{layout.layers}.{layout.index.format(i=i)}.{layout.ffn}."
             q, k, v = rand(a.heads * H, D), rand(a.kv_heads * H, D), rand(a.kv_heads * H, D)
             if layout.qkv:
                 _put(self, at + layout.qkv, torch.cat([q, k, v]))
@@ -109,10 +110,10 @@ class StudentLM(nn.Module):
                     _put(self, ff + layout.w3, rand(F, D))
             _put(self, ff + layout.w2, rand(D, F))
             if a.norms:
-                _put(self, f"{layout.layers}.{i}.{layout.ln1}", gains(D))
-                _put(self, f"{layout.layers}.{i}.{layout.ln2}", gains(D))
+                _put(self, f"{layout.layers}.{layout.index.format(i=i)}.{layout.ln1}", gains(D))
+                _put(self, f"{layout.layers}.{layout.index.format(i=i)}.{layout.ln2}", gains(D))
             for name, shape in layout.buffers.items():
-                holder = _get(self, f"{layout.layers}.{i}.{layout.attn}")
+                holder = _get(self, f"{layout.layers}.{layout.index.format(i=i)}.{layout.attn}")
                 holder.register_buffer(name, torch.randn(*shape, generator=g))
         if a.norms:
             _put(self, layout.ln_final, gains(D))
@@ -141,9 +142,10 @@ class StudentLM(nn.Module):
         x = _get(self, lay.embedding)[ids]
         causal = torch.ones(T, T, dtype=torch.bool).tril()
         for i in range(a.layers):
-            at = f"{lay.layers}.{i}.{lay.attn}."
-            ff = f"{lay.layers}.{i}.{lay.ffn}."
-            def norm(y, name, block=f"{lay.layers}.{i}."):
+            block = f"{lay.layers}.{lay.index.format(i=i)}."
+            at, ff = f"{block}{lay.attn}.", f"{block}{lay.ffn}."
+
+            def norm(y, name, block=block):
                 return self._norm(y, _get(self, block + name), a.eps) if a.norms else y
             h = x if a.post_norm else norm(x, lay.ln1)
             if lay.qkv:
@@ -203,6 +205,9 @@ LAYOUTS = {
         v="v_proj.weight", o="o_proj.weight", ffn="mlp", gate_up="gate_up_proj.weight", w2="down_proj.weight",
         ln1="input_layernorm.weight", ln2="post_attention_layernorm.weight", ln_final="norm.weight",
         head="output.weight"),
+    "moduledict_layer_i_wq_feed_forward": Layout(
+        layers="layers", index="layer_{i}", q="wq", k="wk", v="wv", o="wo", ffn="feed_forward", w1="w1", w2="w2",
+        w3="w3", ln1="attention_norm.weight", ln2="ffn_norm.weight", ln_final="norm.weight", head="output.weight"),
     "norms_inside_sublayers_Wqkv_names": Layout(
         embedding="wte.weight", layers="h", attn="attn", q="W_q.weight", k="W_k.weight", v="W_v.weight",
         o="W_o.weight", ffn="mlp", w1="gate.weight", w2="down.weight", w3="up.weight", ln1="attn.norm.scale",

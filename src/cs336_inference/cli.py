@@ -45,10 +45,16 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
     p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
+    p.add_argument("--endpoint", default=None, help="inference: measure the OpenAI-compatible server at this URL "
+                   "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
+    p.add_argument("--tokenizer", default=None, help="inference --endpoint: cut prompts and count tokens with this "
+                   "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
+    p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
+                   help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
-BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len")
+BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len", "endpoint", "tokenizer", "arrivals")
 
 
 def benchmark(name: str):
@@ -107,12 +113,17 @@ def _run_train(args) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _load_args(p: argparse.ArgumentParser) -> None:
+    """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    _load_args(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -132,6 +143,10 @@ def _load_model(args):
     device = get_device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
     model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
+    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
+        from .cpu_tuning import describe, tune_for_cpu
+
+        print(describe(tune_for_cpu(model)), file=sys.stderr)
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
     return model, load_tokenizer(args.model), generator
 
@@ -217,12 +232,9 @@ def _run_chat(args) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m",
-                   help="smollm2-135m (the real model) or a shipped toy model (target, draft, draft-scratch)")
+    _load_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
     p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: room for "
                    "max-num-seqs sequences of min(context, 2048) tokens)")
@@ -244,8 +256,12 @@ def _run_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    model, tokenizer, _ = _load_model(args)
-    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    try:
+        model, tokenizer, _ = _load_model(args)
+        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    except (ValueError, TypeError) as error:   # an unknown model, a bad engine size: say so, no traceback
+        print(f"serve: {error}", file=sys.stderr)
+        return 2
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0

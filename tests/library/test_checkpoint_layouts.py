@@ -5,11 +5,11 @@ keys are the base model's; nothing is dropped without allow_dropped= and a warni
 
 import pytest
 import torch
-from adapters import run_load_cs336_checkpoint
+from adapters import run_infer_key_map, run_load_cs336_checkpoint, run_verify_checkpoint
 from student_layouts import LAYOUTS, Arch, Layout, StudentLM
 
-from cs336_inference.model import (AutoKeyMapError, CheckpointMismatchError, ModelConfig, infer_key_map,
-                                   split_fused_gate_up, split_fused_qkv, verify_checkpoint)
+from cs336_inference.model import (AutoKeyMapError, CheckpointMismatchError, ModelConfig, split_fused_gate_up,
+                                   split_fused_qkv)
 
 IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
 RENAMED = LAYOUTS["mha_r_w_Q_swiglu_ff_linear_W_g"]
@@ -81,7 +81,7 @@ def test_verify_catches_ablations_with_the_base_models_keys(name, fix):
     wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto")   # loads: same keys
     assert _delta(wrong, student) > 1e-2
     with pytest.raises(CheckpointMismatchError, match=rf"max \|delta logit\| = .*matches these weights with {fix}"):
-        verify_checkpoint(wrong, student)
+        run_verify_checkpoint(wrong, student)
     with pytest.raises(CheckpointMismatchError) as err:
         run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto", verify=student)
     assert err.value.suggestion == dict([fix.replace("'", "").split("=")]) and err.value.max_delta > 1e-2
@@ -124,7 +124,7 @@ def test_auto_refuses_ambiguous_roles_naming_the_candidates():
     nameless = StudentLM(Arch(), Layout(k="a.weight", v="b.weight"), seed=7)   # k and v: same shape, no names
     with pytest.raises(AutoKeyMapError, match=r"layers\.0\.attn\.a\.weight could be any of \['attn\.k_proj\.weight', "
                                               r"'attn\.v_proj\.weight'\]"):
-        infer_key_map(nameless.state_dict(), _config(nameless.arch))
+        run_infer_key_map(nameless.state_dict(), _config(nameless.arch))
     # w1 = gate, w2 = up, w3 = down: the names contradict the shapes, so no guess is loaded
     renumbered = StudentLM(Arch(), Layout(w1="w1.weight", w3="w2.weight", w2="w3.weight"), seed=8)
     with pytest.raises(ValueError, match=r"layers\.0\.ffn\.w2\.weight has shape \(48, 32\), but its name says "
@@ -132,7 +132,7 @@ def test_auto_refuses_ambiguous_roles_naming_the_candidates():
         run_load_cs336_checkpoint(renumbered.state_dict(), _config(renumbered.arch), key_map="auto")
     deeper = StudentLM(Arch(layers=3), Layout(), seed=9)
     with pytest.raises(AutoKeyMapError, match=r"layer indices \[0, 1, 2\] .*config.num_layers=2"):
-        infer_key_map(deeper.state_dict(), _config(Arch()))
+        run_infer_key_map(deeper.state_dict(), _config(Arch()))
 
 
 def test_hints_say_what_each_suggested_map_fixes():
@@ -151,14 +151,14 @@ def test_verify_names_the_kind_of_difference_it_cannot_explain():
     student = StudentLM(Arch(theta=500000.0), Layout(), seed=11)
     theta_wrong = run_load_cs336_checkpoint(student.state_dict(), _config(Arch()))
     with pytest.raises(CheckpointMismatchError, match=r"Position 0 agrees .* RoPE \(rope_theta"):
-        verify_checkpoint(theta_wrong, student)
+        run_verify_checkpoint(theta_wrong, student)
     swapped = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch),
                                         key_map={r"\.w1\.": ".tmp.", r"\.w3\.": ".w1.", r"\.tmp\.": ".w3."})
     with pytest.raises(CheckpointMismatchError, match=r"Position 0 already differs.* w1 \(gate\) vs w3 \(up\)"):
-        verify_checkpoint(swapped, student)
-    assert verify_checkpoint(run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)), student) < 1e-4
+        run_verify_checkpoint(swapped, student)
+    assert run_verify_checkpoint(run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)), student) < 1e-4
     with pytest.raises(ValueError, match=r"returned logits of shape \(2, 16\)"):
-        verify_checkpoint(swapped, lambda ids: ids.float())
+        run_verify_checkpoint(swapped, lambda ids: ids.float())
 
 
 def test_the_homework_skeleton_loads_and_verifies_the_students_model(tmp_path, capsys):

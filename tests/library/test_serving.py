@@ -60,12 +60,12 @@ def test_paged_forward_of_a_ragged_batch_matches_the_plain_forward(kernel):
     first = [7, 1, 20]                                         # tokens written by a first forward
     with torch.no_grad():
         ids = [t for s, n in zip(seqs, first) for t in s[:n]]
-        out1 = adapters.run_model(model, torch.tensor([ids]), cache=cache.batch(tables, first, first),
+        out1 = adapters.run_model(model, torch.tensor([ids]), step=cache.step(tables, first, first),
                                   last_only=True)[0]
         rest = [1, 4, 0]                                       # a decode, a prefill chunk, nothing
         ids = [t for s, n, r in zip(seqs, first, rest) for t in s[n:n + r]]
         active = [b for b in range(3) if rest[b]]
-        out2 = adapters.run_model(model, torch.tensor([ids]), cache=cache.batch(
+        out2 = adapters.run_model(model, torch.tensor([ids]), step=cache.step(
             [tables[b] for b in active], [first[b] + rest[b] for b in active], [rest[b] for b in active]),
             last_only=True)[0]
         for b in range(3):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import csv
 import inspect
+import math
 import os
 import platform
 import re
@@ -37,13 +38,16 @@ from ..timing import num_threads
 @dataclass
 class Run:
     """What `measure` gets: where and how to run, and where outputs go. `measure` may rename the
-    result (`bench generation --model X` writes generation_X) or mark it partial (`committed=False`:
-    one operating point of a sweep goes to the scratch folder, never over the committed result)."""
+    result (`bench generation --model X` writes generation_X), mark it partial (`committed=False`:
+    one operating point of a sweep goes to the scratch folder, never over the committed result), or
+    hand it to another `report` (a Benchmark whose table, CSV and plots present this kind of result:
+    `bench inference --endpoint` measures a server, not the sweep)."""
 
     name: str
     device: torch.device
     quick: bool
     committed: bool = True
+    report: Benchmark | None = None
 
     def path(self, suffix: str, name: str | None = None) -> Path:
         return result_path(name or self.name, suffix, result=self.committed, quick=self.quick)
@@ -81,42 +85,51 @@ class Benchmark:
         if result is None:   # nothing to measure here (it said why); no result is written
             return None
         machine.update(load_avg_end=load_avg(), wall_seconds=time.perf_counter() - t0)
+        result = finite(result)
         result.setdefault("quick", quick)
         result["machine"] = machine
-        self.write(run, result)
+        (run.report or self).write(run, result)
         return result
 
     def write(self, run: Run, result: dict) -> list[Path]:
         """Save the JSON (and CSV), print the tables, draw the plots."""
-        import matplotlib.pyplot as plt
-
         paths = [save_json(result, run.name, result=run.committed, quick=run.quick)]
         if self.csv is not None:
             paths.append(save_csv(self.csv(result), run.path(".csv")))
         if self.table is not None:
             self.table(result)
-        for template, plot in self.plots.items():
-            fig = plot(result)
-            if fig is not None:
-                paths.append(run.save_figure(fig, template.format(name=run.name, device=result.get("device"))))
-                plt.close(fig)
+        paths += self.draw(result, run.name, run.save_figure)
         print("wrote " + ", ".join(str(p) for p in paths))
         return paths
 
     def replot(self) -> list[Path]:
         """Redraw the PNGs of every committed result from its JSON (nothing is timed)."""
+        results = {name: load_result(name) for name in self.results or (self.name,)}
+        return [path for name, result in results.items() if result is not None
+                for path in self.draw(result, name, lambda fig, png: save_figure(fig, png, result=True))]
+
+    def draw(self, result: dict, name: str, save) -> list[Path]:
+        """Every plot of `result` that has something to draw, saved with save(figure, png_name)."""
         import matplotlib.pyplot as plt
 
         paths = []
-        for name in self.results or (self.name,):
-            result = load_result(name)
-            for template, plot in self.plots.items() if result is not None else ():
-                fig = plot(result)
-                if fig is not None:
-                    paths.append(save_figure(fig, template.format(name=name, device=result.get("device")),
-                                             result=True))
-                    plt.close(fig)
+        for template, plot in self.plots.items():
+            fig = plot(result)
+            if fig is not None:
+                paths.append(save(fig, template.format(name=name, device=result.get("device"))))
+                plt.close(fig)
         return paths
+
+
+def finite(value):
+    """NaN and inf -> None, recursively: strict JSON has no NaN, and "no value" is what they mean here."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def save_csv(rows: list[dict], path: Path) -> Path:
@@ -202,4 +215,4 @@ def _status_bytes(field: str) -> int | None:
         return None
 
 
-__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "load_avg", "save_csv"]
+__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "save_csv"]

@@ -23,7 +23,7 @@ from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
 from ..tables import kv_variants_table, ordered_variants
 from .base import Benchmark
-from .generation import decode_step_seconds
+from ..accounting.model_roofline import decode_step_seconds
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
 BASE = dict(vocab_size=257, context_length=256, d_model=64, num_layers=4, num_heads=4, d_ff=176)

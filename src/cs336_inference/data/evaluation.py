@@ -19,8 +19,8 @@ from .. import _checks
 from .corpus import make_recall_probe
 from ..generation.generate import generate, left_pad
 
-__all__ = ["compare_on_text", "compare_to_reference", "evaluate_lm", "eval_windows", "long_range_recall",
-           "make_recall_probe", "recall_digit_scores", "recall_nll", "recall_probes"]
+__all__ = ["bits_per_byte", "compare_on_text", "compare_to_reference", "evaluate_lm", "eval_windows",
+           "long_range_recall", "make_recall_probe", "recall_digit_scores", "recall_nll", "recall_probes"]
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batches: int | None = None):
@@ -42,6 +42,15 @@ def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batc
         yield windows[:, :-1], windows[:, 1:]
 
 
+def bits_per_byte(total_nats: float, num_bytes: int) -> float:
+    """A summed cross-entropy in nats as bits per byte of the text it was measured on: nats / ln 2 is
+    bits; dividing by the text's bytes (not its tokens) makes models with different tokenizers
+    comparable. Our byte-level models predict one byte per token, so num_bytes is the token count."""
+    _checks.number("total_nats", total_nats, 0, allowed="a finite number >= 0 (a summed cross-entropy)")
+    _checks.positive_int("num_bytes", num_bytes)
+    return total_nats / (math.log(2) * num_bytes)
+
+
 def _check_model_fits(model, seq_len: int) -> None:
     if seq_len > model.config.context_length:
         raise ValueError(f"seq_len ({seq_len}) exceeds the model's context_length ({model.config.context_length})")
@@ -61,7 +70,7 @@ def evaluate_lm(model, data: torch.Tensor, seq_len: int = 256, batch_size: int =
         count += y.numel()
     model.train(was_training)
     loss = total / count
-    return {"loss": loss, "bits_per_byte": loss / math.log(2), "perplexity": math.exp(loss), "tokens": count}
+    return {"loss": loss, "bits_per_byte": bits_per_byte(total, count), "perplexity": math.exp(loss), "tokens": count}
 
 
 @torch.no_grad()

@@ -8,7 +8,9 @@ autograder calls.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
 import textwrap
 from pathlib import Path
 
@@ -143,6 +145,30 @@ library (`key_map="auto"`) and checks with `verify_checkpoint` that it computes 
 """
 
 
+# the grader's own test modules (tests/): a package named like one would shadow it
+GRADER_MODULES = ("adapters", "conftest", "grading", "guard", "implementation", "tamper", "reference_model",
+                  "reference_quantization", "smollm2_reference", "tests", "graded", "mutation")
+
+
+def shadowed_module(name: str, directory: Path) -> str | None:
+    """What a package called `name` (to live in `directory`) would shadow when imported: a module of the
+    standard library, an installed package, or one of the grader's own modules; None if nothing."""
+    if name in sys.builtin_module_names or name in getattr(sys, "stdlib_module_names", ()):
+        return "a module of Python's standard library"
+    if name in GRADER_MODULES:
+        return "a module of the grader (tests/)"
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    if origin and Path(origin).resolve().is_relative_to(Path(directory).resolve()):
+        return None   # the student's own package, found because it is in the current folder
+    return f"the installed module {name!r} ({origin})"
+
+
 # Not graded: the student's own assignment-1 model in this library, checked against their forward.
 A1_LOADER = '''"""Load your assignment-1 model into cs336-inference (not graded), checked against your own forward.
 
@@ -175,6 +201,10 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     name = directory.resolve().name
     if not name.isidentifier():
         raise ValueError(f"DIR must end in a valid Python package name (letters, digits, _), got {name!r}")
+    shadowed = shadowed_module(name, directory)
+    if shadowed:
+        raise ValueError(f"DIR's name {name!r} shadows {shadowed}: grading it would replace that module in the "
+                         f"grader; choose another name (for example {name}_solution)")
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"DIR {str(directory)!r} exists and is not a folder")
     if directory.is_dir() and any(directory.iterdir()) and not force:

@@ -20,10 +20,10 @@ from .key_inference import AutoKeyMapError, InferredKeyMap, infer_key_map
 from .verify import CheckpointMismatchError, verify_checkpoint
 from .config import PRESETS, ModelConfig
 from .gqa import GroupedQueryAttention
-from .kv_cache import CacheStep, ContiguousKVCache, KVCache, LayerCache
+from .kv_cache import CacheStep, ContiguousKVCache, ForwardStep, KVCache, LayerCache
 from .latent_kv_cache import LatentKVCache
 from .rolling_kv_cache import RollingKVCache
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, rope_angles
 from .mla import MultiHeadLatentAttention
 from .bpe_tokenizer import BPETokenizer
 from .real_models import REAL_MODELS
@@ -34,8 +34,8 @@ from .window import SlidingWindowAttention
 
 __all__ = [
     "AutoKeyMapError", "BPETokenizer", "COMMON_RENAMES", "CheckpointMismatchError", "InferredKeyMap",
-    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "GroupedQueryAttention",
-    "KVCache", "LatentKVCache", "LayerCache", "Linear", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
+    "ByteTokenizer", "CacheStep", "ContiguousKVCache", "ForwardStep", "GroupedQueryAttention",
+    "KVCache", "LatentKVCache", "LayerCache", "ModelConfig", "MultiHeadLatentAttention", "PRESETS",
     "PostNormBlock", "QKNorm", "SiLUFeedForward", "WeightlessQKNorm", "no_rope",
     "REAL_MODELS", "RMSNorm", "RollingKVCache", "RotaryEmbedding",
     "SlidingWindowAttention", "SwiGLU", "TransformerBlock", "TransformerLM", "apply_rope", "attention_mask",

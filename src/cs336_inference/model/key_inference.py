@@ -105,11 +105,26 @@ def _forms(component: str) -> list[str]:
     return [low, low.replace("_", ""), *low.split("_")]
 
 
+_NAMED_INDEX = re.compile(r"^(layers?|blocks?|h|transformer_?blocks?|decoder_?layers?)_?(\d+)$", re.IGNORECASE)
+
+
+def _layer_component(parts: list[str]) -> tuple[int | None, int | None]:
+    """(position of the component holding the layer index, the index): the first all-digit component
+    (an nn.ModuleList), else one like 'layer_3' or 'block3' (an nn.ModuleDict)."""
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return i, int(p)
+    for i, p in enumerate(parts):
+        match = _NAMED_INDEX.match(p)
+        if match:
+            return i, int(match.group(2))
+    return None, None
+
+
 def _split_key(key: str) -> tuple[int | None, list[str], str]:
     """key -> (layer index or None, parent components (index removed), leaf name)."""
     parts = key.split(".")
-    layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-    index = int(parts[layer]) if layer is not None else None
+    layer, index = _layer_component(parts)
     rest = [p for i, p in enumerate(parts) if i != layer]
     if len(rest) > 1 and rest[-1].lower() in PARAM_NAMES | BIAS_NAMES:
         rest = rest[:-1]
@@ -209,16 +224,23 @@ def _resolve(keys: dict[str, tuple[set, set, tuple]], where: str, shapes: dict) 
     ambiguous = {k: r for k, r in open_keys.items() if r}
     if ambiguous:
         detail = "; ".join(f"{k} could be any of {r}" for k, r in ambiguous.items())
+        key, roles = next(iter(ambiguous.items()))
         raise AutoKeyMapError(f"key_map='auto' cannot tell apart the tensors of {where}: {detail} (same shapes, and "
                               f"the names say nothing). Pass an explicit key_map for them, e.g. "
-                              f"{{r'<pattern>': 'layers.\\1.attn.k_proj.weight', ...}}")
+                              f"{{r'^{re.escape(key)}$': 'layers.{_key_layer(key)}.{roles[0]}', ...}}")
     return chosen, [k for k in keys if k not in chosen]
+
+
+def _key_layer(key: str) -> str:
+    """The layer index in `key` as text ('i' when it has none)."""
+    index = _layer_component(key.split("."))[1]
+    return "i" if index is None else str(index)
 
 
 def _shape_field_hint(role: str) -> str:
     fields = {"ffn.": "d_ff", "attn.k_": "num_kv_heads", "attn.v_": "num_kv_heads", "attn.q_norm": "num_heads",
               "attn.k_norm": "num_heads", "attn.": "num_heads/d_model", "ln": "d_model"}
-    name = next(f for p, f in fields.items() if role.startswith(p))
+    name = next((f for p, f in fields.items() if role.startswith(p)), "d_model/vocab_size")
     return f": check config.{name} (or the layout stores it transposed or fused differently)"
 
 
@@ -242,7 +264,8 @@ def infer_key_map(state: dict[str, torch.Tensor], config: ModelConfig) -> Inferr
             unmapped_early.append(key)
         elif index is None:
             shapes, by_name = _global_roles(parents, leaf, config)
-            globals_[key] = ({r for r, s in shapes.items() if s == shape}, by_name & set(shapes), shape)
+            by_shape = {r for r, s in shapes.items() if s == shape}
+            globals_[key] = (by_shape, by_name & by_shape, shape)   # outside blocks, names are weak evidence
         else:
             if key.split(".")[-1].lower() in BIAS_NAMES:
                 layers.setdefault(index, {})[key] = (set(), set(), shape)
@@ -282,11 +305,12 @@ def _rules(renames: dict[str, str], config: ModelConfig) -> dict[str, str]:
         if key == target:
             continue
         parts = key.split(".")
-        layer = next((i for i, p in enumerate(parts) if p.isdigit()), None)
-        if layer is None or not target.startswith(f"layers.{parts[layer]}."):
+        layer, index = _layer_component(parts)
+        if layer is None or not target.startswith(f"layers.{index}."):
             groups.setdefault((re.escape(key), target), []).append(key)
             continue
-        source = r"\.".join(re.escape(p) if i != layer else r"(\d+)" for i, p in enumerate(parts))
+        source = r"\.".join(re.escape(p) if i != layer else re.escape(p[:-len(str(index))]) + r"(\d+)"
+                             for i, p in enumerate(parts))
         groups.setdefault((source, "layers.\\1." + target.split(".", 2)[2]), []).append(key)
     rules = {}
     for (source, target), keys in groups.items():

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .layers import Linear, RMSNorm, SwiGLU, apply_rope
+from .layers import RMSNorm, SwiGLU, apply_rope
 
 
 def no_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -39,8 +39,8 @@ class SiLUFeedForward(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
+        self.w1 = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., D) -> (..., D)
         return self.w2(F.silu(self.w1(x)))

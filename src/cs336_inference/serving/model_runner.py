@@ -1,8 +1,10 @@
 """`ModelRunner`: turn a scheduled batch into one forward of the model over the paged KV cache.
 
 Prefills bring the uncached part of their prompt, decodes their last sampled token; all of them are
-concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward with
-a `PagedBatch` as its cache, and the logits of each sequence's last token come back, (B, V).
+concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward as
+one `PagedStep` (the model's `ForwardStep` contract), and the logits of each sequence's last token
+come back, (B, V). The runner is the model's edge: it checks the token ids and lengths here, on host
+lists, so the forward itself never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -59,9 +61,20 @@ class ModelRunner:
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)
             query_lens.append(1)
-        view = self.cache.batch(tables, context_lens, query_lens)
+        self.check_step(ids, context_lens)
+        step = self.cache.step(tables, context_lens, query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
-        return self.model(token_ids, cache=view, last_only=True)[0]          # (B, V)
+        return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
+
+    def check_step(self, ids: list[int], context_lens: list[int]) -> None:
+        """The edge checks of a step, on host data: ids in the vocabulary, no sequence past the context."""
+        config = self.model.config
+        if ids and (min(ids) < 0 or max(ids) >= config.vocab_size):
+            bad = [t for t in ids if not 0 <= t < config.vocab_size]
+            raise ValueError(f"token ids must be in [0, vocab_size={config.vocab_size}), got {bad[:8]}")
+        if context_lens and max(context_lens) > config.context_length:
+            raise ValueError(f"a sequence of {max(context_lens)} tokens exceeds the model's context_length "
+                             f"{config.context_length}")
 
 
 __all__ = ["ModelRunner"]
