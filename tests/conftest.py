@@ -64,6 +64,7 @@ TOY_SERVER_ARGS = ("target", "--max-num-seqs", "64")
 _early_servers: dict = {}
 
 
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: only tests that will run count
 def pytest_collection_modifyitems(session, config, items):
     import importlib.util
 

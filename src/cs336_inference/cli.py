@@ -121,12 +121,17 @@ def _run_train(args) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _load_args(p: argparse.ArgumentParser) -> None:
+    """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
     p.add_argument("--model", default="smollm2-135m", type=check.text,
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
     p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    _load_args(p)
     p.add_argument("--max-new-tokens", type=check.positive_int, default=256)
     p.add_argument("--temperature", type=check.temperature, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=check.positive_int, default=None)
@@ -237,13 +242,10 @@ def _run_chat(args) -> int:
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", type=check.text,
-                   help="smollm2-135m (the real model) or a shipped toy model (target, draft, draft-scratch)")
+    _load_args(p)
     p.add_argument("--host", default="127.0.0.1", type=check.text,
                    help="address to listen on (default: this machine only)")
     p.add_argument("--port", type=check.port, default=8000)
-    p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
     p.add_argument("--max-num-seqs", type=check.positive_int, default=32, help="sequences in the running batch at most")
     p.add_argument("--num-blocks", type=check.positive_int, default=None,
                    help="KV cache blocks of 16 tokens (default: room for "
@@ -267,8 +269,12 @@ def _run_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
         return 2
-    model, tokenizer, _ = _load_model(args)
-    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    try:
+        model, tokenizer, _ = _load_model(args)
+        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    except (ValueError, TypeError) as error:   # an unknown model, a bad engine size: say so, no traceback
+        print(f"serve: {error}", file=sys.stderr)
+        return 2
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0

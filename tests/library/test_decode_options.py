@@ -130,6 +130,53 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
 
 
+@pytest.mark.parametrize("variant", ["gqa", "cla"])
+def test_the_static_decode_step_of_cuda_graphs_equals_the_plain_step(variant):
+    """What `compile_decode(mode="reduce-overhead")` records, run eagerly: the position as a device tensor,
+    writes with index_copy_, attention over the whole buffer under a mask. Same logits as `decode_one_token`,
+    no host sync, and the buffers keep their addresses (a CUDA graph replays on fixed addresses)."""
+    from cs336_inference.generation.compiled import static_decode
+    from host_syncs import HostSyncCounter
+
+    model = _model(**VARIANTS[variant])
+    ids = torch.randint(0, 97, (2, 14))
+    plain, static = adapters.make_kv_cache(model, 2, 16), adapters.make_kv_cache(model, 2, 16)
+    addresses = [layer.k.data_ptr() for layer in static.layers]
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :8], plain)
+        adapters.run_model(model, ids[:, :8], static)
+        for t in range(8, 14):
+            want = adapters.run_decode_one_token(model, ids[:, t], plain)
+            position = torch.full((1,), static.length)
+            with HostSyncCounter() as syncs:
+                got = static_decode(model, ids[:, t:t + 1], position, static)[:, -1]
+            static.length += 1
+            assert syncs.count == 0, syncs.seen
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert [layer.k.data_ptr() for layer in static.layers] == addresses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_decode_with_cuda_graphs_matches_eager_and_never_syncs():
+    from cs336_inference.generation import compile_decode
+    from host_syncs import profiled_host_syncs
+
+    torch._dynamo.reset()
+    model = _model().to("cuda", torch.bfloat16)
+    step = compile_decode(model, mode="reduce-overhead")
+    ids = torch.randint(0, 97, (2, 20), device="cuda")
+    plain, graphed = adapters.make_kv_cache(model, 2, 24), adapters.make_kv_cache(model, 2, 24)
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :8], plain)
+        adapters.run_model(model, ids[:, :8], graphed)
+        for t in range(8, 19):
+            want = adapters.run_decode_one_token(model, ids[:, t], plain)
+            torch.testing.assert_close(step(ids[:, t], graphed), want, rtol=2e-2, atol=2e-2)
+        assert graphed.length == 19
+        assert profiled_host_syncs(lambda: step(ids[:, 19], graphed)) == []
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
 def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
     """The formula on controlled samples: (all CPUs' busy seconds - ours) / wall seconds."""
     from cs336_inference.cpu_tuning import _OtherLoad

@@ -82,6 +82,15 @@ def test_64_concurrent_streams_deliver_every_token_in_order(toy_server, target):
         assert 1 <= len(result.chunk_times[0]) <= 16
 
 
+def _wait_until_idle(server, before: dict) -> dict:
+    for _ in range(100):                                   # the abort reaches the engine within a step
+        after = server.metrics()
+        if after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"] and after["cs336:num_open_streams"] == 0:
+            break
+        time.sleep(0.05)
+    return after
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(toy_server):
     before = toy_server.metrics()
     body = {"model": "target", "prompt": "The cat", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -96,14 +105,22 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(toy_server):
     connection.close()                                                    # the client goes away mid-stream
     assert during["cs336:kv_blocks_used"] > before["cs336:kv_blocks_used"]
     assert during["cs336:num_requests_running"] >= 1
-    for _ in range(100):                                   # the abort reaches the engine within a step
-        after = toy_server.metrics()
-        if after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"] and after["cs336:num_open_streams"] == 0:
-            break
-        time.sleep(0.05)
+    after = _wait_until_idle(toy_server, before)
     assert after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"], after
     assert after["cs336:num_requests_running"] == 0
     assert after["cs336:request_aborted_total"] == before["cs336:request_aborted_total"] + 1
+    # the same for a request that is not streamed: the server notices while it generates
+    connection = http.client.HTTPConnection(toy_server.url.split("//")[1], timeout=30)
+    connection.request("POST", "/v1/completions", json.dumps({**body, "stream": False}),
+                       {"Content-Type": "application/json"})
+    for _ in range(100):
+        if toy_server.metrics()["cs336:num_requests_running"] >= 1:
+            break
+        time.sleep(0.02)
+    connection.close()
+    after = _wait_until_idle(toy_server, before)
+    assert after["cs336:kv_blocks_used"] == before["cs336:kv_blocks_used"], after
+    assert after["cs336:request_aborted_total"] == before["cs336:request_aborted_total"] + 2
 
 
 GOOD = {"model": "target", "prompt": "The cat", "max_tokens": 4, "temperature": 0}
@@ -208,3 +225,14 @@ def test_bench_inference_endpoint_counts_the_tokens_the_server_reports(toy_serve
         assert r["prompt_tokens"] == r["counted_prompt_tokens"]
     assert row["output_tokens"] == sum(r["output_tokens"] for r in row["requests"])
     assert row["ttft_p99_s"] >= row["ttft_median_s"] > 0 and row["output_throughput"] > 0
+
+
+def test_serve_refuses_bad_arguments_before_listening(capsys):
+    from cs336_inference.cli import main
+
+    assert main(["serve", "--model", "target", "--port", "70000"]) == 2
+    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert main(["serve", "--model", "no-such-model", "--port", "0"]) == 2
+    assert "'no-such-model'" in capsys.readouterr().err
+    assert main(["serve", "--model", "target", "--port", "0", "--max-num-seqs", "0"]) == 2
+    assert "max_num_seqs" in capsys.readouterr().err

@@ -1,14 +1,10 @@
-"""`python -m cs336_inference bench generation_smollm2`: prefill vs decode on a real model, on this machine.
+"""`bench generation_smollm2`: loading, prefill and decode of a real model on this machine's roofline.
 
-First, what loading costs: converting the GGUF (parse + dequantize, no cache) and loading the
-converted weights from the disk cache (memory-mapped), in fp32 and bf16, with the bytes they occupy.
-
-SmolLM2-135M in fp32 and bf16: prefill tokens/s, decode tokens/s at B = 1 and B = 8, the bytes a decode
-step must read (every weight once, the tied 49152 x 576 table included as the lm_head, plus the KV
-cache) against the streaming bandwidth measured in the same run, where a decode step sits on this
-machine's roofline (FLOPs / byte against peak FLOP/s / bandwidth), and naive (re-run the prefix)
-against cached generation. fp32 and bf16 are measured in alternating rounds (medians), so drifting
-load on a shared machine hits both alike.
+Loading: converting the GGUF (parse + dequantize, no cache) and loading the converted weights from the
+disk cache (memory-mapped), in fp32 and bf16. Then SmolLM2-135M in fp32 and bf16, in alternating
+rounds: prefill tokens/s, decode tokens/s at B = 1 and 8, the bytes a step reads (every weight once,
+the tied embedding as the lm_head, plus the KV cache) against the bandwidth measured in the same run,
+where the step sits on the roofline (FLOPs / byte against peak / bandwidth), naive vs cached generation.
 """
 
 from __future__ import annotations

@@ -59,13 +59,13 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
     `endpoint`: measure the OpenAI-compatible server at that URL instead, as its streaming client
     (`inference_endpoint`; `tokenizer` cuts the prompts and re-counts, `arrivals` poisson or fixed):
     figures/scratch/inference_endpoint_MODEL.*."""
+    check_arguments(model, preset, concurrency, output_len)
     if endpoint is not None:
         run.name, run.committed, run.report = endpoint_name(model, preset), False, ENDPOINT
         return measure_endpoint(endpoint, model, run.quick, preset, concurrency, output_len, tokenizer,
                                 arrivals or "poisson", progress)
     if tokenizer is not None or arrivals is not None:
         raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
-    check_arguments(model, preset, concurrency, output_len)
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
     device, real = run.device, model in REAL_MODELS

@@ -10,7 +10,7 @@ mean-pooling the 3 KV heads (GQA's conversion, without its uptraining), and int8
 Per variant: accuracy per context, KV cache bytes at the longest context (measured on the cache
 object), and decode latency at the longest context.
 
-Work is shared where that is exact, so the full run fits in ~30 min on 2 CPU cores (bf16):
+Work is shared where that is exact, so the full run fits in well under an hour on 2 CPU cores (bf16):
 - a trial is scored from one prefill plus one forward of its answer tokens: greedy decoding emits the
   key iff each answer token is the argmax given the ones before it (teacher forcing checks exactly that);
 - the KV-cache formats reuse the full-attention prefill of each trial and quantize the filled cache

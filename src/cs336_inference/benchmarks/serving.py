@@ -227,17 +227,23 @@ def _print_memory(m: dict) -> None:
                 title=f"\ncontinuous batching in {m['budget_tokens']} KV token slots")
 
 
-def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
+def _scheduling_panels(sched_runs: dict, tok_digits: int, ttft_digits: int):
+    """Three panels; the first two: each policy's request timeline on one time axis."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for ax, policy in zip(axes[:2], ("static", "continuous")):
         s = sched_runs[policy].summary()
-        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.0f} tok/s, "
-                                              f"p99 TTFT {s['ttft_p99_s']:.2f} s")
-    end = max(r.steps[-1].end for r in sched_runs.values())
-    for ax in axes[:2]:
-        ax.set_xlim(0, end)
+        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.{tok_digits}f} tok/s, "
+                                              f"p99 TTFT {s['ttft_p99_s']:.{ttft_digits}f} s")
+        ax.set_xlim(0, max(r.steps[-1].end for r in sched_runs.values()))
+    return fig, axes
+
+
+def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = _scheduling_panels(sched_runs, 0, 2)
     for policy, result in sched_runs.items():
         plot_batch_size(axes[2], result, policy)
     axes[2].set_title("sequences producing a token in each step")
@@ -265,14 +271,7 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
 def _plot_real(sched_runs: dict, layout_runs: dict, real: dict, run) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for ax, policy in zip(axes[:2], ("static", "continuous")):
-        s = sched_runs[policy].summary()
-        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.1f} tok/s, "
-                                              f"p99 TTFT {s['ttft_p99_s']:.1f} s")
-    end = max(r.steps[-1].end for r in sched_runs.values())
-    for ax in axes[:2]:
-        ax.set_xlim(0, end)
+    fig, axes = _scheduling_panels(sched_runs, 1, 1)
     for (label, result), color in zip(layout_runs.items(), ("C0", "C3")):
         plot_memory(axes[2], result, label, color)
     axes[2].set_title(f"KV memory, continuous batching ({real['memory']['budget_tokens']} token slots)")

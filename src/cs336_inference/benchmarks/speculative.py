@@ -199,20 +199,16 @@ class _Run:
     result: object = None
 
 
-def _plain(workload: Workload, i: int, temperature: float, seed: int) -> _Run:
-    g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    out, wall, cpu = _timed(lambda: generate(workload.target, [workload.prompts[i]], workload.max_new_tokens,
-                                             temperature=temperature, stop_tokens=workload.stop_tokens,
-                                             generator=g), workload.target.device)
-    return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
-
-
-def _speculative(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
-    g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    out, wall, cpu = _timed(lambda: speculative_generate(workload.target, draft, workload.prompts[i], gamma,
-                                                         temperature, max_new_tokens=workload.max_new_tokens,
-                                                         stop_tokens=workload.stop_tokens, generator=g),
-                            workload.target.device)
+def _generation(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
+    """Prompt i decoded plainly (draft None) or speculatively, timed on both clocks."""
+    target, g = workload.target, torch.Generator(device=workload.target.device).manual_seed(seed)
+    kw = dict(temperature=temperature, stop_tokens=workload.stop_tokens, generator=g)
+    if draft is None:
+        out, wall, cpu = _timed(lambda: generate(target, [workload.prompts[i]], workload.max_new_tokens, **kw),
+                                target.device)
+        return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
+    out, wall, cpu = _timed(lambda: speculative_generate(target, draft, workload.prompts[i], gamma,
+                                                         max_new_tokens=workload.max_new_tokens, **kw), target.device)
     return _Run(i, out.num_generated - 1, wall, cpu, out)
 
 
@@ -247,10 +243,10 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
         for rep in range(repeats):
             plain.append([])
             for drafter, draft in workload.drafters.items():
-                plain[-1] += [_plain(workload, i, temperature, rep) for i in prompts]
+                plain[-1] += [_generation(workload, None, i, 0, temperature, rep) for i in prompts]
                 for gamma in gammas:
                     spec.setdefault((drafter, gamma), []).append(
-                        [_speculative(workload, draft, i, gamma, temperature, rep) for i in prompts])
+                        [_generation(workload, draft, i, gamma, temperature, rep) for i in prompts])
         plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in ("wall", "cpu")}
         for (drafter, gamma), reps in spec.items():
             results = [run.result for runs in reps for run in runs]

@@ -1,15 +1,11 @@
-"""`python -m cs336_inference bench thread_policy`: how OpenMP's waiting and our thread count shape decode.
+"""`bench thread_policy`: how OpenMP's waiting and our thread count shape batch-1 decode.
 
-OpenMP reads its wait policy once, when torch loads, so each policy runs in its own fresh process
-(this module run as a script). Each process builds the same ~90M model (fused projections, SDPA),
-compiles its decode step, and times batch-1 decode, eager and compiled, on an idle machine and
-while a busy loop holds one core. Policies:
-- "sleep": OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0 (idle workers sleep at once);
-- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=`_openmp.SHORT_SPIN`;
-- "short spin, no switch": the same without `cpu_tuning`'s drop to one thread under contention
-  (`tune_for_cpu(threads=False)`; shows why the switch is there);
-- "spin": OMP_WAIT_POLICY=ACTIVE (OpenMP's long spin).
-Rounds alternate idle and busy inside each process; we report medians with min/max over rounds.
+OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
+module as a script) that builds the same ~90M model (fused projections, SDPA), compiles its decode
+step and times it, eager and compiled, idle and while a busy loop holds a core, in alternating rounds.
+Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin" (the package's default: PASSIVE with
+`_openmp.SHORT_SPIN`), the same without `cpu_tuning`'s drop to one thread under contention
+(`tune_for_cpu(threads=False)`), and "spin" (ACTIVE).
 """
 
 from __future__ import annotations

@@ -4,9 +4,10 @@ Without a cache, generating T tokens re-runs the whole prefix each step (O(T^2) 
 model, O(T^3) attention FLOPs); with one, each step processes one token and reads the cache.
 
 The model and its cache meet in a `ForwardStep`: one forward's positions, its layer caches, which
-rows feed the LM head, and `commit()`. Two implementations: `CacheStep`, begun by the model's own
-`KVCache` (B sequences, T new tokens each, appended at `length`), and `serving.PagedStep` (a ragged
-engine step through block tables). Per layer the attention writes and attends through a
+rows feed the LM head, and `commit()`. Implementations: `CacheStep`, begun by the model's own
+`KVCache` (B sequences, T new tokens each, appended at `length`), `serving.PagedStep` (a ragged
+engine step through block tables) and `generation.compiled.StaticDecodeStep` (fixed shapes, for CUDA
+graphs). Per layer the attention writes and attends through a
 `LayerCache`: `ContiguousKVCache` (MHA/GQA/MQA, here), `RollingKVCache` (sliding-window layers),
 `LatentKVCache` (MLA), `QuantizedKVCache` (`quantization.kv`), `serving.PagedLayerCache`. Layers
 that share keys/values (cross-layer attention) share one layer cache object.
@@ -261,7 +262,28 @@ class ContiguousKVCache(KVBuffers):
         return self.k[:, :, :length], self.v[:, :, :length]
 
 
-class KVCache:
+class LayerCaches:
+    """What a model-wide cache reports about its `layers` (one layer cache per model layer; layers that
+    share one object count once): `KVCache` here, `serving.PagedKVCache` for the engine."""
+
+    layers: list
+
+    def unique_layers(self) -> list:
+        """Each distinct layer cache once (layers that share a cache count once)."""
+        return unique_layers(self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor storage actually allocated (shared caches counted once)."""
+        return sum(layer.nbytes for layer in self.unique_layers())
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes that one more token of one sequence adds, summed over the model's layers."""
+        return sum(layer.bytes_per_token for layer in self.unique_layers())
+
+
+class KVCache(LayerCaches):
     """The model's cache: one layer cache per layer (the same object for layers that share, as in
     cross-layer attention) and `length`, the number of tokens cached per sequence: the next forward
     appends at `length`. Nothing else is stored (padding is an argument of each forward)."""
@@ -277,20 +299,6 @@ class KVCache:
 
     def __len__(self) -> int:
         return self.length
-
-    def unique_layers(self) -> list:
-        """Each distinct layer cache once (layers that share a cache count once)."""
-        return unique_layers(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of tensor storage actually allocated (shared caches counted once)."""
-        return sum(layer.nbytes for layer in self.unique_layers())
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Bytes that one more token of one sequence adds, summed over the model's layers."""
-        return sum(layer.bytes_per_token for layer in self.unique_layers())
 
     def begin(self, num_new: int, pad: torch.Tensor | None = None, start_pos: int | None = None,
               batch_size: int | None = None) -> CacheStep:

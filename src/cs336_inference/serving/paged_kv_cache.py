@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 
 from .. import _checks
-from ..model.kv_cache import ForwardStep, KVBuffers, unique_layers
+from ..model.kv_cache import ForwardStep, KVBuffers, LayerCaches
 from .paged_attention import PagedLayout
 
 
@@ -66,7 +66,7 @@ class PagedLayerCache(KVBuffers):
         return rearrange(out, "T N H -> N T H")[None]
 
 
-class PagedKVCache:
+class PagedKVCache(LayerCaches):
     """Block pools for every layer of `model` (one object per cross-layer group, like `model.new_cache`)."""
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
@@ -92,17 +92,6 @@ class PagedKVCache:
         owners = sum(c.kv_source_layer(i) == i for i in range(c.num_layers))
         element = (dtype or model.dtype).itemsize
         return owners * 2 * c.num_kv_heads * c.head_dim * element
-
-    def unique_layers(self) -> list[PagedLayerCache]:
-        return unique_layers(self.layers)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.unique_layers())
-
-    @property
-    def bytes_per_token(self) -> int:
-        return sum(layer.bytes_per_token for layer in self.unique_layers())
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy block src's keys/values into block dst for every (src, dst), in every layer

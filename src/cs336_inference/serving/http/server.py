@@ -35,14 +35,19 @@ def _sse(obj) -> str:
 
 
 class _EventStream(StreamingResponse):
-    """Server-sent events whose generator is closed however the response ends (a disconnect
-    included), so the engine requests behind it are aborted at once, not when it is collected."""
+    """Server-sent events whose generators are closed however the response ends (a disconnect
+    included), so the engine requests behind them are aborted at once, not when they are collected."""
+
+    def __init__(self, events, source, **kwargs):
+        super().__init__(events, **kwargs)
+        self.source = source
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()
+            await self.source.aclose()
 
 
 class OpenAIServer:
@@ -102,24 +107,29 @@ class OpenAIServer:
 
     # --- responses -----------------------------------------------------------------------------
     async def respond(self, http: Request, req, choices: list[Choice], chat: bool) -> Response:
-        """Run `choices` on the engine; SSE chunks if req.stream, else one JSON body."""
+        """Run `choices` on the engine: SSE chunks if req.stream, else one JSON body. A client that
+        leaves before its answer is complete aborts it (the engine frees its blocks)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        deltas = merge([run_choice(self.engine, c, self.tokenizer, f"{rid}-{c.index}") for c in choices])
-        try:
-            first = await deltas.__anext__()       # a refused request is still an HTTP error here
-        except StopAsyncIteration:
-            first = None
-        except BaseException:
-            await deltas.aclose()
-            raise
-        deltas = _prepend(first, deltas)
+        source = merge([run_choice(self.engine, c, self.tokenizer, f"{rid}-{c.index}") for c in choices])
+        kind = ("chat.completion.chunk" if req.stream else "chat.completion") if chat else "text_completion"
+        head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
         prompt_tokens = sum(len(c.prompt_token_ids) for c in choices[::req.n])   # each prompt once
-        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": self.model_name}
-        if req.stream:
-            events = self._events(head, deltas, choices, prompt_tokens, req.include_usage, chat)
-            return _EventStream(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._until_disconnected(http, self._collect(head, deltas, choices, prompt_tokens, chat))
+        streaming = False
+        try:
+            # the first token, or a refusal (still an HTTP error here), unless the client leaves first
+            deltas = _prepend(await _unless_disconnected(http, _first(source)), source)
+            if req.stream:
+                streaming = True
+                events = self._events(head, deltas, choices, prompt_tokens, req.include_usage, chat)
+                return _EventStream(events, source, media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
+            return await _unless_disconnected(http, self._collect(head, deltas, choices, prompt_tokens, chat))
+        except _ClientGone:
+            self.counters["requests_aborted"] += 1
+            return Response(status_code=499)       # nginx's "client closed request"; nobody reads it
+        finally:
+            if not streaming:                      # (an event stream closes it when its response ends)
+                await source.aclose()
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         self.counters["requests_ok"] += 1
@@ -175,26 +185,38 @@ class OpenAIServer:
             content = "".join(text[c.index])
             body = {"message": {"role": "assistant", "content": content}} if chat else {"text": content}
             out.append({"index": c.index, **body, "logprobs": None, "finish_reason": reasons.get(c.index, "stop")})
-        return JSONResponse({**head, "object": "chat.completion" if chat else "text_completion", "choices": out,
-                             "usage": self._usage(prompt_tokens, sum(tokens.values()))})
+        return JSONResponse({**head, "choices": out, "usage": self._usage(prompt_tokens, sum(tokens.values()))})
 
-    async def _until_disconnected(self, http: Request, work) -> Response:
-        """Await `work`, or cancel it (aborting its engine requests) if the client goes away first."""
-        async def disconnected():
-            while (await http.receive())["type"] != "http.disconnect":
-                pass
 
-        task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watch.cancel()
-        if not task.done():
+class _ClientGone(Exception):
+    """The client disconnected before its response was ready."""
+
+
+async def _unless_disconnected(http: Request, awaitable):
+    """`await awaitable`, unless the client disconnects first: then cancel it and raise _ClientGone."""
+    async def disconnected():
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(awaitable), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():                        # the client left (or we were cancelled): stop the work
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-            self.counters["requests_aborted"] += 1
-            return Response(status_code=499)       # nginx's "client closed request"; nobody reads it
-        return task.result()
+    if task.cancelled():
+        raise _ClientGone
+    return task.result()
+
+
+async def _first(deltas):
+    """The first delta of `deltas` (None if there is none)."""
+    try:
+        return await deltas.__anext__()
+    except StopAsyncIteration:
+        return None
 
 
 async def _prepend(first, deltas):
