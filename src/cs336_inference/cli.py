@@ -396,7 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     ValueError / TypeError: unknown model, missing device, prompt too long, ...), is one line on
     stderr naming what is wrong, and exit status 2; CS336_DEBUG=1 shows the traceback instead."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:   # a usage error (already printed, one line) or --help
+        return exit_.code
     if args.command is None:
         parser.print_help()
         return 0
