@@ -1103,7 +1103,7 @@ def continuous_batching():
 
 def paged_attention():
     section("paged_attention")
-    from cs336_inference.serving import BlockManager, Engine, TraceConfig, make_trace
+    from cs336_inference.serving import Engine, KVCacheManager, TraceConfig, make_trace
     from cs336_inference.data import load_corpus
 
     text("Continuous batching fills the batch only if the KV memory lets it. Reserving each request's "
@@ -1113,18 +1113,18 @@ def paged_attention():
     link(vllm)
     text("vLLM pages the cache like an operating system pages memory: fixed-size blocks, a block table per "
          "sequence from logical positions to physical blocks, a new block only when the last one is full.")
-    manager = BlockManager(num_blocks=32, block_size=16)
+    manager = KVCacheManager(num_blocks=32, block_size=16)
     system = list(range(100, 164))  # a 64-token system prompt: 4 full blocks
     manager.allocate("first", system + [1, 2, 3])
-    manager.cache_full_blocks("first", 67)
+    manager.cache_blocks("first", system + [1, 2, 3])
     cached = manager.allocate("second", system + [4, 5, 6, 7, 8])  # @inspect cached
     assert cached == 64 and manager.table("second").blocks[:4] == manager.table("first").blocks[:4]
     text(f"Sharing: full blocks are named by a hash chained over the previous block's hash and their token "
          f"ids. A second request behind the same 64-token system prompt finds all {cached // 16} of its "
          f"blocks: they cost no memory and skip their prefill.")
     manager.fork("second", "sample 2")
-    copy = manager.append_slot("sample 2", 9)  # @inspect copy
-    assert copy is not None and manager.table("second").blocks[-1] == copy[0]
+    (copy,) = manager.allocate_slots("sample 2")  # @inspect copy
+    assert manager.table("second").blocks[-1] == copy[0]
     text(f"Parallel samples fork the table (all blocks shared). The first sample to write into the shared, "
          f"partly filled last block gets a private copy (block {copy[0]} -> {copy[1]}): copy-on-write.")
 

@@ -119,7 +119,7 @@ for r in mixed:
 greedy = [i for i, r in enumerate(requests) if r.sampling.temperature == 0]
 for i in greedy:
     r = requests[i]
-    alone = generate(model, [list(r.prompt)], r.max_new_tokens, stop_tokens=list(r.sampling.stop_tokens)).tokens[0]
+    alone = generate(model, [list(r.prompt)], r.max_new_tokens, stop_tokens=list(r.sampling.stop_token_ids)).tokens[0]
     assert runs["static"].outputs[i].tokens == runs["continuous"].outputs[i].tokens == [alone]
 print(f"{len(greedy)} greedy requests: identical to generate(), token for token")
 r, out = requests[greedy[0]], runs["continuous"].outputs[greedy[0]]

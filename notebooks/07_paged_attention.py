@@ -35,7 +35,7 @@ from cs336_inference import get_device, seed_everything
 from cs336_inference.data import load_corpus
 from cs336_inference.figures import save_figure
 from cs336_inference.model import load_pretrained, scaled_dot_product_attention
-from cs336_inference.serving import (BlockAllocator, BlockManager, ContiguousAllocator, Engine, OutOfBlocksError,
+from cs336_inference.serving import (BlockAllocator, ContiguousAllocator, Engine, KVCacheManager, OutOfBlocksError,
                                      TraceConfig, make_trace, paged_attention)
 from cs336_inference.serving.plots import plot_batch_size, plot_memory
 
@@ -62,19 +62,19 @@ except OutOfBlocksError as e:
 
 # %% [markdown]
 # ## Block tables, fork and copy-on-write
-# `BlockManager` keeps one block table per sequence over one allocator. Position p of a sequence
+# `KVCacheManager` keeps one block table per sequence over one pool of blocks. Position p of a sequence
 # lives in block `table[p // block_size]` at offset `p % block_size`. Forking (parallel sampling)
 # shares every block; the first write into a shared, partly filled block copies it first.
 
 # %%
-m = BlockManager(num_blocks=8, block_size=4, prefix_caching=False)
+m = KVCacheManager(num_blocks=8, block_size=4, prefix_caching=False)
 m.allocate("parent", list(range(10)))            # 10 tokens: blocks of 4 + 4 + 2
 m.fork("parent", "child")
 print("after fork:   parent", m.table("parent").blocks, " child", m.table("child").blocks)
-copy = m.append_slot("child", 99)                 # writes position 10, in the shared last block
+(copy,) = m.allocate_slots("child")               # a slot for position 10, in the shared last block
 print(f"child writes: copy block {copy[0]} -> {copy[1]};",
       f"parent {m.table('parent').blocks}, child {m.table('child').blocks}")
-print("parent writes without a copy:", m.append_slot("parent", 7))
+print("parent writes without a copy:", m.allocate_slots("parent"))
 stats = m.memory_stats()
 print(f"{stats.logical_tokens} tokens in two sequences, {stats.used_tokens} slots hold them "
       f"({stats.shared_tokens} shared), {stats.reserved_tokens} reserved")
@@ -87,10 +87,10 @@ print(f"{stats.logical_tokens} tokens in two sequences, {stats.used_tokens} slot
 # token ids and the parent block, so a collision can never share wrong data.
 
 # %%
-m = BlockManager(num_blocks=32, block_size=16)
+m = KVCacheManager(num_blocks=32, block_size=16)
 system = list(range(100, 164))                    # a 64-token system prompt = 4 full blocks
 m.allocate("first", system + [1, 2, 3])
-m.cache_full_blocks("first", 67)                  # its K/V are now computed: name its full blocks
+m.cache_blocks("first", system + [1, 2, 3])       # its K/V are being computed: name its full blocks
 cached = m.allocate("second", system + [9, 8, 7, 6, 5])
 print(f"second request: {cached} of {len(system) + 5} prompt tokens come from the cache; "
       f"shared blocks {m.table('second').blocks[:4]}")
@@ -191,11 +191,11 @@ for bs in (4, 8, 16, 32):
 #   fit in the same memory, so the batch is larger and requests wait less.
 #
 # ## Exercises
-# 1. Allocate sequences of 37, 5 and 60 tokens in a `BlockManager` with blocks of 16 and predict
+# 1. Allocate sequences of 37, 5 and 60 tokens in a `KVCacheManager` with blocks of 16 and predict
 #    `memory_stats()`: reserved slots, used slots, internal fragmentation.
-# 2. Fork a 10-token sequence twice (blocks of 4) and `append_slot` one token to each of the three: which
+# 2. Fork a 10-token sequence twice (blocks of 4) and `allocate_slots` one token to each of the three: which
 #    appends copy a block, and how many blocks are in use afterwards?
-# 3. Three requests behind the same 64-token system prompt (blocks of 16, `cache_full_blocks` after each):
+# 3. Three requests behind the same 64-token system prompt (blocks of 16, `cache_blocks` after each):
 #    how many prompt tokens does each find cached, and how many blocks do the three hold together?
 #
 # Answers: `tests/library/test_notebook_exercises.py`.

@@ -15,158 +15,269 @@ from __future__ import annotations
 
 import torch
 
+import guard
 import implementation
 
 from cs336_inference.device import default_dtype, get_device, seed_everything
 from cs336_inference.generation import decode_one_token, generate, prefill
-from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, TransformerLM, apply_rope, checkpoints,
+from cs336_inference.model import (ByteTokenizer, ModelConfig, TransformerLM, apply_rope, checkpoints,
                                    rope_angles, scaled_dot_product_attention)
 
 
-def _graded(name: str):
-    """NAME in the implementation under test (raises "not implemented: NAME" if it has none)."""
-    return implementation.get(name)
+def _graded(name: str, returns="any"):
+    """NAME in the implementation under test, as a guarded callable (tests/guard.py): it raises "not
+    implemented: NAME" if the package has none, and its result must be of the kind `returns` names
+    ("tensor", "int", "number", "bool", "dict", "list", a tuple of those, or {member: kind} for an object)."""
+    def graded_call(*args):
+        fn = guard.call(name, implementation.get, (name,), returns="raw")
+        return guard.call(name, fn, guard.private_copies(args), returns=returns)
+    return graded_call
+
+
+T, T2, T3 = "tensor", ("tensor", "tensor"), ("tensor", "tensor", "tensor")
 
 
 # === graded adapters ==============================================================================
+# --- layers ---
+
+
+def run_rmsnorm(x, weight, eps=1e-5) -> torch.Tensor:
+    return _graded("rmsnorm", T)(x, weight, eps)
+
+
+def run_swiglu(x, w1, w2, w3) -> torch.Tensor:
+    return _graded("swiglu", T)(x, w1, w2, w3)
+
+
 # --- sampling ---
 
 
 def run_logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None) -> torch.Tensor:
-    return _graded("logits_to_probs")(logits, temperature, top_k, top_p)
+    return _graded("logits_to_probs", T)(logits, temperature, top_k, top_p)
 
 
 def run_sample_next_token(logits, temperature=1.0, top_k=None, top_p=None, generator=None) -> torch.Tensor:
-    return _graded("sample_next_token")(logits, temperature, top_k, top_p, generator)
+    return _graded("sample_next_token", T)(logits, temperature, top_k, top_p, generator)
 
 
-# --- speculative sampling: the accept/resample rule ---
+# --- generation ---
+
+
+def run_greedy_generate(model, prompts, max_new_tokens, stop_tokens=None) -> list[list[int]]:
+    return [[guard.check("greedy_generate", t, "int") for t in row]
+            for row in _graded("greedy_generate", "list")(model, prompts, max_new_tokens, stop_tokens)]
+
+
+# --- speculative sampling: the accept/resample rule, the residual, greedy verification ---
 
 
 def run_speculative_accept(p_draft, q_target, draft_tokens, generator=None) -> tuple[int, int]:
     """p_draft (g, V), q_target (g + 1, V), draft_tokens (g,) -> (num_accepted, next_token)."""
-    return _graded("speculative_accept")(p_draft, q_target, draft_tokens, generator)
+    return _graded("speculative_accept", ("int", "int"))(p_draft, q_target, draft_tokens, generator)
+
+
+def run_residual_distribution(p_draft, q_target) -> torch.Tensor:
+    return _graded("residual_distribution", T)(p_draft, q_target)
+
+
+def run_greedy_verify(draft_tokens, target_logits) -> tuple[int, int]:
+    return _graded("greedy_verify", ("int", "int"))(draft_tokens, target_logits)
 
 
 # --- attention: GQA, KV cache, MLA, sliding window ---
 
 
 def run_grouped_query_attention(q, k, v, mask=None) -> torch.Tensor:
-    return _graded("grouped_query_attention")(q, k, v, mask)
+    return _graded("grouped_query_attention", T)(q, k, v, mask)
 
 
 def run_attention_with_kv_cache(x, weights, k_cache, v_cache, num_heads, rope_theta=10000.0):
     """-> (out (B, T, D), k_cache' (B, K, S + T, H), v_cache' (B, K, S + T, H))."""
-    return _graded("attention_with_kv_cache")(x, weights, k_cache, v_cache, num_heads, rope_theta)
+    return _graded("attention_with_kv_cache", T3)(x, weights, k_cache, v_cache, num_heads, rope_theta)
 
 
 def run_mla_absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask=None) -> torch.Tensor:
-    return _graded("mla_absorbed_attention")(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
+    return _graded("mla_absorbed_attention", T)(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
+
+
+def run_mla_attention(x, weights, num_heads, rope_theta=10000.0) -> torch.Tensor:
+    return _graded("mla_attention", T)(x, weights, num_heads, rope_theta)
+
+
+KV_CACHE = {"length": "int", "nbytes": "int", "bytes_per_token": "int", "append": T2, "truncate": "any"}
+
+
+def make_graded_kv_cache(batch_size, num_kv_heads, head_dim, max_seq_len):
+    """An object with .length, .nbytes, .bytes_per_token, .append(k, v) -> (keys, values), .truncate(n)."""
+    return _graded("KVCache", KV_CACHE)(batch_size, num_kv_heads, head_dim, max_seq_len)
 
 
 def run_sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
-    return _graded("sliding_window_mask")(num_new, start, window)
+    return _graded("sliding_window_mask", T)(num_new, start, window)
+
+
+ROLLING_BUFFER = {"length": "int", "nbytes": "int", "append": "any", "context": T2, "truncate": "any"}
 
 
 def make_rolling_kv_buffer(batch_size, num_kv_heads, head_dim, window, capacity):
-    """An object with .length, .append(k, v), .context() -> (k, v), .truncate(n)."""
-    return _graded("RollingKVBuffer")(batch_size, num_kv_heads, head_dim, window, capacity)
+    """An object with .length, .nbytes, .append(k, v), .context() -> (k, v), .truncate(n)."""
+    return _graded("RollingKVBuffer", ROLLING_BUFFER)(batch_size, num_kv_heads, head_dim, window, capacity)
 
 
 # --- quantization ---
 
 
 def run_quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool = True) -> torch.Tensor:
-    return _graded("quantize")(x, scale, zero_point, bits, symmetric)
+    return _graded("quantize", T)(x, scale, zero_point, bits, symmetric)
 
 
 def run_dequantize(q, scale, zero_point=0) -> torch.Tensor:
-    return _graded("dequantize")(q, scale, zero_point)
+    return _graded("dequantize", T)(q, scale, zero_point)
 
 
 def run_quantize_tensor(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
     """-> (codes, scale, zero_point); scale/zero_point are () per tensor, (rows, groups) otherwise."""
-    return _graded("quantize_tensor")(x, bits, symmetric, granularity, group_size)
+    return _graded("quantize_tensor", T3)(x, bits, symmetric, granularity, group_size)
 
 
 def run_pack_int4(q, signed=True) -> torch.Tensor:
-    return _graded("pack_int4")(q, signed)
+    return _graded("pack_int4", T)(q, signed)
 
 
 def run_unpack_int4(packed, signed=True) -> torch.Tensor:
-    return _graded("unpack_int4")(packed, signed)
+    return _graded("unpack_int4", T)(packed, signed)
 
 
 def run_quantize_kv_int8(x) -> tuple[torch.Tensor, torch.Tensor]:
-    return _graded("quantize_kv_int8")(x)
+    return _graded("quantize_kv_int8", T2)(x)
 
 
 def run_llm_int8_matmul(x, weight, threshold=6.0) -> torch.Tensor:
-    return _graded("llm_int8_matmul")(x, weight, threshold)
+    return _graded("llm_int8_matmul", T)(x, weight, threshold)
 
 
 def run_gptq_quantize(weight, inputs, bits=4, group_size=None) -> torch.Tensor:
     """-> the dequantized GPTQ weight W_hat (O, I)."""
-    return _graded("gptq_quantize")(weight, inputs, bits, group_size)
+    return _graded("gptq_quantize", T)(weight, inputs, bits, group_size)
+
+
+def run_awq_scales(weight, inputs, bits=4, group_size=None, grid=20) -> torch.Tensor:
+    return _graded("awq_search_scales", T)(weight, inputs, bits, group_size, grid)
+
+
+def run_fake_quantize_ste(w, bits=4, group_size=None) -> torch.Tensor:
+    return _graded("ste_fake_quantize", T)(w, bits, group_size)
 
 
 # --- serving: paged KV memory, continuous batching ---
 
 
+BLOCK_ALLOCATOR = {"num_free": "int", "allocate": "int", "incref": "any", "free": "bool", "ref_count": "int"}
+
+
 def make_block_allocator(num_blocks: int, block_size: int):
     """An object with .num_free, .allocate(), .incref(b), .free(b) -> bool, .ref_count(b)."""
-    return _graded("BlockAllocator")(num_blocks, block_size)
+    return _graded("BlockAllocator", BLOCK_ALLOCATOR)(num_blocks, block_size)
+
+
+BLOCK_MANAGER = {"num_free_blocks": "int", "allocate": "list", "block_table": "list", "ref_count": "int",
+                 "append_needs_block": "bool", "append_slot": "any", "fork": "any", "free": "any"}
+
+
+def make_paged_block_manager(num_blocks: int, block_size: int):
+    """Block tables over one pool: .allocate(seq, n), .append_slot(seq), .fork(a, b), .free(seq), ..."""
+    return _graded("BlockManager", BLOCK_MANAGER)(num_blocks, block_size)
 
 
 def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> torch.Tensor:
     """q (sum T_b, N, H) over pools (num_blocks, block_size, K, H) -> (sum T_b, N, H)."""
-    return _graded("paged_attention")(q, k_pool, v_pool, block_tables, context_lens, query_lens)
+    return _graded("paged_attention", T)(q, k_pool, v_pool, block_tables, context_lens, query_lens)
 
 
 def run_continuous_batching_step(running, waiting, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
                                  watermark_blocks) -> dict:
-    return _graded("continuous_batching_step")(running, waiting, num_blocks, block_size, max_num_seqs,
+    return _graded("continuous_batching_step", "dict")(running, waiting, num_blocks, block_size, max_num_seqs,
                                                max_num_batched_tokens, watermark_blocks)
+
+
+def run_continuous_batching_run(requests, num_blocks, block_size, max_num_seqs, max_num_batched_tokens,
+                                watermark_blocks) -> list[dict]:
+    return _graded("continuous_batching_run", "list")(requests, num_blocks, block_size, max_num_seqs,
+                                                      max_num_batched_tokens, watermark_blocks)
 
 
 # --- accounting: numeric and symbolic ---
 
 
+SYMPY2 = ("any", "any")   # (flops, bytes): sympy expressions (any sympy class, or a number)
+
+
 def run_kv_cache_bytes(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element=2) -> int:
-    return _graded("kv_cache_bytes")(batch_size, seq_len, num_layers, num_kv_heads, head_dim, bytes_per_element)
+    return _graded("kv_cache_bytes", "number")(batch_size, seq_len, num_layers, num_kv_heads, head_dim,
+                                               bytes_per_element)
+
+
+def run_window_kv_cache_bytes(batch_size, seq_len, num_layers, num_kv_heads, head_dim, window, global_every=None,
+                              bytes_per_element=2) -> int:
+    return _graded("window_kv_cache_bytes", "number")(batch_size, seq_len, num_layers, num_kv_heads, head_dim,
+                                                      window, global_every, bytes_per_element)
+
+
+def run_latent_kv_cache_bytes(batch_size, seq_len, num_layers, kv_lora_rank, rope_head_dim, bytes_per_element=2):
+    return _graded("latent_kv_cache_bytes", "number")(batch_size, seq_len, num_layers, kv_lora_rank, rope_head_dim,
+                                                      bytes_per_element)
 
 
 def run_inference_stats(model: dict, hardware: dict, batch_size, seq_len, bytes_per_element=2) -> dict:
-    return _graded("inference_stats")(model, hardware, batch_size, seq_len, bytes_per_element)
+    return _graded("inference_stats", "dict")(model, hardware, batch_size, seq_len, bytes_per_element)
 
 
 def run_matmul_cost():
     """sympy (flops, bytes) of X (B x D) @ W (D x F) in bf16."""
-    return _graded("matmul_cost")()
+    return _graded("matmul_cost", SYMPY2)()
 
 
 def run_mlp_cost():
-    return _graded("mlp_cost")()
+    return _graded("mlp_cost", SYMPY2)()
 
 
 def run_attention_cost():
-    return _graded("attention_cost")()
+    return _graded("attention_cost", SYMPY2)()
 
 
 def run_generation_flops() -> dict:
     """{'naive': ..., 'cached': ...} total FLOPs to generate T tokens (sympy, in T, P, L, D)."""
-    return _graded("generation_flops")()
+    return _graded("generation_flops", "dict")()
 
 
 def run_decode_cost() -> dict:
-    return _graded("decode_cost")()
+    return _graded("decode_cost", "dict")()
 
 
 # --- data ---
 
 
 def run_get_batch(data, batch_size, seq_len, generator=None):
-    return _graded("get_batch")(data, batch_size, seq_len, generator)
+    return _graded("get_batch", T2)(data, batch_size, seq_len, generator)
+
+
+def run_bits_per_byte(logits, targets, num_bytes) -> float:
+    return _graded("bits_per_byte", "number")(logits, targets, num_bytes)
+
+
+# --- compression: pruning, distillation ---
+
+
+def run_structures_to_keep(scores, num_keep) -> torch.Tensor:
+    return _graded("structures_to_keep", T)(scores, num_keep)
+
+
+def run_gqa_heads_to_keep(head_scores, num_kv_heads, keep_kv_heads, keep_per_group):
+    return _graded("gqa_heads_to_keep", T2)(head_scores, num_kv_heads, keep_kv_heads, keep_per_group)
+
+
+def run_distillation_loss(student_logits, teacher_logits, temperature=1.0) -> torch.Tensor:
+    return _graded("distillation_loss", T)(student_logits, teacher_logits, temperature)
 
 
 # === library helpers (not graded) =================================================================
@@ -218,18 +329,6 @@ def run_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -
     return apply_rope(x, cos[positions], sin[positions])
 
 
-def run_rmsnorm(weight: torch.Tensor, x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
-    norm = RMSNorm(weight.shape[0], eps)
-    norm.weight.data.copy_(weight)
-    return norm(x)
-
-
-def run_swiglu(w1, w2, w3, x) -> torch.Tensor:
-    ffn = SwiGLU(w1.shape[1], w1.shape[0])
-    ffn.load_state_dict({"w1.weight": w1, "w2.weight": w2, "w3.weight": w3})
-    return ffn(x)
-
-
 def run_generate(model, prompt_ids, max_new_tokens, **kwargs):
     return generate(model, prompt_ids, max_new_tokens, **kwargs)
 
@@ -256,6 +355,14 @@ def run_load_checkpoint(path, **kwargs):
 
 def run_load_cs336_checkpoint(path_or_state_dict, config, **kwargs):
     return checkpoints.load_cs336_checkpoint(path_or_state_dict, config, **kwargs)
+
+
+def run_infer_key_map(state_dict, config):
+    return checkpoints.infer_key_map(state_dict, config)
+
+
+def run_verify_checkpoint(model, student_forward, **kwargs) -> float:
+    return checkpoints.verify_checkpoint(model, student_forward, **kwargs)
 
 
 # --- data, evaluation, training, pruning (trained models) -----------------------------------------
@@ -551,7 +658,7 @@ def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0
 
 
 def make_chat_session(model, tokenizer, **kwargs):
-    from cs336_inference.generation import ChatSession
+    from cs336_inference.serving import ChatSession
     return ChatSession(model, tokenizer, **kwargs)
 
 
@@ -595,8 +702,8 @@ def run_acceptance_probability(p_draft, q_target, draft_tokens) -> torch.Tensor:
     return _accept.acceptance_probability(p_draft, q_target, draft_tokens)
 
 
-def run_residual_distribution(p_draft, q_target) -> torch.Tensor:
-    """norm(max(q - p, 0)) over the last dim."""
+def run_library_residual_distribution(p_draft, q_target) -> torch.Tensor:
+    """norm(max(q - p, 0)) over the last dim (the library's; the graded adapter is run_residual_distribution)."""
     return _accept.residual_distribution(p_draft, q_target)
 
 
@@ -655,9 +762,9 @@ def run_speculative_output_distribution(p, q) -> dict:
 
 
 def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
-    """Block tables of many sequences: allocate / append_slot / fork / free / cache_full_blocks."""
-    from cs336_inference.serving import BlockManager, chained_block_hash
-    return BlockManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
+    """Block tables of many sequences: allocate / allocate_slots / fork / free / cache_blocks."""
+    from cs336_inference.serving import KVCacheManager, chained_block_hash
+    return KVCacheManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
 
 
 def make_contiguous_allocator(num_slots: int):
@@ -677,13 +784,16 @@ def get_out_of_blocks_error() -> type:
 
 
 def make_paged_kv_cache(model, num_blocks: int, block_size: int):
-    """K/V block pools for `model`; `.batch(tables, context_lens, query_lens)` is a cache for one forward."""
+    """K/V block pools for `model`; `.step(tables, context_lens, query_lens)` is one forward's `step=`."""
     from cs336_inference.serving import PagedKVCache
     return PagedKVCache(model, num_blocks, block_size)
 
 
 def make_request(request_id, prompt, max_new_tokens: int, arrival_time: float = 0.0, **sampling):
+    """A trace request; sampling: SamplingParams fields (stop_tokens= is taken as stop_token_ids=)."""
     from cs336_inference.serving import Request, SamplingParams
+    if "stop_tokens" in sampling:
+        sampling["stop_token_ids"] = sampling.pop("stop_tokens")
     return Request(request_id, tuple(prompt), max_new_tokens, arrival_time, SamplingParams(**sampling))
 
 
@@ -702,8 +812,9 @@ def run_engine(model, requests, **config):
 def make_request_output(request_id, prompt_len: int, arrival_time: float, token_times: list[list[float]],
                         first_scheduled_time: float | None = None):
     """A finished request as the engine reports it: per sample, the time each output token existed."""
-    from cs336_inference.serving import RequestOutput
-    return RequestOutput(request_id, prompt_len, arrival_time, tokens=[[0] * len(t) for t in token_times],
+    from cs336_inference.serving import RequestRecord
+    return RequestRecord(request_id=request_id, prompt_len=prompt_len, arrival_time=arrival_time,
+                         tokens=[[0] * len(t) for t in token_times],
                          token_times=[list(t) for t in token_times], finish_reasons=["length"] * len(token_times),
                          first_scheduled_time=first_scheduled_time,
                          finish_time=max(t[-1] for t in token_times if t) if any(token_times) else None)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import grading
+import guard
 import implementation
 
 torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
@@ -20,7 +21,12 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "points(n): points of a hidden graded test (shared by its parametrized cases)")
     config.addinivalue_line("markers", "visibility(v): Gradescope visibility of a hidden graded test")
-    implementation.select(config.getoption("impl") or os.environ.get(implementation.ENV_VAR))
+    spec = config.getoption("impl")
+    try:
+        implementation.select(spec if spec is not None else os.environ.get(implementation.ENV_VAR))
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+    guard.install_interrupt_handler()
     config.pluginmanager.register(grading.Grader(config), "cs336-grader")
 
 
@@ -49,3 +55,39 @@ def git_tree_unchanged():
     if before is not None:
         after = status()
         assert after == before, f"the run changed the git tree:\nbefore:\n{before}\nafter:\n{after}"
+
+
+
+# `serve --model target`, launched as soon as collection shows a test needs it, so it boots (torch,
+# the model, the engine: a few seconds of one core) while the tests before that run.
+TOY_SERVER_ARGS = ("target", "--max-num-seqs", "64")
+_early_servers: dict = {}
+
+
+@pytest.hookimpl(trylast=True)   # after -k / -m deselection: only tests that will run count
+def pytest_collection_modifyitems(session, config, items):
+    import importlib.util
+
+    if importlib.util.find_spec("fastapi") and any("toy_server" in getattr(i, "fixturenames", ()) for i in items):
+        from http_server import start_server
+
+        _early_servers["toy"] = start_server(*TOY_SERVER_ARGS)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _early_servers:
+        from http_server import stop_server
+
+        for server in _early_servers.values():
+            stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def toy_server():
+    """One `serve --model target` process on a free 127.0.0.1 port for the whole session (tests/http_server.py)."""
+    pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
+    from http_server import start_server, wait_ready
+
+    if "toy" not in _early_servers:
+        _early_servers["toy"] = start_server(*TOY_SERVER_ARGS)
+    yield wait_ready(_early_servers["toy"])

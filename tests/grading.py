@@ -7,16 +7,28 @@ the tests in DIR (points from `@pytest.mark.points(n)`, default 1; visibility fr
 `@pytest.mark.visibility("...")`, default "after_due_date"). A test that is skipped is left out of the
 total (it could not run here, e.g. a GPU test on a CPU machine).
 
+Every graded test runs under a timeout (`--graded-timeout`, default 60 s): a graded function that
+never returns fails that test with "timed out after N s in NAME" and the run goes on. Graded code
+that swallows the timeout (it is raised again every second) is abandoned after a grace period: the
+results so far are written, that test and the ones not yet run are failed, and the process exits.
+After every graded test the interpreter is compared with its state before the implementation was
+imported (tests/tamper.py); what graded code changed fails that test and is restored.
+
 Options (registered by tests/conftest.py):
   --impl SPEC          grade this package (see tests/implementation.py); default: the reference
   --grade-json PATH    write Gradescope's results.json to PATH
   --hidden-tests DIR   also run the graded tests in DIR (kept out of the repository)
+  --graded-timeout S   seconds one graded test may take (default 60)
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,12 +36,14 @@ from pathlib import Path
 import pytest
 import torch
 
+import guard
 import implementation
 
 GRADED_DIR = Path(__file__).resolve().parent / "graded"
 POINTS_FILE = GRADED_DIR / "points.py"
 VISIBILITIES = ("hidden", "after_due_date", "after_published", "visible")
 OUTPUT_LIMIT = 4000   # characters of failure text per test in results.json
+DEFAULT_TIMEOUT = 60.0
 
 
 def add_options(parser) -> None:
@@ -41,6 +55,16 @@ def add_options(parser) -> None:
                     help="write the graded results as Gradescope's results.json to PATH")
     group.addoption("--hidden-tests", default=None, metavar="DIR",
                     help="also collect the graded tests in DIR (hidden tests, added at grading time)")
+    group.addoption("--graded-timeout", default=DEFAULT_TIMEOUT, type=float, metavar="S",
+                    help=f"seconds one graded test may take before it fails as timed out (default {DEFAULT_TIMEOUT:g})")
+
+
+class GradedTimeout(Exception):
+    """A graded test ran past --graded-timeout (raised in the main thread by SIGALRM)."""
+
+
+class Tampered(AssertionError):
+    """Graded code changed the grader's interpreter during a test (restored before the next one)."""
 
 
 def load_points() -> dict[str, float]:
@@ -88,6 +112,12 @@ class Grader:
         self.points = load_points()
         self.records: dict[str, Record] = {}
         self.start = time.time()
+        self.timeout = float(config.getoption("graded_timeout"))
+        if not self.timeout > 0:
+            raise pytest.UsageError(f"--graded-timeout must be a positive number of seconds, got {self.timeout}")
+        self.running: tuple[str, float] | None = None     # (nodeid, start) of the graded test in its call phase
+        self.done: set[str] = set()
+        self._watchdog: threading.Thread | None = None
         if self.hidden_dir is not None:
             if not self.hidden_dir.is_dir():
                 raise pytest.UsageError(f"--hidden-tests {hidden}: not a folder")
@@ -135,6 +165,81 @@ class Grader:
                 self.records[case.nodeid] = Record(f"{case.path.name}::{name}", total / len(group), visibility,
                                                    kind == "hidden")
 
+    # --- running a graded test: timeout, tampering -------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        if item.nodeid not in self.records:
+            return (yield)
+        self.running = (item.nodeid, time.monotonic())
+        self._start_watchdog()
+        previous = self._arm()
+        try:
+            return (yield)
+        finally:
+            self._disarm(previous)
+            self.running = None
+            changed = implementation.changes_since_import()
+            if changed:
+                raise Tampered(f"graded code changed the grader's interpreter during this test "
+                               f"({'; '.join(changed)}); it was restored, and the test fails")
+
+    def _arm(self):
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            return None
+        timeout = self.timeout
+
+        def on_alarm(signum, frame):
+            where = guard.current()
+            raise GradedTimeout(f"timed out after {timeout:g} s in "
+                                f"{where if where else 'the test itself, between graded calls'}")
+        previous = signal.signal(signal.SIGALRM, on_alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)   # raised again every second until disarmed
+        return previous
+
+    @staticmethod
+    def _disarm(previous) -> None:
+        if previous is None:
+            return
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+    def _start_watchdog(self) -> None:
+        """A thread that ends the run (with its results written) if a graded test ignores its timeout."""
+        if self._watchdog is not None:
+            return
+        grace = max(10.0, self.timeout)
+
+        def watch():
+            while True:
+                time.sleep(0.5)
+                running = self.running
+                if running is not None and time.monotonic() - running[1] > self.timeout + grace:
+                    self._abandon(running[0])
+        self._watchdog = threading.Thread(target=watch, name="cs336-grader-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _abandon(self, nodeid: str) -> None:
+        """The graded test `nodeid` ignored its timeout: fail it and every graded test not yet run, write the
+        results, and exit (the hung code cannot be interrupted from here)."""
+        where = guard.current() or "the test"
+        for key, record in self.records.items():
+            if key == nodeid:
+                record.outcome = "failed"
+                record.output.append(f"[call] timed out after {self.timeout:g} s in {where}, which ignored the "
+                                     f"timeout; the grading run was stopped here")
+            elif key not in self.done:
+                record.outcome = "failed"
+                record.output.append(f"not run: the grading run was stopped when {where} hung")
+        if self.json_path:
+            Path(self.json_path).write_text(json.dumps(self.results_json(), indent=2))
+        capture = self.config.pluginmanager.getplugin("capturemanager")
+        if capture is not None:          # write past pytest's capture of the hung test's output
+            capture.suspend_global_capture(in_=False)
+        sys.stderr.write(f"\n{self.summary_line()}\ngrading stopped: {where} hung in {nodeid}\n")
+        sys.stderr.flush()
+        os._exit(1)
+
     # --- outcomes -----------------------------------------------------------------------------------
 
     @pytest.hookimpl(hookwrapper=True)
@@ -144,8 +249,13 @@ class Grader:
         record = self.records.get(item.nodeid)
         if record is None:
             return
+        if call.when == "teardown":
+            self.done.add(item.nodeid)
         excinfo = call.excinfo
-        if report.failed and excinfo is not None and excinfo.errisinstance(NotImplementedError):
+        if report.failed and excinfo is not None and excinfo.errisinstance((GradedTimeout, Tampered,
+                                                                              guard.GradedCallError)):
+            report.longrepr = f"{type(excinfo.value).__name__}: {excinfo.value}"
+        elif report.failed and excinfo is not None and excinfo.errisinstance(NotImplementedError):
             record.not_implemented = not_implemented_name(excinfo)
             report.longrepr = f"not implemented: {record.not_implemented}"
         elif report.failed and excinfo is not None and excinfo.errisinstance(implementation.ImplementationImportError):

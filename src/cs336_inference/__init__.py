@@ -20,8 +20,8 @@ from .device import apply_thread_policy, default_dtype, get_device, seed_everyth
 from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
                          prefill, sample_next_token, speculative_accept, speculative_generate)
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    load_tokenizer, scaled_dot_product_attention)
-from . import quantization  # noqa: F401  (registers load_pretrained's weights="gguf-exact")
+                    load_tokenizer, scaled_dot_product_attention, verify_checkpoint)
+from . import quantization  # noqa: F401,E402  (registers load_pretrained's weights="gguf-exact")
 
 __version__ = "0.1.0"
 
@@ -30,4 +30,5 @@ __all__ = [
     "decode_one_token", "default_dtype", "expected_speedup", "expected_tokens_per_pass", "generate", "get_device",
     "load_cs336_checkpoint", "load_pretrained", "load_tokenizer", "prefill", "sample_next_token",
     "scaled_dot_product_attention", "seed_everything", "speculative_accept", "speculative_generate",
+    "verify_checkpoint",
 ]

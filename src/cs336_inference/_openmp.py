@@ -3,16 +3,26 @@
 torch's CPU kernels run on OpenMP worker threads. Between parallel regions an idle worker spins for
 a while (the default wait policy) so the next region starts a few microseconds sooner. On a shared
 2-core machine that spinning steals the core another process, or our own main thread, needs; every
-op then waits for a descheduled thread and small kernels become 10-100x slower. With
+op then waits for a descheduled thread and small kernels become many times slower. With
 OMP_WAIT_POLICY=PASSIVE idle workers sleep instead, but waking a sleeping worker costs tens of
 microseconds per region, and a compiled batch-1 decode step is ~60 short regions back to back.
 So we also set a *short* spin, GOMP_SPINCOUNT=10000 (GNU OpenMP, which torch's Linux wheels use):
 a worker keeps polling for a fraction of a millisecond, long enough to catch the next region of the
-same step, then sleeps (`bench thread_policy`, 88M compiled decode on 2 idle threads: 15.0 ms per
-step sleeping, 12.8 with the short spin). When another process holds a core, the decode loop drops
-to one thread (`timing.decode_threads`), so nothing spins against it. The runtime reads these variables once,
-when torch is imported, so `cs336_inference/__init__.py` imports this module before anything
-imports torch: importing the package first applies them. A value you set yourself always wins.
+same step, then sleeps (`bench thread_policy` compares the policies). A model tuned with
+`cpu_tuning.tune_for_cpu` drops a decode step to one thread while another process holds a core, so
+nothing spins against it.
+
+Why importing the package sets these (and nothing else happens at import): the runtime reads them
+once, when torch is imported, so no function called later (`tune_for_cpu`, `apply_thread_policy`) can
+apply them, and the CLI is not the only entry point: notebooks, pytest, the lecture script and
+students' own scripts import the package first and would otherwise run with OpenMP's long spin.
+The setting changes no result (only how idle workers wait), never overrides a value already in the
+environment (`setdefault`; an explicit ACTIVE keeps OpenMP's own spin), happens only when the package
+is imported before torch (`TORCH_LOADED_FIRST` says when it was too late), and is reported
+(`python -m cs336_inference info`, every benchmark's JSON). Everything that changes how the model
+computes (thread counts, the few-row split, streaming matmuls, one thread under contention) is opt in:
+`apply_thread_policy` and `cpu_tuning.tune_for_cpu`. `cs336_inference/__init__.py` imports this module
+before anything imports torch.
 """
 
 from __future__ import annotations

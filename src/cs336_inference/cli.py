@@ -45,34 +45,43 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
     p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
+    p.add_argument("--endpoint", default=None, help="inference: measure the OpenAI-compatible server at this URL "
+                   "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
+    p.add_argument("--tokenizer", default=None, help="inference --endpoint: cut prompts and count tokens with this "
+                   "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
+    p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
+                   help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
 
 
-# bench option -> keyword of the benchmark functions that take it
-BENCH_OPTIONS = {"model": "model", "preset": "preset", "concurrency": "concurrency", "output_len": "output_len"}
+# bench options some benchmarks take (as keywords of their `measure`); the others refuse them
+BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len", "endpoint", "tokenizer", "arrivals")
+
+
+def benchmark(name: str):
+    """The `Benchmark` of `bench NAME` (benchmarks/NAME.py's BENCHMARK), imported on demand."""
+    import importlib
+
+    return importlib.import_module(f"cs336_inference.benchmarks.{name}").BENCHMARK
 
 
 def _run_bench(args) -> int:
-    import inspect
-
     from .device import apply_thread_policy
 
-    module_name, func_name = BENCHMARKS[args.which]
-    module = __import__(f"cs336_inference.{module_name}", fromlist=[func_name])
-    func = getattr(module, func_name)
-    accepted = inspect.signature(func).parameters
+    bench = benchmark(args.which)
+    accepted = bench.options()
     kwargs = {}
-    for option, keyword in BENCH_OPTIONS.items():
+    for option in BENCH_OPTIONS:
         value = getattr(args, option, None)
         if value is None:
             continue
-        if keyword not in accepted:
+        if option not in accepted:
             print(f"bench {args.which} does not take --{option.replace('_', '-')}", file=sys.stderr)
             return 2
-        kwargs[keyword] = value
+        kwargs[option] = value
     if getattr(args, "no_progress", False) and "progress" in accepted:
         kwargs["progress"] = False
-    apply_thread_policy(parallel=args.which in PARALLEL_BENCHMARKS)
-    func(quick=args.quick, device=args.device, **kwargs)
+    apply_thread_policy(parallel=bench.is_parallel(kwargs))
+    bench(quick=args.quick, device=args.device, **kwargs)
     return 0
 
 
@@ -104,12 +113,17 @@ def _run_train(args) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
-def _model_args(p: argparse.ArgumentParser) -> None:
+def _load_args(p: argparse.ArgumentParser) -> None:
+    """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
     p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    _load_args(p)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -129,6 +143,10 @@ def _load_model(args):
     device = get_device(args.device)
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
     model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
+    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
+        from .cpu_tuning import describe, tune_for_cpu
+
+        print(describe(tune_for_cpu(model)), file=sys.stderr)
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
     return model, load_tokenizer(args.model), generator
 
@@ -185,10 +203,12 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
-    from .generation import ChatSession
+    from .serving import ChatSession  # on the serving engine: prefix caching reuses earlier turns
 
-    model, tokenizer, generator = _load_model(args)
+    model, tokenizer, _ = _load_model(args)
     session = ChatSession(model, tokenizer, system=args.system)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p)
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
     while True:
         try:
@@ -203,7 +223,7 @@ def _run_chat(args) -> int:
             continue
         print("model> ", end="", flush=True)
         try:
-            for piece in session.send(text, **_sampling(args, generator)):
+            for piece in session.send(text, seed=args.seed + len(session.history), **sampling):
                 print(piece, end="", flush=True)
         except ValueError as e:  # the conversation outgrew the cache: say so and keep the REPL alive
             print(f"\n[{e}]")
@@ -211,28 +231,60 @@ def _run_chat(args) -> int:
         print("\n" + _stats_line(session.history[-1]))
 
 
-# name -> (module in this package, function(quick: bool, device: str | None))
-BENCHMARKS: dict[str, tuple[str, str]] = {
-    "generation": ("benchmarks.generation", "bench_generation"),
-    "roofline": ("benchmarks.roofline", "bench_roofline"),        # measured: this machine + bench-90m
-    "accounting": ("benchmarks.accounting", "bench_accounting"),  # formulas only: real models on datasheet GPUs
-    "models": ("benchmarks.models", "bench_models"),
-    "kv_variants": ("benchmarks.kv_variants", "bench_kv_variants"),  # trains MHA/GQA/MQA/MLA/window/hybrid/CLA
-    "quantization": ("benchmarks.quantization", "bench_quantization"),
-    "long_context": ("benchmarks.long_context", "bench_long_context"),  # SmolLM2-135M: passkey vs KV-cache cuts
-    "quantization_smollm2": ("benchmarks.quantization_smollm2", "bench_quantization_smollm2"),  # real text
-    "generation_smollm2": ("benchmarks.generation_smollm2", "bench_generation_smollm2"),  # real decode speed
-    "speculative": ("benchmarks.speculative", "bench_speculative"),  # plain vs speculative decoding, gamma 1..8
-    "speculative_draft": ("benchmarks.speculative_draft", "bench_speculative_draft"),  # SmolLM2 draft, ~30 min
-    "serving": ("benchmarks.serving", "bench_serving"),  # static vs continuous batching, paged vs contiguous KV
-    "inference": ("benchmarks.inference", "bench_inference"),  # the complete benchmark: --model, --preset
-    "thread_policy": ("benchmarks.thread_policy", "bench_thread_policy"),  # OpenMP waits, idle vs busy
-}
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    _load_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: room for "
+                   "max-num-seqs sequences of min(context, 2048) tokens)")
+    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.set_defaults(seed=0)
 
-# Benchmarks whose work is large enough for every core (the ~90M model, big matmuls); the others time
-# toy models, where one thread is as fast and immune to a busy machine.
-PARALLEL_BENCHMARKS = {"generation", "roofline", "long_context", "quantization_smollm2", "generation_smollm2",
-                       "thread_policy"}
+
+def _run_serve(args) -> int:
+    import time
+
+    try:
+        from .serving.http import OpenAIServer, run_server
+    except ImportError as error:
+        print(f"serve needs the server extra ({error.name} is missing): pip install -e '.[serve]'", file=sys.stderr)
+        return 2
+    from .serving import Engine
+    from .serving.async_engine import AsyncEngine
+
+    if not 0 <= args.port <= 65535:
+        print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
+        return 2
+    try:
+        model, tokenizer, _ = _load_model(args)
+        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    except (ValueError, TypeError) as error:   # an unknown model, a bad engine size: say so, no traceback
+        print(f"serve: {error}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or args.model
+    run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
+    return 0
+
+
+# name -> what it measures; benchmarks/NAME.py declares its BENCHMARK (see benchmarks/base.py)
+BENCHMARKS: dict[str, str] = {
+    "generation": "decode speed per precision of a ~90M model (or --model smollm2-135m), against HF",
+    "roofline": "this machine's roofline, measured, and the bench-90m model on it",
+    "accounting": "formulas only: real models on datasheet accelerators",
+    "models": "the shipped models side by side",
+    "kv_variants": "trains MHA/GQA/MQA/MLA/window/hybrid/CLA: quality, cache bytes, decode time",
+    "quantization": "every quantization method on the shipped target",
+    "long_context": "SmolLM2-135M: passkey retrieval against post-hoc KV-cache cuts",
+    "quantization_smollm2": "every quantization method on SmolLM2-135M and real text",
+    "generation_smollm2": "SmolLM2-135M: loading, prefill and decode against the roofline",
+    "speculative": "plain vs speculative decoding, gamma 1..8, measured and predicted",
+    "speculative_draft": "a pruned and distilled SmolLM2 draft (about 30 min)",
+    "serving": "static vs continuous batching, paged vs contiguous KV",
+    "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
+    "thread_policy": "OpenMP wait policies, idle vs busy",
+    "serving_http": "the engine in process vs behind `serve` (HTTP)",
+}
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
@@ -255,15 +307,21 @@ def _run_info(args) -> int:
 
 
 def _figures_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--rerun", action="store_true",
+                   help="re-run every benchmark (hours) instead of redrawing the plots from the committed JSON")
+    p.add_argument("--quick", action="store_true", help="with --rerun: smaller sizes, for a smoke run")
+    p.add_argument("--device", default=None, help="with --rerun: cpu, cuda or mps (default: best available)")
 
 
 def _run_figures(args) -> int:
-    """Regenerate every figure in figures/ by running each registered benchmark."""
+    """Redraw every committed figure from its JSON (nothing is timed), or re-run every benchmark."""
     for name in BENCHMARKS:
-        print(f"\n### bench {name}")
-        _run_bench(argparse.Namespace(which=name, quick=args.quick, device=args.device))
+        if args.rerun or args.quick:
+            print(f"\n### bench {name}")
+            _run_bench(argparse.Namespace(which=name, quick=args.quick, device=args.device))
+        else:
+            for path in benchmark(name).replot():
+                print("wrote", path)
     return 0
 
 
@@ -296,11 +354,14 @@ COMMANDS: dict[str, tuple] = {
               _train_args, _run_train),
     "bench": ("run a benchmark: prints a table, writes figures/<name>.json and .png",
               _bench_args, _run_bench),
-    "figures": ("regenerate every figure in figures/ (runs all benchmarks)", _figures_args, _run_figures),
+    "figures": ("redraw every figure in figures/ from the committed JSON (--rerun: run every benchmark again)",
+                _figures_args, _run_figures),
     "chat": ("chat with a model in the terminal (streams tokens, keeps the KV cache across turns)",
              _chat_args, _run_chat),
     "generate": ("continue one prompt, streaming the tokens (--chat: as a chat message)", _generate_args,
                  _run_generate),
+    "serve": ("an OpenAI-compatible HTTP server on the serving engine (/v1/completions, /v1/chat/completions)",
+              _serve_args, _run_serve),
     "info": ("print the device, dtype and CPU thread policy this process runs with", _info_args, _run_info),
     "homework": ("the homework: `homework init DIR` writes a student package to implement and grade",
                  _homework_args, _run_homework),

@@ -53,7 +53,7 @@ def scratch_dir() -> Path:
     return path
 
 
-def output_path(name: str, suffix: str, result: bool = False, quick: bool = False) -> Path:
+def result_path(name: str, suffix: str, result: bool = False, quick: bool = False) -> Path:
     """The file a figure/JSON called `name` is written to (see the module docstring)."""
     if result and not quick:
         return figures_dir() / f"{name}{suffix}"
@@ -62,13 +62,13 @@ def output_path(name: str, suffix: str, result: bool = False, quick: bool = Fals
 
 def save_figure(fig, name: str, result: bool = False, quick: bool = False) -> Path:
     """Save a matplotlib figure as NAME.png (where: see the module docstring) and return the path."""
-    path = output_path(name, ".png", result, quick)
+    path = result_path(name, ".png", result, quick)
     fig.savefig(path, dpi=120, bbox_inches="tight")
     return path
 
 
 def save_json(data, name: str, result: bool = False, quick: bool = False) -> Path:
     """Write NAME.json (sorted keys, indented; where: see the module docstring) and return the path."""
-    path = output_path(name, ".json", result, quick)
+    path = result_path(name, ".json", result, quick)
     path.write_text(json.dumps(data, indent=2, sort_keys=True, default=float) + "\n")
     return path

@@ -1,4 +1,4 @@
-"""Timing helpers every benchmark shares: device sync, medians, and a thread-count context.
+"""Timing helpers every benchmark shares: device sync, medians, a thread-count context, a busy core.
 
 Wall-clock timings on a shared CPU are noisy: time the work alone (synchronise the device first),
 repeat it, and report the median; compare variants side by side in one run.
@@ -103,65 +103,3 @@ def busy_cpu(processes: int = 1):
         for p in loops:
             p.kill()
             p.wait()
-
-
-class _OtherLoad:
-    """Cores' worth of CPU time that *other* processes used recently, from Linux's /proc/stat (all
-    CPUs' busy time) minus this process's own CPU time (`os.times`), refreshed at most once per
-    `interval` seconds. The load average cannot tell our own threads from other people's; this can."""
-
-    def __init__(self, interval: float = 0.25):
-        self.interval = interval
-        self.last: tuple[float, float, float] | None = None   # (wall, all busy seconds, own seconds)
-        self.value: float | None = None
-        try:
-            self.ticks = os.sysconf("SC_CLK_TCK")
-        except (AttributeError, ValueError, OSError):
-            self.ticks = None
-
-    def _sample(self) -> tuple[float, float, float] | None:
-        if self.ticks is None:
-            return None
-        try:
-            with open("/proc/stat") as f:
-                fields = [int(v) for v in f.readline().split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
-        own = os.times()
-        return time.monotonic(), (sum(fields[:8]) - idle) / self.ticks, own.user + own.system
-
-    def __call__(self) -> float | None:
-        now = time.monotonic()
-        if self.last is not None and now - self.last[0] < self.interval:
-            return self.value
-        sample = self._sample()
-        if sample is not None and self.last is not None:
-            wall = sample[0] - self.last[0]
-            self.value = max(0.0, ((sample[1] - self.last[1]) - (sample[2] - self.last[2])) / wall)
-        self.last = sample if sample is not None else (now, 0.0, 0.0)
-        return self.value
-
-
-other_cpu_load = _OtherLoad()
-
-
-def cpu_contended(threshold: float = 0.5) -> bool:
-    """True when other processes kept at least `threshold` of a core busy over the last second or so
-    (False where it cannot be measured). Cheap to call often: it reads /proc at most every 0.25 s."""
-    load = other_cpu_load()
-    return load is not None and load >= threshold
-
-
-def decode_threads():
-    """The thread count one decode step should run with, as a context: all of torch's threads, or one
-    while other processes keep a core busy (`cpu_contended`).
-
-    A batch-1 decode step is a chain of short parallel regions; each waits for its slowest thread. On an
-    idle machine two threads stream the weights faster than one; when a core is taken, the thread on it
-    stalls every region (and OpenMP's short spin between regions, `_openmp`, takes time from the busy
-    core), while one thread keeps most of the speed: a single core nearly saturates memory bandwidth.
-    """
-    if torch.get_num_threads() > 1 and cpu_contended():
-        return num_threads(1)
-    return contextlib.nullcontext()

@@ -9,7 +9,8 @@ from fractions import Fraction
 import pytest
 import sympy as sp
 from adapters import (run_attention_cost, run_decode_cost, run_generation_flops, run_inference_stats,
-                      run_kv_cache_bytes, run_matmul_cost, run_mlp_cost)
+                      run_kv_cache_bytes, run_latent_kv_cache_bytes, run_matmul_cost, run_mlp_cost,
+                      run_window_kv_cache_bytes)
 
 LLAMA2_13B = dict(vocab_size=32000, d_model=5120, d_ff=13824, num_layers=40, num_heads=40, num_kv_heads=40,
                   head_dim=128)
@@ -46,6 +47,19 @@ def check_stats(got, want):
                                                (3, 7, 2, 1, 16, 4), (5, 100, 12, 4, 64, 1)])
 def test_kv_cache_bytes_by_hand(B, S, L, K, H, e):
     assert run_kv_cache_bytes(B, S, L, K, H, e) == 2 * B * S * L * K * H * e   # key and value, every layer
+
+
+@pytest.mark.parametrize("B, S, L, K, H, W, every, e", [(1, 100, 4, 2, 16, 32, None, 2), (2, 20, 4, 2, 16, 32, None, 2),
+                                                      (3, 4096, 6, 8, 128, 1024, 3, 2), (1, 50, 5, 1, 8, 50, 2, 4),
+                                                      (2, 51, 5, 1, 8, 50, 1, 1)])
+def test_a_sliding_window_caps_the_local_layers(B, S, L, K, H, W, every, e):
+    layers = [S if every is not None and (i + 1) % every == 0 else min(S, W) for i in range(L)]   # positions kept
+    assert run_window_kv_cache_bytes(B, S, L, K, H, W, every, e) == sum(2 * B * n * K * H * e for n in layers)
+
+
+@pytest.mark.parametrize("B, S, L, C, R, e", [(1, 1024, 60, 512, 64, 2), (4, 7, 3, 16, 4, 4), (2, 100, 1, 8, 2, 1)])
+def test_mla_caches_one_latent_and_one_rope_key_per_position(B, S, L, C, R, e):
+    assert run_latent_kv_cache_bytes(B, S, L, C, R, e) == B * S * L * (C + R) * e
 
 
 def test_llama2_13b_on_an_h100_is_memory_bound_at_small_batch():

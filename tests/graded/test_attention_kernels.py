@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from adapters import (run_attention_with_kv_cache, run_grouped_query_attention, run_mla_absorbed_attention,
-                      run_sliding_window_mask)
+                      run_mla_attention, run_sliding_window_mask)
 from reference_model import ref_attention, ref_rope
 
 
@@ -133,6 +133,42 @@ def test_mla_absorbed_attention_equals_the_naive_up_projection(T, S, masked):
     got = run_mla_absorbed_attention(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask)
     torch.testing.assert_close(got.double(), ref_mla(q_nope, q_rope, latent, k_rope, w_uk, w_uv, mask),
                                atol=1e-5, rtol=1e-4)
+
+
+def ref_mla_layer(x, w, N, theta):
+    """The MLA layer from its equations: per position latent c and rotated shared key; per head keys
+    [W_UK,n c, k_R], values W_UV,n c, queries [q_content, RoPE(q_rot)]; causal softmax over sqrt(H + R)."""
+    B, T, D = x.shape
+    R, H = w["k_rope_proj"].shape[0], w["k_up_proj"].shape[0] // N
+    pos, causal = torch.arange(T), torch.tril(torch.ones(T, T, dtype=torch.bool))
+    out = torch.zeros(B, T, N * H, dtype=torch.float64)
+    W = {k: v.double() for k, v in w.items()}
+    for b in range(B):
+        xb = x[b].double()
+        c = xb @ W["kv_down_proj"].T                                   # (T, C)
+        k_rot = ref_rope(xb @ W["k_rope_proj"].T, pos, theta)          # (T, R)
+        q = xb @ W["q_proj"].T                                         # (T, N (H + R))
+        for n in range(N):
+            qn = q[:, n * (H + R):(n + 1) * (H + R)]
+            qn = torch.cat([qn[:, :H], ref_rope(qn[:, H:], pos, theta)], -1)
+            kn = torch.cat([c @ W["k_up_proj"][n * H:(n + 1) * H].T, k_rot], -1)
+            vn = c @ W["v_up_proj"][n * H:(n + 1) * H].T
+            scores = (qn @ kn.T / math.sqrt(H + R)).masked_fill(~causal, -math.inf)
+            out[b, :, n * H:(n + 1) * H] = torch.softmax(scores, -1) @ vn
+    return out @ W["output_proj"].T
+
+
+def test_mla_layer_rotates_queries_and_the_shared_key_and_attends_causally():
+    B, T, N, H, R, C, theta = 2, 9, 4, 8, 4, 12, 100.0
+    D = N * H
+    g = torch.Generator().manual_seed(7)
+    shapes = {"q_proj": (N * (H + R), D), "kv_down_proj": (C, D), "k_rope_proj": (R, D), "k_up_proj": (N * H, C),
+              "v_up_proj": (N * H, C), "output_proj": (D, N * H)}
+    w = {k: torch.randn(*s, generator=g) / s[1] ** 0.5 for k, s in shapes.items()}
+    x = torch.randn(B, T, D, generator=g)
+    got = run_mla_attention(x, w, N, theta)
+    assert got.shape == (B, T, D)
+    torch.testing.assert_close(got.double(), ref_mla_layer(x, w, N, theta), atol=1e-5, rtol=1e-4)
 
 
 # --- sliding window ----------------------------------------------------------------------------------------

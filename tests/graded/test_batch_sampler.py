@@ -29,3 +29,4 @@ def test_every_valid_start_is_drawn_uniformly():
     assert counts.numel() == 5, f"starts beyond the last valid one were drawn: {counts.tolist()}"
     sigma = (2000 * 0.2 * 0.8) ** 0.5
     assert all(abs(int(c) - 400) < 4.5 * sigma for c in counts), f"start counts {counts.tolist()}"
+

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from adapters import make_block_allocator, run_continuous_batching_step, run_paged_attention
+from reference_serving import ref_step
 
 # --- the block allocator ----------------------------------------------------------------------------
 
@@ -21,6 +22,17 @@ def test_allocate_every_block_then_refuse():
     assert alloc.num_free == 0 and [alloc.ref_count(b) for b in range(5)] == [1] * 5
     assert alloc.free(got[2]) is True and alloc.num_free == 1
     assert alloc.allocate() == got[2], "the only free block must be the one handed out"
+
+
+def test_free_blocks_are_handed_out_first_in_first_out():
+    alloc = make_block_allocator(6, 4)
+    assert [alloc.allocate() for _ in range(4)] == [0, 1, 2, 3], "at the start blocks come in order 0, 1, 2, ..."
+    for b in (2, 0, 3):
+        alloc.free(b)
+    alloc.incref(1)
+    alloc.free(1)                                       # still held once: not free
+    assert [alloc.allocate() for _ in range(5)] == [4, 5, 2, 0, 3], \
+        "never-used blocks first, then freed blocks in the order they were freed (the oldest freed first)"
 
 
 def test_shared_blocks_are_freed_by_their_last_holder():
@@ -107,40 +119,6 @@ def test_paged_attention_matches_attention_over_the_gathered_keys(seed):
 
 
 # --- one step of continuous batching ----------------------------------------------------------------------
-
-
-def ref_step(running, waiting, num_blocks, bs, max_seqs, max_tokens, watermark):
-    """The documented rules, as a loop over lists."""
-    def blocks(n):
-        return -(-n // bs)
-    free = num_blocks - sum(blocks(n) for _, n in running)
-    queue, waiting = list(running), list(waiting)
-    decodes, preempted = [], []
-    while queue:
-        seq = queue.pop(0)
-        needs_block, preempted_itself = seq[1] % bs == 0, False
-        while needs_block and free == 0:          # make room: the youngest not yet scheduled goes first
-            victim = queue.pop() if queue else seq
-            free += blocks(victim[1])
-            preempted.append(victim[0])
-            waiting.insert(0, victim)
-            preempted_itself = victim is seq
-        if preempted_itself:
-            continue
-        free -= needs_block
-        decodes.append(seq[0])
-    prefills, tokens = [], len(decodes)
-    while not preempted and waiting:
-        seq_id, n = waiting[0]
-        if len(decodes) + len(prefills) + 1 > max_seqs or (tokens and tokens + n > max_tokens) \
-                or blocks(n) + watermark > free:
-            break
-        free -= blocks(n)
-        tokens += n
-        prefills.append(seq_id)
-        waiting.pop(0)
-    return {"decodes": decodes, "prefills": prefills, "preempted": preempted,
-            "waiting": [s for s, _ in waiting], "num_free_blocks": free}
 
 
 CASES = {   # running, waiting, num_blocks, block_size, max_num_seqs, max_num_batched_tokens, watermark

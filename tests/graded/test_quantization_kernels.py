@@ -90,6 +90,21 @@ def test_round_to_nearest_scales_and_round_trip(bits, symmetric, granularity, gr
     assert worst <= 1e-6, f"|x - x_hat| exceeds scale/2 by {worst:.3g} somewhere"
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.parametrize("granularity, group_size", [("tensor", None), ("channel", None), ("group", 4)])
+def test_an_all_zero_group_gets_scale_one_and_round_trips(symmetric, granularity, group_size):
+    x = torch.zeros(3, 8)
+    if granularity != "tensor":
+        x[0, 4:] = torch.tensor([0.5, -1.0, 2.0, 0.25])      # rows 1-2 (and group 0 of row 0) stay all zero
+    q, scale, zero = run_quantize_tensor(x, 4, symmetric, granularity, group_size)
+    ref_scale, ref_zero = _naive_scales(x, 4, symmetric, None if granularity == "tensor" else
+                                        (8 if granularity == "channel" else group_size))
+    torch.testing.assert_close(scale.double().reshape(-1), ref_scale, rtol=1e-6, atol=0)
+    torch.testing.assert_close(zero.double().reshape(-1), ref_zero, rtol=0, atol=0)
+    x_hat = run_dequantize(q, scale, zero)
+    assert torch.isfinite(x_hat).all() and torch.equal(x_hat[1:], torch.zeros(2, 8)), "zeros must come back as zeros"
+
+
 @pytest.mark.parametrize("bits", [8, 4, 3])
 def test_affine_quantization_represents_zero_exactly(bits):
     x = torch.rand(4, 32) + 0.5          # all positive: the range must widen to reach 0
@@ -233,6 +248,16 @@ def test_gptq_equals_the_column_by_column_reference(bits, group_size):
     got = run_gptq_quantize(w, x, bits, group_size)
     torch.testing.assert_close(got.double(), ref_gptq(w, x, bits, group_size), atol=2e-5, rtol=0)
 
+
+
+def test_gptq_groups_that_cross_a_block_of_128_columns():
+    """Implementations update the weights lazily, 128 columns at a time (the paper's blocks); a group that
+    straddles column 128 must still take its scale from the fully error-updated weights."""
+    g = torch.Generator().manual_seed(21)
+    w = torch.randn(6, 192, generator=g) / 192**0.5
+    x = _correlated_inputs(300, 192, seed=21)
+    got = run_gptq_quantize(w, x, 4, 48)                  # groups [96, 144) and [144, 192): across 128
+    torch.testing.assert_close(got.double(), ref_gptq(w, x, 4, 48), atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("bits, group_size", [(4, None), (3, 32)])

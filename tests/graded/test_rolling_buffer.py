@@ -4,6 +4,7 @@ written here: which position each ring slot holds (slot p % capacity), and every
 import pytest
 import torch
 from adapters import make_rolling_kv_buffer
+from torch.utils._python_dispatch import TorchDispatchMode
 
 B, K, H = 2, 2, 4
 
@@ -109,3 +110,46 @@ def test_random_appends_and_rollbacks_match_the_slot_simulation(window, capacity
         _check_context(buffer, ref, f"step {step}")
     assert accepted > 3, f"only {accepted} rollbacks were possible: the sequence tests too little"
     assert refused > 0 or window == 1, "no rollback was refused: the sequence tests too little"   # 1: needs no keys
+
+
+@pytest.mark.parametrize("window, capacity", [(4, 4), (4, 6), (3, 7)])
+def test_the_ring_holds_capacity_slots_however_long_the_sequence(window, capacity):
+    g = torch.Generator().manual_seed(3)
+    buffer = make_rolling_kv_buffer(B, K, H, window, capacity)
+    want = 2 * B * K * capacity * H * 4
+    assert buffer.nbytes == want, f"nbytes {buffer.nbytes}, want 2 B K capacity H x 4 bytes = {want}"
+    for T in (1, capacity + 5, 2, 3 * capacity):
+        buffer.append(*_kv(T, g))
+        assert buffer.nbytes == want, "the ring's memory must not grow with the sequence"
+
+
+class _DuplicateWrites(TorchDispatchMode):
+    """Records indexed writes (index_put_, index_copy_, scatter) that hit one slot twice in one op: which
+    value lands there is undefined (it differs between devices), so a long append must write each slot once."""
+
+    def __init__(self):
+        super().__init__()
+        self.duplicates = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in ("index_put_", "index_put", "_index_put_impl_"):
+            for index in args[1]:
+                if index is not None and index.numel() != torch.unique(index).numel():
+                    self.duplicates.append(name)
+        elif name in ("index_copy_", "index_copy") and args[2].numel() != torch.unique(args[2]).numel():
+            self.duplicates.append(name)
+        return func(*args, **kwargs)
+
+
+def test_an_append_longer_than_the_ring_writes_each_slot_once():
+    g = torch.Generator().manual_seed(4)
+    buffer, ref = make_rolling_kv_buffer(B, K, H, 3, 5), RefRing(3, 5)
+    for T in (2, 12, 1, 9):
+        kv = _kv(T, g)
+        with _DuplicateWrites() as mode:
+            buffer.append(*kv)
+        ref.append(*kv)
+        assert not mode.duplicates, f"appending {T} positions to 5 slots wrote a slot twice in one {mode.duplicates[0]}"
+        _check_context(buffer, ref, f"after appending {T}")

@@ -20,7 +20,7 @@ def ref_probs(row, temperature=1.0, top_k=None, top_p=None) -> list[float]:
         best = max(range(len(row)), key=lambda i: row[i])
         return [1.0 if i == best else 0.0 for i in range(len(row))]
     z = [x / temperature for x in row]
-    if top_k is not None:
+    if top_k is not None and top_k < len(z):
         kth = sorted(z, reverse=True)[top_k - 1]
         z = [x if x >= kth else -math.inf for x in z]
     m = max(z)
@@ -67,6 +67,23 @@ def test_top_k_keeps_exactly_the_k_largest(k):
     assert ((got > 0).sum(-1) == k).all(), f"top_k={k} kept {(got > 0).sum(-1).tolist()} tokens per row"
     want = torch.tensor([ref_probs(row, 1.3, top_k=k) for row in logits.tolist()])
     torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-5)
+
+
+def test_top_k_keeps_every_logit_tied_with_the_kth():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.5, 2.0], [5.0, 5.0, 5.0, 1.0, 0.0, -1.0]])
+    for k, kept in [(2, [4, 3]), (3, [4, 3]), (1, [1, 3]), (4, [4, 4])]:
+        got = run_logits_to_probs(logits, temperature=1.0, top_k=k)
+        assert (got > 0).sum(-1).tolist() == kept, f"top_k={k}: kept {(got > 0).sum(-1).tolist()} (ties stay)"
+        want = torch.tensor([ref_probs(r, 1.0, top_k=k) for r in logits.tolist()])
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [6, 7, 1000])
+def test_top_k_of_at_least_the_vocabulary_keeps_everything(k):
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(k))
+    got = run_logits_to_probs(logits, temperature=0.9, top_k=k)
+    torch.testing.assert_close(got, torch.softmax(logits / 0.9, -1), atol=1e-6, rtol=1e-5)
+    assert run_sample_next_token(logits, 0.9, k, None, torch.Generator().manual_seed(0)).shape == (3,)
 
 
 @pytest.mark.parametrize("V, top_p, kept", [(4, 0.5, 2), (8, 0.375, 3), (8, 0.25, 2), (4, 1.0, 4)])

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from adapters import run_speculative_accept
+from adapters import run_greedy_verify, run_residual_distribution, run_speculative_accept
 
 # chi-square critical values at p = 1e-4 by degrees of freedom
 CHI2_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56,
@@ -117,3 +117,54 @@ def test_cases_without_randomness():
         assert (int(k), int(y)) == want, f"one-hot draft {draft} against target argmaxes [2, 1, 3]"
     k, y = run_speculative_accept(torch.zeros(0, V), one_hot[[2]], torch.zeros(0, dtype=torch.long))
     assert (int(k), int(y)) == (0, 2), "nothing proposed: the token comes from q_1"
+
+
+def test_a_token_neither_model_allows_is_never_accepted():
+    """p_i(x_i) = 0: accept iff q_i(x_i) > 0 (0/0 must not count as a ratio >= 1)."""
+    p = _tensor([[8, 8, 0, 0], [4, 4, 4, 4]])
+    for seed in range(30):
+        g = torch.Generator().manual_seed(seed)
+        k, y = run_speculative_accept(p, _tensor([[8, 8, 0, 0], Q[1], Q[2]]), torch.tensor([3, 0]), generator=g)
+        assert int(k) == 0 and int(y) in (0, 1), "token 3 has p = q = 0 at the first position: it must be rejected"
+        k, _ = run_speculative_accept(p, _tensor([[4, 4, 4, 4], [4, 4, 4, 4], Q[2]]), torch.tensor([2, 1]),
+                                      generator=g)
+        assert int(k) >= 1, "p = 0 < q: the draft token is accepted"
+
+
+def test_every_draw_comes_from_the_generator_argument():
+    """Same generator seed: same outcomes, whatever the global RNG holds; the global RNG is left untouched."""
+    p_t, q_t, x_t = _tensor(P), _tensor(Q), torch.tensor([1, 0])
+    runs = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        g = torch.Generator().manual_seed(5)
+        runs.append([tuple(map(int, run_speculative_accept(p_t, q_t, x_t, generator=g))) for _ in range(60)])
+        assert torch.equal(torch.get_rng_state(), state), "the global RNG was used (draw from `generator`)"
+    assert runs[0] == runs[1], "the outcomes depend on the global RNG, not only on the generator argument"
+    assert len(set(runs[0])) > 1
+
+
+def test_the_residual_is_the_normalised_positive_part_of_q_minus_p():
+    p, q = _fractions(P), _fractions(Q[:2])
+    got = run_residual_distribution(_tensor(P), _tensor(Q[:2]))
+    assert got.shape == (2, V)
+    for i in range(2):
+        positive = [max(qy - py, Fraction(0)) for qy, py in zip(q[i], p[i])]
+        want = [float(r / sum(positive)) for r in positive]
+        torch.testing.assert_close(got[i].double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
+    same = run_residual_distribution(_tensor([Q[1]]), _tensor([Q[1]]))       # q == p: no mass left, q itself
+    torch.testing.assert_close(same.double(), _tensor([Q[1]]).double(), atol=1e-7, rtol=0)
+    batch = torch.softmax(torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(0)), -1)
+    other = torch.softmax(torch.randn(2, 3, 7, generator=torch.Generator().manual_seed(1)), -1)
+    r = run_residual_distribution(batch, other)
+    assert r.shape == (2, 3, 7) and float((r.sum(-1) - 1).abs().max()) < 1e-5 and float(r.min()) >= 0
+
+
+def test_greedy_verification_keeps_drafts_while_they_are_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0.5], [2.0, 0.0, 2.0, 1.0], [0.0, 0.0, 0.0, 5.0], [1.0, 4.0, 0.0, 0.0]])
+    argmax = [1, 0, 3, 1]                                  # row 1 ties 0 and 2: the lowest id wins
+    for draft, want in [([1, 0, 3], (3, 1)), ([1, 0, 2], (2, 3)), ([1, 2, 3], (1, 0)), ([0, 0, 3], (0, 1)),
+                        ([1, 0], (2, 3)), ([], (0, 1))]:
+        got = run_greedy_verify(draft, logits[:len(draft) + 1])
+        assert tuple(map(int, got)) == want, f"draft {draft} against argmaxes {argmax[:len(draft) + 1]}: {got}"

@@ -122,7 +122,7 @@ def test_one_at_a_time_server_times_and_tokens(one_thread):
     import torch
 
     from cs336_inference import ModelConfig, TransformerLM, generate
-    from cs336_inference.benchmarks.inference_speculative import serve_one_at_a_time
+    from cs336_inference.benchmarks.inference_runs import serve_one_at_a_time
     from cs336_inference.serving import Request, SamplingParams
 
     torch.manual_seed(0)

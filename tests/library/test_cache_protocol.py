@@ -4,6 +4,8 @@ fails midway leaves every cache kind usable, and rollback (`truncate`) works on 
 References are fresh runs: a new cache fed the same tokens, or the full forward without a cache.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from adapters import (make_cache_step, make_config, make_kv_cache, make_model, make_quantized_kv_cache,
@@ -132,30 +134,37 @@ def test_padding_is_an_argument_of_every_forward_not_state_of_the_cache():
     torch.testing.assert_close(padded[0], alone_a, atol=1e-5, rtol=0)
 
 
-def test_the_hooks_a_paged_cache_needs_attend_and_select_last():
-    """A layer cache may run attention over its own storage (`attend`), and a step may choose which
-    rows feed the LM head (`select_last`, for ragged batches run as one row): the model uses both."""
-    model, new_cache = _setup("shared")            # CLA: followers attend through their owner's cache
+def test_a_forward_step_is_the_whole_contract_between_model_and_cache():
+    """The model needs from its cache only a `ForwardStep`: positions, one layer cache per layer (each
+    writes with `update` and attends with `attend`), `select_last` and `commit`. A step written here
+    (the cache's own step, choosing the first row for the LM head) drives the model: every layer,
+    owners and CLA followers, attends through its layer cache, and commit comes once, after them all."""
+    model, new_cache = _setup("shared")
     x = torch.randint(0, 257, (1, 9))
-    calls = []
+    events = []
     with torch.no_grad():
         cache = new_cache(1, 20)
-        base = type(cache.layers[0])
 
-        class Recording(base):
-            def attend(self, q, kv, mask, step, scale=None):
-                calls.append(step.start)
-                return super().attend(q, kv, mask, step, scale)
+        class Recording(type(cache.layers[0])):
+            def attend(self, q, kv, step, scale=None, kernel="reference"):
+                events.append("attend")
+                return super().attend(q, kv, step, scale, kernel)
         for layer in cache.unique_layers():
             layer.__class__ = Recording
-        step_type = type(make_cache_step(0, 1))
 
-        class FirstRow(step_type):
+        class FirstRow(make_cache_step(0, 1).__class__):
             def select_last(self, h):
                 return h[:, :1]
-        cache.begin = lambda num_new, pad=None, start_pos=None: FirstRow(cache.length, num_new)
-        got = run_model(model, x, cache, last_only=True)
+
+            def commit(self):
+                events.append("commit")
+                super().commit()
+        begun = cache.begin(9)
+        step = FirstRow(**{f.name: getattr(begun, f.name) for f in dataclasses.fields(begun)})
+        got = run_model(model, x, step=step, last_only=True)
         want = run_model(model, x)[:, :1]
-    assert calls == [0] * 4, calls                  # every layer, owners and followers, attended through it
+    assert events == ["attend"] * 4 + ["commit"], events
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     assert cache.length == 9
+    with pytest.raises(ValueError, match="either a step"):
+        run_model(model, x, cache, step=step)

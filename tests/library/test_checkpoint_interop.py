@@ -56,7 +56,11 @@ def test_a_regex_dict_or_a_key_function_renames_keys(original):
                 original)
     extra = {**state, "layers.0.attn.rotary.inv_freq": torch.zeros(4)}   # a buffer to drop: the function returns None
     drop = rename_keys(lambda k: None if "rotary" in k else k.replace("mlp.", "ffn."))
-    _same_model(run_load_cs336_checkpoint(extra, cfg, key_map=drop), original)
+    with pytest.raises(ValueError, match=r"key_map discarded 1 tensor\(s\) \['layers.0.attn.rotary.inv_freq'\].*"
+                                         r"allow_dropped=(.|\n)*RoPE tables"):
+        run_load_cs336_checkpoint(extra, cfg, key_map=drop)        # dropping is never silent
+    with pytest.warns(UserWarning, match=r"discarded 1 tensor\(s\).*layers.0.attn.rotary.inv_freq \(4,\)"):
+        _same_model(run_load_cs336_checkpoint(extra, cfg, key_map=drop, allow_dropped="rotary"), original)
 
 
 def _fuse(state, names, fused):
@@ -119,3 +123,45 @@ def test_key_maps_that_are_not_maps_are_refused(original):
         run_load_cs336_checkpoint(original.state_dict(), make_config(**CFG), key_map="COMMON_RENAMES")
     with pytest.raises(ValueError, match="maps two keys"):
         run_load_cs336_checkpoint(original.state_dict(), make_config(**CFG), key_map={r"\.w[13]\.": ".w1."})
+
+
+def test_bad_key_maps_get_clear_errors_not_torch_or_re_internals(original):
+    state, cfg = original.state_dict(), make_config(**CFG)
+    with pytest.raises(ValueError, match=r"key_map pattern '\(ffn' is not a valid regular expression"):
+        run_load_cs336_checkpoint(state, cfg, key_map={"(ffn": "x"})
+    with pytest.raises(TypeError, match=r"key_map patterns must be regex strings, got 3 \(int\)"):
+        run_load_cs336_checkpoint(state, cfg, key_map={3: "x"})
+    with pytest.raises(TypeError, match=r"replacement for '\\\\.ffn\\\\.' must be a str .* got 7 \(int\)"):
+        run_load_cs336_checkpoint(state, cfg, key_map={r"\.ffn\.": 7})
+    with pytest.raises(ValueError, match=r"replacement '\\\\2' for pattern .* fails on key"):
+        run_load_cs336_checkpoint(state, cfg, key_map={r"^(layers)": r"\2"})
+    with pytest.raises(TypeError, match="a key_map function must return a str"):
+        run_load_cs336_checkpoint(state, cfg, key_map=rename_keys(lambda k: 0))
+    with pytest.raises(TypeError, match="a key_map callable must return a dict of str -> tensor"):
+        run_load_cs336_checkpoint(state, cfg, key_map=lambda sd, c: {1: torch.zeros(1)})
+    with pytest.raises(TypeError, match=r"a state dict maps str keys to tensors; these entries do not: \[0\]"):
+        run_load_cs336_checkpoint({**state, 0: torch.zeros(1)}, cfg)
+
+
+def test_nan_or_inf_weights_are_refused_by_name(original):
+    state = dict(original.state_dict())
+    state["layers.1.ffn.w2.weight"] = state["layers.1.ffn.w2.weight"].clone()
+    state["layers.1.ffn.w2.weight"][0, :3] = float("nan")
+    state["ln_final.weight"] = torch.full_like(state["ln_final.weight"], float("inf"))
+    with pytest.raises(ValueError, match=r"2 checkpoint tensors hold NaN or inf.*layers\.1\.ffn\.w2\.weight "
+                                         r"\(3 NaN, 0 inf of 1536\); ln_final\.weight \(0 NaN, 32 inf of 32\)"):
+        run_load_cs336_checkpoint(state, make_config(**CFG))
+
+
+def test_a_device_that_is_not_there_and_a_name_that_is_not_a_str(original, tmp_path):
+    from cs336_inference.model import load, load_pretrained, save
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    save(tmp_path / "m.pt", original)
+    for call in (lambda: load(tmp_path / "m.pt", device=missing), lambda: load_pretrained("draft", device=missing),
+                 lambda: run_load_cs336_checkpoint(original.state_dict(), make_config(**CFG), device=missing)):
+        with pytest.raises(ValueError, match=rf"device='{missing}' but (no CUDA GPU is available|this machine has)"):
+            call()
+    with pytest.raises(ValueError, match="device='gpu' is not a device"):
+        load(tmp_path / "m.pt", device="gpu")
+    with pytest.raises(TypeError, match=r"name must be a model name \(str\).*got list"):
+        load_pretrained(["draft"])

@@ -100,15 +100,16 @@ def test_sdpa_kernel_equals_the_hand_written_attention(variant):
 def test_compiled_decode_has_no_graph_break_and_matches_eager():
     """fullgraph=True makes a graph break an error, and a recompile limit of 2 makes recompiling per
     position, per cache object or per thread count an error: positions 8.. of fresh caches, batch 1
-    then 3, twice over (the second time on one thread, as `decode_threads` does under contention),
-    run on at most two graphs (batch 1 is specialised, then the batch size becomes a symbol)."""
+    then 3, twice over (the second time on one thread, as `cpu_tuning.decode_threads` does under
+    contention), run on at most two graphs (batch 1 is specialised, then the batch size becomes a symbol).
+    The model is the plain one: nothing in it is special-cased for the compiler."""
     from cs336_inference.generation import compile_decode
+    from cs336_inference.timing import num_threads
+    from host_syncs import profiled_host_syncs
 
     torch._dynamo.reset()
     model = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
     step = compile_decode(model)             # fullgraph=True, dynamic=True
-    from cs336_inference.timing import num_threads
-
     with torch._dynamo.config.patch(recompile_limit=2), num_threads(2):    # restores the count afterwards
         for B, threads in ((1, 2), (3, 2), (1, 1), (3, 1)):   # the second pass as under contention (one thread)
             torch.set_num_threads(threads)
@@ -123,13 +124,62 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
                     expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
                     torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
             assert cache.length == 14
-    with pytest.raises(ValueError, match="token ids"):
+        with torch.no_grad():   # the compiled step reads nothing back (torch.compile refuses a dispatch mode)
+            assert profiled_host_syncs(lambda: step(ids[:, 13], cache)) == []
+    with pytest.raises(ValueError, match="vocab_size"):   # an empty cache: its first forward runs eagerly, checked
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
+
+
+@pytest.mark.parametrize("variant", ["gqa", "cla"])
+def test_the_static_decode_step_of_cuda_graphs_equals_the_plain_step(variant):
+    """What `compile_decode(mode="reduce-overhead")` records, run eagerly: the position as a device tensor,
+    writes with index_copy_, attention over the whole buffer under a mask. Same logits as `decode_one_token`,
+    no host sync, and the buffers keep their addresses (a CUDA graph replays on fixed addresses)."""
+    from cs336_inference.generation.compiled import static_decode
+    from host_syncs import HostSyncCounter
+
+    model = _model(**VARIANTS[variant])
+    ids = torch.randint(0, 97, (2, 14))
+    plain, static = adapters.make_kv_cache(model, 2, 16), adapters.make_kv_cache(model, 2, 16)
+    addresses = [layer.k.data_ptr() for layer in static.layers]
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :8], plain)
+        adapters.run_model(model, ids[:, :8], static)
+        for t in range(8, 14):
+            want = adapters.run_decode_one_token(model, ids[:, t], plain)
+            position = torch.full((1,), static.length)
+            with HostSyncCounter() as syncs:
+                got = static_decode(model, ids[:, t:t + 1], position, static)[:, -1]
+            static.length += 1
+            assert syncs.count == 0, syncs.seen
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert [layer.k.data_ptr() for layer in static.layers] == addresses
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_compiled_decode_with_cuda_graphs_matches_eager_and_never_syncs():
+    from cs336_inference.generation import compile_decode
+    from host_syncs import profiled_host_syncs
+
+    torch._dynamo.reset()
+    model = _model().to("cuda", torch.bfloat16)
+    step = compile_decode(model, mode="reduce-overhead")
+    ids = torch.randint(0, 97, (2, 20), device="cuda")
+    plain, graphed = adapters.make_kv_cache(model, 2, 24), adapters.make_kv_cache(model, 2, 24)
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :8], plain)
+        adapters.run_model(model, ids[:, :8], graphed)
+        for t in range(8, 19):
+            want = adapters.run_decode_one_token(model, ids[:, t], plain)
+            torch.testing.assert_close(step(ids[:, t], graphed), want, rtol=2e-2, atol=2e-2)
+        assert graphed.length == 19
+        assert profiled_host_syncs(lambda: step(ids[:, 19], graphed)) == []
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
 
 
 def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
     """The formula on controlled samples: (all CPUs' busy seconds - ours) / wall seconds."""
-    from cs336_inference.timing import _OtherLoad
+    from cs336_inference.cpu_tuning import _OtherLoad
 
     meter = _OtherLoad(interval=0.0)
     samples = iter([(10.0, 100.0, 5.0), (12.0, 103.0, 6.5), (13.0, 104.0, 7.0)])   # (wall, all busy, ours)
@@ -140,7 +190,8 @@ def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
 
 
 def test_a_busy_process_is_seen_as_contention():
-    from cs336_inference.timing import _OtherLoad, busy_cpu
+    from cs336_inference.cpu_tuning import _OtherLoad
+    from cs336_inference.timing import busy_cpu
 
     meter = _OtherLoad(interval=0.0)
     if meter() is None and meter._sample() is None:
@@ -156,7 +207,7 @@ def test_a_busy_process_is_seen_as_contention():
 def test_streaming_matmul_equals_a_float64_matmul(dtype, tol):
     """The compiled batch-1 linear's formula against x W^T in float64 (bf16: inputs rounded to bf16,
     then one rounding of the fp32-accumulated output, so ~2^-8 relative)."""
-    from cs336_inference.model.layers import streaming_matmul
+    from cs336_inference.cpu_tuning import streaming_matmul
 
     torch.manual_seed(0)
     w = torch.randn(48, 40).to(dtype)
@@ -168,9 +219,9 @@ def test_streaming_matmul_equals_a_float64_matmul(dtype, tol):
 
 
 def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_matmul():
-    """What `Linear` does while a graph is traced (is_compiling patched on, eagerly): one row without
+    """What `CPULinear` does while a graph is traced (is_compiling patched on, eagerly): one row without
     autograd -> streaming_matmul; several rows, or autograd on -> F.linear."""
-    from cs336_inference.model import layers
+    from cs336_inference import cpu_tuning
 
     seen = []
 
@@ -178,9 +229,9 @@ def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_mat
         seen.append(tuple(x.shape))
         return x @ w.T
 
-    lin = layers.Linear(8, 6)
+    lin = cpu_tuning.CPULinear(8, 6, bias=False)
     with mock.patch.object(torch.compiler, "is_compiling", lambda: True), \
-            mock.patch.object(layers, "streaming_matmul", recording):
+            mock.patch.object(cpu_tuning, "streaming_matmul", recording):
         with torch.no_grad():
             for shape in ((1, 1, 8), (8,), (3, 1, 8)):
                 assert lin(torch.randn(shape)).shape == (*shape[:-1], 6)
@@ -189,25 +240,54 @@ def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_mat
 
 
 def test_decode_threads_drops_to_one_thread_only_under_contention(monkeypatch):
-    from cs336_inference import timing
-    from cs336_inference.timing import decode_threads, num_threads
+    from cs336_inference import cpu_tuning
+    from cs336_inference.cpu_tuning import decode_threads
+    from cs336_inference.timing import num_threads
 
     with num_threads(2):
-        monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: True)
+        monkeypatch.setattr(cpu_tuning, "cpu_contended", lambda threshold=0.5: True)
         with decode_threads():
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == 2          # restored
-        monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: False)
+        monkeypatch.setattr(cpu_tuning, "cpu_contended", lambda threshold=0.5: False)
         with decode_threads():
             assert torch.get_num_threads() == 2
-        # the eager decode step under contention: same logits as with two threads
-        model = _model()
-        ids = torch.randint(0, 97, (2, 9))
-        caches = [adapters.make_kv_cache(model, 2, 9) for _ in range(2)]
+
+
+def test_tune_for_cpu_is_opt_in_reversible_and_changes_no_result(monkeypatch):
+    """The plain model has plain `nn.Linear`s and no hooks; `tune_for_cpu` swaps in `CPULinear` (same state
+    dict), makes a decode step under contention run on one thread (restored after, also when the forward
+    raises), says what it did, is idempotent, and `untune_cpu` gives the plain model back."""
+    from cs336_inference import cpu_tuning
+    from cs336_inference.timing import num_threads
+
+    plain = _model()
+    assert {type(m) for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    tuned = cpu_tuning.tune_for_cpu(cpu_tuning.tune_for_cpu(copy.deepcopy(plain)))   # twice: idempotent
+    assert {type(m) for m in tuned.modules() if isinstance(m, torch.nn.Linear)} == {cpu_tuning.CPULinear}
+    assert len(tuned._forward_pre_hooks) == 1 and len(tuned._forward_hooks) == 1
+    assert "linears split" in cpu_tuning.describe(tuned) and "one thread" in cpu_tuning.describe(tuned)
+    assert cpu_tuning.describe(plain) == "CPU tuning: none (plain model)"
+    assert list(tuned.state_dict()) == list(plain.state_dict())
+    ids = torch.randint(0, 97, (2, 9))
+    seen = []
+    with num_threads(2):
+        monkeypatch.setattr(cpu_tuning, "cpu_contended", lambda threshold=0.5: True)
+        caches = [adapters.make_kv_cache(m, 2, 10) for m in (plain, tuned)]
         with torch.no_grad():
-            for cache in caches:
-                adapters.run_model(model, ids[:, :8], cache)
-            calm = adapters.run_decode_one_token(model, ids[:, 8], caches[0])
-            monkeypatch.setattr(timing, "cpu_contended", lambda threshold=0.5: True)
-            busy = adapters.run_decode_one_token(model, ids[:, 8], caches[1])
-        torch.testing.assert_close(busy, calm, rtol=0, atol=1e-5)
+            for m, cache in zip((plain, tuned), caches):
+                adapters.run_model(m, ids[:, :8], cache)
+            handle = tuned.lm_head.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+            want = adapters.run_decode_one_token(plain, ids[:, 8], caches[0])
+            got = adapters.run_decode_one_token(tuned, ids[:, 8], caches[1])
+            handle.remove()
+        assert seen == [1] and torch.get_num_threads() == 2    # one thread inside the step, restored after
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        boom = tuned.lm_head.register_forward_hook(lambda *a: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"), torch.no_grad():
+            adapters.run_decode_one_token(tuned, ids[:, 8], caches[1])
+        boom.remove()
+        assert torch.get_num_threads() == 2
+    back = cpu_tuning.untune_cpu(tuned)
+    assert {type(m) for m in back.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    assert not back._forward_pre_hooks and not back._forward_hooks and not hasattr(back, "cpu_tuning")

@@ -62,7 +62,7 @@ def grade(*args, env=None):
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            code = pytest.main(["-q", "-s", "-p", "no:cacheprovider", *map(str, args)])
+            code = pytest.main(["-q", "-s", "-p", "no:cacheprovider", "-p", "no:unraisableexception", *map(str, args)])
     finally:
         implementation.select(before)
         for key, value in saved.items():

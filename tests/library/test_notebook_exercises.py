@@ -280,10 +280,10 @@ def test_06_exercise_3_ttft_p99_by_hand(nb06):
 # --- 07 paged attention ---------------------------------------------------------------------------
 
 def test_07_exercise_1_internal_fragmentation_by_hand():
-    from cs336_inference.serving import BlockManager
+    from cs336_inference.serving import KVCacheManager
 
     lengths, bs = [37, 5, 60], 16
-    m = BlockManager(num_blocks=32, block_size=bs, prefix_caching=False)
+    m = KVCacheManager(num_blocks=32, block_size=bs, prefix_caching=False)
     for i, n in enumerate(lengths):
         m.allocate(i, list(range(1000 * i, 1000 * i + n)))
     s = m.memory_stats()
@@ -293,28 +293,28 @@ def test_07_exercise_1_internal_fragmentation_by_hand():
 
 
 def test_07_exercise_2_copy_on_write_after_two_forks():
-    from cs336_inference.serving import BlockManager
+    from cs336_inference.serving import KVCacheManager
 
-    m = BlockManager(num_blocks=16, block_size=4, prefix_caching=False)
+    m = KVCacheManager(num_blocks=16, block_size=4, prefix_caching=False)
     m.allocate("a", list(range(10)))                 # blocks of 4 + 4 + 2
     m.fork("a", "b")
     m.fork("a", "c")
-    copies = [m.append_slot(seq, 99) for seq in ("b", "c", "a")]
+    copies = [m.allocate_slots(seq) for seq in ("b", "c", "a")]
     # the last block is shared three ways: the first two writers copy it, the last one owns it by then
-    assert [c is not None for c in copies] == [True, True, False]
+    assert [len(c) for c in copies] == [1, 1, 0]
     assert len({blk for seq in "abc" for blk in m.table(seq).blocks}) == 3 + 2
     assert m.memory_stats().used_tokens == 8 + 3 * 3      # two shared full blocks, three private tails of 3
 
 
 def test_07_exercise_3_three_requests_behind_one_system_prompt():
-    from cs336_inference.serving import BlockManager
+    from cs336_inference.serving import KVCacheManager
 
-    m = BlockManager(num_blocks=32, block_size=16)
+    m = KVCacheManager(num_blocks=32, block_size=16)
     system = list(range(100, 164))                    # 64 tokens: 4 full blocks
     cached = []
     for i in range(3):
         cached.append(m.allocate(i, system + [i, i + 1, i + 2]))
-        m.cache_full_blocks(i, 67)
+        m.cache_blocks(i, system + [i, i + 1, i + 2])
     assert cached == [0, 64, 64]
     assert len({blk for i in range(3) for blk in m.table(i).blocks}) == 4 + 3   # shared prefix + one tail each
 

@@ -61,8 +61,8 @@ def test_allocator_errors_leave_state_intact():
 # --- block manager: fork, copy-on-write, prefix sharing, errors --------------------------------------
 
 def _snapshot(m):
-    return ({sid: (list(t.blocks), list(t.token_ids)) for sid, t in m.tables.items()},
-            m.allocator.free_blocks(), [m.allocator.ref_count(b) for b in range(m.allocator.num_blocks)])
+    return ({sid: (list(t.blocks), t.num_tokens) for sid, t in m.tables.items()},
+            m.pool.free_blocks(), [m.pool.ref_count(b) for b in range(m.pool.num_blocks)])
 
 
 def test_fork_then_copy_on_write_keeps_the_parent_intact():
@@ -71,12 +71,12 @@ def test_fork_then_copy_on_write_keeps_the_parent_intact():
     m.fork("p", "c")
     assert m.tables["c"].blocks == m.tables["p"].blocks
     shared_last = m.tables["p"].blocks[-1]
-    assert m.allocator.ref_count(shared_last) == 2
-    copy = m.append_slot("c", 9)                # the child writes into the shared last block
-    assert copy is not None and copy[0] == shared_last and copy[1] != shared_last
+    assert m.pool.ref_count(shared_last) == 2
+    (copy,) = m.allocate_slots("c")             # the child writes into the shared last block
+    assert copy[0] == shared_last and copy[1] != shared_last
     assert m.tables["c"].blocks[-1] == copy[1] and m.tables["p"].blocks[-1] == shared_last
-    assert m.allocator.ref_count(shared_last) == 1
-    assert m.append_slot("p", 7) is None        # the parent now owns its block alone: no copy
+    assert m.pool.ref_count(shared_last) == 1
+    assert m.allocate_slots("p") == []          # the parent now owns its block alone: no copy
     assert m.tables["p"].blocks[0] == m.tables["c"].blocks[0]  # the full block stays shared
     m.check_invariants()
 
@@ -85,7 +85,7 @@ def test_prefix_sharing_reuses_full_blocks_and_skips_them():
     m = adapters.make_block_manager(16, 4)
     system = list(range(10, 22))                 # 12 tokens = 3 full blocks
     assert m.allocate("a", system + [1, 2]) == 0
-    m.cache_full_blocks("a", 14)
+    m.cache_blocks("a", system + [1, 2])
     cached = m.allocate("b", system + [3])       # 13 tokens: the 3 system blocks are cached
     assert cached == 12
     assert m.tables["b"].blocks[:3] == m.tables["a"].blocks[:3]
@@ -102,7 +102,7 @@ def test_prefix_sharing_reuses_full_blocks_and_skips_them():
 def test_prefix_cache_never_shares_on_hash_collision():
     m = adapters.make_block_manager(16, 2, hash_fn=lambda parent, tokens: 0)  # every block collides
     m.allocate("a", [1, 2, 3, 4, 5])
-    m.cache_full_blocks("a", 5)
+    m.cache_blocks("a", [1, 2, 3, 4, 5])
     assert m.allocate("b", [7, 8, 3, 4, 5]) == 0  # same second block, different first: no share
     assert m.allocate("c", [1, 2, 9]) == 0        # the table slot now names a's 2nd block: a miss
     m.check_invariants()
@@ -121,17 +121,19 @@ def test_manager_errors_leave_state_intact():
     with pytest.raises(ValueError, match="token_ids"):
         m.allocate("z", [])
     assert _snapshot(m) == before
-    m.append_slot("a", 4)
-    m.append_slot("a", 5)                         # third block: pool full
-    m.append_slot("a", 6)                         # 6 tokens in 3 blocks of 2
+    m.allocate_slots("a")
+    m.allocate_slots("a")                         # third block: pool full
+    m.allocate_slots("a")                         # 6 tokens in 3 blocks of 2
     before = _snapshot(m)
     with pytest.raises(OutOfBlocksError):
-        m.append_slot("a", 7)
+        m.allocate_slots("a")
+    with pytest.raises(OutOfBlocksError):
+        m.allocate_slots("a", 3)
     assert _snapshot(m) == before
     m.free("a")
     with pytest.raises(ValueError, match="unknown sequence"):
         m.free("a")                               # double free of a sequence
-    assert m.allocator.num_free == 3
+    assert m.pool.num_free == 3
 
 
 def _kv_value(tokens: list[int], position: int) -> int:
@@ -162,7 +164,7 @@ def test_block_manager_invariants_under_random_operations(seed, mode):
         table = m.tables[sid]
         for p in positions:
             block = table.blocks[p // bs]
-            assert m.allocator.ref_count(block) == 1, "a write must go to a block no one else holds"
+            assert m.pool.ref_count(block) == 1, "a write must go to a block no one else holds"
             pool[table.slot(p)] = _kv_value(expected[sid], p)
 
     for step in range(300):
@@ -182,23 +184,22 @@ def test_block_manager_invariants_under_random_operations(seed, mode):
             hits += cached > 0
             expected[sid] = list(tokens)
             write(sid, range(cached, len(tokens)))
-            m.cache_full_blocks(sid, len(tokens))
+            m.cache_blocks(sid, tokens)
             history.append(tokens)
         elif op == "append":
             sid = rng.choice(live)
             token = rng.randrange(3)
             try:
-                copy = m.append_slot(sid, token)
+                block_copies = m.allocate_slots(sid)
             except OutOfBlocksError:
                 assert _snapshot(m) == before
                 continue
-            if copy is not None:
-                src, dst = copy
+            for src, dst in block_copies:
                 pool[dst * bs:(dst + 1) * bs] = pool[src * bs:(src + 1) * bs]
                 copies += 1
             expected[sid].append(token)
             write(sid, [len(expected[sid]) - 1])
-            m.cache_full_blocks(sid, len(expected[sid]))
+            m.cache_blocks(sid, expected[sid])
         elif op == "fork":
             parent, child = rng.choice(live), step + 1000
             m.fork(parent, child)
@@ -213,8 +214,8 @@ def test_block_manager_invariants_under_random_operations(seed, mode):
         for sid in expected:
             for block in m.tables[sid].blocks:
                 counts[block] += 1
-        assert counts == [m.allocator.ref_count(b) for b in range(num_blocks)]
-        assert m.allocator.num_free == sum(c == 0 for c in counts)
+        assert counts == [m.pool.ref_count(b) for b in range(num_blocks)]
+        assert m.pool.num_free == sum(c == 0 for c in counts)
         assert set(m.tables) == set(expected)
         for sid, tokens in expected.items():
             table = m.tables[sid]
@@ -223,7 +224,7 @@ def test_block_manager_invariants_under_random_operations(seed, mode):
             assert got == [_kv_value(tokens, p) for p in range(len(tokens))], f"sequence {sid} reads wrong data"
     for sid in list(expected):
         m.free(sid)
-    assert m.allocator.num_free == num_blocks and not m.tables
+    assert m.pool.num_free == num_blocks and not m.tables
     assert copies > 0 or bs == 1  # a block of one token is never partly filled, so never copied
     if mode == "prefix":
         assert hits > 0
@@ -335,7 +336,46 @@ def test_contiguous_manager_reserves_every_sample_and_copies_on_fork():
     assert set(m.table("a").blocks).isdisjoint(m.table("b").blocks)      # nothing shared
     with pytest.raises(OutOfBlocksError, match="no reserved run"):
         m.fork("a", "c")
-    assert m.append_needs_block("a") is False and m.append_slot("a", 4) is None
+    assert m.append_needs_block("a") is False and m.allocate_slots("a") == []
     assert m.table("a").blocks == list(range(m.table("a").blocks[0], m.table("a").blocks[0] + 4))
     m.free("a"), m.free("b")
     assert m.memory_stats().reserved_tokens == 0 and m.num_free_blocks == 30
+
+
+@pytest.mark.parametrize("kernel", ["reference", "sdpa"])
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_paged_attention_never_reads_padding_as_data(kernel, poison):
+    """Block 0 pads the shorter tables of a batch and the last block of a sequence has slots past its
+    length: whatever they hold (NaN, inf, another sequence's keys) must not reach any output."""
+    g = torch.Generator().manual_seed(0)
+    bs, K, H = 4, 2, 8
+    k_pool, v_pool = torch.randn(12, bs, K, H, generator=g), torch.randn(12, bs, K, H, generator=g)
+    tables, context_lens, query_lens = [[3, 5, 7], [2], [9, 4]], [10, 3, 6], [1, 1, 4]
+    q = torch.randn(sum(query_lens), 2 * K, H, generator=g)
+    want = _naive_attention(q, k_pool, v_pool, tables, context_lens, query_lens)
+    for pool in (k_pool, v_pool):
+        pool[0] = poison                                   # the padding block, held by nobody
+        pool[7, 2:] = poison                               # past position 10 in sequence 0's last block
+        pool[2, 3:] = poison
+        pool[4, 2:] = -poison
+    got = paged_attention(q, k_pool, v_pool, tables, context_lens, query_lens, kernel=kernel)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_paged_attention_refuses_bad_tables_and_lengths():
+    k = torch.zeros(4, 2, 1, 8)
+    q = torch.zeros(1, 1, 8)
+    with pytest.raises(ValueError, match="twice"):
+        paged_attention(q, k, k, [[1, 1]], [3])           # two positions in one slot
+    with pytest.raises(ValueError, match=r"outside the pool's \[0, 4\)"):
+        paged_attention(q, k, k, [[1, 9]], [3])
+    with pytest.raises(ValueError, match="outside"):
+        paged_attention(q, k, k, torch.tensor([[-1, 2]]), [3])
+    with pytest.raises(TypeError, match="context_lens"):
+        paged_attention(q, k, k, [[1, 2]], [3.7])          # never truncated to 3
+    with pytest.raises(TypeError, match="context_lens"):
+        paged_attention(q, k, k, [[1, 2]], torch.tensor([3.0]))
+    with pytest.raises(TypeError, match="block_tables"):
+        paged_attention(q, k, k, [[1.0, 2.0]], [3])
+    assert paged_attention(q, k, k, torch.tensor([[1, 2, 0]]), [3]).shape == (1, 1, 8)  # unused padding may repeat

@@ -15,7 +15,7 @@ CFG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads
 @pytest.mark.parametrize("tied", [False, True])
 def test_peer_computes_the_same_logits_and_greedy_tokens(tied):
     pytest.importorskip("transformers", reason='the Hugging Face peer needs: pip install -e ".[peer]"')
-    from cs336_inference.benchmarks import peer
+    from cs336_inference.model import hf_peer as peer
 
     model = adapters.make_model(adapters.make_config(**CFG, tie_embeddings=tied), seed=0).eval()
     hf = peer.hf_llama_from(model)
@@ -36,7 +36,7 @@ def test_peer_computes_the_same_logits_and_greedy_tokens(tied):
 
 
 def test_peer_refuses_models_it_cannot_express():
-    from cs336_inference.benchmarks import peer
+    from cs336_inference.model import hf_peer as peer
 
     window = adapters.make_model(adapters.make_config(**CFG, sliding_window=4), seed=0)
     if not peer.transformers_available():
@@ -51,7 +51,7 @@ def test_peer_refuses_models_it_cannot_express():
 
 
 def test_weight_bytes_per_step_counts_what_decode_reads():
-    from cs336_inference.benchmarks.generation import weight_bytes_per_step
+    from cs336_inference.accounting.model_roofline import weight_bytes_per_step
 
     model = adapters.make_model(adapters.make_config(**{**CFG, "vocab_size": 96}), seed=0)  # 96: int4 kernel rows
     expected = sum(p.nbytes for n, p in model.named_parameters() if not n.startswith("token_embeddings"))

@@ -60,12 +60,12 @@ def test_paged_forward_of_a_ragged_batch_matches_the_plain_forward(kernel):
     first = [7, 1, 20]                                         # tokens written by a first forward
     with torch.no_grad():
         ids = [t for s, n in zip(seqs, first) for t in s[:n]]
-        out1 = adapters.run_model(model, torch.tensor([ids]), cache=cache.batch(tables, first, first),
+        out1 = adapters.run_model(model, torch.tensor([ids]), step=cache.step(tables, first, first),
                                   last_only=True)[0]
         rest = [1, 4, 0]                                       # a decode, a prefill chunk, nothing
         ids = [t for s, n, r in zip(seqs, first, rest) for t in s[n:n + r]]
         active = [b for b in range(3) if rest[b]]
-        out2 = adapters.run_model(model, torch.tensor([ids]), cache=cache.batch(
+        out2 = adapters.run_model(model, torch.tensor([ids]), step=cache.step(
             [tables[b] for b in active], [first[b] + rest[b] for b in active], [rest[b] for b in active]),
             last_only=True)[0]
         for b in range(3):
@@ -86,6 +86,9 @@ CONFIGS = {
     # 12 blocks of 4 tokens: far less than the batch wants, so running sequences get preempted
     "continuous_preempting": dict(scheduler="continuous", block_size=4, num_blocks=24, max_num_seqs=6,
                                   watermark_blocks=0),
+    # prompts cut into chunks of a 16-token budget, beside the decodes, under preemption
+    "continuous_chunked": dict(scheduler="continuous", block_size=4, num_blocks=24, max_num_seqs=6,
+                               watermark_blocks=0, max_num_batched_tokens=16, chunked_prefill=True),
 }
 
 
@@ -108,7 +111,7 @@ def test_engine_greedy_outputs_equal_generate(model, trace, reference, name):
         assert cached == 0
     else:
         assert cached > 0, "requests behind the shared system prompt should reuse its blocks"
-    if name == "continuous_preempting":
+    if name in ("continuous_preempting", "continuous_chunked"):
         assert summary["preemptions"] > 0
     if name == "static":  # a batch only starts once the previous one has completely finished
         spans = sorted((o.first_scheduled_time, o.finish_time) for o in result.outputs)
@@ -149,20 +152,48 @@ def test_both_schedulers_finish_a_poisson_trace_and_agree(model):
 
 def test_engine_refuses_bad_requests_and_configs(model):
     ok = adapters.make_request("a", [1, 2, 3], 4)
-    with pytest.raises(ValueError, match="context_length"):
-        adapters.run_engine(model, [adapters.make_request("long", [1] * 500, 100)])
     with pytest.raises(ValueError, match="unique"):
         adapters.run_engine(model, [ok, ok])
     with pytest.raises(ValueError, match="scheduler"):
         adapters.run_engine(model, [ok], scheduler="fifo")
-    with pytest.raises(ValueError, match="more than the"):
-        adapters.run_engine(model, [adapters.make_request("big", [1] * 40, 30)], block_size=4, num_blocks=8)
     with pytest.raises(ValueError, match="max_new_tokens"):
         adapters.make_request("zero", [1], 0)
     with pytest.raises(ValueError, match="n must be"):
         adapters.make_request("n0", [1], 3, n=0)
     with pytest.raises(ValueError, match="block_size"):
         adapters.run_engine(model, [ok], block_size=0)
+    with pytest.raises(ValueError, match="watermark_blocks"):  # at construction, not mid-run
+        adapters.run_engine(model, [ok], watermark_blocks=-1)
+    with pytest.raises(TypeError, match="model"):
+        adapters.run_engine(None, [ok])
+    with pytest.raises(ValueError, match="arrival_time"):
+        adapters.make_request("inf", [1], 3, float("inf"))
+    with pytest.raises(TypeError, match="num_requests"):
+        adapters.make_poisson_trace(list(range(100)), num_requests=2.5)
+
+
+def test_a_trace_with_impossible_requests_serves_every_other_request(model, trace, reference):
+    """Too long for the context, never fitting the KV pool, out-of-vocabulary stop token, more samples
+    than the static batch can reserve: each is refused alone with a message naming the limit; every
+    other request of the trace is served exactly."""
+    bad = [adapters.make_request("long", [1] * 500, 100, 0.01),
+           adapters.make_request("huge", [1] * 200, 200, 0.02),
+           adapters.make_request("oov", [1, 2], 4, 0.03, stop_tokens=(300,)),
+           adapters.make_request("wide", [5] * 30, 30, 0.04, n=5, temperature=0.5, seed=1)]
+    reasons = {"long": "context_length", "huge": "KV blocks", "oov": "vocab_size", "wide": "KV blocks"}
+    for scheduler in ("continuous", "static"):
+        result = adapters.run_engine(model, trace + bad, scheduler=scheduler, block_size=8, num_blocks=40,
+                                     max_num_seqs=6)
+        by_id = {o.request_id: o for o in result.outputs}
+        for request, want in zip(trace, reference):
+            assert by_id[request.request_id].tokens == [want]
+        for rid, words in reasons.items():
+            if rid == "wide" and scheduler == "continuous":
+                assert by_id[rid].error is None and len(by_id[rid].tokens) == 5  # one sample at a time fits
+                continue
+            assert set(by_id[rid].finish_reasons) == {"error"} and words in by_id[rid].error, (rid, by_id[rid].error)
+        assert result.free_blocks_at_end == result.num_blocks
+        assert result.summary()["failed"] == (4 if scheduler == "static" else 3)
 
 
 @pytest.mark.slow

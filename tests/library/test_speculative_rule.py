@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 from adapters import (run_accept_rule, run_acceptance_probability, run_acceptance_rate, run_expected_speedup,
-                      run_expected_tokens_per_pass, run_optimal_gamma, run_residual_distribution,
+                      run_expected_tokens_per_pass, run_optimal_gamma, run_library_residual_distribution,
                       run_speculative_output_distribution)
 
 
@@ -42,7 +42,7 @@ def one_step_law(p, q):
     resampled from the rule's residual. Returns P[emitted token = y] for every y."""
     V = len(p)
     out = torch.zeros(V, dtype=torch.float64)
-    residual = run_residual_distribution(p[None], q[None])[0]
+    residual = run_library_residual_distribution(p[None], q[None])[0]
     for x in range(V):
         if p[x] == 0:
             continue
@@ -98,7 +98,7 @@ def test_joint_law_of_several_tokens_by_enumeration():
                 else:
                     p, q = p_at(ctx), q_at(ctx)
                     a = float(run_acceptance_probability(p[None], q[None], torch.tensor([drafts[i]]))[0])
-                    r = run_residual_distribution(p[None], q[None])[0]
+                    r = run_library_residual_distribution(p[None], q[None])[0]
                     tails = [(drafts[:i] + (y,), reach * (1 - a) * float(r[y])) for y in range(V)]
                 for block, w in tails:
                     if len(block) >= n:

@@ -83,7 +83,8 @@ def grade(impl: str, workdir: Path, first: Path | None = None, stop_at_first_fai
     out = workdir / f"{impl.replace('/', '_').replace('.', '_')}.json"
     paths = ([str(first)] if first is not None else []) + [str(ROOT / "tests" / "graded")]
     with contextlib.redirect_stdout(io.StringIO()):
-        pytest.main([*paths, "-q", "--tb=no", "-p", "no:cacheprovider", "--impl", impl, "--grade-json", str(out),
+        pytest.main([*paths, "-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                     "--impl", impl, "--grade-json", str(out),
                      *(["-x"] if stop_at_first_failure else [])])
     if not out.exists():
         raise SystemExit(f"grading {impl} wrote no results.json")

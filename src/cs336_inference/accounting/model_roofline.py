@@ -2,13 +2,16 @@
 predict each from its FLOPs and bytes (`formulas`) on this machine's measured roofs (`roofline`).
 
 Used by `bench roofline` and notebook 01; the lecture's claim is that decode is memory-bound, so its
-time should be close to bytes / bandwidth.
+time should be close to bytes / bandwidth. Also the step timers the decode benchmarks share, and the
+weight bytes a decode step of a (possibly quantized) model reads.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn as nn
 
+from ..generation.generate import decode_one_token
 from ..model.transformer import TransformerLM
 from ..timing import median_seconds
 from .formulas import decode_step_bytes, forward_flops
@@ -75,3 +78,54 @@ def matvec_bandwidth(sweep: RooflineSweep) -> float | None:
     i = sweep.batch_sizes.index(1)
     e = _element_size(sweep.dtype)
     return e * (sweep.d_in + sweep.d_in * sweep.d_out + sweep.d_out) / sweep.seconds[i]
+
+
+def weight_bytes_per_step(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every parameter and quantized weight except the token
+    embedding table (a step reads one row of it). Packed quantized layers count the bytes their
+    kernel reads (codes + scales + zeros in the kernel's layout)."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding) or type(module).__name__ == "QuantizedEmbedding":
+            continue
+        if hasattr(module, "packed_weight"):   # a QuantizedLinear
+            packed = module.packed_weight(module.qweight.device)
+            total += packed.nbytes if packed is not None else sum(b.nbytes for b in module.buffers(recurse=False))
+            continue
+        if hasattr(getattr(module, "table", None), "packed_weight"):   # tied to a quantized lm_head
+            continue
+        total += sum(p.nbytes for p in module.parameters(recurse=False))
+    return total
+
+
+@torch.inference_mode()
+def prefill_tokens_per_second(model, prompt_len: int, batch_size: int = 1, repeats: int = 3) -> float:
+    device = model.device
+    ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), device=device)
+
+    def run():
+        model(ids, cache=model.new_cache(batch_size, prompt_len), last_only=True)
+
+    return batch_size * prompt_len / median_seconds(run, device, repeats, warmup=1)
+
+
+def decode_step_fn(model, batch_size: int, context: int = 32, steps: int = 32, decode=decode_one_token):
+    """Prefill `context` random tokens; return a function running one decode step (room for `steps` + 4).
+
+    decode(model, token_ids, cache) runs the step (a `compile_decode` step takes (token_ids, cache))."""
+    device = model.device
+    cache = model.new_cache(batch_size, context + steps + 4)
+    with torch.inference_mode():
+        model(torch.randint(0, model.config.vocab_size, (batch_size, context), device=device), cache=cache)
+    token = torch.zeros(batch_size, dtype=torch.long, device=device)
+
+    def step():
+        with torch.inference_mode():
+            return decode(model, token, cache)
+    return step
+
+
+@torch.inference_mode()
+def decode_step_seconds(model, batch_size: int, context: int = 32, steps: int = 32) -> float:
+    """Median seconds of one decode step for `batch_size` sequences after a `context`-token prefill."""
+    return median_seconds(decode_step_fn(model, batch_size, context, steps), model.device, steps, warmup=1)

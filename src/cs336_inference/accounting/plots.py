@@ -5,6 +5,8 @@ this machine's measured roofline, and a real model's prefill/decode on it. Each 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter
 
@@ -12,8 +14,17 @@ from .formulas import REAL_MODELS, get_hardware, max_batch_size, transformer_per
 from .roofline import RooflineSweep
 
 
+def _plain_log_labels(axis) -> None:
+    """Plain numbers on a log axis, labelling only the minor ticks at 2x and 5x a power of ten (all
+    eight crowd into each other)."""
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+
+
 def plot_latency_throughput(stats: list, title: str | None = None):
-    """Memory vs B (with the accelerator's capacity) and latency vs throughput, one point per B."""
+    """Memory vs B (with the accelerator's capacity) and latency vs throughput, one point per B.
+    `stats`: `TransformerPerformanceStats`, or their `to_dict()` (a benchmark's JSON)."""
+    stats = [SimpleNamespace(**s) if isinstance(s, dict) else s for s in stats]
     fig, (ax_mem, ax_lt) = plt.subplots(1, 2, figsize=(11, 4))
     bs = [s.batch_size for s in stats]
     ax_mem.plot(bs, [s.total_memory_bytes / 1e9 for s in stats], "o-", label="weights + KV cache")
@@ -32,8 +43,11 @@ def plot_latency_throughput(stats: list, title: str | None = None):
                        textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax_lt.plot([s.throughput_tokens_per_s for s in stats], [s.latency_per_token_s * 1e3 for s in stats],
                "-", color="C0", alpha=0.4)
-    ax_lt.set(xlabel="throughput (tokens/s)", ylabel="latency per token (ms)",
+    # log throughput: doubling B nearly doubles it at small B, so the points (and labels) spread evenly
+    ax_lt.set(xscale="log", xlabel="throughput (tokens/s, log scale)", ylabel="latency per token (ms)",
               title="bigger batches: more throughput, worse latency (red: does not fit)")
+    _plain_log_labels(ax_lt.xaxis)
+    ax_lt.margins(x=0.1, y=0.1)   # room for the last point's label inside the frame
     fig.suptitle(title or f"{stats[0].model} on {stats[0].hardware}, S={stats[0].seq_len}, {stats[0].precision} "
                  "(memory-bound decode: latency = bytes / bandwidth)")
     fig.tight_layout()
@@ -78,8 +92,7 @@ def plot_roofline(sweep: RooflineSweep):
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xticks(sweep.batch_sizes, [str(b) for b in sweep.batch_sizes])
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    _plain_log_labels(ax.yaxis)
     ax.set(xlabel="batch size B (rows of X)", ylabel="GFLOP/s",
            title=f"Roofline of {hw.device}\nW = {sweep.d_in}x{sweep.d_out} {sweep.dtype}, "
                  f"peak {hw.peak_flops / 1e9:,.0f} GFLOP/s, bandwidth {hw.memory_bandwidth / 1e9:,.1f} GB/s")
@@ -110,8 +123,7 @@ def plot_model(prefill: dict, decode: list[dict], name: str = "bench-90m"):
     ax_tp.plot(bs, [d["tokens_per_second"] for d in decode], "o-", label="measured")
     ax_tp.plot(bs, [d["batch_size"] / d["predicted_seconds"] for d in decode], "k--", label="predicted")
     ax_tp.set(xscale="log", yscale="log", xlabel="batch size B", ylabel="tokens / s", title="decode throughput")
-    ax_tp.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    ax_tp.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    _plain_log_labels(ax_tp.yaxis)
     ax_tp.legend(fontsize=8)
     for ax in (ax_lat, ax_tp):
         ax.set_xticks(bs, [str(b) for b in bs])

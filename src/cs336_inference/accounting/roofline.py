@@ -89,7 +89,7 @@ class HardwareMeasurement:
 def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool = False) -> HardwareMeasurement:
     """Measure peak matmul FLOP/s and memory bandwidth of `device` (cpu, cuda, mps; default: best).
 
-    quick: smaller problems and fewer repeats (~0.5 s on a 2-core CPU), for the lecture; the full
+    quick: smaller problems and fewer repeats (a fraction of a second), for the lecture; the full
     measurement streams 512 MiB and times 2048^3 (CPU) / 8192^3 (CUDA) matmuls.
     dtype: the matmul precision (default: bf16 on CUDA, fp32 elsewhere).
     """
@@ -148,6 +148,13 @@ class RooflineSweep:
         data["ridge_batch_size"] = self.ridge_batch_size
         data["knee_batch_size_80pct"] = self.knee_batch_size()
         return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RooflineSweep":
+        """The sweep back from `to_dict()` (a benchmark's JSON), to plot it again."""
+        fields = {k: v for k, v in data.items() if k not in ("ridge_batch_size", "knee_batch_size_80pct")}
+        hardware = {k: v for k, v in fields.pop("hardware").items() if k != "accelerator_intensity"}
+        return cls(HardwareMeasurement(**hardware), **fields)
 
 
 def _element_size(dtype: str) -> int:

@@ -1,21 +1,14 @@
-"""`python -m cs336_inference bench generation`: how fast the model generates, and why.
+"""`bench generation`: how fast the model generates, and why.
 
-A ~90M-parameter model whose fp32 weights (~330 MB) dwarf the CPU caches, so batch-1 decode streams
-every weight from memory each step: time per step ~ weight bytes / bandwidth. Fewer bytes per weight
-(bf16, int8, int4) should then mean proportionally faster decode, *if* the kernels read the small
-bytes directly (`QuantizedLinear`'s packed kernels) instead of materialising fp32 weights.
-
-Measured side by side in one run (the machines are shared: every variant is timed once per round,
-rounds alternate, we report medians with min/max over rounds and the load average):
-- fp32, bf16, int8 (per channel) and int4 (groups of 128) at batch 1 and 8, each with our decode
-  options (fused projections, torch's fused attention); "fp32 plain" is the readable path (separate
-  projections, hand-written attention, one `F.linear` per matrix);
-- Hugging Face `LlamaForCausalLM` on the same weights (the peer; needs the `[peer]` extra), with a
-  check that its greedy tokens equal ours;
-- weight bytes per step / time per step against the streaming bandwidth measured in the same run;
-- KL(fp32 || variant) of the next-token distributions, so speed is never quoted without its cost;
-- a busy section: the batch-1 fp32 rows again while another process holds a core.
-Plus prefill tokens/s and naive (re-run the prefix) vs cached generation.
+A ~90M-parameter model (or, with `--model smollm2-135m`, the real one) whose fp32 weights dwarf the
+CPU caches, so batch-1 decode streams every weight each step: time ~ weight bytes / bandwidth. Fewer
+bytes (bf16, int8, int4) should mean faster decode, *if* the kernels read the small bytes directly
+(`QuantizedLinear`'s packed kernels). Timed side by side in alternating rounds (medians, min/max):
+fp32 / bf16 / int8 / int4 at batch 1 and 8 with our decode options (fused projections, SDPA), eager
+and compiled; "fp32 plain", the readable path; Hugging Face's Llama on the same weights (the `[peer]`
+extra; its greedy tokens must equal ours); weight bytes per step / time against the bandwidth
+measured in the same run; KL(fp32 || variant), so speed is never quoted without its cost; batch-1
+fp32 again while another process holds a core; prefill tokens/s; naive vs cached generation.
 """
 
 from __future__ import annotations
@@ -29,74 +22,22 @@ import time
 import torch
 import torch.nn as nn
 
+from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
 from ..accounting.roofline import measure_memory_bandwidth
 from .._openmp import spin_count, wait_policy
-from ..device import get_device, seed_everything
-from ..figures import save_json
+from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
 from ..generation.compiled import compile_decode
-from ..generation.generate import decode_one_token, generate
+from ..generation.generate import generate
 from ..model.config import ModelConfig
-from ..model.layers import few_row_split
 from ..model.transformer import TransformerLM
-from ..quantization.linear import QuantizedLinear
 from ..quantization.model import quantize_model
 from ..timing import busy_cpu, load_average, median_seconds
-from . import peer
+from ..model import hf_peer as peer
+from .base import Benchmark
 from .generation_report import plot_generation, print_generation
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 COMPILED = ("fp32", "bf16", "int4")   # also timed through `compile_decode`
-
-
-def weight_bytes_per_step(model: nn.Module) -> int:
-    """Bytes of weights one decode step reads: every parameter and quantized weight except the token
-    embedding table (a step reads one row of it). Packed quantized layers count the bytes their
-    kernel reads (codes + scales + zeros in the kernel's layout)."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) or type(module).__name__ == "QuantizedEmbedding":
-            continue
-        if isinstance(module, QuantizedLinear):
-            packed = module.packed_weight(module.qweight.device)
-            total += packed.nbytes if packed is not None else sum(b.nbytes for b in module.buffers(recurse=False))
-            continue
-        if isinstance(getattr(module, "table", None), QuantizedLinear):
-            continue
-        total += sum(p.nbytes for p in module.parameters(recurse=False))
-    return total
-
-
-@torch.inference_mode()
-def prefill_tokens_per_second(model, prompt_len: int, batch_size: int = 1, repeats: int = 3) -> float:
-    device = model.device
-    ids = torch.randint(0, model.config.vocab_size, (batch_size, prompt_len), device=device)
-
-    def run():
-        model(ids, cache=model.new_cache(batch_size, prompt_len), last_only=True)
-
-    return batch_size * prompt_len / median_seconds(run, device, repeats, warmup=1)
-
-
-def decode_step_fn(model, batch_size: int, context: int = 32, steps: int = 32, decode=decode_one_token):
-    """Prefill `context` random tokens; return a function running one decode step (room for `steps` + 4).
-
-    decode(model, token_ids, cache) runs the step (a `compile_decode` step takes (token_ids, cache))."""
-    device = model.device
-    cache = model.new_cache(batch_size, context + steps + 4)
-    with torch.inference_mode():
-        model(torch.randint(0, model.config.vocab_size, (batch_size, context), device=device), cache=cache)
-    token = torch.zeros(batch_size, dtype=torch.long, device=device)
-
-    def step():
-        with torch.inference_mode():
-            return decode(model, token, cache)
-    return step
-
-
-@torch.inference_mode()
-def decode_step_seconds(model, batch_size: int, context: int = 32, steps: int = 32) -> float:
-    """Median seconds of one decode step for `batch_size` sequences after a `context`-token prefill."""
-    return median_seconds(decode_step_fn(model, batch_size, context, steps), model.device, steps, warmup=1)
 
 
 def _group_size(config: ModelConfig, wanted: int = 128) -> int:
@@ -105,8 +46,9 @@ def _group_size(config: ModelConfig, wanted: int = 128) -> int:
 
 
 def build_variants(model: TransformerLM) -> tuple[dict[str, nn.Module], dict[str, contextlib.AbstractContextManager]]:
-    """Every model the benchmark times (a deep copy each) and the context each must run in."""
-    fast = copy.deepcopy(model).fuse_projections().set_attention_kernel("sdpa")
+    """Every model the benchmark times (a deep copy each) and the context each must run in. All but
+    "fp32 plain" (the plain model) opt in to the CPU decode speed-ups (`cpu_tuning.tune_for_cpu`)."""
+    fast = tune_for_cpu(copy.deepcopy(model).fuse_projections().set_attention_kernel("sdpa"))
     g = _group_size(model.config)
     models = {
         "fp32 plain": model,
@@ -141,13 +83,10 @@ def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> 
     return times
 
 
-def bench_generation(quick: bool = False, device: str | None = None, preset: str = "bench-90m",
-                     model: str | None = None) -> dict:
+def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
     (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
-    device = get_device(device)
-    seed_everything(0)
-    result_name = "generation"
+    device, quick = run.device, run.quick
     if model is None:
         config = ModelConfig.from_name(preset)
         if quick:
@@ -160,7 +99,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
         missing = real_model_missing(model)
         if missing:
             raise ValueError(f"bench generation --model {model}: {missing}")
-        result_name, preset = f"generation_{model.replace('-', '_')}", model
+        run.name, preset = f"generation_{model.replace('-', '_')}", model
         model = load_pretrained(model, device=device, dtype=torch.float32).eval()
         config = model.config
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
@@ -171,6 +110,8 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
               "load_average_start": load_average()}
 
     models, contexts = build_variants(model)
+    result["cpu_tuning"] = describe(models["fp32"])
+    print(f"{result['cpu_tuning']} (every variant but fp32 plain)")
     hf = None
     if peer.transformers_available():
         hf = peer.hf_llama_from(model)
@@ -181,7 +122,7 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     # Same greedy tokens: our readable path, our fast path and the peer, from the same prompt.
     # Tokens for the greedy check and the KL: random ids for a random-init model, real text for a real one.
     width = 64 if not quick else 32
-    real = result_name != "generation"
+    real = run.name != "generation"
     text = _real_text(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
     prompt = text[None, :16].to(device)
     n_check = 16 if quick else 32
@@ -201,7 +142,10 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     for name in COMPILED if not quick else ():   # a smoke run skips the minutes of compiling
         t0 = time.perf_counter()
         compiled = compile_decode(models[name])
-        decode = lambda m, token, cache, compiled=compiled: compiled(token, cache)   # noqa: E731
+
+        def decode(m, token, cache, compiled=compiled):
+            with decode_threads():   # the tuned model's thread switch, outside the compiled graph
+                return compiled(token, cache)
         decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
         result["compile_seconds"][name] = time.perf_counter() - t0
         models[f"{name} compiled"] = models[name]
@@ -247,9 +191,6 @@ def bench_generation(quick: bool = False, device: str | None = None, preset: str
     result |= dict(new_tokens=new_tokens, cached_generation_s=cached.total_time, naive_generation_s=naive.total_time,
                    naive_over_cached=naive.total_time / cached.total_time, load_average_end=load_average())
 
-    print_generation(result)
-    save_json(result, result_name, result=True, quick=quick)  # --quick: scratch generation_quick.*
-    plot_generation(result, quick, result_name)
     return result
 
 
@@ -334,3 +275,8 @@ def _bf16_unit(device) -> str:
     if "avx512_bf16" in flags:
         return "AVX-512 BF16 (avx512_bf16)"
     return "none (bf16 is converted to fp32)"
+
+
+BENCHMARK = bench_generation = Benchmark("generation", measure, print_generation, parallel=True,
+                                         results=("generation", "generation_smollm2_135m"),
+                                         plots={"{name}": plot_generation})

@@ -1,43 +1,31 @@
-"""`python -m cs336_inference bench generation_smollm2`: prefill vs decode on a real model, on this machine.
+"""`bench generation_smollm2`: loading, prefill and decode of a real model on this machine's roofline.
 
-First, what loading costs: converting the GGUF (parse + dequantize, no cache) and loading the
-converted weights from the disk cache (memory-mapped), in fp32 and bf16, with the bytes they occupy.
-
-SmolLM2-135M in fp32 and bf16: prefill tokens/s, decode tokens/s at B = 1 and B = 8, the bytes a decode
-step must read (every weight once, the tied 49152 x 576 table included as the lm_head, plus the KV
-cache) against the streaming bandwidth measured in the same run, where a decode step sits on this
-machine's roofline (FLOPs / byte against peak FLOP/s / bandwidth), and naive (re-run the prefix)
-against cached generation. fp32 and bf16 are measured in alternating rounds (medians), so drifting
-load on a shared machine hits both alike.
+Loading: converting the GGUF (parse + dequantize, no cache) and loading the converted weights from the
+disk cache (memory-mapped), in fp32 and bf16. Then SmolLM2-135M in fp32 and bf16, in alternating
+rounds: prefill tokens/s, decode tokens/s at B = 1 and 8, the bytes a step reads (every weight once,
+the tied embedding as the lm_head, plus the KV cache) against the bandwidth measured in the same run,
+where the step sits on the roofline (FLOPs / byte against peak / bandwidth), naive vs cached generation.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
+import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import decode_step_bytes, forward_flops
 from ..accounting.roofline import measure_matmul_flops, measure_memory_bandwidth
-from ..device import get_device, seed_everything, thread_policy
-from ..figures import save_figure, save_json
 from ..generation.generate import generate
 from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
-from ..timing import num_threads
-from .generation import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
+from .base import Benchmark
+from ..accounting.model_roofline import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def bench_generation_smollm2(quick: bool = False, device: str | None = None) -> dict:
-    device = get_device(device)
-    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
-        return _bench(quick, device)
 
 
 def _rss_mb() -> float | None:
@@ -68,15 +56,13 @@ def measure_loading(device: torch.device) -> dict:
     return out
 
 
-def _bench(quick: bool, device: torch.device) -> dict:
-    t_start = time.perf_counter()
-    seed_everything(0)
+def measure(run) -> dict:
+    quick, device = run.quick, run.device
     loading = measure_loading(device)
     models = {p: load_pretrained(MODEL, device=device, dtype=dt) for p, dt in PRECISIONS.items()}
     config = models["fp32"].config
     rounds, steps, context, prompt = (1, 4, 64, 128) if quick else (3, 16, 128, 512)
-    load0 = os.getloadavg()
-    print(f"{MODEL} on {device}, {torch.get_num_threads()} threads, load average {load0[0]:.1f}")
+    print(f"{MODEL} on {device}, {torch.get_num_threads()} threads")
     bandwidth = statistics.median(measure_memory_bandwidth(device, repeats=5) for _ in range(3))
     peaks = {p: measure_matmul_flops(device, dtype=dt, repeats=3) for p, dt in PRECISIONS.items()}
     times = {(p, b): [] for p in PRECISIONS for b in (1, 8)}
@@ -108,22 +94,15 @@ def _bench(quick: bool, device: torch.device) -> dict:
     cached = generate(models["fp32"], ids, new_tokens, use_cache=True)
     naive = generate(models["fp32"], ids, new_tokens, use_cache=False)
     assert cached.tokens == naive.tokens, "cached and naive greedy generation disagree"
-    data = dict(model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(), loading=loading,
+    return dict(model=MODEL, device=str(device), threads=torch.get_num_threads(), loading=loading,
                 measured_bandwidth_GBps=bandwidth / 1e9, peak_GFLOPs={p: v / 1e9 for p, v in peaks.items()},
                 prompt_len=prompt, rounds=rounds, steps=steps, rows=rows,
                 generation=dict(precision="fp32", prompt_len=32, new_tokens=new_tokens, cached_s=cached.total_time,
                                 naive_s=naive.total_time, naive_over_cached=naive.total_time / cached.total_time,
                                 cached_step_ms=[1e3 * t for t in cached.inter_token_latencies],
                                 naive_step_ms=[1e3 * t for t in naive.inter_token_latencies]),
-                load_average_start=list(load0), load_average_end=list(os.getloadavg()),
-                wall_seconds=time.perf_counter() - t_start,
                 note=("medians over alternating rounds on a shared CPU; bytes per step = every weight + the KV "
                       "cache read"))
-    _print(data)
-    path = save_json(data, "generation_smollm2", result=True, quick=quick)
-    save_figure(_plot(data), "generation_smollm2", result=True, quick=quick)
-    print(f"wrote {path} and its .png")
-    return data
 
 
 def _print(data: dict) -> None:
@@ -144,9 +123,7 @@ def _print(data: dict) -> None:
           f"({g['naive_over_cached']:.1f}x)")
 
 
-def _plot(data: dict):
-    import matplotlib.pyplot as plt
-
+def plot(data: dict):
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = data["rows"]
     labels = [f"{r['precision']}\nB={r['batch_size']}" for r in rows]
@@ -164,3 +141,7 @@ def _plot(data: dict):
     ax2.legend()
     fig.tight_layout()
     return fig
+
+
+BENCHMARK = bench_generation_smollm2 = Benchmark("generation_smollm2", measure, _print, parallel=True,
+                                                 plots={"generation_smollm2": plot})

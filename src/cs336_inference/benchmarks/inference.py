@@ -3,161 +3,153 @@
 For one model on one device it serves request traces with the serving `Engine` (continuous batching,
 paged KV cache) and sweeps what an operator chooses: the lecture's three operating points (interactive
 chat, offline batch, RL rollouts), then concurrency, prompt length and output length, each at every
-precision (fp32, bf16, weight-only int8 and int4), and the paged vs contiguous KV cache on the chat
-point. Per run it records vLLM's serving metrics and a little more (`serving.metrics`):
+precision (fp32, bf16, weight-only int8 and int4), the paged vs contiguous KV cache on the chat point,
+and speculative decoding (plain, prompt lookup, the shipped draft model) on the chat point served one
+request at a time. Per run it records vLLM's serving metrics (`serving.metrics`: TTFT, ITL pooled over
+every request's gaps, TPOT, E2E, throughput), each request's queueing / prefill / decode split
+(communication is 0: one device), peak memory, and quality against fp32 (bits per byte of held-out
+text, KL per token).
 
-  TTFT   arrival -> first output token                      (mean, median, p99 over requests)
-  ITL    gap between consecutive output tokens (chunks)     (pooled over every request's gaps)
-  TPOT   (E2E - TTFT) / (output tokens - 1)                 (requests with more than one token)
-  E2E    arrival -> last output token
-  throughput: output tokens / s and (prompt + output) tokens / s over the run, requests / s
-  split: each request's queueing (arrival -> first scheduled), prefill (-> first token) and decode
-         (-> last token); communication is 0 (one device, no multi-device path in this package)
-  memory: CUDA allocator peak on a GPU; on a CPU the weight bytes + KV pool bytes and the process's
-          peak resident set (Linux VmHWM, reset per run)
-  quality: bits per byte of held-out text and KL(fp32 || precision) per token, against fp32.
-
-Where ours differ from vLLM's `vllm bench serve`: the clock is the engine's (measured compute time
-per step; idle gaps between arrivals are skipped, not slept through), there is no HTTP, network or
-detokenization in any latency, token counts are exact, and a request asking for n > 1 samples is
-timed from its first token of any sample to its last (see `serving/metrics.py`).
-
-Speculative decoding (plain, prompt lookup, the shipped draft model) is compared on the chat point
-served one request at a time (`inference_speculative`): it decodes one sequence, so it is a latency
-technique, and the engine does not draft. Each run is repeated `repeats` times in interleaved rounds
-and the median-duration repeat is kept (min and max of the main metrics beside it).
-
-One CPU thread for the shipped toy model (spinning OpenMP threads stall on a shared machine), the
-parallel thread policy for a real model; the load average before and after is in the result.
+Where ours differ from `vllm bench serve`: the clock is the engine's (measured compute time per step;
+idle gaps between arrivals are skipped, not slept through), there is no HTTP, network or
+detokenization in any latency, and a request asking for n > 1 samples is timed from its first token of
+any sample to its last. Each run is repeated `repeats` times in interleaved rounds and the
+median-duration repeat is kept (min and max of the main metrics beside it).
 """
 
 from __future__ import annotations
 
-import csv
 import math
 
 import torch
 from tqdm.auto import tqdm
 
 from .. import _checks
-from ..device import default_dtype, get_device, seed_everything, thread_policy
-from ..figures import output_path, save_figure, save_json
+from ..device import default_dtype
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import REAL_MODELS
 from ..model.tokenizer import load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..serving.metrics import request_metrics
-from ..timing import num_threads
-from .inference_config import PRECISIONS, RunSpec, SweepConfig, Workload, check_preset, sweep_config
+from .base import Benchmark, load_avg
+from .inference_config import PRECISIONS, RunSpec, SweepConfig, check_arguments, sweep_config
+from .inference_endpoint import ENDPOINT, endpoint_name, measure_endpoint
 from .inference_report import plot_operating_points, plot_ttft, print_inference
-from .inference_speculative import GAMMA
-from .inference_runs import (build_precision, make_requests, quality_vs_reference, quality_windows, run_benchmark,
-                             source_tokens, stop_tokens)
-from .machine import describe_machine, load_avg
+from .inference_runs import (GAMMA, build_precision, make_requests, quality_vs_reference, quality_windows,
+                             run_benchmark, source_tokens, stop_tokens)
 
 NAME = "inference"
+RANGED = ("output_throughput", "ttft_median_s", "tpot_median_s", "itl_median_s", "e2el_median_s")
 
 
 def precision_order(device: torch.device) -> tuple[str, ...]:
     """Every precision, the device's full-precision default first (fp32 on a CPU, bf16 on a GPU): the
-    first is the base for the KV-layout comparison and the reference for the plots' ordering."""
+    base for the KV-layout comparison and for the plots' ordering."""
     base = "bf16" if default_dtype(device) == torch.bfloat16 else "fp32"
     return (base,) + tuple(p for p in PRECISIONS if p != base)
 
 
-def _override(workload: Workload, concurrency: int | None, output_len: int | None) -> Workload:
+def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,
+            output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None,
+            endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None) -> dict:
+    """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
+    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed). Results:
+    figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png. `sweep`: another
+    SweepConfig than the model's. A `preset` or a custom `sweep` is a partial run (figures/scratch).
+    `endpoint`: measure the OpenAI-compatible server at that URL instead, as its streaming client
+    (`inference_endpoint`; `tokenizer` cuts the prompts and re-counts, `arrivals` poisson or fixed):
+    figures/scratch/inference_endpoint_MODEL.*."""
+    check_arguments(model, preset, concurrency, output_len)
+    if endpoint is not None:
+        run.name, run.committed, run.report = endpoint_name(model, preset), False, ENDPOINT
+        return measure_endpoint(endpoint, model, run.quick, preset, concurrency, output_len, tokenizer,
+                                arrivals or "poisson", progress)
+    if tokenizer is not None or arrivals is not None:
+        raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
+    if sweep is not None:
+        _checks.instance("sweep", sweep, SweepConfig)
+    device, real = run.device, model in REAL_MODELS
+    config = (sweep or sweep_config(real, run.quick)).with_precisions(precision_order(device))
+    if "draft" in (config.speculative if preset is None else ()) and model != "target":
+        raise ValueError(f"speculative mode 'draft' needs a draft model of {model!r}; only the shipped target has one "
+                         f"(models/draft); use speculative=('off', 'prompt_lookup') for {model!r}")
+    runs = config.runs(only_preset=preset)
     changes = {k: v for k, v in (("concurrency", concurrency), ("output_len", output_len)) if v is not None}
-    return workload.replace(**changes) if changes else workload
+    runs = [RunSpec(s.axis, s.workload.replace(**changes), s.precision, s.kv_layout, s.speculative) for s in runs]
+    run.name = (NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}") + (f"_{preset}" if preset else "")
+    run.committed = preset is None and sweep is None
+    return {**_sweep(model, real, device, config, runs, progress), "preset": preset}
 
 
-def check_arguments(model: str, preset, concurrency, output_len) -> None:
-    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
-    _checks.instance("model", model, str)
-    if preset is not None:
-        check_preset(preset)
-    for name, value in (("concurrency", concurrency), ("output_len", output_len)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            why = ("at least one sequence must run" if name == "concurrency"
-                   else "a request generates at least one token")
-            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
-    if (concurrency is not None or output_len is not None) and preset is None:
-        raise ValueError("concurrency / output_len override one operating point: give preset too "
-                         f"(one of {list(sweep_config(False).presets)})")
-
-
-def _per_request(outputs) -> list[dict]:
-    """Each request's split and latencies (seconds), for the operating-point runs."""
-    rows = []
-    for o in outputs:
-        m = request_metrics(o)
-        rows.append({"id": m.request_id, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
-                     "queueing_s": m.queueing, "prefill_s": m.prefill, "decode_s": m.decode, "ttft_s": m.ttft,
-                     "tpot_s": m.tpot, "e2el_s": m.e2el})
-    return rows
+def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, runs: list[RunSpec],
+           progress: bool) -> dict:
+    """Load the model, build every precision, measure quality, warm up, then serve every run
+    `config.repeats` times in interleaved rounds."""
+    load_before = load_avg()
+    reference = load_pretrained(model, device=device).eval()
+    tokenizer = load_tokenizer(model)
+    text, stop = source_tokens(tokenizer, real), stop_tokens(tokenizer, real)
+    source, base = text.tolist(), config.precisions[0]
+    models = {p: build_precision(reference, p, device) for p in config.precisions}
+    windows = quality_windows(text, *config.quality_windows)
+    quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
+    del reference
+    modes = {s.speculative for s in runs}
+    drafts = {mode: mode for mode in modes & {"prompt_lookup"}}
+    if "draft" in modes:   # the shipped draft model, at the target's precision
+        drafts["draft"] = build_precision(load_pretrained("draft", device=device).eval(), base, device)
+    # untimed: kernel layouts, allocator pools and caches get built here, not in the first timed run
+    warm = make_requests(config.warmup, source, tokenizer, stop)
+    for m in models.values():
+        run_benchmark(m, warm, config.warmup.concurrency, "paged", device)
+    for draft in [None, *drafts.values()] if drafts else []:
+        run_benchmark(models[base], warm[:1], 1, "contiguous", device, "one_at_a_time", draft)
+    repeats = [[] for _ in runs]
+    order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
+    for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
+        repeats[i].append(one_run(runs[i], models[runs[i].precision], source, tokenizer, stop, device, drafts))
+    rows = [median_run(r) for r in repeats]
+    match_plain_greedy(rows)
+    return {"benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
+            "load_avg_before": load_before, "load_avg_after": load_avg(), "base_precision": base,
+            "precisions": list(config.precisions), "weight_bytes": {p: model_nbytes(m) for p, m in models.items()},
+            "quality": quality, "quality_tokens": int(windows[:, 1:].numel()),
+            "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
+            "sweep": config.describe(), "rows": rows}
 
 
 def one_run(spec: RunSpec, model, source, tokenizer, stop, device, drafts: dict | None = None) -> dict:
     """Serve one run of the sweep and return its row (and the per-request split for operating points;
     each request's output tokens on the speculative axis, to check greedy outputs against plain decoding)."""
     w = spec.workload
-    requests = make_requests(w, source, tokenizer, stop)
-    server = "one_at_a_time" if spec.axis == "speculative" else "engine"
     draft = (drafts or {}).get(spec.speculative) if spec.speculative != "off" else None
     if spec.speculative != "off" and draft is None:
         raise ValueError(f"speculative mode {spec.speculative!r} has no drafter here "
                          f"(drafters: {sorted(drafts or {})})")
-    row, outputs = run_benchmark(model, requests, w.concurrency, spec.kv_layout, device, server, draft)
+    server = "one_at_a_time" if spec.axis == "speculative" else "engine"
+    row, outputs = run_benchmark(model, make_requests(w, source, tokenizer, stop), w.concurrency, spec.kv_layout,
+                                 device, server, draft)
     row = {"axis": spec.axis, "workload": w.name, "precision": spec.precision, "kv_layout": spec.kv_layout,
            "speculative": spec.speculative, "concurrency": w.concurrency, "prompt_len_lo": w.prompt_len[0],
            "prompt_len_hi": w.prompt_len[1], "output_len": w.output_len, "num_requests": w.num_requests,
            "samples": w.samples, "workload_spec": w.describe(), **row}
     if spec.axis == "preset":
-        row["requests"] = _per_request(outputs)
+        row["requests"] = [{"id": m.request_id, "prompt_tokens": m.prompt_tokens, "output_tokens": m.output_tokens,
+                            "queueing_s": m.queueing, "prefill_s": m.prefill, "decode_s": m.decode, "ttft_s": m.ttft,
+                            "tpot_s": m.tpot, "e2el_s": m.e2el} for m in map(request_metrics, outputs)]
     if spec.axis == "speculative":
         row["output_token_ids"] = [o.tokens for o in outputs]
     return row
 
 
-RANGED = ("output_throughput", "ttft_median_s", "tpot_median_s", "itl_median_s", "e2el_median_s")
-
-
 def median_run(rows: list[dict]) -> dict:
     """The repeat with the median duration (the lower middle of an even count), so every number of a row
     comes from one run and stays consistent; with the min and max of the main metrics over repeats."""
-    chosen = sorted(rows, key=lambda r: r["duration_s"])[(len(rows) - 1) // 2]
-    out = {**chosen, "repeats": len(rows)}
+    out = {**sorted(rows, key=lambda r: r["duration_s"])[(len(rows) - 1) // 2], "repeats": len(rows)}
     for key in RANGED:
         values = [r[key] for r in rows if r[key] is not None and math.isfinite(r[key])]
         out[f"{key}_min"], out[f"{key}_max"] = (min(values), max(values)) if values else (None, None)
     return out
-
-
-def warm_up(models: dict, workload: Workload, source, tokenizer, stop, device, drafts: dict, base: str) -> None:
-    """A short untimed run per precision and per drafter: kernel layouts, allocator pools and caches get
-    built here, not in the first timed run."""
-    requests = make_requests(workload, source, tokenizer, stop)
-    for model in models.values():
-        run_benchmark(model, requests, workload.concurrency, "paged", device)
-    for draft in [None, *drafts.values()] if drafts else []:
-        run_benchmark(models[base], requests[:1], 1, "contiguous", device, "one_at_a_time", draft)
-
-
-def check_drafts(model: str, modes) -> None:
-    """The shipped draft model drafts only for the shipped target (same tokenizer, trained from it)."""
-    if "draft" in modes and model != "target":
-        raise ValueError(f"speculative mode 'draft' needs a draft model of {model!r}; only the shipped target has one "
-                         f"(models/draft); use speculative=('off', 'prompt_lookup') for {model!r}")
-
-
-def load_drafts(modes, precision: str, device) -> dict:
-    """mode -> drafter for every speculative mode but "off": "prompt_lookup", or the shipped draft model
-    at the target's `precision`."""
-    drafts = {}
-    if "prompt_lookup" in modes:
-        drafts["prompt_lookup"] = "prompt_lookup"
-    if "draft" in modes:
-        drafts["draft"] = build_precision(load_pretrained("draft", device=device).eval(), precision, device)
-    return drafts
 
 
 def match_plain_greedy(rows: list[dict]) -> None:
@@ -170,112 +162,19 @@ def match_plain_greedy(rows: list[dict]) -> None:
         if plain is not None and r["workload_spec"]["temperature"] == 0:
             r["same_tokens_as_plain"] = sum(a == b for a, b in zip(t, plain)) / len(t)
 
-def _finite(value):
-    """NaN/inf -> None, recursively (strict JSON has no NaN; 'no value' is what they mean here)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
 
 def csv_rows(result: dict) -> list[dict]:
     """One flat row per run (scalars only), each with the machine it ran on."""
     m = result["machine"]
     machine = {"model": result["model"], "device": result["device"], "cpu": m["cpu"],
-               "torch_threads": m["torch_threads"],
-               "torch": m["torch"], "gpu": m.get("gpu"), "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
-    rows = []
-    for r in result["rows"]:
-        flat = {k: v for k, v in r.items() if not isinstance(v, (dict, list))}
-        rows.append({**machine, **flat})
-    return rows
+               "torch_threads": m["torch_threads"], "torch": m["torch"], "gpu": m.get("gpu"),
+               "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
+    return [{**machine, **{k: v for k, v in r.items() if not isinstance(v, (dict, list))}} for r in result["rows"]]
 
 
-def save_csv(rows: list[dict], name: str, result: bool, quick: bool) -> str:
-    path = output_path(name, ".csv", result=result, quick=quick)
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    return str(path)
-
-
-def bench_inference(quick: bool = False, device: str | None = None, model: str = "target", preset: str | None = None,
-                    concurrency: int | None = None, output_len: int | None = None, progress: bool = True,
-                    sweep: SweepConfig | None = None) -> dict:
-    """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
-    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); print the
-    tables; write figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png (quick:
-    *_quick.* in figures/scratch). `sweep`: another SweepConfig than the model's (default
-    `sweep_config(real_model, quick)`). A `preset` or a custom `sweep` writes to figures/scratch too
-    (only the full sweep is a committed result). Returns the result dict."""
-    check_arguments(model, preset, concurrency, output_len)
-    if sweep is not None:
-        _checks.instance("sweep", sweep, SweepConfig)
-    device = get_device(device)
-    seed_everything(0)
-    real = model in REAL_MODELS
-    config = (sweep or sweep_config(real, quick)).with_precisions(precision_order(device))
-    check_drafts(model, config.speculative if preset is None else ())
-    runs = config.runs(only_preset=preset)
-    if preset is not None:
-        runs = [RunSpec(s.axis, _override(s.workload, concurrency, output_len), s.precision, s.kv_layout,
-                        s.speculative) for s in runs]
-    threads = thread_policy(parallel=real) if device.type == "cpu" else torch.get_num_threads()
-    with num_threads(threads):   # the toy model: one thread; a real model is large work: every core (device.py)
-        result = _sweep(model, real, device, config, runs, progress)
-    result.update(quick=quick, preset=preset)
-    name = NAME if model == "target" else f"{NAME}_{model.replace('-', '_')}"
-    if preset is not None:
-        name += f"_{preset}"
-    print_inference(result)
-    committed = preset is None and sweep is None   # the full sweep is a committed result; the rest is scratch
-    save_json(result, name, result=committed, quick=quick)
-    save_csv(csv_rows(result), name, committed, quick)
-    import matplotlib.pyplot as plt
-
-    if any(r["axis"] in ("concurrency", "preset") for r in result["rows"]):
-        save_figure(plot_operating_points(result), f"{name}_operating_points", result=committed, quick=quick)
-    if any(r["axis"] == "prompt_len" for r in result["rows"]):
-        save_figure(plot_ttft(result), f"{name}_ttft", result=committed, quick=quick)
-    plt.close("all")
-    return result
-
-
-def _sweep(model: str, real: bool, device: torch.device, config: SweepConfig, runs: list[RunSpec],
-           progress: bool) -> dict:
-    """Load the model, build every precision, measure quality, warm up, then serve every run
-    `config.repeats` times in interleaved rounds; the result dict (NaN -> None)."""
-    load_before = load_avg()
-    reference = load_pretrained(model, device=device).eval()
-    tokenizer = load_tokenizer(model)
-    text, stop = source_tokens(tokenizer, real), stop_tokens(tokenizer, real)
-    source = text.tolist()
-    models = {p: build_precision(reference, p, device) for p in config.precisions}
-    windows = quality_windows(text, *config.quality_windows)
-    quality = quality_vs_reference(models, reference.float(), windows, tokenizer)
-    del reference
-    drafts = load_drafts({s.speculative for s in runs}, config.precisions[0], device)
-    warm_up(models, config.warmup, source, tokenizer, stop, device, drafts, config.precisions[0])
-    repeats = [[] for _ in runs]
-    order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
-    for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
-        spec = runs[i]
-        repeats[i].append(one_run(spec, models[spec.precision], source, tokenizer, stop, device, drafts))
-    rows = [median_run(r) for r in repeats]
-    match_plain_greedy(rows)
-    return _finite({
-        "benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
-        "machine": describe_machine(device), "load_avg_before": load_before, "load_avg_after": load_avg(),
-        "base_precision": config.precisions[0], "precisions": list(config.precisions),
-        "weight_bytes": {p: model_nbytes(m) for p, m in models.items()}, "quality": quality,
-        "quality_tokens": int(windows[:, 1:].numel()),
-        "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
-        "sweep": config.describe(), "rows": rows})
-
+BENCHMARK = bench_inference = Benchmark(
+    NAME, measure, print_inference, csv=csv_rows, parallel=lambda options: options.get("model") in REAL_MODELS,
+    results=(NAME, f"{NAME}_smollm2_135m"),
+    plots={"{name}_operating_points": plot_operating_points, "{name}_ttft": plot_ttft})
 
 __all__ = ["bench_inference", "check_arguments", "csv_rows", "one_run", "precision_order"]

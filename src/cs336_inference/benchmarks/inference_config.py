@@ -1,13 +1,11 @@
 """What `bench inference` sweeps: workloads, the lecture's three operating points, and the sweep plan.
 
-A `Workload` is a request trace plus the engine's batch limit: how long the prompts and outputs are,
-how many requests, how they arrive (Poisson at `rate` per second, or all at once: an offline job),
-how many samples each asks for, and how many sequences may run at once (`concurrency`, the engine's
-`max_num_seqs`). A run is a workload served at one precision with one KV layout (and, where it
-applies, with speculative decoding).
-
-The three operating points of the lecture (interactive chat, offline batch, RL rollouts) are
-`OPERATING_POINTS`, one set sized for the shipped toy model and one for a real model on a CPU.
+A `Workload` is a request trace plus the engine's batch limit: prompt and output lengths, how many
+requests, how they arrive (Poisson at `rate` per second, or all at once: an offline job), samples per
+request, and how many sequences may run at once (`concurrency`, the engine's `max_num_seqs`). A run
+is a workload served at one precision with one KV layout (and, where it applies, speculative decoding).
+The three operating points (interactive chat, offline batch, RL rollouts) come in two sizes: for the
+shipped toy model and for a real model on a CPU.
 """
 
 from __future__ import annotations
@@ -20,8 +18,9 @@ from .. import _checks
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 KV_LAYOUTS = ("paged", "contiguous")
-# The speculative axis (see inference_speculative): plain decoding, prompt lookup, the shipped draft model.
-SPECULATIVE = ("off", "prompt_lookup", "draft")
+SPECULATIVE = ("off", "prompt_lookup", "draft")   # plain decoding, prompt lookup, the shipped draft model
+SPARSE_RATE = 1e-4   # arrivals far apart: each request runs alone (TTFT = prefill, no queueing); the
+                     # engine jumps over idle gaps, so they cost no time (throughput means nothing there)
 
 
 @dataclass(frozen=True)
@@ -48,19 +47,12 @@ class Workload:
             raise ValueError(f"workload {self.name!r}: prompt_len must be (lo, hi) ints with 1 <= lo <= hi, "
                              f"got {self.prompt_len!r}")
         for name in ("output_len", "concurrency", "num_requests", "samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"workload {self.name!r}: {name} must be an int >= 1, got {value!r}"
-                                 + (" (a request must generate at least one token)" if name == "output_len" else "")
-                                 + (" (at least one sequence must run)" if name == "concurrency" else ""))
+            _checks.positive_int(f"workload {self.name!r}: {name}", getattr(self, name))
         if not (isinstance(self.rate, (int, float)) and self.rate > 0):
             raise ValueError(f"workload {self.name!r}: rate must be > 0 requests/s (inf: all at once), "
                              f"got {self.rate!r}")
-        if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
-            raise ValueError(f"workload {self.name!r}: temperature must be >= 0, got {self.temperature!r}")
-        if not 0 <= self.system_prompt_fraction <= 1:
-            raise ValueError(f"workload {self.name!r}: system_prompt_fraction must be in [0, 1], "
-                             f"got {self.system_prompt_fraction!r}")
+        _checks.non_negative_float(f"workload {self.name!r}: temperature", self.temperature)
+        _checks.probability(f"workload {self.name!r}: system_prompt_fraction", self.system_prompt_fraction)
         _checks.non_negative_int("system_prompt_len", self.system_prompt_len)
 
     @property
@@ -71,10 +63,8 @@ class Workload:
         return dataclasses.replace(self, **changes)
 
     def describe(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["prompt_len"] = list(self.prompt_len)
-        d["rate"] = None if math.isinf(self.rate) else self.rate
-        return d
+        return {**dataclasses.asdict(self), "prompt_len": list(self.prompt_len),
+                "rate": None if math.isinf(self.rate) else self.rate}
 
 
 @dataclass(frozen=True)
@@ -88,12 +78,9 @@ class RunSpec:
     speculative: str = "off"
 
     def __post_init__(self):
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        if self.speculative not in SPECULATIVE:
-            raise ValueError(f"speculative must be one of {SPECULATIVE}, got {self.speculative!r}")
+        _checks.one_of("precision", self.precision, PRECISIONS)
+        _checks.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
+        _checks.one_of("speculative", self.speculative, SPECULATIVE)
 
 
 def _toy_points() -> dict[str, Workload]:
@@ -111,8 +98,8 @@ def _toy_points() -> dict[str, Workload]:
 
 
 def _real_points() -> dict[str, Workload]:
-    """The same three operating points sized for a ~135M-parameter model on a shared 2-core CPU (a decode
-    step takes ~0.1-0.4 s there): chat messages with the model's template, answers ending at its stop token."""
+    """The same three points sized for a ~135M-parameter model on a shared 2-core CPU: chat messages
+    with the model's template, answers ending at its stop token."""
     return {
         "chat": Workload("chat", prompt_len=(16, 48), output_len=32, concurrency=4, num_requests=6, rate=2.0,
                          stop_at_eos=True, system_prompt_fraction=0.5, chat=True),
@@ -136,13 +123,7 @@ def operating_points(real_model: bool, quick: bool = False) -> dict[str, Workloa
 
 
 def check_preset(preset) -> str:
-    if not isinstance(preset, str) or preset not in OPERATING_POINTS:
-        raise ValueError(f"preset must be one of the operating points {list(OPERATING_POINTS)}, got {preset!r}")
-    return preset
-
-
-SPARSE_RATE = 1e-4   # arrivals per second far apart: each request runs alone (TTFT = prefill, no queueing);
-                     # the engine jumps over idle gaps, so they cost no time (throughput is not meaningful)
+    return _checks.one_of("preset (one of the operating points)", preset, OPERATING_POINTS)
 
 
 @dataclass(frozen=True)
@@ -172,25 +153,13 @@ class SweepConfig:
     def __post_init__(self):
         if not self.precisions:
             raise ValueError(f"precisions must name at least one of {PRECISIONS}, got {self.precisions!r}")
-        for p in self.precisions:
-            if p not in PRECISIONS:
-                raise ValueError(f"precisions: each must be one of {PRECISIONS}, got {p!r}")
-        for c in self.concurrencies:
-            if isinstance(c, bool) or not isinstance(c, int) or c < 1:
-                raise ValueError(f"concurrencies: each must be an int >= 1 (at least one sequence runs), got {c!r}")
-        for o in self.output_lens:
-            if isinstance(o, bool) or not isinstance(o, int) or o < 1:
-                raise ValueError(f"output_lens: each must be an int >= 1 (a request generates at least one "
-                                 f"token), got {o!r}")
-        for p in self.prompt_lens:
-            if isinstance(p, bool) or not isinstance(p, int) or p < 1:
-                raise ValueError(f"prompt_lens: each must be an int >= 1, got {p!r}")
-        for layout in self.kv_layouts:
-            if layout not in KV_LAYOUTS:
-                raise ValueError(f"kv_layouts: each must be one of {KV_LAYOUTS}, got {layout!r}")
-        for mode in self.speculative:
-            if mode not in SPECULATIVE:
-                raise ValueError(f"speculative: each must be one of {SPECULATIVE}, got {mode!r}")
+        for name, allowed in (("precisions", PRECISIONS), ("kv_layouts", KV_LAYOUTS), ("speculative", SPECULATIVE)):
+            for value in getattr(self, name):
+                _checks.one_of(f"{name}: each", value, allowed)
+        for name in ("concurrencies", "output_lens", "prompt_lens"):
+            for value in getattr(self, name):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name}: each must be an int >= 1, got {value!r}")
         for k in self.presets:
             check_preset(k)
         _checks.positive_int("repeats", self.repeats)
@@ -204,8 +173,7 @@ class SweepConfig:
         KV layouts and speculative modes (at the base precision), then the concurrency, prompt-length and
         output-length axes x precisions. `only_preset`: just that operating point at every precision."""
         if only_preset is not None:
-            check_preset(only_preset)
-            return [RunSpec("preset", self.presets[only_preset], p) for p in self.precisions]
+            return [RunSpec("preset", self.presets[check_preset(only_preset)], p) for p in self.precisions]
         base = self.precisions[0]
         out = [RunSpec("preset", w, p) for w in self.presets.values() for p in self.precisions]
         chat = self.presets.get("chat")
@@ -216,27 +184,37 @@ class SweepConfig:
                                      num_requests=min(chat.num_requests, self.speculative_requests))
                 out += [RunSpec("speculative", alone, base, "contiguous", mode) for mode in self.speculative]
         for p in self.precisions:
-            for c in self.concurrencies:
-                n = max(self.concurrency_base.num_requests, self.requests_per_slot * c)
-                out.append(RunSpec("concurrency", self.concurrency_base.replace(concurrency=c, num_requests=n), p))
+            out += [RunSpec("concurrency", self.concurrency_base.replace(
+                concurrency=c, num_requests=max(self.concurrency_base.num_requests, self.requests_per_slot * c)), p)
+                for c in self.concurrencies]
         for p in self.precisions:
-            for length in self.prompt_lens:
-                out.append(RunSpec("prompt_len", self.prompt_base.replace(prompt_len=(length, length)), p))
+            out += [RunSpec("prompt_len", self.prompt_base.replace(prompt_len=(n, n)), p) for n in self.prompt_lens]
         for p in self.precisions:
-            for length in self.output_lens:
-                out.append(RunSpec("output_len", self.output_base.replace(output_len=length), p))
+            out += [RunSpec("output_len", self.output_base.replace(output_len=n), p) for n in self.output_lens]
         return out
 
     def describe(self) -> dict:
         """The sweep as plain data (for the JSON)."""
-        return {"precisions": list(self.precisions), "concurrencies": list(self.concurrencies),
-                "concurrency_base": self.concurrency_base.describe(), "requests_per_slot": self.requests_per_slot,
-                "prompt_lens": list(self.prompt_lens), "prompt_base": self.prompt_base.describe(),
-                "output_lens": list(self.output_lens), "output_base": self.output_base.describe(),
-                "kv_layouts": list(self.kv_layouts), "speculative": list(self.speculative),
-                "speculative_requests": self.speculative_requests,
-                "presets": {k: w.describe() for k, w in self.presets.items()}, "warmup": self.warmup.describe(),
-                "quality_windows": list(self.quality_windows), "repeats": self.repeats}
+        return {**{f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), tuple)},
+                **{f.name: getattr(self, f.name).describe() for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Workload)},
+                "requests_per_slot": self.requests_per_slot, "speculative_requests": self.speculative_requests,
+                "presets": {k: w.describe() for k, w in self.presets.items()}, "repeats": self.repeats}
+
+
+def check_arguments(model: str, preset, concurrency, output_len) -> None:
+    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
+    _checks.instance("model", model, str)
+    if preset is not None:
+        check_preset(preset)
+    for name, value, why in (("concurrency", concurrency, "at least one sequence must run"),
+                             ("output_len", output_len, "a request generates at least one token")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
+    if (concurrency is not None or output_len is not None) and preset is None:
+        raise ValueError("concurrency / output_len override one operating point: give preset too "
+                         f"(one of {list(sweep_config(False).presets)})")
 
 
 def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
@@ -263,4 +241,4 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
 
 
 __all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE", "SweepConfig",
-           "Workload", "check_preset", "operating_points", "sweep_config"]
+           "Workload", "check_arguments", "check_preset", "operating_points", "sweep_config"]

@@ -1,35 +1,29 @@
-"""The KV-cache experiment: does a variant that shrinks the cache still "support long context"?
+"""`bench kv_variants`: does a variant that shrinks the KV cache still "support long context"?
 
 Three numbers per variant (lecture section `reduce_kv_cache_size`): quality (validation loss and
-long-range recall accuracy vs distance), KV-cache bytes per token, and measured decode latency at a
-long context. We train small models of each variant (MHA, GQA, MQA, MLA, sliding window, a
-local/global hybrid, CLA) with the same parameter budget (d_ff absorbs the difference), the same
-data, steps and seed, then measure. A second, accounting-only part plots cache bytes vs context
-length for each variant at Llama-2-13B and DeepSeek-V2 scale.
-
-`python -m cs336_inference bench kv_variants [--quick]` writes figures/kv_variants.{json,png} and
-figures/kv_variants_scale.png. Decode latency is timed for all variants side by side after training
-(rounds, median); `remeasure_latency()` re-times the committed results on another machine without
-retraining. Recall uses `evaluation.long_range_recall` (exact answer, greedy) and, because tiny models
-trained for minutes rarely get exact answers, also a per-digit teacher-forced score.
+long-range recall against distance), KV-cache bytes per token, and decode latency at a long
+context. Small models of each variant (MHA, GQA, MQA, MLA, sliding window, a local/global hybrid,
+CLA) train with the same parameter budget (d_ff absorbs the difference), data, steps and seed; decode
+is then timed for all of them side by side (rounds, median). Tiny models trained for minutes rarely
+recall a whole answer, so recall is also scored per digit, teacher-forced. An accounting-only part
+draws cache bytes against context length for each variant at Llama-2-13B and DeepSeek-V2 scale.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 
+import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import formulas as accounting
-from .generation import decode_step_seconds
-from ..model.config import ModelConfig
-from ..device import get_device, seed_everything
-from ..figures import save_figure, save_json
-from ..model.transformer import TransformerLM
 from ..accounting.model_shapes import REAL_MODELS, ModelShape
+from ..model.config import ModelConfig
+from ..model.transformer import TransformerLM
 from ..tables import kv_variants_table, ordered_variants
+from .base import Benchmark
+from ..accounting.model_roofline import decode_step_seconds
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
 BASE = dict(vocab_size=257, context_length=256, d_model=64, num_layers=4, num_heads=4, d_ff=176)
@@ -46,17 +40,15 @@ VARIANTS: dict[str, dict] = {
 
 # At real scale (accounting only): each variant applied to the attention of Llama 2 13B (MHA, 40 layers)
 # and of DeepSeek-V2 (MLA, 60 layers of 128 heads x 128 dims), from `model_shapes.REAL_MODELS`.
+_GQA = dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)   # undo DeepSeek-V2's MLA
 SCALE_VARIANTS = {
-    "MHA": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None),
-    "GQA (K=8)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=8),
-    "MQA (K=1)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=1),
+    "MHA": _GQA,
+    "GQA (K=8)": dict(_GQA, num_kv_heads=8),
+    "MQA (K=1)": dict(_GQA, num_kv_heads=1),
     "MLA (C=512, R=64)": dict(attention_type="mla", kv_lora_rank=512, rope_head_dim=64),
-    "window 4096": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, sliding_window=4096),
-    "hybrid (window 1024, 1 global in 6) + GQA (K=8)": dict(
-        attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=8, sliding_window=1024,
-        global_every=6),
-    "CLA (2 layers) + GQA (K=8)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None,
-                                       num_kv_heads=8, kv_share_group=2),
+    "window 4096": dict(_GQA, sliding_window=4096),
+    "hybrid (window 1024, 1 global in 6) + GQA (K=8)": dict(_GQA, num_kv_heads=8, sliding_window=1024, global_every=6),
+    "CLA (2 layers) + GQA (K=8)": dict(_GQA, num_kv_heads=8, kv_share_group=2),
 }
 SCALE_MODELS = {"Llama-2-13B": "llama2-13b", "DeepSeek-V2": "deepseek-v2"}
 
@@ -93,32 +85,9 @@ def recall_distances(context: int, quick: bool) -> list[int]:
     return [56, 96, 160, 224] if quick else [56, 80, 96, 128, 160, 192, 224]
 
 
-@torch.no_grad()
-def recall_digit_scores(model, distances, num_trials: int, seed: int = 0, num_items: int = 2) -> dict:
-    """A softer recall measure than exact match: for the same seeded probes `long_range_recall` uses,
-    feed prompt + answer (teacher forcing) and score each answer digit: top-1 accuracy (chance 0.1)
-    and negative log-likelihood (ln 10 = 2.30 for a model that cannot see the fact)."""
-    from ..data.evaluation import recall_probes
-    from ..generation.generate import left_pad
-
-    out = {}
-    for d in distances:
-        probes = recall_probes(d, num_trials, seed, num_items)
-        ids, pad = left_pad([p.prompt_ids + p.answer_ids for p in probes])
-        ids = ids.to(model.device)
-        logits = model(ids[:, :-1], pad=pad if int(pad.max()) else None)    # (B, T-1, V)
-        n = len(probes[0].answer_ids)                                        # same digits for all
-        logp = torch.log_softmax(logits[:, -n:].float(), dim=-1)            # predictions of the answer
-        target = ids[:, -n:]
-        nll = -logp.gather(-1, target[..., None]).mean().item()
-        acc = (logp.argmax(-1) == target).float().mean().item()
-        out[str(d)] = {"digit_accuracy": acc, "nll_per_digit": nll}
-    return out
-
-
 def _train_and_measure(name: str, config: ModelConfig, train_config, train_data, val_data, distances,
                        num_trials: int) -> dict:
-    from ..data.evaluation import evaluate_lm, long_range_recall
+    from ..data.evaluation import evaluate_lm, long_range_recall, recall_digit_scores
     from ..data.training import train_lm
 
     t0 = time.perf_counter()
@@ -145,23 +114,11 @@ def _train_and_measure(name: str, config: ModelConfig, train_config, train_data,
 
 
 def measure_decode_latency(configs: dict[str, ModelConfig], latency: dict, device, rounds: int = 3) -> dict:
-    """Median decode step time of each variant at a long context, measured side by side: every round
-    times every variant once, so load on a shared machine hits all of them alike. Untrained copies
-    with a longer RoPE table (speed does not depend on the weights); B sequences, S cached tokens, fp32.
-    MLA is also timed through its naive (up-projecting) path."""
+    """Median decode step time of each variant at a long context, side by side: every round times every
+    variant once, so load on a shared machine hits all alike. Untrained copies with a longer RoPE table
+    (speed does not depend on the weights); B sequences, S cached tokens, fp32. MLA is also timed
+    through its naive (up-projecting) path."""
     B, S, steps = latency["batch_size"], latency["context"], latency["steps"]
-    threads = torch.get_num_threads()
-    if torch.device(device).type == "cpu":
-        # One thread: on the shared 2-core machine a 2-thread op stalls for a scheduler time slice
-        # (~10 ms measured) whenever the other core is busy, which swamps a ~1 ms decode step.
-        torch.set_num_threads(latency.get("cpu_threads", 1))
-    try:
-        return _time_variants(configs, B, S, steps, device, rounds)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _time_variants(configs, B: int, S: int, steps: int, device, rounds: int) -> dict:
     models = {name: TransformerLM(cfg.replace(context_length=S + steps + 8), device=device).eval()
               for name, cfg in configs.items()}
     times: dict[str, list[float]] = {}
@@ -184,133 +141,92 @@ def _time_variants(configs, B: int, S: int, steps: int, device, rounds: int) -> 
     return out
 
 
-def bench_kv_variants(quick: bool = False, device: str | None = None, steps: int | None = None,
-                      save: bool = True) -> dict:
+def measure(run) -> dict:
     """Train every variant with the same budget, measure quality / cache bytes / decode latency."""
     from ..data.corpus import load_corpus
     from ..data.training import TrainConfig
 
-    device = get_device(device)
-    seed_everything(0)
-    # Budget: the development machine is 2 shared CPU cores, so each variant trains ~1-2 minutes.
-    steps = steps or (20 if quick else 100)
+    quick, device = run.quick, run.device
+    steps = 20 if quick else 100   # 2 shared CPU cores: each variant trains for a minute or two
     train_config = TrainConfig(steps=steps, batch_size=8, seq_len=BASE["context_length"], lr=5e-3,
                                warmup_steps=max(1, steps // 10), eval_every=steps, eval_batches=4, seed=0,
                                device=str(device), progress=False)
-    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16, cpu_threads=1)
+    latency = dict(batch_size=8, context=256 if quick else 1024, steps=8 if quick else 16,
+                   cpu_threads=torch.get_num_threads())
     num_trials = 8 if quick else 32
     budget = TransformerLM(variant_config(VARIANTS["MHA"])).num_parameters()
     train_data, val_data = load_corpus("train"), load_corpus("val")
     distances = recall_distances(BASE["context_length"], quick)
-
     results, configs = {}, {}
     for name, overrides in VARIANTS.items():
         configs[name] = variant_config(overrides, budget=budget)
         results[name] = r = _train_and_measure(name, configs[name], train_config, train_data, val_data,
                                                distances, num_trials)
         print(f"  {name:<36} params {r['params']:>7,}  val loss {r['val_loss']:.3f}  "
-              f"recall {[round(v, 2) for v in r['recall'].values()]}  "
-              f"KV {r['kv_bytes_per_token_fp32']:>5} B/token", flush=True)
+              f"recall {[round(v, 2) for v in r['recall'].values()]}", flush=True)
     for name, timing in measure_decode_latency(configs, latency, device).items():
         results[name].update(timing)
-
     lengths = [2 ** k for k in range(10, 18)]  # 1K .. 128K tokens
-    scale = cache_bytes_vs_context(lengths)
-    data = {
-        "device": str(device), "quick": quick, "train": train_config.to_dict(), "base": BASE, "window": WINDOW,
-        "budget_params": budget, "recall_distances": distances, "recall_trials": num_trials,
-        "latency": latency, "variants": results, "variant_order": list(results),
-        "scale": {"context_lengths": lengths, "bytes_per_element": 2, "bytes": scale},
-        "note": "CPU shared with other jobs: latencies are medians of noisy measurements.",
-    }
-    print_table(data)
-    if save:
-        path = save_json(data, "kv_variants", result=True, quick=quick)
-        plot_results(data, quick)
-        print(f"wrote {path}")
-    return data
+    return {"device": str(device), "train": train_config.to_dict(), "base": BASE, "window": WINDOW,
+            "budget_params": budget, "recall_distances": distances, "recall_trials": num_trials,
+            "latency": latency, "variants": results, "variant_order": list(results),
+            "scale": {"context_lengths": lengths, "bytes_per_element": 2, "bytes": cache_bytes_vs_context(lengths)},
+            "note": "CPU shared with other jobs: latencies are medians of noisy measurements."}
 
 
-def remeasure_latency(quick: bool = False, device: str | None = None) -> dict:
-    """Re-time decode for the variants in the committed figures/kv_variants[_quick].json (no retraining),
-    e.g. on another machine; updates the JSON and figures."""
-    from ..figures import output_path
-
-    data = json.loads(output_path("kv_variants", ".json", result=True, quick=quick).read_text())
-    data.setdefault("variant_order", [v for v in VARIANTS if v in data["variants"]])
-    device = get_device(device)
-    configs = {v: ModelConfig.from_dict(r["config"]) for v, r in data["variants"].items()}
-    for v, timing in measure_decode_latency(configs, data["latency"], device).items():
-        data["variants"][v].update(timing)
-    data["latency_device"] = str(device)
-    print_table(data)
-    save_json(data, "kv_variants", result=True, quick=quick)
-    plot_results(data, quick)
-    return data
-
-
-def print_table(data: dict) -> None:
-    print(kv_variants_table(data))
-
-
-def plot_results(data: dict, quick: bool = False) -> None:
-    """Left: recall beyond the window vs cache bytes of one full-context sequence; right: recall vs distance."""
-    import matplotlib.pyplot as plt
-
-    window = data["window"]
-    distances = data["recall_distances"]
+def plot_results(data: dict):
+    """Left: recall beyond the window against the cache bytes of one full-context sequence; right:
+    recall against distance. Variants that coincide (these tiny models mostly score 0) are drawn from
+    the widest marker and line down, so each one stays visible under the next."""
+    window, distances, context = data["window"], data["recall_distances"], data["base"]["context_length"]
     far = [d for d in distances if d > window]
-    context = data["base"]["context_length"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
     for i, (name, r) in enumerate(ordered_variants(data)):
-        color = f"C{i}"
-        acc_far = sum(r["recall"][str(d)] for d in far) / len(far)
-        digits_far = sum(r["recall_digits"][str(d)]["digit_accuracy"] for d in far) / len(far)
+        color, size, width = f"C{i}", 150 - 16 * i, 4.5 - 0.55 * i
+        digits = [r["recall_digits"][str(d)]["digit_accuracy"] for d in distances]
         x = r["kv_cache_bytes_at_context"] / 1024
-        ax1.scatter(x, acc_far, s=70, color=color)
-        ax1.scatter(x, digits_far, s=70, color=color, marker="x")
-        ax2.plot(distances, [r["recall"][str(d)] for d in distances], marker="o", color=color,
-                 label=f"{name} (val loss {r['val_loss']:.2f})")
-        ax2.plot(distances, [r["recall_digits"][str(d)]["digit_accuracy"] for d in distances], ls=":",
-                 marker="x", color=color)
+        ax1.scatter(x, sum(r["recall"][str(d)] for d in far) / len(far), s=size, color=color)
+        ax1.scatter(x, sum(r["recall_digits"][str(d)]["digit_accuracy"] for d in far) / len(far), s=size,
+                    color=color, marker="x")
+        ax2.plot(distances, [r["recall"][str(d)] for d in distances], marker="o", ms=size ** 0.5 / 1.6, lw=width,
+                 color=color, label=f"{name} (val loss {r['val_loss']:.2f})")
+        ax2.plot(distances, digits, ls=":", marker="x", color=color)
     ax1.axhline(0.1, color="gray", ls=":", lw=1, label="guessing a digit (0.1)")
     ax1.legend(fontsize=8, loc="upper right")
     ax1.set_xscale("log", base=2)
-    ax1.set_xlabel(f"KV cache of one {context}-token sequence (KiB, fp32)")
-    ax1.set_ylabel(f"recall beyond the window (distance > {window})")
-    ax1.set_title("quality vs cache size (o exact answer, x per digit; colours as on the right)")
-    ax1.set_ylim(-0.03, 1.05)
+    ax1.set(xlabel=f"KV cache of one {context}-token sequence (KiB, fp32)",
+            ylabel=f"recall beyond the window (distance > {window})", ylim=(-0.03, 1.05),
+            title="quality vs cache size (o exact answer, x per digit; colours as on the right)")
     ax2.axvline(window, color="gray", ls="--", lw=1)
     ax2.text(window, 1.0, " window", color="gray", fontsize=8)
-    ax2.set_xlabel("distance from fact to query (tokens)")
-    ax2.set_ylabel("recall accuracy (solid: exact answer, dotted: per digit)")
-    ax2.set_ylim(-0.03, 1.05)
-    ax2.set_title(f"long-range recall vs distance ({data['train']['steps']} training steps)")
+    ax2.set(xlabel="distance from fact to query (tokens)", ylim=(-0.03, 1.05),
+            ylabel="recall accuracy (solid: exact answer, dotted: per digit)",
+            title=f"long-range recall vs distance ({data['train']['steps']} training steps)")
     ax2.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants", result=True, quick=quick)
-    plt.close(fig)
-    plot_scale(data["scale"], quick)
+    return fig
 
 
-def plot_scale(scale: dict, quick: bool = False) -> None:
-    import matplotlib.pyplot as plt
-
+def plot_scale(data: dict):
+    """Cache bytes against context at real scale. MHA is drawn wide underneath and windows dashed on
+    top: a window equals MHA until it fills, and either would otherwise hide the other."""
+    scale = data["scale"]
     lengths = scale["context_lengths"]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for ax, (model_name, curves) in zip(axes, scale["bytes"].items()):
-        for name, values in curves.items():
-            ax.plot(lengths, [v / 2 ** 30 for v in values], marker=".", label=name)
+    for ax, model_name in zip(axes, SCALE_MODELS):
+        curves = scale["bytes"][model_name]
+        for i, name in enumerate(SCALE_VARIANTS):
+            style = dict(lw=4, alpha=0.6, zorder=1) if name == "MHA" else dict(lw=1.6, zorder=2)
+            ax.plot(lengths, [v / 2 ** 30 for v in curves[name]], marker=".", color=f"C{i}",
+                    ls="--" if name.startswith("window") else "-", label=name, **style)
+        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
+               ylabel="KV cache of one sequence (GiB, bf16)", title=f"{model_name} attention shape (accounting only)")
         ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("KV cache of one sequence (GiB, bf16)")
-        ax.set_title(f"{model_name} attention shape (accounting only)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    save_figure(fig, "kv_variants_scale", result=True, quick=quick)
-    plt.close(fig)
+    return fig
 
 
-if __name__ == "__main__":  # pragma: no cover
-    bench_kv_variants(quick=True)
+BENCHMARK = bench_kv_variants = Benchmark(
+    "kv_variants", measure, lambda data: print(kv_variants_table(data)),
+    plots={"kv_variants": plot_results, "kv_variants_scale": plot_scale})

@@ -1,46 +1,38 @@
-"""`python -m cs336_inference bench long_context`: what each way of shrinking the KV cache costs a
-real model that was trained without it.
+"""`bench long_context`: what each way of shrinking the KV cache costs a real model trained without it.
 
 SmolLM2-135M-Instruct (full attention, trained to 8k tokens) retrieves a passkey (`data.passkey`) at
-contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1, 20 trials per context. Each variant is
-applied post hoc, with no training: a sliding window W (Longformer, Mistral), the same window keeping
-4 attention sinks (StreamingLLM), local/global hybrids (Gemma 2, Character.AI; with the sinks, which a
-post-hoc window needs at all), MQA made by
-mean-pooling the 3 KV heads (GQA's conversion, without its uptraining), and int8 / fp8 / int4 KV caches.
-Per variant: accuracy per context, KV cache bytes at the longest context (measured on the cache
-object), and decode latency at the longest context.
-
-Work is shared where that is exact, so the full run fits in ~30 min on 2 CPU cores (bf16):
-- a trial is scored from one prefill plus one forward of its answer tokens: greedy decoding emits the
-  key iff each answer token is the argmax given the ones before it (teacher forcing checks exactly that);
-- the KV-cache formats reuse the full-attention prefill of each trial and quantize the filled cache
-  (the prompt's own attention ran in bf16, every decode step reads the codes: what serving engines do);
-- a window that covers the whole sequence changes nothing, so those cells reuse the full result;
-- prompts are prefilled in chunks of 256 tokens (chunked prefill, as vLLM/Sarathi do): the same math,
-  but a windowed layer then attends over window + chunk keys instead of the whole prompt.
-Decode latency is timed at the end, one step per variant in turn (8 rounds), so drifting load on a
-shared machine hits every variant alike.
+contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1. Each variant is applied post hoc: a
+sliding window (Longformer, Mistral), the window keeping 4 attention sinks (StreamingLLM), local/global
+hybrids (Gemma 2, Character.AI), MQA by mean-pooling the KV heads (GQA's conversion without its
+uptraining), and int8 / fp8 / int4 KV caches. Per variant: accuracy per context, the cache's bytes at
+the longest context (measured on the cache object) and decode latency there (one step per variant in
+turn, rounds interleaved). Work is shared only where that is exact:
+- a trial is one prefill plus one forward of its answer: greedy decoding emits the key iff each answer
+  token is the argmax given the ones before it, which teacher forcing checks;
+- the KV formats quantize the full-attention prefill of each trial (the prompt's own attention ran in
+  bf16, each decode step reads the codes: what serving engines do);
+- a window covering the whole sequence changes nothing, so those cells reuse the full result;
+- prompts are prefilled in chunks of 256 (as vLLM/Sarathi do): the same math, but a windowed layer
+  attends over window + chunk keys instead of the whole prompt.
 """
 
 from __future__ import annotations
 
 import copy
-import os
 import statistics
 import time
 
+import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import kv_cache_bytes
 from ..data.passkey import passkey_trials
-from ..device import get_device, thread_policy
-from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
 from ..tables import long_context_table
-from ..timing import num_threads, sync_device
-from .long_context_plot import plot_long_context
+from ..timing import sync_device
+from .base import Benchmark
 
 MODEL = "smollm2-135m"
 CONTEXTS, QUICK_CONTEXTS = (256, 512, 1024, 2048), (256, 512)
@@ -182,42 +174,73 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
     return rows
 
 
-def bench_long_context(quick: bool = False, device: str | None = None) -> dict:
-    device = get_device(device)
-    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
-        return _bench(quick, device)
-
-
-def _bench(quick: bool, device: torch.device) -> dict:
-    contexts, num_trials = (QUICK_CONTEXTS, QUICK_TRIALS) if quick else (CONTEXTS, TRIALS)
+def measure(run) -> dict:
+    contexts, num_trials = (QUICK_CONTEXTS, QUICK_TRIALS) if run.quick else (CONTEXTS, TRIALS)
     dtype = torch.bfloat16  # the inference default; the CPU here has bf16 matmul instructions
-    t0 = time.perf_counter()
-    model = load_pretrained(MODEL, device=device, dtype=dtype).set_attention_kernel("sdpa")  # long prompts: fused
+    model = load_pretrained(MODEL, device=run.device, dtype=dtype).set_attention_kernel("sdpa")  # long prompts
     tokenizer = load_tokenizer(MODEL)
     specs = variants()
-    load0 = os.getloadavg()
-    print(f"{MODEL} ({dtype}, {device}, {torch.get_num_threads()} threads, load average {load0[0]:.1f}): "
+    print(f"{MODEL} ({dtype}, {run.device}, {torch.get_num_threads()} threads): "
           f"{len(specs)} variants x contexts {list(contexts)} x {num_trials} trials")
     results, timers = evaluate(model, tokenizer, specs, contexts, num_trials)
     rows = summarize(model, specs, results, time_decode(timers), contexts)
     longest = max(contexts)
-    full = rows[0]
-    assert full["kv_bytes_at_longest"] == kv_cache_bytes(model.config, 1, longest, 2), "cache bytes != accounting"
-    data = dict(model=MODEL, dtype=str(dtype), device=str(device), quick=quick, contexts=list(contexts),
+    assert rows[0]["kv_bytes_at_longest"] == kv_cache_bytes(model.config, 1, longest, 2), "cache bytes != accounting"
+    return dict(model=MODEL, dtype=str(dtype), device=str(run.device), contexts=list(contexts),
                 trials_per_context=num_trials, depths=list(DEPTHS), sinks=SINKS, decode_steps_timed=DECODE_STEPS,
-                threads=torch.get_num_threads(), load_average_start=list(load0), load_average_end=list(os.getloadavg()),
-                wall_seconds=time.perf_counter() - t0, chance_accuracy=1e-5, rows=rows,
+                threads=torch.get_num_threads(), chance_accuracy=1e-5, rows=rows,
                 note=("accuracy = exact greedy retrieval of a 5-digit key (teacher-forced check); KV formats quantize "
                       "the cache after a bf16 prefill; decode ms = one B=1 step at the longest context, medians on a "
-                      "shared CPU (see load averages)"))
-    _print_table(data)
-    path = save_json(data, "long_context", result=True, quick=quick)
-    save_figure(plot_long_context(data), "long_context", result=True, quick=quick)
-    print(f"wrote {path} and its .png ({data['wall_seconds'] / 60:.1f} min)")
-    return data
+                      "shared CPU (see machine.load_avg)"))
 
 
-def _print_table(data: dict) -> None:
+def print_table(data: dict) -> None:
     print(f"\npasskey accuracy ({data['trials_per_context']} trials per context; KV cache and decode at "
           f"{max(data['contexts'])} tokens)")
     print(long_context_table(data))
+
+
+COLORS = {"full": "black", "window": "tab:red", "sinks": "tab:orange", "hybrid": "tab:green", "mqa": "tab:purple",
+          "kv": "tab:blue"}
+
+
+def plot_long_context(data: dict):
+    """Accuracy per variant and context (a heat map), and what each variant's cache costs at the longest
+    context (bars: MB, labelled with accuracy and decode time)."""
+    contexts, rows = data["contexts"], data["rows"]
+    names = [r["variant"] for r in rows]
+    acc = [[r["accuracy"][str(c)]["accuracy"] for c in contexts] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 0.42 * len(rows) + 1.8),
+                                   gridspec_kw=dict(width_ratios=[1, 1.3]))
+    ax1.imshow(acc, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    for i, row in enumerate(acc):
+        for j, a in enumerate(row):
+            copied = rows[i]["accuracy"][str(contexts[j])]["copied_from_full"]
+            ax1.text(j, i, f"{a:.2f}" + ("=" if copied else ""), ha="center", va="center", fontsize=8)
+    ax1.set_xticks(range(len(contexts)), [str(c) for c in contexts])
+    ax1.set_yticks(range(len(rows)), names, fontsize=8)
+    for tick, r in zip(ax1.get_yticklabels(), rows):
+        tick.set_color(COLORS[r["family"]])
+    ax1.set_xlabel("context (tokens: prompt + answer)")
+    ax1.set_title(f"passkey accuracy, {data['trials_per_context']} trials per cell\n(= : window covers the "
+                  f"sequence, same as full attention)", fontsize=10)
+    longest = str(max(contexts))
+    mb = [r["kv_bytes_at_longest"] / 1e6 for r in rows]
+    ax2.barh(range(len(rows)), mb, color=[COLORS[r["family"]] for r in rows], alpha=0.75)
+    for i, r in enumerate(rows):
+        ms = r["decode_ms_at_longest"]
+        label = f" acc {r['accuracy'][longest]['accuracy']:.2f}" + (f", {ms['median']:.0f} ms/step" if ms else "")
+        ax2.text(mb[i], i, label, va="center", fontsize=8)
+    ax2.set_yticks(range(len(rows)), [""] * len(rows))
+    ax2.invert_yaxis()
+    ax2.set_xlim(0, max(mb) * 1.45)
+    ax2.set_xlabel(f"KV cache MB for one {longest}-token sequence (measured on the cache, {data['dtype']})")
+    ax2.set_title(f"{data['model']}, post hoc (no retraining): cache size, accuracy and B=1 decode at {longest}",
+                  fontsize=10)
+    ax1.set_ylim(len(rows) - 0.5, -0.5)
+    fig.tight_layout()
+    return fig
+
+
+BENCHMARK = bench_long_context = Benchmark("long_context", measure, print_table, parallel=True,
+                                           plots={"long_context": plot_long_context})

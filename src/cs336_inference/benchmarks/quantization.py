@@ -1,14 +1,10 @@
-"""`python -m cs336_inference bench quantization`: every quantization method on the shipped target
-model: true bytes, validation bits per byte, KL and top-1 agreement to the fp32 model, decode speed.
+"""`bench quantization`: every quantization method on the shipped target: true bytes, validation bits
+per byte, KL and top-1 agreement to fp32, and batch-1 decode speed (interleaved rounds, medians).
 
-Writes figures/quantization.json (the committed results table the notebook and lecture quote) and
-figures/quantization.png (quality vs bytes; decode tokens/s). Decode speed is measured with the
-foundation's `decode_step_seconds`, interleaving variants over several rounds (medians), because
-the machines are shared. Quantized layers run their default kernel ("auto": torch's packed
-int4/int8 kernels where the layout fits, the dequantize-then-matmul reference elsewhere, e.g. int3;
-each row records which). The 2M-parameter target fits in the CPU caches and its decode step is
-mostly per-op overhead, so its tokens/s say little about bytes: `bench generation` measures the
-speed-up of fewer bytes on a model that streams its weights from memory.
+Each layer runs its default kernel (torch's packed int4/int8 kernels where the layout fits, the
+dequantize-then-matmul reference elsewhere, e.g. int3; each row says which). The 2M-parameter target
+fits in the CPU caches, so its decode step is per-op overhead and its tokens/s say little about
+bytes: `bench generation` measures what fewer bytes buy on a model that streams its weights.
 """
 
 from __future__ import annotations
@@ -20,13 +16,12 @@ import time
 import torch
 import torch.nn as nn
 
-from .generation import decode_step_seconds
-from ..device import get_device, seed_everything
-from ..figures import save_figure, save_json
+from ..accounting.model_roofline import decode_step_seconds
 from ..quantization.kv import quantize_kv_cache
 from ..quantization.linear import QuantizedLinear, model_nbytes
 from ..quantization.model import quantize_model
 from ..tables import print_table
+from .base import Benchmark
 
 
 def _group_for(model, wanted: int | None) -> int | None:
@@ -77,23 +72,16 @@ def variants(group: int | None, small_group: int | None) -> list[tuple[str, dict
     ]
 
 
-def bench_quantization(quick: bool = False, device: str | None = None, model=None, model_name: str = "target",
-                       name: str | None = None) -> dict:
-    """Every row of `variants` on the target; writes figures/NAME.json/.png (NAME = `name` or
-    "quantization"); --quick writes NAME_quick.* to the scratch folder, never the committed table."""
+def measure(run) -> dict:
+    """Every row of `variants` on the shipped target: bytes, quality against fp32, decode speed."""
     from ..data.corpus import load_corpus
     from ..data.evaluation import compare_to_reference, evaluate_lm
+    from ..model.checkpoints import load_pretrained
 
-    name = name or "quantization"
-    device = get_device(device)
-    seed_everything(0)
-    if model is None:
-        from ..model.checkpoints import load_pretrained
-        model = load_pretrained(model_name, device=device)
-    model = model.to(device).eval()
+    quick = run.quick
+    model = load_pretrained("target", device=run.device).eval()
     seq_len = min(512, model.config.context_length)   # the target records its val loss at 512
-    val = load_corpus("val")
-    train = load_corpus("train")
+    val, train = load_corpus("val"), load_corpus("train")
     n_calib, calib_len = (8, 128) if quick else (32, 256)
     starts = torch.linspace(0, train.numel() - calib_len - 1, n_calib).long()
     calibration = [torch.stack([train[s:s + calib_len] for s in starts.tolist()])]   # (n, T), evenly spaced
@@ -126,14 +114,12 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
 
     for row in rows:
         qm = models[row["variant"]]
-        ev = evaluate_lm(qm, val, seq_len=seq_len, max_batches=eval_batches)
-        row["val_bits_per_byte"] = ev["bits_per_byte"]
+        row["val_bits_per_byte"] = evaluate_lm(qm, val, seq_len=seq_len, max_batches=eval_batches)["bits_per_byte"]
         if qm is model:
             row["kl_to_fp32"], row["top1_agreement"] = 0.0, 1.0
         else:
             cmp = compare_to_reference(qm, model, val, seq_len=seq_len, max_batches=eval_batches)
             row["kl_to_fp32"], row["top1_agreement"] = cmp["kl"], cmp["top1_agreement"]
-        print(f"evaluated {row['variant']:<22} bpb {row['val_bits_per_byte']:.4f}", flush=True)
     base = rows[0]
     for row in rows:
         row["delta_bits_per_byte"] = row["val_bits_per_byte"] - base["val_bits_per_byte"]
@@ -150,28 +136,28 @@ def bench_quantization(quick: bool = False, device: str | None = None, model=Non
         r["decode_tok_per_s"] = 1.0 / statistics.median(times[r["variant"]])
         r["decode_speed_vs_fp32"] = r["decode_tok_per_s"] / (1.0 / statistics.median(times["fp32"]))
 
-    cache = model.new_cache(1, seq_len)
-    kv = dict(fp32_bytes_per_token=cache.bytes_per_token,
+    kv = dict(fp32_bytes_per_token=model.new_cache(1, seq_len).bytes_per_token,
               int8_bytes_per_token=quantize_kv_cache(model.new_cache(1, seq_len)).bytes_per_token)
-    result = dict(model=model_name if model_name else "custom", device=str(device), quick=quick,
-                  threads=torch.get_num_threads(), parameters=sum(p.numel() for p in model.parameters()),
-                  config=model.config.to_dict(), seq_len=seq_len, eval_tokens=eval_batches * 8 * seq_len,
-                  calibration_tokens=n_calib * calib_len, qat_steps=qat_steps, group_size=group,
-                  small_group_size=small_group, kv_cache=kv, rows=rows,
-                  note=("decode tok/s measured batch 1 on a shared CPU (medians of interleaved rounds) on a model "
-                        "that fits in cache: per-op overhead, not bytes; see bench generation for the speed-up"))
-    print_table(rows, [("variant", "variant", None), ("kernel", "kernel", None), ("model_bytes", "bytes", "{:,}"),
-                       ("bytes_ratio_vs_fp32", "ratio", "{:.2f}x"), ("val_bits_per_byte", "bpb", "{:.4f}"),
-                       ("delta_bits_per_byte", "d bpb", "{:+.4f}"), ("kl_to_fp32", "KL", "{:.4f}"),
-                       ("top1_agreement", "top1", "{:.3f}"), ("decode_tok_per_s", "tok/s", "{:.0f}"),
-                       ("quantize_seconds", "quant s", "{:.1f}")])
+    return dict(model="target", device=str(run.device), threads=torch.get_num_threads(),
+                parameters=sum(p.numel() for p in model.parameters()), config=model.config.to_dict(), seq_len=seq_len,
+                eval_tokens=eval_batches * 8 * seq_len, calibration_tokens=n_calib * calib_len, qat_steps=qat_steps,
+                group_size=group, small_group_size=small_group, kv_cache=kv, rows=rows,
+                note=("decode tok/s measured batch 1 on a shared CPU (medians of interleaved rounds) on a model "
+                      "that fits in cache: per-op overhead, not bytes; see bench generation for the speed-up"))
+
+
+def print_tables(result: dict) -> None:
+    print_table(result["rows"], [
+        ("variant", "variant", None), ("kernel", "kernel", None), ("model_bytes", "bytes", "{:,}"),
+        ("bytes_ratio_vs_fp32", "ratio", "{:.2f}x"), ("val_bits_per_byte", "bpb", "{:.4f}"),
+        ("delta_bits_per_byte", "d bpb", "{:+.4f}"), ("kl_to_fp32", "KL", "{:.4f}"),
+        ("top1_agreement", "top1", "{:.3f}"), ("decode_tok_per_s", "tok/s", "{:.0f}"),
+        ("quantize_seconds", "quant s", "{:.1f}")])
+    kv = result["kv_cache"]
     print(f"\nKV cache bytes per token: fp32 {kv['fp32_bytes_per_token']}, int8 {kv['int8_bytes_per_token']}")
-    save_json(result, name, result=True, quick=quick)
-    _plot(result, name, quick)
-    return result
 
 
-def _plot(result: dict, name: str, quick: bool) -> None:
+def plot_quantization(result: dict):
     import matplotlib.pyplot as plt
 
     rows = result["rows"]
@@ -183,8 +169,9 @@ def _plot(result: dict, name: str, quick: bool) -> None:
         if r["method"] == "kv_int8":
             continue
         # KL(fp32 || quantized) separates the methods far better than bpb deltas of a few 1e-3
-        ax1.scatter(r["model_bytes"] / 1e6, max(r["kl_to_fp32"], 1e-5), color=colors[r["method"]],
-                    marker=markers.get(r["bits"], "o"), s=70 if r["bits"] == 32 else 45)
+        # hollow markers: methods of one size and bit width land on top of each other
+        ax1.scatter(r["model_bytes"] / 1e6, max(r["kl_to_fp32"], 1e-5), facecolors="none", linewidths=1.6,
+                    edgecolors=colors[r["method"]], marker=markers.get(r["bits"], "o"), s=90 if r["bits"] == 32 else 60)
     for method, color in colors.items():
         if any(r["method"] == method for r in rows) and method != "kv_int8":
             ax1.scatter([], [], color=color, label={"none": "fp32", "llm_int8": "LLM.int8()"}.get(method, method))
@@ -203,5 +190,8 @@ def _plot(result: dict, name: str, quick: bool) -> None:
     ax2.set_xlabel(f"decode tokens/s, batch 1 ({result['device']}, shared machine)")
     ax2.set_title("Decode speed of the (cache-resident) target model")
     fig.tight_layout()
-    save_figure(fig, name, result=True, quick=quick)
-    plt.close(fig)
+    return fig
+
+
+BENCHMARK = bench_quantization = Benchmark("quantization", measure, print_tables,
+                                           plots={"quantization": plot_quantization})

@@ -1,33 +1,27 @@
-"""`python -m cs336_inference bench quantization_smollm2`: every quantization method on a real model
-and real English text (CPython's documentation, `data.real_text`), against the unquantized model.
+"""`bench quantization_smollm2`: every quantization method on a real model and real English text
+(CPython's documentation, `data.real_text`), against the unquantized model.
 
-Per variant: bits per UTF-8 byte on held-out text, KL(reference || variant) per token and top-1
-agreement with the reference, and the model's true stored bytes. Also: how many activations entering
-each layer's linears exceed LLM.int8()'s outlier threshold 6.0 (Dettmers et al. 2022), per layer.
-
-The reference is the published model itself: its weights are *already* 4-bit (GGUF Q4_1: blocks of
-32 with an fp16 scale d and an fp16 minimum m, w = d q + m), dequantized to fp32. Re-quantizing them
-on llama.cpp's own grid reproduces them exactly (a quantized model quantizes losslessly to its own
-grid: itself a lesson), while our affine int4 g32 uses another grid (range widened to contain 0, an
-integer zero point), and the table shows what that difference costs.
-Groups of 128 do not divide D = 576 (= 4.5 x 128), so the "g128" rows use g96, the largest group of
-at most 128 that divides both 576 and F = 1536.
+Per variant: bits per UTF-8 byte of held-out text, KL(reference || variant) and top-1 agreement per
+token, the model's true stored bytes; and how many activations entering each layer's linears exceed
+LLM.int8()'s outlier threshold 6.0 (Dettmers et al. 2022). The reference is the published model: its
+weights are *already* 4-bit (GGUF Q4_1: blocks of 32, w = d q + m), dequantized to fp32. Re-quantizing
+on llama.cpp's own grid reproduces them exactly, while our affine int4 g32 uses another grid (range
+widened to contain 0, an integer zero point): the table shows what that costs. 128 does not divide
+D = 576, so the "g128" rows use g96 (the largest group <= 128 dividing both 576 and F = 1536).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
 import time
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from ..data.evaluation import compare_on_text
 from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
-from ..device import get_device, seed_everything, thread_policy
-from ..figures import save_figure, save_json
 from ..model import load_pretrained, load_tokenizer
 from ..model.gguf import gguf_round_trip
 from ..quantization.kv import quantize_kv_cache
@@ -35,9 +29,8 @@ from ..quantization.llm_int8 import count_activation_outliers
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
 from ..tables import quantization_smollm2_table
-from ..timing import num_threads
+from .base import Benchmark
 from .quantization import WithQuantizedKV
-from .quantization_smollm2_plot import plot_quantization_smollm2
 
 MODEL = "smollm2-135m"
 THRESHOLD = 6.0
@@ -97,26 +90,6 @@ def build(model, kwargs, calibration, awq_grid: int) -> nn.Module:
     return quantize_model(model, **kwargs, **extra)
 
 
-@torch.inference_mode()
-def compare_on_text(models: dict, reference, windows: torch.Tensor, nbytes: torch.Tensor) -> dict[str, dict]:
-    """Every model on the same windows (N, T+1), next to the reference's distribution on each window."""
-    totals = {name: dict(nll=0.0, kl=0.0, agree=0) for name in models}
-    count, byte_count = 0, 0
-    for window in windows:
-        x, y = window[None, :-1].to(reference.device), window[1:].to(reference.device)
-        ref = F.log_softmax(reference(x)[0].float(), -1)                    # (T, V)
-        for name, m in models.items():
-            logp = ref if m is reference else F.log_softmax(m(x)[0].float(), -1)
-            totals[name]["nll"] -= float(logp.gather(1, y[:, None]).sum())
-            totals[name]["kl"] += float((ref.exp() * (ref - logp)).sum())
-            totals[name]["agree"] += int((logp.argmax(-1) == ref.argmax(-1)).sum())
-        count += y.numel()
-        byte_count += int(nbytes[y.cpu()].sum())
-    return {name: dict(bits_per_byte=t["nll"] / math.log(2) / byte_count, nll_per_token=t["nll"] / count,
-                       kl_to_reference=t["kl"] / count, top1_agreement=t["agree"] / count, tokens=count,
-                       bytes=byte_count) for name, t in totals.items()}
-
-
 def grid_comparison(model, requantized, rtn) -> dict:
     """How far each 4-bit re-quantization moves the published weights (block linears, fp32)."""
     out = {}
@@ -135,15 +108,8 @@ def grid_comparison(model, requantized, rtn) -> dict:
     return out
 
 
-def bench_quantization_smollm2(quick: bool = False, device: str | None = None) -> dict:
-    device = get_device(device)
-    with num_threads(thread_policy(parallel=True)):  # large work: every core (device.py)
-        return _bench(quick, device)
-
-
-def _bench(quick: bool, device: torch.device) -> dict:
-    t_start = time.perf_counter()
-    seed_everything(0)
+def measure(run) -> dict:
+    quick, device = run.quick, run.device
     reference = load_pretrained(MODEL, device=device, dtype=torch.float32).set_attention_kernel("sdpa")
     tokenizer = load_tokenizer(MODEL)
     eos = tokenizer.special_to_id["<|endoftext|>"]
@@ -153,7 +119,7 @@ def _bench(quick: bool, device: torch.device) -> dict:
     windows = evaluation[: n_eval * (seq_len + 1)].view(n_eval, seq_len + 1)    # consecutive, non-overlapping
     starts = torch.linspace(0, calib_stream.numel() - calib_len - 1, n_calib).long().tolist()
     calibration = [torch.stack([calib_stream[s:s + calib_len] for s in starts])]
-    print(f"{MODEL} on {device} ({torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}): "
+    print(f"{MODEL} on {device} ({torch.get_num_threads()} threads): "
           f"eval {n_eval} x {seq_len} tokens of pydoc text, calibration {n_calib} x {calib_len}")
 
     rows, models = [], {}
@@ -174,23 +140,17 @@ def _bench(quick: bool, device: torch.device) -> dict:
     kv_bytes = {fmt: quantize_kv_cache(reference.new_cache(1, 1), fmt).bytes_per_token for fmt in ("int8", "int4")}
     kv_bytes["fp32"] = reference.new_cache(1, 1).bytes_per_token
     rtn32 = models.get("int4 RTN g32 (affine)")
-    data = dict(
-        model=MODEL, device=str(device), quick=quick, threads=torch.get_num_threads(), seq_len=seq_len,
+    return dict(
+        model=MODEL, device=str(device), threads=torch.get_num_threads(), seq_len=seq_len,
         eval_windows=n_eval, eval_tokens=int(windows[:, 1:].numel()), calibration_tokens=n_calib * calib_len,
         awq_grid=awq_grid, kv_cache_bytes_per_token=kv_bytes,
         text="pydoc_data.topics (CPython's help text): every 4th topic evaluates, the rest calibrate",
         rows=rows, outlier_threshold=THRESHOLD,
         outliers=count_activation_outliers(reference, windows[: max(1, n_eval // 2), None, :-1], THRESHOLD),
         grids=grid_comparison(reference, models["Q4_1 again (llama.cpp's grid)"], rtn32) if rtn32 is not None else {},
-        load_average_end=list(os.getloadavg()), wall_seconds=time.perf_counter() - t_start,
         note=("reference = the published SmolLM2-135M-Instruct weights (GGUF Q4_1) dequantized to fp32; "
               "embedding/lm_head (tied) stay fp32 in every weight-quantized variant; KL = KL(reference || variant) "
               "in nats per token"))
-    _print(data)
-    path = save_json(data, "quantization_smollm2", result=True, quick=quick)
-    save_figure(plot_quantization_smollm2(data), "quantization_smollm2", result=True, quick=quick)
-    print(f"wrote {path} and its .png ({data['wall_seconds'] / 60:.1f} min)")
-    return data
 
 
 def _print(data: dict) -> None:
@@ -204,3 +164,38 @@ def _print(data: dict) -> None:
         cells = (f"{k} {v['count']:6d} ({v['outlier_dims']:3d} dims, max {v['max_abs']:6.1f})"
                  for k, v in layer.items())
         print(f"  layer {i:2d}: " + "  ".join(cells))
+
+
+COLORS = {"reference": "black", "cast": "gray", "rtn": "tab:blue", "fp8": "tab:purple", "llm_int8": "tab:brown",
+          "q4_1": "tab:pink", "gptq": "tab:orange", "awq": "tab:green", "kv": "tab:cyan"}
+
+
+def plot_quantization_smollm2(data: dict):
+    """Quality against stored bytes, and LLM.int8() outlier dimensions per layer."""
+    rows = data["rows"]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), gridspec_kw=dict(width_ratios=[1.2, 1]))
+    floor = 1e-5
+    ys = range(len(rows))
+    ax1.barh(ys, [max(r["kl_to_reference"], floor) for r in rows], color=[COLORS[r["family"]] for r in rows])
+    for y, r in zip(ys, rows):
+        ax1.text(max(r["kl_to_reference"], floor) * 1.15, y, f"{r['model_bytes'] / 1e6:.0f} MB, "
+                 f"{r['bits_per_byte']:.3f} bits/byte", va="center", fontsize=7)
+    ax1.set_yticks(list(ys), [r["variant"] for r in rows], fontsize=8)
+    ax1.invert_yaxis()
+    ax1.set(xscale="log", xlim=(floor / 2, 30), xlabel=f"KL(reference || variant), nats/token ({floor:g} = identical)",
+            title=f"{data['model']} on held-out English ({data['eval_tokens']} tokens)")
+    ax1.grid(alpha=0.3, axis="x")
+    layers = range(len(data["outliers"]))
+    for kind, color in (("attn_in", "tab:blue"), ("attn_out", "tab:orange"), ("mlp_in", "tab:green"),
+                        ("mlp_down", "tab:red")):
+        ax2.plot(layers, [l[kind]["outlier_dims"] for l in data["outliers"]], "o-", color=color, label=kind, ms=3)
+    ax2.set(xlabel="layer", ylabel=f"feature dims with any |x| > {data['outlier_threshold']:g}",
+            title="LLM.int8() outlier dimensions entering each layer's linears")
+    ax2.legend(fontsize=8)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+BENCHMARK = bench_quantization_smollm2 = Benchmark("quantization_smollm2", measure, _print, parallel=True,
+                                                   plots={"quantization_smollm2": plot_quantization_smollm2})

@@ -1,31 +1,23 @@
 """`bench speculative`: plain target decoding vs speculative decoding, measured and predicted.
 
-For each workload (a target, its drafters, prompts), temperature (0 and 1) and gamma (1..8):
-decode tokens/s of plain `generate(target)` and of `speculative_generate`, run alternately in one
-process (plain before each drafter's sweep, in every repeat), so the speed-up is a ratio measured
-side by side. Decode time = the run's time minus its prefill (timed alone). With one CPU thread the
-primary clock is the process's CPU time, which a busy shared machine does not inflate; wall-clock
-is reported beside it.
+For each workload (a target, its drafters, prompts), temperature (0 and 1) and gamma (1..8): decode
+tokens/s of plain `generate` and of `speculative_generate`, run alternately (plain before each
+drafter's sweep, every repeat), so the speed-up is a ratio measured side by side; decode time is a
+run's time minus its prefill (timed alone). With one CPU thread the clock is the process's CPU time,
+which a busy shared machine does not inflate (wall-clock beside it).
 
-Next to it, the speed-up the theory predicts from the *measured* acceptance rate alpha and the
-*measured* costs, in units of one plain decode step of the target (forward + sampling), each part
-timed on its own in the same run (`measure_costs`; a model drafter and the verifier are timed taking
-turns, as in the loop, since on a CPU they evict each other's weights from the private caches):
-  c  one draft token (draft forward + sampling), or one prompt lookup (per pass),
+Next to it, the speed-up the theory predicts from the *measured* alpha and *measured* costs, in units
+of one plain decode step of the target (forward + sampling), timed in the same run (`measure_costs`):
+  c  one draft token (draft forward + sampling; drafter and verifier take turns, as in the loop, since
+     on a CPU they evict each other's weights), or one prompt lookup per pass;
   v  the target's verification pass over g + 1 tokens, accept rule included.
-predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)), with g_j the drafts proposed in
-pass j (always gamma for a model draft, except near the end); `paper` is Leviathan et al.'s
-E[tokens | alpha, gamma] / (gamma c + 1), which assumes a memory-bound target (v = 1).
-
-Workloads: the shipped toy pair on two kinds of text, stories (free generation) and echo drills
-(lines that repeat earlier lines: input-grounded, where prompt lookup shines); and, where the real
-model is installed, SmolLM2-135M-Instruct with prompt lookup on chat tasks whose answer copies a
-given passage, and on free writing for contrast.
+predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)) over the passes j (g_j drafts
+proposed); `paper` is Leviathan et al.'s E[tokens | alpha, gamma] / (gamma c + 1), which assumes a
+memory-bound target (v = 1). Workloads: `speculative_workloads`.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -33,8 +25,6 @@ from functools import partial
 
 import torch
 
-from ..device import get_device, seed_everything, thread_policy
-from ..figures import save_json
 from ..generation.generate import generate
 from ..generation.prompt_lookup import prompt_lookup_propose
 from ..generation.drafters import SamplingParams
@@ -43,8 +33,9 @@ from ..generation.speculative import speculative_generate
 from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
 from ..tables import print_table
-from ..timing import num_threads, sync_device
-from .speculative_plot import plot_speculative
+from ..timing import sync_device
+from .base import Benchmark
+from .speculative_plot import plot_acceptance, plot_speculative
 from .speculative_workloads import Workload, real_workloads, toy_workloads
 
 TEMPERATURES = (0.0, 1.0)
@@ -201,20 +192,16 @@ class _Run:
     result: object = None
 
 
-def _plain(workload: Workload, i: int, temperature: float, seed: int) -> _Run:
-    g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    out, wall, cpu = _timed(lambda: generate(workload.target, [workload.prompts[i]], workload.max_new_tokens,
-                                             temperature=temperature, stop_tokens=workload.stop_tokens,
-                                             generator=g), workload.target.device)
-    return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
-
-
-def _speculative(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
-    g = torch.Generator(device=workload.target.device).manual_seed(seed)
-    out, wall, cpu = _timed(lambda: speculative_generate(workload.target, draft, workload.prompts[i], gamma,
-                                                         temperature, max_new_tokens=workload.max_new_tokens,
-                                                         stop_tokens=workload.stop_tokens, generator=g),
-                            workload.target.device)
+def _generation(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
+    """Prompt i decoded plainly (draft None) or speculatively, timed on both clocks."""
+    target, g = workload.target, torch.Generator(device=workload.target.device).manual_seed(seed)
+    kw = dict(temperature=temperature, stop_tokens=workload.stop_tokens, generator=g)
+    if draft is None:
+        out, wall, cpu = _timed(lambda: generate(target, [workload.prompts[i]], workload.max_new_tokens, **kw),
+                                target.device)
+        return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
+    out, wall, cpu = _timed(lambda: speculative_generate(target, draft, workload.prompts[i], gamma,
+                                                         max_new_tokens=workload.max_new_tokens, **kw), target.device)
     return _Run(i, out.num_generated - 1, wall, cpu, out)
 
 
@@ -224,7 +211,7 @@ def _decode_rate(runs: list[_Run], prefill: dict, who: str, clock: str) -> float
     return sum(r.tokens for r in runs) / seconds
 
 
-def _acceptance(results, gamma: int) -> tuple[float, list]:
+def acceptance(results, gamma: int) -> tuple[float, list]:
     """Pooled alpha (accepted / examined) and acceptance by draft position over many runs."""
     passes = [(g, k) for r in results for g, k in zip(r.proposed, r.accepted)]
     examined = sum(k + (k < g) for g, k in passes)
@@ -249,14 +236,14 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
         for rep in range(repeats):
             plain.append([])
             for drafter, draft in workload.drafters.items():
-                plain[-1] += [_plain(workload, i, temperature, rep) for i in prompts]
+                plain[-1] += [_generation(workload, None, i, 0, temperature, rep) for i in prompts]
                 for gamma in gammas:
                     spec.setdefault((drafter, gamma), []).append(
-                        [_speculative(workload, draft, i, gamma, temperature, rep) for i in prompts])
+                        [_generation(workload, draft, i, gamma, temperature, rep) for i in prompts])
         plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in ("wall", "cpu")}
         for (drafter, gamma), reps in spec.items():
             results = [run.result for runs in reps for run in runs]
-            alpha, by_position = _acceptance(results, gamma)
+            alpha, by_position = acceptance(results, gamma)
             speedups = {c: [_decode_rate(runs, prefill, drafter, c) / base for runs, base in zip(reps, plain_rate[c])]
                         for c in ("wall", "cpu")}
             main = speedups[clock]
@@ -288,28 +275,15 @@ def _print_table(rows: list[dict], clock: str) -> None:
                        ("measured_over_predicted", "meas/pred", "{:.2f}")])
 
 
-def bench_speculative(quick: bool = False, device: str | None = None, workloads=None) -> dict:
-    """Run every workload; print the table; write figures/speculative(.json, .png) (or *_quick)."""
-    device = get_device(device)
-    seed_everything(0)
-    # Batch-1 decoding is latency work: one thread by the package's policy (CS336_NUM_THREADS overrides).
-    # With one CPU thread the process's CPU time is the run's time on an idle core, however busy the
-    # shared machine is (wall-clock is reported beside it); with more threads wall-clock is the measure.
-    with num_threads(thread_policy(parallel=False)):
-        result = _bench_speculative(quick, device, workloads)
-    _print_table(result["rows"], result["clock"])
-    print(f"\nload average {result['load_average_before']:.1f} -> {result['load_average_after']:.1f} on "
-          f"{os.cpu_count()} cores, {result['threads']} thread(s), {result['seconds']:.0f} s")
-    save_json(result, "speculative", result=True, quick=quick)
-    plot_speculative(result, "speculative", quick=quick)
-    return result
-
-
-def _bench_speculative(quick: bool, device: torch.device, workloads) -> dict:
+def measure(run, workloads=None) -> dict:
+    """Every workload (default: the toy pair's, and SmolLM2's where it is installed). Batch-1 decoding
+    is latency work, so one thread (the package's policy; CS336_NUM_THREADS overrides); with one CPU
+    thread the process's CPU time is the run's time on an idle core, however busy the shared machine
+    is (wall-clock is reported beside it); with more threads wall-clock is the measure."""
+    device, quick = run.device, run.quick
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     gammas = (1, 4) if quick else tuple(range(1, 9))
     repeats = 1 if quick else 3
-    load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
     workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
     rows, costs, notes = [], {}, {}
@@ -322,5 +296,9 @@ def _bench_speculative(quick: bool, device: torch.device, workloads) -> dict:
         notes[w.name] = dict(note=w.note, prompts=len(w.prompts), max_new_tokens=w.max_new_tokens,
                              prompt_tokens=[len(p) for p in w.prompts], **w.extra)
     return dict(device=str(device), threads=torch.get_num_threads(), clock=clock, gammas=list(gammas),
-                repeats=repeats, load_average_before=load_before, load_average_after=os.getloadavg()[0],
-                seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
+                repeats=repeats, seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
+
+
+BENCHMARK = bench_speculative = Benchmark(
+    "speculative", measure, lambda result: _print_table(result["rows"], result["clock"]),
+    plots={"speculative": plot_speculative, "speculative_acceptance": plot_acceptance})

@@ -1,21 +1,15 @@
 """`bench speculative_draft`: a draft for SmolLM2-135M, pruned and distilled on a CPU time budget.
 
 Minitron-style (`compression.prune_model` + `distill`): keep the most important layers and MLP
-channels of SmolLM2-135M-Instruct, then distil the full model into the cut one for about
-`minutes` of CPU training on offline text (CPython's help pages, plain and as the chat tasks the
-speculative benchmark runs). Reports the draft's acceptance rate alpha on the benchmark's grounded
-chat prompts (greedy, gamma = 4) before and after distillation, its measured cost ratio c, and the
-speed-up the theory then predicts; the draft is used in `bench speculative` only if alpha >= 0.5.
-
-Why a small-vocabulary-heavy draft struggles on a CPU: SmolLM2 ties its 49152 x 576 embedding to
-the output head, 28M of its 135M parameters, and a draft must keep the whole vocabulary. That one
-matrix is a large share of every decode step, so even a draft with few layers costs a sizeable
-fraction of the target (c is far from the 0.05 of a 70B/1B pair).
+channels, then distil the full model into the cut one for `minutes` of CPU training on offline text
+(CPython's help pages, plain and as the chat tasks `bench speculative` runs). Reports alpha on the
+grounded chat prompts (greedy, gamma = 4) before and after, the measured cost ratio c and the
+predicted speed-up. A draft must keep SmolLM2's whole tied 49152 x 576 embedding (28M of its 135M
+parameters), so even a few layers cost a sizeable fraction of the target.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -23,11 +17,10 @@ import torch
 
 from ..compression import distill, importance_scores, prune_model
 from ..data.training import TrainConfig
-from ..device import get_device, seed_everything, thread_policy
-from ..figures import save_json
 from ..generation.speculative import speculative_generate
 from ..generation.speculative_theory import expected_speedup, optimal_gamma
-from ..timing import num_threads
+from .base import Benchmark
+from .speculative import acceptance
 from .speculative_workloads import REAL_TASKS, prose_paragraphs, real_workloads
 
 DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
@@ -53,14 +46,9 @@ def _training_text(tok, held_out: set[str]) -> torch.Tensor:
 
 @torch.inference_mode()
 def _alpha(target, draft, prompts, stop, gamma: int = 4, new: int = 64) -> tuple[float, list]:
-    outs = [speculative_generate(target, draft, p, gamma, max_new_tokens=new, stop_tokens=stop) for p in prompts]
-    passes = [(g, k) for r in outs for g, k in zip(r.proposed, r.accepted)]
-    examined = sum(k + (k < g) for g, k in passes)
-    by_position = []
-    for i in range(gamma):
-        tried = sum(1 for g, k in passes if g > i and k >= i)
-        by_position.append(sum(1 for _, k in passes if k > i) / tried if tried else None)
-    return sum(k for _, k in passes) / max(examined, 1), by_position
+    """Pooled acceptance rate and acceptance by draft position on `prompts` (greedy)."""
+    return acceptance([speculative_generate(target, draft, p, gamma, max_new_tokens=new, stop_tokens=stop)
+                        for p in prompts], gamma)
 
 
 @torch.inference_mode()
@@ -77,9 +65,8 @@ def _token_seconds(model, ids: torch.Tensor, repeats: int = 10) -> float:
     return statistics.median(times[1:])
 
 
-def bench_speculative_draft(quick: bool = False, device: str | None = None, minutes: float = 30.0) -> dict | None:
-    device = get_device(device)
-    seed_everything(0)
+def measure(run, minutes: float = 30.0) -> dict | None:
+    device, quick = run.device, run.quick
     workloads = [w for w in real_workloads(device, quick) if w.name == "smollm2-grounded"]
     if not workloads:
         print("bench speculative_draft needs the real model (SmolLM2-135M); nothing to do")
@@ -89,44 +76,49 @@ def bench_speculative_draft(quick: bool = False, device: str | None = None, minu
     w, tok = workloads[0], load_tokenizer("smollm2-135m")
     target, prompts = w.target, w.prompts
     minutes = 1.0 if quick else minutes
-    with num_threads(thread_policy(parallel=True)):  # training is large work: every core the policy allows
-        held_out = {par for par in prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
-        stream = _training_text(tok, held_out)
-        split = int(0.95 * len(stream))
-        train, val = stream[:split], stream[split:]
-        calibration = train[: 8 * 257].view(8, 257)
-        scores = importance_scores(target, calibration)
-        draft = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
-        alpha_pruned, _ = _alpha(target, draft, prompts, w.stop_tokens)
-        print(f"pruned to {DRAFT_SHAPE} ({draft.num_parameters():,} parameters): alpha {alpha_pruned:.2f} before "
-              "distillation", flush=True)
+    held_out = {par for par in prose_paragraphs() if any(par in tok.decode(p) for p in prompts)}
+    stream = _training_text(tok, held_out)
+    split = int(0.95 * len(stream))
+    train, val = stream[:split], stream[split:]
+    calibration = train[: 8 * 257].view(8, 257)
+    scores = importance_scores(target, calibration)
+    draft = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
+    alpha_pruned, _ = _alpha(target, draft, prompts, w.stop_tokens)
+    print(f"pruned to {DRAFT_SHAPE} ({draft.num_parameters():,} parameters): alpha {alpha_pruned:.2f} before "
+          "distillation", flush=True)
 
-        cfg = TrainConfig(steps=2, batch_size=2, seq_len=256, lr=5e-4, warmup_steps=1, eval_every=2, eval_batches=1,
-                          progress=False, device=str(device))
-        probe = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
-        t0 = time.perf_counter()
-        distill(probe, target, cfg, train_data=train, val_data=val)
-        step_s = (time.perf_counter() - t0) / 2
-        steps = max(2, int(minutes * 60 / step_s))
-        print(f"distillation: {step_s:.1f} s per step -> {steps} steps in {minutes:g} minutes", flush=True)
-        t0 = time.perf_counter()
-        _, history = distill(draft, target, cfg.replace(steps=steps, warmup_steps=min(20, steps // 10 + 1),
-                                                        eval_every=max(1, steps // 4), eval_batches=2),
-                             train_data=train, val_data=val)
-        train_minutes = (time.perf_counter() - t0) / 60
-        draft.eval()
-        alpha, by_position = _alpha(target, draft, prompts, w.stop_tokens)
-        ids = torch.tensor([prompts[0]], device=device)
-        c = _token_seconds(draft, ids) / _token_seconds(target, ids)
-        best = optimal_gamma(alpha, c, max_gamma=16)
-        result = dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
-                      draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
-                      train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
-                      history={k: v for k, v in history.items() if isinstance(v, list)},
-                      alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=by_position,
-                      cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
-                      used_in_bench_speculative=alpha >= 0.5, load_average=os.getloadavg()[0])
-    print(f"alpha: pruned {alpha_pruned:.2f} -> distilled {alpha:.2f} after {steps} steps ({train_minutes:.0f} min); "
-          f"c = {c:.2f}; best gamma {best}: predicted speed-up {result['predicted_speedup']:.2f}x")
-    save_json(result, "speculative_draft", result=True, quick=quick)
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=256, lr=5e-4, warmup_steps=1, eval_every=2, eval_batches=1,
+                      progress=False, device=str(device))
+    probe = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
+    t0 = time.perf_counter()
+    distill(probe, target, cfg, train_data=train, val_data=val)
+    step_s = (time.perf_counter() - t0) / 2
+    steps = max(2, int(minutes * 60 / step_s))
+    print(f"distillation: {step_s:.1f} s per step -> {steps} steps in {minutes:g} minutes", flush=True)
+    t0 = time.perf_counter()
+    _, history = distill(draft, target, cfg.replace(steps=steps, warmup_steps=min(20, steps // 10 + 1),
+                                                    eval_every=max(1, steps // 4), eval_batches=2),
+                         train_data=train, val_data=val)
+    train_minutes = (time.perf_counter() - t0) / 60
+    draft.eval()
+    alpha, by_position = _alpha(target, draft, prompts, w.stop_tokens)
+    ids = torch.tensor([prompts[0]], device=device)
+    c = _token_seconds(draft, ids) / _token_seconds(target, ids)
+    best = optimal_gamma(alpha, c, max_gamma=16)
+    result = dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
+                  draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
+                  train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
+                  history={k: v for k, v in history.items() if isinstance(v, list)},
+                  alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=by_position,
+                  cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
+                  used_in_bench_speculative=alpha >= 0.5)
     return result
+
+
+def print_result(r: dict) -> None:
+    print(f"alpha: pruned {r['alpha_pruned']:.2f} -> distilled {r['alpha_distilled']:.2f} after {r['steps']} steps "
+          f"({r['train_minutes']:.0f} min); c = {r['cost_ratio']:.2f}; best gamma {r['best_gamma']}: predicted "
+          f"speed-up {r['predicted_speedup']:.2f}x")
+
+
+BENCHMARK = bench_speculative_draft = Benchmark("speculative_draft", measure, print_result, parallel=True)

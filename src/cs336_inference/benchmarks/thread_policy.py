@@ -1,15 +1,11 @@
-"""`python -m cs336_inference bench thread_policy`: how OpenMP's waiting and our thread count shape decode.
+"""`bench thread_policy`: how OpenMP's waiting and our thread count shape batch-1 decode.
 
-OpenMP reads its wait policy once, when torch loads, so each policy runs in its own fresh process
-(this module run as a script). Each process builds the same ~90M model (fused projections, SDPA),
-compiles its decode step, and times batch-1 decode, eager and compiled, on an idle machine and
-while a busy loop holds one core. Policies:
-- "sleep": OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0 (idle workers sleep at once);
-- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=`_openmp.SHORT_SPIN`;
-- "short spin, no switch": the same without `timing.decode_threads` dropping to one thread
-  under contention (shows why the switch is there);
-- "spin": OMP_WAIT_POLICY=ACTIVE (OpenMP's long spin).
-Rounds alternate idle and busy inside each process; we report medians with min/max over rounds.
+OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
+module as a script) that builds the same ~90M model (fused projections, SDPA), compiles its decode
+step and times it, eager and compiled, idle and while a busy loop holds a core, in alternating rounds.
+Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin" (the package's default: PASSIVE with
+`_openmp.SHORT_SPIN`), the same without `cpu_tuning`'s drop to one thread under contention
+(`tune_for_cpu(threads=False)`), and "spin" (ACTIVE).
 """
 
 from __future__ import annotations
@@ -21,7 +17,11 @@ import subprocess
 import sys
 import time
 
+import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
+
 from .._openmp import SHORT_SPIN
+from ..timing import load_average
+from .base import Benchmark
 
 POLICIES = {
     "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
@@ -32,14 +32,10 @@ POLICIES = {
 PATHS = ("eager", "compiled")
 
 
-def bench_thread_policy(quick: bool = False, device: str | None = None) -> dict:
-    from ..device import get_device, thread_policy
-    from ..figures import save_json
-    from ..timing import load_average
-
-    if get_device(device).type != "cpu":
+def measure(run) -> dict:
+    if run.device.type != "cpu":
         raise ValueError("bench thread_policy measures CPU threading; run it with --device cpu")
-    threads = thread_policy(parallel=True)
+    quick, threads = run.quick, torch.get_num_threads()   # the parallel policy's count
     result = {"threads": threads, "quick": quick, "load_average_start": load_average(), "policies": {}}
     for name, policy in POLICIES.items():
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -50,9 +46,6 @@ def bench_thread_policy(quick: bool = False, device: str | None = None) -> dict:
         result["policies"][name] = json.loads(out.strip().splitlines()[-1])
         print(f"  {name}: done", flush=True)
     result["load_average_end"] = load_average()
-    _print(result)
-    save_json(result, "thread_policy", result=True, quick=quick)
-    _plot(result, quick)
     return result
 
 
@@ -60,26 +53,27 @@ def _child(quick: bool, switch: bool) -> dict:
     """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
     import contextlib
 
-    import torch   # after the package: `-m cs336_inference.benchmarks...` imported it (and _openmp) first
-
     from .. import timing
+    from ..cpu_tuning import decode_threads, tune_for_cpu
     from ..device import apply_thread_policy
     from ..generation.compiled import compile_decode
     from ..model.config import ModelConfig
     from ..model.transformer import TransformerLM
-    from .generation import decode_step_fn
+    from ..accounting.model_roofline import decode_step_fn
 
     apply_thread_policy(parallel=True)
-    if not switch:
-        timing.cpu_contended = lambda threshold=0.5: False   # what decode_threads reads
     torch.manual_seed(0)
     config = ModelConfig.from_name("bench-90m")
     if quick:
         config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
-    model = TransformerLM(config).eval().fuse_projections().set_attention_kernel("sdpa")
+    model = tune_for_cpu(TransformerLM(config).eval().fuse_projections().set_attention_kernel("sdpa"), threads=switch)
     compiled = compile_decode(model)
+
+    def compiled_step(m, token, cache):
+        with decode_threads() if switch else contextlib.nullcontext():
+            return compiled(token, cache)
     makers = {"eager": lambda: decode_step_fn(model, 1, 32, 40),
-              "compiled": lambda: decode_step_fn(model, 1, 32, 40, lambda m, t, c: compiled(t, c))}
+              "compiled": lambda: decode_step_fn(model, 1, 32, 40, compiled_step)}
     makers["compiled"]()()   # compile outside the timing
     rounds, steps = (1, 5) if quick else (3, 25)
     times = {(cond, path): [] for cond in ("idle", "busy") for path in PATHS}
@@ -109,10 +103,8 @@ def _print(result: dict) -> None:
         print(f"{name:<24}{cells}")
 
 
-def _plot(result: dict, quick: bool) -> None:
+def _plot(result: dict):
     import matplotlib.pyplot as plt
-
-    from ..figures import save_figure
 
     names = list(result["policies"])
     columns = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
@@ -126,8 +118,11 @@ def _plot(result: dict, quick: bool) -> None:
     ax.set_title(f"OpenMP wait policy and decode threads, batch 1, {result['threads']} threads")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    save_figure(fig, "thread_policy", result=True, quick=quick)
-    plt.close(fig)
+    return fig
+
+
+BENCHMARK = bench_thread_policy = Benchmark("thread_policy", measure, _print, parallel=True,
+                                            plots={"thread_policy": _plot})
 
 
 if __name__ == "__main__":

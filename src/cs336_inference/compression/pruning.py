@@ -25,7 +25,7 @@ from .. import _checks
 from ..data.evaluation import eval_windows
 from ..model.transformer import TransformerLM
 
-__all__ = ["calibration_batches", "importance_scores", "prune_model"]
+__all__ = ["calibration_batches", "importance_scores", "keep_gqa_heads", "keep_top", "prune_model"]
 
 
 def calibration_batches(calibration, seq_len: int = 256, batch_size: int = 8) -> list[torch.Tensor]:
@@ -147,10 +147,24 @@ def _target(name: str, value, current: int, ratio) -> int:
                            allowed=f"an int in [1, {current}] (how many to keep; the model has {current})")
 
 
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores, in their original order (ties broken by lower index)."""
+def keep_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores, in their original order (ties broken by lower index): what a
+    pruned model keeps, laid out as in the original (its weights are sliced in that order)."""
     order = torch.argsort(-scores, stable=True)[:k]
     return torch.sort(order).values
+
+
+def keep_gqa_heads(head_scores: torch.Tensor, num_kv_heads: int, keep_kv: int, keep_group: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which heads a GQA layer keeps: head_scores (K G,) of query heads, K = num_kv_heads groups of G.
+    Whole KV groups are ranked by the summed importance of their G query heads (keep_kv kept), and inside
+    each kept group its keep_group best query heads stay. Returns (kept groups (keep_kv,), kept query heads
+    (keep_kv keep_group,)), both in the original order."""
+    per_group = rearrange(head_scores, "(K G) -> K G", K=num_kv_heads)                  # (K, G)
+    groups = keep_top(per_group.sum(-1), keep_kv)                                         # (K',)
+    G = per_group.shape[1]
+    heads = torch.cat([g * G + keep_top(per_group[g], keep_group) for g in groups.tolist()])
+    return groups, heads
 
 
 @torch.no_grad()
@@ -173,6 +187,7 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     if cfg.attention_type != "gqa" or cfg.kv_share_group != 1:
         raise ValueError(f"prune_model supports GQA models without cross-layer KV sharing, got "
                          f"attention_type={cfg.attention_type!r}, kv_share_group={cfg.kv_share_group}")
+    cfg.require_handout_base("prune_model")   # it slices ln1/ln2/ln_final and w1/w2/w3
     H = cfg.head_dim
     new_L = _target("num_layers", num_layers, cfg.num_layers, prune_ratio)
     new_K = _target("num_kv_heads", num_kv_heads, cfg.num_kv_heads, prune_ratio)
@@ -195,8 +210,8 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     new_D = new_N * H
     scores = importance_scores(model, calibration) if scores is None else scores
 
-    keep_layers = _top(scores[layer_metric], new_L).tolist()
-    keep_dims = _top(scores["embedding"], new_D)
+    keep_layers = keep_top(scores[layer_metric], new_L).tolist()
+    keep_dims = keep_top(scores["embedding"], new_D)
     new_config = cfg.replace(num_layers=new_L, num_heads=new_N, num_kv_heads=new_K, d_ff=new_F, d_model=new_D)
     pruned = TransformerLM(new_config, device=model.device, dtype=model.dtype)
     dev = model.device
@@ -206,12 +221,10 @@ def prune_model(model: TransformerLM, calibration, *, num_layers: int | None = N
     pruned.ln_final.weight.copy_(model.ln_final.weight[d_idx])
     for new_i, i in enumerate(keep_layers):
         src, dst = model.layers[i], pruned.layers[new_i]
-        groups = _top(scores["kv_groups"][i], new_K)                                  # (K',)
-        head_scores = rearrange(scores["heads"][i], "(K G) -> K G", K=cfg.num_kv_heads)
-        q_heads = torch.cat([g * cfg.group_size + _top(head_scores[g], new_G) for g in groups.tolist()])
+        groups, q_heads = keep_gqa_heads(scores["heads"][i], cfg.num_kv_heads, new_K, new_G)   # (K',), (N',)
         q_rows = (q_heads[:, None] * H + torch.arange(H)[None]).flatten().to(dev)     # (N' H,)
         kv_rows = (groups[:, None] * H + torch.arange(H)[None]).flatten().to(dev)     # (K' H,)
-        ch = _top(scores["mlp"][i], new_F).to(dev)
+        ch = keep_top(scores["mlp"][i], new_F).to(dev)
         dst.ln1.weight.copy_(src.ln1.weight[d_idx])
         dst.ln2.weight.copy_(src.ln2.weight[d_idx])
         dst.attn.q_proj.weight.copy_(src.attn.q_proj.weight[q_rows][:, d_idx])

@@ -1,5 +1,6 @@
 """Quality metrics every later technique reports: loss / bits per byte / perplexity on held-out
-text, agreement with a reference model (KL divergence, top-1 agreement), and long-range recall.
+text (bytes or, on real text, UTF-8 bytes), agreement with a reference model (KL divergence, top-1
+agreement), and long-range recall (exact answers, or per digit).
 
 All three are deterministic: evaluation windows are fixed (consecutive, non-overlapping) and the
 recall probes are seeded, so two models (say fp32 and int4) are scored on exactly the same tokens.
@@ -16,10 +17,10 @@ import torch.nn.functional as F
 
 from .. import _checks
 from .corpus import make_recall_probe
-from ..generation.generate import generate
+from ..generation.generate import generate, left_pad
 
-__all__ = ["compare_to_reference", "evaluate_lm", "eval_windows", "long_range_recall", "make_recall_probe",
-           "recall_nll", "recall_probes"]
+__all__ = ["bits_per_byte", "compare_on_text", "compare_to_reference", "evaluate_lm", "eval_windows",
+           "long_range_recall", "make_recall_probe", "recall_digit_scores", "recall_nll", "recall_probes"]
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batches: int | None = None):
@@ -41,6 +42,15 @@ def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batc
         yield windows[:, :-1], windows[:, 1:]
 
 
+def bits_per_byte(total_nats: float, num_bytes: int) -> float:
+    """A summed cross-entropy in nats as bits per byte of the text it was measured on: nats / ln 2 is
+    bits; dividing by the text's bytes (not its tokens) makes models with different tokenizers
+    comparable. Our byte-level models predict one byte per token, so num_bytes is the token count."""
+    _checks.number("total_nats", total_nats, 0, allowed="a finite number >= 0 (a summed cross-entropy)")
+    _checks.positive_int("num_bytes", num_bytes)
+    return total_nats / (math.log(2) * num_bytes)
+
+
 def _check_model_fits(model, seq_len: int) -> None:
     if seq_len > model.config.context_length:
         raise ValueError(f"seq_len ({seq_len}) exceeds the model's context_length ({model.config.context_length})")
@@ -60,7 +70,7 @@ def evaluate_lm(model, data: torch.Tensor, seq_len: int = 256, batch_size: int =
         count += y.numel()
     model.train(was_training)
     loss = total / count
-    return {"loss": loss, "bits_per_byte": loss / math.log(2), "perplexity": math.exp(loss), "tokens": count}
+    return {"loss": loss, "bits_per_byte": bits_per_byte(total, count), "perplexity": math.exp(loss), "tokens": count}
 
 
 @torch.no_grad()
@@ -152,3 +162,45 @@ def recall_nll(model, distances, num_trials: int = 32, seed: int = 0, num_items:
         result[int(d)] = total / (num_trials * digits)
     model.train(was_training)
     return result
+
+
+@torch.no_grad()
+def recall_digit_scores(model, distances, num_trials: int, seed: int = 0, num_items: int = 2) -> dict:
+    """Softer than exact match, for tiny models that rarely get a whole answer: on the probes
+    `long_range_recall` uses, feed prompt + answer (teacher forcing, one padded batch per distance)
+    and score each answer digit: top-1 accuracy (chance 0.1) and negative log-likelihood (ln 10 = 2.30
+    for a model that cannot see the fact). {str(d): {"digit_accuracy", "nll_per_digit"}}."""
+    out = {}
+    for d in distances:
+        probes = recall_probes(d, num_trials, seed, num_items)
+        ids, pad = left_pad([p.prompt_ids + p.answer_ids for p in probes])
+        ids = ids.to(model.device)
+        logits = model(ids[:, :-1], pad=pad if int(pad.max()) else None)    # (B, T-1, V)
+        n = len(probes[0].answer_ids)                                        # same digits for all
+        logp = torch.log_softmax(logits[:, -n:].float(), dim=-1)            # predictions of the answer
+        target = ids[:, -n:]
+        out[str(d)] = {"digit_accuracy": (logp.argmax(-1) == target).float().mean().item(),
+                       "nll_per_digit": -logp.gather(-1, target[..., None]).mean().item()}
+    return out
+
+
+@torch.inference_mode()
+def compare_on_text(models: dict, reference, windows: torch.Tensor, nbytes: torch.Tensor) -> dict[str, dict]:
+    """Every model of `models` on the same token windows (N, T+1) of real text, against `reference`:
+    bits per UTF-8 byte (`nbytes[token]`: each token's byte length), KL(reference || model) per token
+    and top-1 agreement with the reference."""
+    totals = {name: dict(nll=0.0, kl=0.0, agree=0) for name in models}
+    count, byte_count = 0, 0
+    for window in windows:
+        x, y = window[None, :-1].to(reference.device), window[1:].to(reference.device)
+        ref = F.log_softmax(reference(x)[0].float(), -1)                    # (T, V)
+        for name, m in models.items():
+            logp = ref if m is reference else F.log_softmax(m(x)[0].float(), -1)
+            totals[name]["nll"] -= float(logp.gather(1, y[:, None]).sum())
+            totals[name]["kl"] += float((ref.exp() * (ref - logp)).sum())
+            totals[name]["agree"] += int((logp.argmax(-1) == ref.argmax(-1)).sum())
+        count += y.numel()
+        byte_count += int(nbytes[y.cpu()].sum())
+    return {name: dict(bits_per_byte=t["nll"] / math.log(2) / byte_count, nll_per_token=t["nll"] / count,
+                       kl_to_reference=t["kl"] / count, top1_agreement=t["agree"] / count, tokens=count,
+                       bytes=byte_count) for name, t in totals.items()}

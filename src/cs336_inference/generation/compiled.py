@@ -1,25 +1,31 @@
 """A `torch.compile`d decode step: one graph for every position and batch size, no graph breaks.
 
 Per decode step the model runs ~20 small ops per layer besides its matmuls (norms, RoPE, cache
-writes, attention, residuals), each a Python call and a kernel launch; at batch 1 on a CPU that is
-a sizeable slice of the step. `torch.compile` traces the whole forward once into one graph and fuses
-those element-wise ops. What keeps the graph whole and reused: the model skips reading token ids back to
-Python and checking the cache's identity while compiling (this step checks both eagerly instead),
-`Linear` skips its thread-count dependent path, `dynamic=True` makes the position a symbol
-rather than a new graph per step, and the graph does not guard on torch's global state flags
-(`GLOBAL_STATE`: the thread count, autocast, TF32 switches): the step runs on one thread while another
-process holds a core (`timing.decode_threads`), and a guard on the thread count would recompile the
-graph, tens of seconds, the first time that happens. The compiled kernels read the thread count when
-they run, so the same graph serves both. Grad mode, dtypes and shapes still guard.
-The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
+writes, attention, residuals), each a Python call and a kernel launch; at batch 1 that is a sizeable
+slice of the step. `torch.compile` traces the whole forward once into one graph and fuses those
+element-wise ops. The model needs no special-casing for it: a decode step reads no tensor value back
+to Python (its checks run at the edges: the prefill checks the ids and the cache), `dynamic=True`
+makes the position a symbol rather than a new graph per step, and the graph does not guard on
+torch's global state flags (`GLOBAL_STATE`: the thread count, autocast, TF32 switches), so a caller
+that runs some steps on one thread (`cpu_tuning.decode_threads`) does not recompile the graph, tens
+of seconds on a CPU. The compiled kernels read the thread count when they run. Grad mode, dtypes
+and shapes still guard. The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
+
+`mode="reduce-overhead"` adds CUDA graphs: the GPU replays the step's recorded kernels in one launch.
+A recording replays fixed kernels on fixed addresses, so that step must not change shape or read a
+host number: it runs as a `StaticDecodeStep` (the position is a device tensor, each layer writes at it
+with `index_copy_` and attends over its whole preallocated buffer under a mask, and the buffers are
+marked as static addresses); the host-side length advances after the graph has run.
 """
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from ..model.kv_cache import KVCache
-from ..timing import decode_threads
+from ..model.attention import grouped_attention
+from ..model.kv_cache import ContiguousKVCache, ForwardStep, KVCache, unique_layers
 
 
 def _without_global_state(entries) -> list[bool]:
@@ -27,27 +33,92 @@ def _without_global_state(entries) -> list[bool]:
     return [entry.guard_type != "GLOBAL_STATE" for entry in entries]
 
 
+class _StaticLayer:
+    """A contiguous layer cache as a static step sees it: written at the position tensor, attended whole."""
+
+    def __init__(self, layer: ContiguousKVCache):
+        self.layer = layer
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, step: StaticDecodeStep) -> tuple[torch.Tensor, torch.Tensor]:
+        self.layer.k.index_copy_(2, step.positions, k)   # (B, K, 1, H) into slot `position`
+        self.layer.v.index_copy_(2, step.positions, v)
+        return self.layer.k, self.layer.v                # (B, K, S_max, H): the same shape at every position
+
+    def attend(self, q, kv, step: StaticDecodeStep, scale: float | None = None, kernel: str = "reference"):
+        return grouped_attention(q, *kv, step.mask, scale, kernel=kernel)
+
+
+class StaticDecodeStep(ForwardStep):
+    """One decode token per sequence at `position` (a (1,) device tensor: every sequence of the cache is
+    at the same length), with shapes that do not depend on it: what a CUDA graph can replay."""
+
+    def __init__(self, cache: KVCache, position: torch.Tensor):
+        views = [_StaticLayer(layer) for layer in unique_layers(cache.layers)]   # CLA groups share one
+        self.layers = []
+        for layer in cache.layers:
+            for view in views:
+                if view.layer is layer:
+                    self.layers.append(view)
+        self.positions = position                                                      # (1,)
+        keys = torch.arange(cache.max_seq_len, device=position.device)                 # (S_max,)
+        self.mask = (keys <= position)[None, None, None, :]                            # (1, 1, 1, S_max)
+
+    def select_last(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, -1:]
+
+    def commit(self) -> None:
+        """Nothing inside the graph: the writes went to their slots, and `compile_decode`'s step advances
+        the cache's host-side length after the graph ran (a graph must not read or write a host int)."""
+
+
+def static_decode(model, token_ids: torch.Tensor, position: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """token_ids (B, 1) at `position` ((1,) device tensor = cache.length) -> logits (B, 1, V), as a
+    `StaticDecodeStep`: what `compile_decode(mode="reduce-overhead")` records. The caller advances
+    cache.length afterwards."""
+    return model(token_ids, step=StaticDecodeStep(cache, position))
+
+
 def compile_decode(model, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
     compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
     options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring).
+    mode="reduce-overhead" (CUDA graphs) runs each step as a `StaticDecodeStep` (dynamic=False: one
+    recording per batch size). A cache's first forward (its prefill) runs eagerly, where the model
+    checks the cache.
     """
-    options = dict(fullgraph=True, dynamic=True)
-    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):   # torch >= 2.7 takes guard_filter_fn
+    static = compile_options.get("mode") == "reduce-overhead"
+    options = dict(fullgraph=True, dynamic=not static)
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
         options["options"] = {"guard_filter_fn": _without_global_state}   # (older: a thread switch recompiles)
     options |= compile_options
-    compiled = torch.compile(model, **options)
-    vocab = model.config.vocab_size
+    if static:
+        compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
+    else:
+        compiled = torch.compile(model, **options)
+    marked = weakref.WeakSet()   # caches whose buffers are marked as static addresses
 
     def step(token_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
-            raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
-        if int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab:
-            raise ValueError(f"token ids must be in [0, vocab_size={vocab}), got {token_ids.tolist()}")
-        model._check_cache(cache, token_ids.shape[0])   # eagerly: the graph must not guard on the cache object
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+            raise ValueError("token_ids must be a 1-D integer tensor (B,) holding one token per sequence")
+        if not isinstance(cache, KVCache) or cache.length == 0:   # the edge: eager, with the model's checks
+            return model(token_ids[:, None], cache=cache)[:, -1]
         ids = token_ids[:, None].clone(memory_format=torch.contiguous_format)   # fresh strides: no guard on them
-        with decode_threads():   # the graph's kernels run on torch's threads, read at each call
+        if not static:
             return compiled(ids, cache=cache)[:, -1]
+        if cache.length >= cache.max_seq_len or token_ids.shape[0] != cache.batch_size:
+            cache.begin(1, batch_size=token_ids.shape[0])   # raises, naming the overflow or the batch size
+        if cache not in marked:
+            for layer in cache.unique_layers():
+                if not isinstance(layer, ContiguousKVCache):
+                    raise TypeError(f"a static (CUDA-graph) decode step needs contiguous layer caches, got "
+                                    f"{type(layer).__name__}; compile without mode='reduce-overhead'")
+                torch._dynamo.mark_static_address(layer.k)
+                torch._dynamo.mark_static_address(layer.v)
+            marked.add(cache)
+        position = torch.full((1,), cache.length, dtype=torch.long, device=cache.device)   # host -> device
+        logits = compiled(ids, position, cache)[:, -1].clone()   # the graph's output memory is reused next replay
+        cache.length += 1   # the host side of the step's commit
+        return logits
 
     return step

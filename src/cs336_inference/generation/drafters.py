@@ -15,33 +15,12 @@ The speculative loop only needs four things from a drafter (the `Drafter` protoc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ..model.transformer import TransformerLM
-from .sampling import _check_sampling_args, logits_to_probs
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How both models turn logits into distributions; the same for draft and target, so the
-    output is an exact sample from the target's *filtered* distribution (what `generate` samples)."""
-
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int | None = None
-    top_p: float | None = None
-
-    def __post_init__(self):
-        _check_sampling_args(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+from .sampling_params import SamplingParams  # the one shared with serving
 
 
 @runtime_checkable

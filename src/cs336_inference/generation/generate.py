@@ -14,7 +14,6 @@ import torch
 
 from .. import _checks
 from ..model.kv_cache import KVCache
-from ..timing import decode_threads
 from .sampling import _check_sampling_args, sample_next_token
 
 
@@ -54,9 +53,10 @@ def prefill(model, prompt_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor |
     """Run the prompt (B, T) through the model into an empty cache; return last-position logits (B, V).
 
     A 1-D prompt (T,) is one sequence: logits (1, V). pad (B,): left-padding slots per prompt
-    (`left_pad`); pass the same pad to every `decode_one_token`.
+    (`left_pad`); pass the same pad to every `decode_one_token`. This is an edge: the forward into an
+    empty cache checks the ids (their values too), the cache and the pad.
     """
-    if cache.length != 0:
+    if isinstance(cache, KVCache) and cache.length != 0:
         raise ValueError(f"prefill expects an empty cache, this one holds {cache.length} tokens")
     prompt_ids = _checks.token_ids("prompt_ids", prompt_ids)
     if prompt_ids.dim() == 1:
@@ -65,11 +65,14 @@ def prefill(model, prompt_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor |
 
 
 def decode_one_token(model, token_ids: torch.Tensor, cache: KVCache, pad: torch.Tensor | None = None) -> torch.Tensor:
-    """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token."""
-    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1:
-        raise ValueError("token_ids must be a 1-D tensor (B,) holding one token per sequence")
-    with decode_threads():   # one thread while another process holds a core
-        return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
+    """One decode step: token_ids (B,) at position cache.length -> logits (B, V) for the next token.
+
+    The ids come from the sampler, so nothing here reads a value back from the device (no host
+    sync): only their type and shape are checked; an id outside the vocabulary fails in the embedding.
+    """
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.dtype.is_floating_point:
+        raise ValueError("token_ids must be a 1-D integer tensor (B,) holding one token per sequence")
+    return model(token_ids[:, None], cache=cache, pad=pad)[:, -1]
 
 
 def left_pad(prompts, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +152,9 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     if max_new_tokens == 0:
         result.finish_reasons = ["length"] * B
         return result
+    _checks.token_ids("prompt_ids", ids, V)   # on the host, before any work: no device sync
     ids = ids.to(model.device)
-    model._check_tokens(ids)  # range-check the prompt before any work
-    pad_arg = pad if int(pad.max()) > 0 else None
+    pad_arg = pad.to(model.device) if max(prompt_lengths) > min(prompt_lengths) else None
     done = [False] * B
     t0 = time.perf_counter()
 

@@ -15,13 +15,18 @@ from dataclasses import dataclass
 
 # area -> (module name in the student's package, what the area covers)
 AREAS: dict[str, tuple[str, str]] = {
+    "layers": ("layers", "the Transformer's building blocks: RMSNorm and the SwiGLU feed-forward"),
     "sampling": ("sampling", "turning logits into the next token: temperature, top-k, top-p, sampling"),
-    "speculative": ("speculative", "speculative sampling's accept/resample rule"),
-    "attention": ("attention", "grouped-query attention, a KV cache, MLA's absorbed decode, sliding windows"),
-    "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ"),
-    "serving": ("serving", "paged KV memory: a block allocator, paged attention, a continuous-batching step"),
+    "generation": ("generation", "the generation loop: greedy decoding of a batch with stop tokens"),
+    "speculative": ("speculative", "speculative sampling: the accept/resample rule, its residual, greedy verification"),
+    "attention": ("attention", "grouped-query attention, KV caches, MLA, sliding windows and their rolling buffer"),
+    "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ, AWQ, "
+                                     "QAT's straight-through estimator"),
+    "serving": ("serving", "paged KV memory: block allocator and manager (fork, copy-on-write), paged attention, "
+                           "continuous batching"),
     "accounting": ("accounting", "FLOPs, bytes, latency and throughput: numeric and symbolic (sympy)"),
-    "data": ("data", "the training batch sampler"),
+    "data": ("data", "the training batch sampler and bits per byte"),
+    "compression": ("compression", "pruning (which structures to keep) and the distillation loss"),
 }
 
 

@@ -8,7 +8,9 @@ autograder calls.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+import sys
 import textwrap
 from pathlib import Path
 
@@ -135,7 +137,58 @@ PYTHONPATH; `CS336_INFERENCE_IMPL={path}` works too.) A function you have not wr
 tests, with `not implemented: NAME`; the summary line prints your points, and `--grade-json results.json`
 writes them in Gradescope's format. The tests compare against references written in the tests
 (loops, exact enumeration, chi-square tests with fixed seeds), never against the library.
+
+## Your assignment-1 model (not graded)
+
+`my_assignment1_model.load_my_model(checkpoint, config, my_model)` loads your own trained model into this
+library (`key_map="auto"`) and checks with `verify_checkpoint` that it computes your model's logits.
 """
+
+
+# the grader's own test modules (tests/): a package named like one would shadow it
+GRADER_MODULES = ("adapters", "conftest", "grading", "guard", "implementation", "tamper", "reference_model",
+                  "reference_quantization", "smollm2_reference", "tests", "graded", "mutation")
+
+
+def shadowed_module(name: str, directory: Path) -> str | None:
+    """What a package called `name` (to live in `directory`) would shadow when imported: a module of the
+    standard library, an installed package, or one of the grader's own modules; None if nothing."""
+    if name in sys.builtin_module_names or name in getattr(sys, "stdlib_module_names", ()):
+        return "a module of Python's standard library"
+    if name in GRADER_MODULES:
+        return "a module of the grader (tests/)"
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        return None
+    origin = spec.origin or next(iter(spec.submodule_search_locations or []), None)
+    if origin and Path(origin).resolve().is_relative_to(Path(directory).resolve()):
+        return None   # the student's own package, found because it is in the current folder
+    return f"the installed module {name!r} ({origin})"
+
+
+# Not graded: the student's own assignment-1 model in this library, checked against their forward.
+A1_LOADER = '''"""Load your assignment-1 model into cs336-inference (not graded), checked against your own forward.
+
+    from {name}.my_assignment1_model import load_my_model
+    model = load_my_model("checkpoint.pt", ModelConfig(vocab_size=..., ...), my_model)
+
+key_map="auto" places each of your tensors by its shape and name, and prints the mapping (paste it back as
+key_map= to pin it). verify_checkpoint runs your forward and this library's on random ids and raises, naming
+the likely cause (post-norm, NoPE, QK-norm: the ModelConfig fields to set), when their logits differ.
+"""
+
+from cs336_inference.model import ModelConfig, load_cs336_checkpoint, verify_checkpoint
+
+
+def load_my_model(checkpoint, config: ModelConfig, my_model, key_map="auto"):
+    """checkpoint: a path or a state dict; my_model: your assignment-1 model with those weights loaded."""
+    model = load_cs336_checkpoint(checkpoint, config, key_map=key_map)
+    verify_checkpoint(model, my_model)
+    return model
+'''
 
 
 def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
@@ -148,6 +201,10 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     name = directory.resolve().name
     if not name.isidentifier():
         raise ValueError(f"DIR must end in a valid Python package name (letters, digits, _), got {name!r}")
+    shadowed = shadowed_module(name, directory)
+    if shadowed:
+        raise ValueError(f"DIR's name {name!r} shadows {shadowed}: grading it would replace that module in the "
+                         f"grader; choose another name (for example {name}_solution)")
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"DIR {str(directory)!r} exists and is not a folder")
     if directory.is_dir() and any(directory.iterdir()) and not force:
@@ -157,6 +214,7 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     areas = "".join(f"- `{AREAS[a][0]}.py`: {AREAS[a][1]}\n"
                     for a in dict.fromkeys(e.area for e in _entries()))
     sources["README.md"] = README.format(name=name, areas=areas, path=str(directory))
+    sources["my_assignment1_model.py"] = A1_LOADER.format(name=name)
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, text in sources.items():

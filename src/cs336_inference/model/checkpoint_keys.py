@@ -11,8 +11,9 @@ list (so `state_dict()` never saw them). `load_cs336_checkpoint(..., key_map=...
     key_map = [one of the above, ...]                   applied in order
 
 Helpers: `rename_keys` (a dict or a key -> key function), `COMMON_RENAMES` (the names seen in practice),
-`split_fused_qkv`, `split_fused_gate_up`. When a checkpoint still does not match, `diagnose` says which of
-these cases it looks like and what to pass.
+`split_fused_qkv`, `split_fused_gate_up`; `key_map="auto"` infers the mapping (`key_inference`). When a
+checkpoint still does not match, `checkpoint_hints.diagnose` says which of these cases it looks like and what
+to pass.
 """
 
 from __future__ import annotations
@@ -47,17 +48,32 @@ COMMON_RENAMES: dict[str, str] = {
 }
 
 
-def rename_keys(mapping: dict[str, str] | Callable[[str], str | None]) -> Callable[[StateDict, ModelConfig], StateDict]:
-    """A key map renaming every key: regex patterns -> replacements (re.sub, in order) or a function
-    key -> new key (None drops the tensor)."""
+def rename_keys(mapping: dict[str, str | None] | Callable[[str], str | None]) -> Callable[[StateDict, ModelConfig],
+                                                                                     StateDict]:
+    """A key map renaming every key: regex patterns -> replacements (re.sub, in order; a None replacement
+    drops the keys the pattern matches) or a function key -> new key (None drops the tensor). Dropping needs
+    the loader's allow_dropped=, which warns which tensors were discarded."""
     if callable(mapping):
-        rename = mapping
+        def rename(key: str) -> str | None:
+            new = mapping(key)
+            if new is not None and not isinstance(new, str):
+                raise TypeError(f"a key_map function must return a str (or None to drop), got "
+                                f"{type(new).__name__} for {key!r}")
+            return new
     elif isinstance(mapping, dict):
-        compiled = [(re.compile(pattern), replacement) for pattern, replacement in mapping.items()]
+        compiled = [(_compile(pattern), _replacement(pattern, replacement)) for pattern, replacement in mapping.items()]
 
-        def rename(key: str) -> str:
+        def rename(key: str) -> str | None:
             for pattern, replacement in compiled:
-                key = pattern.sub(replacement, key)
+                if replacement is None:
+                    if pattern.search(key):
+                        return None
+                    continue
+                try:
+                    key = pattern.sub(replacement, key)
+                except (re.error, IndexError) as e:
+                    raise ValueError(f"key_map replacement {replacement!r} for pattern {pattern.pattern!r} fails "
+                                     f"on key {key!r}: {e}") from None
             return key
     else:
         raise TypeError(f"rename_keys takes a dict of regex patterns or a function key -> key, "
@@ -76,6 +92,24 @@ def rename_keys(mapping: dict[str, str] | Callable[[str], str | None]) -> Callab
     return apply
 
 
+def _compile(pattern) -> re.Pattern:
+    if isinstance(pattern, re.Pattern):
+        return pattern
+    if not isinstance(pattern, str):
+        raise TypeError(f"key_map patterns must be regex strings, got {pattern!r} ({type(pattern).__name__})")
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"key_map pattern {pattern!r} is not a valid regular expression: {e}") from None
+
+
+def _replacement(pattern, replacement) -> str | None:
+    if replacement is not None and not isinstance(replacement, str):
+        raise TypeError(f"key_map replacement for {pattern!r} must be a str (or None to drop the keys it "
+                        f"matches), got {replacement!r} ({type(replacement).__name__})")
+    return replacement
+
+
 def _split(state: StateDict, suffix: str, parts: list[tuple[str, int]], what: str) -> StateDict:
     """Replace every key ending in `suffix` by row blocks named parts[i][0] of parts[i][1] rows."""
     out: StateDict = {}
@@ -89,7 +123,7 @@ def _split(state: StateDict, suffix: str, parts: list[tuple[str, int]], what: st
                              f"({' + '.join(f'{name} {n}' for name, n in parts)})")
         prefix = key[: len(key) - len(suffix)]
         for (name, _), block in zip(parts, value.split([n for _, n in parts], dim=0)):
-            out[f"{prefix}{name}.weight"] = block.clone()
+            out[f"{prefix}{name}.weight"] = block   # a view: the loader copies it
     return out
 
 
@@ -118,8 +152,11 @@ def split_fused_gate_up(suffix: str = "ffn.gate_up_proj.weight", order: str = "g
     return apply
 
 
-def apply_key_map(state: StateDict, key_map, config: ModelConfig) -> StateDict:
-    """`state` with `key_map` applied (see the module docstring); None returns it unchanged."""
+def apply_key_map(state: StateDict, key_map, config: ModelConfig, dropped: list[str] | None = None) -> StateDict:
+    """`state` with `key_map` applied (see the module docstring); None returns it unchanged.
+
+    dropped: if given, receives the keys of tensors a step discarded (a step that returns fewer elements
+    than it was given dropped something; the keys named are those whose storage no output still uses)."""
     if key_map is None:
         return state
     steps = key_map if isinstance(key_map, (list, tuple)) else [key_map]
@@ -128,50 +165,22 @@ def apply_key_map(state: StateDict, key_map, config: ModelConfig) -> StateDict:
             step = rename_keys(step)
         if not callable(step):
             raise TypeError(f"key_map must be a dict of regex renames, a callable (state_dict, config) -> "
-                            f"state_dict, or a list of them; got {type(step).__name__}")
+                            f"state_dict, 'auto', or a list of them; got {type(step).__name__}")
+        before = state
         state = step(dict(state), config)
-        if not isinstance(state, dict):
-            raise TypeError(f"a key_map callable must return a dict, got {type(state).__name__}")
+        if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                  for k, v in state.items()):
+            raise TypeError(f"a key_map callable must return a dict of str -> tensor, got {type(state).__name__}"
+                            + ("" if not isinstance(state, dict) else " with other keys or values"))
+        if dropped is not None and _numel(state) < _numel(before):
+            kept = {_storage(v) for v in state.values()}
+            dropped += [k for k, v in before.items() if _storage(v) not in kept]
     return state
 
 
-def diagnose(state: StateDict, expected: StateDict, config: ModelConfig) -> list[str]:
-    """Why `state` may not match the handout's keys, with what to pass to `load_cs336_checkpoint`."""
-    hints = []
-    keys = list(state)
-    if any(re.search(r"(pos|position)(_|)emb|wpe", k) for k in keys) and not any(k.endswith("ffn.w3.weight")
-                                                                                for k in keys):
-        return ["this looks like a 2024-format assignment-1 checkpoint: learned absolute position embeddings "
-                f"({next(k for k in keys if re.search(r'(pos|position)(_|)emb|wpe', k))}) and a feed-forward "
-                "without w3 (GELU, two matrices). This library's model is the 2025 handout's (RoPE, SwiGLU with "
-                "w1, w2, w3, no position embeddings); those weights cannot be loaded into it. Retrain with the "
-                "2025 architecture"]
-    block_keys = [k for k in keys if re.search(r"(^|\.)(\d+)\.", k)]
-    if not block_keys and config.num_layers > 0:
-        return [f"the checkpoint holds no layer weights at all (keys: {sorted(keys)}): the transformer blocks "
-                "were probably kept in a plain Python list (self.layers = [Block(...) ...]) instead of an "
-                "nn.ModuleList, so state_dict() never saw them and the trained block weights are not in this "
-                "file. Use nn.ModuleList in the model class and save the checkpoint again"]
-    renamed = rename_keys(COMMON_RENAMES)(state, config)
-    if renamed.keys() != state.keys():
-        left = sorted(set(expected) - set(renamed)), sorted(set(renamed) - set(expected))
-        verdict = "loads this checkpoint" if not any(left) else \
-            f"maps most keys (still missing {left[0][:6]}, unexpected {left[1][:6]})"
-        examples = [f"{a} -> {b}" for a, b in zip(state, renamed) if a != b][:4]
-        hints.append(f"some keys look renamed ({', '.join(examples)}, ...): key_map=COMMON_RENAMES {verdict}")
-        state = renamed
-    unknown = {k: v for k, v in state.items() if k not in expected}   # only keys the model does not have
-    fused_qkv = [k for k, v in unknown.items() if re.search(r"qkv|wqkv|c_attn|in_proj", k)
-                 or (v.dim() == 2 and v.shape[0] == (config.num_heads + 2 * config.num_kv_heads) * config.head_dim
-                     and v.shape[1] == config.d_model and config.num_heads + 2 * config.num_kv_heads > 3)]
-    if fused_qkv:
-        suffix = re.sub(r"^.*?\.\d+\.", "", fused_qkv[0])
-        hints.append(f"{fused_qkv[0]} looks like a fused q/k/v projection: key_map=[..., "
-                     f"split_fused_qkv({suffix!r})] splits it (rows q, k, v; pass order= if yours differ)")
-    fused_ffn = [k for k, v in unknown.items() if re.search(r"gate_up|w13|w1w3|fc_in", k)
-                 or (v.dim() == 2 and v.shape == (2 * config.d_ff, config.d_model))]
-    if fused_ffn:
-        suffix = re.sub(r"^.*?\.\d+\.", "", fused_ffn[0])
-        hints.append(f"{fused_ffn[0]} looks like a fused gate/up projection: key_map=[..., "
-                     f"split_fused_gate_up({suffix!r})] splits it into ffn.w1 (SiLU gate) and ffn.w3")
-    return hints
+def _numel(state: StateDict) -> int:
+    return sum(v.numel() for v in state.values())
+
+
+def _storage(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.device) if t.device.type != "meta" else (id(t),)

@@ -12,6 +12,13 @@ from dataclasses import dataclass
 from .. import _checks
 
 ATTENTION_TYPES = ("gqa", "mla")  # gqa covers MHA (K = N) and MQA (K = 1)
+# The assignment-1 handout's ablations (its base model is the first value of each).
+NORM_POSITIONS = ("pre", "post")
+NORMS = ("rmsnorm", "none")
+POSITIONALS = ("rope", "none")
+FFNS = ("swiglu", "silu")
+QK_NORMS = ("none", "gain", "no_gain")
+NORM_EPS_FIELDS = ("ln1_eps", "ln2_eps", "ln_final_eps", "qk_norm_eps")
 
 
 @dataclass
@@ -36,6 +43,18 @@ class ModelConfig:
     kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
     # --- output layer ---
     tie_embeddings: bool = False      # lm_head reuses token_embeddings.weight (SmolLM2, Gemma); assignment 1 unties
+    # --- assignment-1 ablations (defaults: the handout's base model); each is chosen when the model is built ---
+    norm_position: str = "pre"        # "pre": x + f(ln(x)); "post": ln(x + f(x)) (the original Transformer)
+    norm: str = "rmsnorm"             # "rmsnorm", or "none": no ln1/ln2 (and no ln_final unless final_norm=True)
+    final_norm: bool | None = None    # ln_final before lm_head; None: present iff norm == "rmsnorm"
+    positional: str = "rope"          # "rope", or "none" (NoPE: the causal mask alone tells positions apart)
+    ffn: str = "swiglu"               # "swiglu": w2(silu(w1 x) * w3 x); "silu": w2(silu(w1 x)), no w3
+    qk_norm: str = "none"             # "gain": RMSNorm over each head of q and k (attn.q_norm/k_norm.weight, H
+                                      # entries), before RoPE; "no_gain": the same without a learned gain
+    ln1_eps: float | None = None      # per-norm eps; None: norm_eps
+    ln2_eps: float | None = None
+    ln_final_eps: float | None = None
+    qk_norm_eps: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads is None:
@@ -57,6 +76,7 @@ class ModelConfig:
         _checks.one_of("attention_type", self.attention_type, ATTENTION_TYPES)
         _checks.boolean("tie_embeddings", self.tie_embeddings)
         self._check_variant()
+        self._check_ablations()
 
     def _check_variant(self) -> None:
         """Refuse attention-variant knobs that do not fit together (each message names the fix)."""
@@ -96,6 +116,59 @@ class ModelConfig:
                     f"kv_share_group={self.kv_share_group} puts local and global layers {list(group)} in one "
                     f"sharing group (global_every={self.global_every}); layers that share a KV cache must "
                     f"all be local or all global")
+
+    def _check_ablations(self) -> None:
+        """Refuse assignment-1 ablation fields that are unknown or do not fit together (each names the fix)."""
+        if self.qk_norm is None:
+            self.qk_norm = "none"
+        for name, allowed in (("norm_position", NORM_POSITIONS), ("norm", NORMS), ("positional", POSITIONALS),
+                              ("ffn", FFNS), ("qk_norm", QK_NORMS)):
+            _checks.one_of(name, getattr(self, name), allowed)
+        if self.final_norm is not None:
+            _checks.boolean("final_norm", self.final_norm)
+        for name in NORM_EPS_FIELDS:
+            if getattr(self, name) is not None:
+                setattr(self, name, _checks.finite_positive_float(name, getattr(self, name)))
+        if self.norm == "none" and self.norm_position != "pre":
+            raise ValueError(f"norm='none' has no norms to place, so norm_position={self.norm_position!r} changes "
+                             "nothing; leave norm_position='pre' (or set norm='rmsnorm' for a post-norm model)")
+        unused = [n for n, built in (("ln1_eps", self.norm == "rmsnorm"), ("ln2_eps", self.norm == "rmsnorm"),
+                                     ("ln_final_eps", self.has_final_norm), ("qk_norm_eps", self.qk_norm != "none"))
+                  if getattr(self, n) is not None and not built]
+        if unused:
+            raise ValueError(f"{unused} set for norms this config does not build (norm={self.norm!r}, final_norm="
+                             f"{self.final_norm!r}, qk_norm={self.qk_norm!r}); drop them or enable those norms")
+        if self.attention_type == "mla" and (self.positional != "rope" or self.qk_norm != "none"):
+            raise ValueError(f"positional={self.positional!r} and qk_norm={self.qk_norm!r} apply to "
+                             "attention_type='gqa' only (MLA has its own decoupled RoPE key and latent norms); "
+                             "use attention_type='gqa' for NoPE or QK-norm")
+
+    @property
+    def has_final_norm(self) -> bool:
+        """Whether the model has ln_final (final_norm, or by default iff norm == 'rmsnorm')."""
+        return self.norm == "rmsnorm" if self.final_norm is None else self.final_norm
+
+    def eps(self, norm: str) -> float:
+        """The eps of one norm ('ln1', 'ln2', 'ln_final' or 'qk_norm'): its own field, else norm_eps."""
+        own = getattr(self, f"{norm}_eps")
+        return self.norm_eps if own is None else own
+
+    @property
+    def is_handout_base(self) -> bool:
+        """True for the handout's base block: pre-norm RMSNorm, RoPE, SwiGLU, no QK-norm, a final norm."""
+        return (self.norm_position, self.norm, self.positional, self.ffn, self.qk_norm, self.has_final_norm) == \
+            ("pre", "rmsnorm", "rope", "swiglu", "none", True)
+
+    def require_handout_base(self, what: str) -> None:
+        """Refuse `what` (a transform that relies on the base block's structure) for an ablation."""
+        if not self.is_handout_base:
+            changed = {n: getattr(self, n) for n, base in (("norm_position", "pre"), ("norm", "rmsnorm"),
+                                                            ("positional", "rope"), ("ffn", "swiglu"),
+                                                            ("qk_norm", "none")) if getattr(self, n) != base}
+            if not self.has_final_norm and self.norm == "rmsnorm":
+                changed["final_norm"] = False
+            raise ValueError(f"{what} supports the handout's base block only (pre-norm RMSNorm, RoPE, SwiGLU, "
+                             f"no QK-norm); this model's config has {changed}")
 
     def layer_window(self, layer: int) -> int | None:
         """Sliding window of layer `layer` (None = global). Hybrids keep layer i global iff
@@ -146,8 +219,8 @@ PRESETS: dict[str, dict] = {
     # Unit tests: a few thousand parameters, runs anywhere in milliseconds.
     "tiny": dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4,
                  num_kv_heads=2, d_ff=64),
-    # The shipped target (~2M parameters, trained on the offline corpus in ~12 min on 2 CPU
-    # cores): context 512 so recall up to ~400 tokens back is measurable; GQA with G = 3.
+    # The shipped target (~2M parameters, trained on the offline corpus in minutes on a CPU):
+    # context 512 so recall up to ~400 tokens back is measurable; GQA with G = 3.
     "target": dict(vocab_size=257, context_length=512, d_model=192, num_layers=4, num_heads=6,
                    num_kv_heads=2, d_ff=640),
     # The shipped draft (~10x fewer non-embedding parameters and FLOPs per token than the target):

@@ -16,12 +16,14 @@ from einops import rearrange
 
 from .attention import grouped_attention, require_shared_kv
 from .config import ModelConfig
-from .kv_cache import CacheStep, ContiguousKVCache, LayerCache
-from .layers import Linear, apply_rope, fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
+from .kv_cache import ContiguousKVCache, ForwardStep, LayerCache
+from .layers import fuse_linears, keep_unfused_state_dict_keys, unfuse_linears
+from .variants import attach_positional
 
 
 class GroupedQueryAttention(nn.Module):
-    """Causal self-attention with N query heads and K key/value heads, RoPE on q and k.
+    """Causal self-attention with N query heads and K key/value heads, RoPE on q and k (or the
+    config's positional / QK-norm variant: `rotate_q`, `rotate_k`, see `variants`).
 
     With CLA (config.kv_share_group > 1) a layer that is not first in its group has no k_proj/v_proj:
     it attends over the keys/values its group's first layer returned this forward (`shared_kv`).
@@ -34,13 +36,15 @@ class GroupedQueryAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.kv_source = config.kv_source_layer(layer_idx)
+        self.owns_kv = self.kv_source == layer_idx   # False for CLA followers: no k/v projections, no cache
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_proj = Linear(D, N * H, device=device, dtype=dtype)
+        self.q_proj = nn.Linear(D, N * H, bias=False, device=device, dtype=dtype)
         if self.owns_kv:
-            self.k_proj = Linear(D, K * H, device=device, dtype=dtype)
-            self.v_proj = Linear(D, K * H, device=device, dtype=dtype)
-        self.output_proj = Linear(N * H, D, device=device, dtype=dtype)
+            self.k_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
+            self.v_proj = nn.Linear(D, K * H, bias=False, device=device, dtype=dtype)
+        self.output_proj = nn.Linear(N * H, D, bias=False, device=device, dtype=dtype)
+        attach_positional(self, config, device=device, dtype=dtype)   # rotate_q/k: RoPE, NoPE, QK-norm
         keep_unfused_state_dict_keys(self)
 
     def fuse_projections(self) -> None:
@@ -52,11 +56,6 @@ class GroupedQueryAttention(nn.Module):
         if "qkv_proj" in self._modules:
             unfuse_linears(self, "qkv_proj")
 
-    @property
-    def owns_kv(self) -> bool:
-        """True if this layer projects keys/values itself (and owns a cache); False for CLA followers."""
-        return self.kv_source == self.layer_idx
-
     def cache_spec(self) -> tuple:
         """(K, H, window): the `LayerCache.spec` this layer's cache must have."""
         return (self.num_kv_heads, self.head_dim, self.window)
@@ -67,33 +66,28 @@ class GroupedQueryAttention(nn.Module):
                                  device=device, dtype=dtype or self.q_proj.weight.dtype)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor | None = None,
-                cache: LayerCache | None = None, step: CacheStep | None = None,
+                cache: LayerCache | None = None, step: ForwardStep | None = None,
                 shared_kv: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """x (B, T, D) -> (out (B, T, D), (keys, values) attended over, each (B, K, S, H)).
+        """x (B, T, D) -> (out (B, T, D), the keys/values attended over: (B, K, S, H) each, or what the cache returns).
 
-        rope = (cos, sin) of the T new positions; mask over the S keys (from the cache, or causal);
-        cache/step: this layer's cache and the forward's `CacheStep`; shared_kv: the keys/values of
-        this layer's CLA group owner (followers only)."""
+        rope = (cos, sin) of the T new positions; mask: over the S keys of a forward without a cache
+        (with one, the cache picks it); cache/step: this layer's cache and the forward's step;
+        shared_kv: the keys/values of this layer's CLA group owner (followers only)."""
         cos, sin = rope
         if "qkv_proj" in self._modules:
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), *((self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None))
-        q = rearrange(q, "B T (N H) -> B N T H", H=self.head_dim)
-        q = apply_rope(q, cos, sin)
+        q = self.rotate_q(rearrange(q, "B T (N H) -> B N T H", H=self.head_dim), cos, sin)
         if self.owns_kv:
-            k = rearrange(k, "B T (K H) -> B K T H", H=self.head_dim)
-            v = rearrange(v, "B T (K H) -> B K T H", H=self.head_dim)
-            kv = (apply_rope(k, cos, sin), v)
+            k = self.rotate_k(rearrange(k, "B T (K H) -> B K T H", H=self.head_dim), cos, sin)
+            kv = (k, rearrange(v, "B T (K H) -> B K T H", H=self.head_dim))
             if cache is not None:
-                kv = cache.update(*kv, step)  # (B, K, S, H): every key the new queries may see
+                kv = cache.update(*kv, step)  # every key the new queries may see
         else:
             kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
-        # the kernel choice travels only when it is not the default, so caches that override `attend`
-        # without a `kernel` argument keep working with the reference kernel
-        options = {} if self.attention_kernel == "reference" else {"kernel": self.attention_kernel}
         if cache is None:
-            out = grouped_attention(q, *kv, mask, **options)
+            out = grouped_attention(q, *kv, mask, kernel=self.attention_kernel)
         else:
-            out = cache.attend(q, kv, mask, step, **options)
+            out = cache.attend(q, kv, step, kernel=self.attention_kernel)
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv

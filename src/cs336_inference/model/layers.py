@@ -6,83 +6,9 @@ RMSNorm: Zhang & Sennrich 2019. SwiGLU: Shazeer 2020. RoPE: Su et al. 2021 (RoFo
 
 from __future__ import annotations
 
-import contextlib
-import math
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
-
-from ..timing import cpu_contended
-
-# Rows at or below which the CPU few-row path of `Linear` beats one MKL gemm call (measured here on
-# the weights of a 330 MB model, 2 idle threads: 1 row 18 -> 10 ms, 8 rows 29 -> 18 ms, 32 rows 55 -> 44 ms).
-# On an oversubscribed CPU (other processes busy) the split waits for its slowest thread, which
-# shares a core: it then loses to MKL's one-thread kernel, so it is skipped while other processes
-# keep a core busy (`timing.cpu_contended`, re-read at most every 0.25 s).
-_SPLIT_MAX_ROWS = 64
-_SPLIT_ENABLED = True
-
-
-@contextlib.contextmanager
-def few_row_split(enabled: bool):
-    """Turn the CPU few-row path of `Linear` on or off (benchmarks compare both)."""
-    global _SPLIT_ENABLED
-    previous, _SPLIT_ENABLED = _SPLIT_ENABLED, bool(enabled)
-    try:
-        yield
-    finally:
-        _SPLIT_ENABLED = previous
-
-
-def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (..., d_in), (d_out, d_in) -> (..., d_out)
-    """Rows times W^T written as a multiply and a sum, for a compiled batch-1 decode graph on the CPU.
-
-    Eagerly this would materialise a (d_out, M, d_in) product; under `torch.compile` the multiply and
-    the sum fuse into one vectorised loop over W's rows, split across all threads, that reads each
-    weight once, where MKL's matrix-vector kernel runs on one thread (`bench generation`: the compiled
-    fp32 step of the 88M preset moves ~77% of the measured bandwidth in weights, the same model on
-    `F.linear` ~33%). Used for one row only: with a batch size that the
-    graph keeps symbolic, the generated loop over M is not vectorised and runs ~10x slower than a gemm.
-    Accumulates in fp32 (bf16 weights are upcast inside the loop); the summation order differs from
-    a gemm's, so results equal `F.linear`'s to rounding, not bit for bit.
-    """
-    rows = x.reshape(-1, x.shape[-1])                                     # (M, d_in)
-    out = (w.float()[:, None, :] * rows.float()[None]).sum(-1)             # (d_out, M)
-    return out.t().reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """A bias-free linear layer, y = x W^T with W of shape (d_out, d_in) as in assignment 1.
-
-    Decode multiplies a handful of rows by every weight matrix: memory-bound matrix-vector work.
-    On the CPU, MKL runs that on one thread, leaving half the memory bandwidth of a 2-core machine
-    unused. For few-row inputs in inference we therefore split W's output rows into one block per
-    thread (a free view) and let `bmm` stream the blocks in parallel. Same numbers, ~1.5x faster decode.
-    Inside a compiled graph (`generation.compile_decode`) one row goes through `streaming_matmul`
-    instead, which the compiler turns into a parallel streaming loop.
-    """
-
-    def __init__(self, in_features: int, out_features: int, device=None, dtype=None):
-        super().__init__(in_features, out_features, bias=False, device=device, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
-        w = self.weight
-        if torch.compiler.is_compiling():   # the thread count is a Python-side fact a graph must not read
-            if x.device.type == "cpu" and math.prod(x.shape[:-1]) == 1 and not torch.is_grad_enabled():
-                return streaming_matmul(x, w)
-            return F.linear(x, w)
-        P = torch.get_num_threads()
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (_SPLIT_ENABLED and P > 1 and 0 < rows <= _SPLIT_MAX_ROWS and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
-                and x.dtype == w.dtype and not cpu_contended()):
-            blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
-            x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
-            y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
-            return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w)
 
 
 class FusedLinear(nn.Module):
@@ -99,7 +25,7 @@ class FusedLinear(nn.Module):
         self.part_names = tuple(parts)
         self.splits = tuple(p.out_features for p in parts.values())
         w = first.weight
-        self.proj = Linear(first.in_features, sum(self.splits), device=w.device, dtype=w.dtype)
+        self.proj = type(first)(first.in_features, sum(self.splits), bias=False, device=w.device, dtype=w.dtype)
         with torch.no_grad():
             self.proj.weight.copy_(torch.cat([p.weight for p in parts.values()]))  # (sum O, I)
 
@@ -114,7 +40,7 @@ def fuse_linears(module: nn.Module, fused_name: str, part_names: tuple[str, ...]
     """Replace the plain linears `part_names` of `module` (same input) by one `FusedLinear` named
     `fused_name`, in the first part's place (so module order, hence state-dict order, is kept)."""
     parts = {n: module._modules.get(n) for n in part_names}
-    bad = {n: type(m).__name__ for n, m in parts.items() if type(m) not in (Linear, nn.Linear) or m.bias is not None}
+    bad = {n: type(m).__name__ for n, m in parts.items() if not isinstance(m, nn.Linear) or m.bias is not None}
     if bad:
         raise TypeError(f"can only fuse bias-free full-precision linears, got {bad}; fuse before quantizing "
                         f"(quantize_model works on a fused model)")
@@ -133,9 +59,9 @@ def fuse_linears(module: nn.Module, fused_name: str, part_names: tuple[str, ...]
 
 
 def unfuse_linears(module: nn.Module, fused_name: str) -> None:
-    """Undo `fuse_linears`: the parts come back as plain `Linear`s holding their rows of the fused weight."""
+    """Undo `fuse_linears`: the parts come back as linears (of the fused one's class) holding their rows."""
     fused = module._modules[fused_name]
-    if type(fused.proj) not in (Linear, nn.Linear):
+    if not isinstance(fused.proj, nn.Linear):
         raise TypeError(f"{fused_name} holds a {type(fused.proj).__name__}; only a full-precision fused "
                         f"projection can be split back")
     w = fused.proj.weight
@@ -147,7 +73,7 @@ def unfuse_linears(module: nn.Module, fused_name: str) -> None:
             module._modules[name] = child
             continue
         for part, r in zip(fused.part_names, rows):
-            lin = Linear(w.shape[1], r.shape[0], device=w.device, dtype=w.dtype)
+            lin = type(fused.proj)(w.shape[1], r.shape[0], bias=False, device=w.device, dtype=w.dtype)
             with torch.no_grad():
                 lin.weight.copy_(r)
             module._modules[part] = lin
@@ -210,9 +136,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
-        self.w1 = Linear(d_model, d_ff, device=device, dtype=dtype)
-        self.w2 = Linear(d_ff, d_model, device=device, dtype=dtype)
-        self.w3 = Linear(d_model, d_ff, device=device, dtype=dtype)
+        self.w1 = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False, device=device, dtype=dtype)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False, device=device, dtype=dtype)
         keep_unfused_state_dict_keys(self)
 
     def fuse_projections(self) -> None:
@@ -243,15 +169,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate adjacent pairs of the last dim of `x` (..., T, H) by the angles in cos/sin (..., T, H/2).
 
     cos/sin broadcast against x's leading dims, so per-sequence positions (B, 1, T, H/2) work too.
-    The pair (x[2k], x[2k+1]) is the complex number x[2k] + i x[2k+1]; rotating it by angle a is
-    multiplying by cos a + i sin a: one complex multiply instead of a dozen real ops per call.
+    The pair (a, b) = (x[2k], x[2k+1]) rotated by angle t is (a cos t - b sin t, a sin t + b cos t),
+    in fp32 (real ops: one formula that eager PyTorch and the compiler both run well).
     """
-    if torch.compiler.is_compiling():   # the compiler fuses real ops but cannot generate complex ones
-        a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)                               # (..., T, H/2) each
-        return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
-    rotation = torch.complex(cos.float(), sin.float())                                  # (..., T, H/2)
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())         # (..., T, H/2)
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)                 # (..., T, H)
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)                                   # (..., T, H/2) each
+    return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):

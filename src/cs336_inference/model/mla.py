@@ -30,7 +30,7 @@ from .attention import grouped_attention, require_shared_kv, scaled_dot_product_
 from .config import ModelConfig
 from .kv_cache import CacheStep, LayerCache
 from .latent_kv_cache import LatentKVCache
-from .layers import Linear, apply_rope
+from .layers import apply_rope
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -46,26 +46,23 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"MultiHeadLatentAttention needs attention_type='mla', got {config.attention_type!r}")
         self.layer_idx = layer_idx
         self.kv_source = config.kv_source_layer(layer_idx)
+        self.owns_kv = self.kv_source == layer_idx   # False for CLA followers: no k/v projections, no cache
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.kv_lora_rank, self.rope_head_dim = config.kv_lora_rank, config.rope_head_dim
         self.absorb = True
         D, N, H, C, R = config.d_model, config.num_heads, config.head_dim, config.kv_lora_rank, config.rope_head_dim
-        kw = dict(device=device, dtype=dtype)
+        kw = dict(bias=False, device=device, dtype=dtype)
         if config.q_lora_rank is None:
-            self.q_proj = Linear(D, N * (H + R), **kw)
+            self.q_proj = nn.Linear(D, N * (H + R), **kw)
         else:  # queries are compressed too (saves activation memory in training, not cache)
-            self.q_down_proj = Linear(D, config.q_lora_rank, **kw)
-            self.q_up_proj = Linear(config.q_lora_rank, N * (H + R), **kw)
+            self.q_down_proj = nn.Linear(D, config.q_lora_rank, **kw)
+            self.q_up_proj = nn.Linear(config.q_lora_rank, N * (H + R), **kw)
         if self.owns_kv:
-            self.kv_down_proj = Linear(D, C, **kw)      # W_DKV: h -> latent c
-            self.k_rope_proj = Linear(D, R, **kw)       # W_KR: h -> shared key to rotate
-        self.k_up_proj = Linear(C, N * H, **kw)         # W_UK: c -> per-head keys
-        self.v_up_proj = Linear(C, N * H, **kw)         # W_UV: c -> per-head values
-        self.output_proj = Linear(N * H, D, **kw)
-
-    @property
-    def owns_kv(self) -> bool:
-        return self.kv_source == self.layer_idx
+            self.kv_down_proj = nn.Linear(D, C, **kw)      # W_DKV: h -> latent c
+            self.k_rope_proj = nn.Linear(D, R, **kw)       # W_KR: h -> shared key to rotate
+        self.k_up_proj = nn.Linear(C, N * H, **kw)         # W_UK: c -> per-head keys
+        self.v_up_proj = nn.Linear(C, N * H, **kw)         # W_UV: c -> per-head values
+        self.output_proj = nn.Linear(N * H, D, **kw)
 
     def cache_spec(self) -> tuple:
         """(1, C + R, None): one shared latent key head, global."""
@@ -104,9 +101,9 @@ class MultiHeadLatentAttention(nn.Module):
         else:
             kv = require_shared_kv(shared_kv, self.layer_idx, self.kv_source)
         if cache is not None and self.absorb:
-            out = self.attend_absorbed(q_nope, q_rope, kv[0], mask, cache, step)
+            out = self.attend_absorbed(q_nope, q_rope, kv[0], None, cache, step)
         else:
-            out = self.attend_naive(q_nope, q_rope, kv[0], mask)
+            out = self.attend_naive(q_nope, q_rope, kv[0], mask if cache is None else cache.mask(step))
         return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv
 
     def attend_naive(self, q_nope, q_rope, latent, mask) -> torch.Tensor:
@@ -121,7 +118,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     def attend_absorbed(self, q_nope, q_rope, latent, mask, cache=None, step=None) -> torch.Tensor:
         """Attend over the latents (B, 1, S, C + R) themselves: W_UK folded into q, W_UV applied after. (B, N, T, H)."""
-        attend = None if cache is None else (lambda q, kv, mask, scale: cache.attend(q, kv, mask, step, scale=scale))
+        attend = None if cache is None else (lambda q, kv, mask, scale: cache.attend(q, kv, step, scale=scale))
         return absorbed_attention(q_nope, q_rope, latent, self.k_up_proj.weight, self.v_up_proj.weight, mask, attend)
 
 

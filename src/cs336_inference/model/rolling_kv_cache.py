@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from .attention import attention_mask
-from .kv_cache import CacheStep, _check_kv, _KVBuffers
+from .attention import attention_mask, grouped_attention
+from .kv_cache import CacheStep, KVBuffers, _check_kv
 
 
-class RollingKVCache(_KVBuffers):
+class RollingKVCache(KVBuffers):
     """Sliding-window attention's cache: a ring buffer of min(window + spare, max_seq_len) positions.
 
     Position p lives in slot p % capacity (Mistral 7B, Jiang et al. 2023), so memory stays flat however
@@ -36,9 +36,7 @@ class RollingKVCache(_KVBuffers):
         _checks.non_negative_int("sinks", sinks)
         self.window, self.max_seq_len, self.sinks = window, max_seq_len, sinks
         self.capacity = min(window + spare, max_seq_len)
-        shape = (batch_size, num_kv_heads, self.capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.allocate((batch_size, num_kv_heads, self.capacity, head_dim), device, dtype)
         # sinks only need slots of their own once the window can slide past them
         sink_shape = (batch_size, num_kv_heads, min(sinks, max(0, max_seq_len - window)), head_dim)
         self.sink_k = torch.zeros(sink_shape, device=device, dtype=dtype)
@@ -64,7 +62,7 @@ class RollingKVCache(_KVBuffers):
 
     def update(self, k: torch.Tensor, v: torch.Tensor, step: CacheStep) -> tuple[torch.Tensor, torch.Tensor]:
         """Return keys/values (B, K, S_w, H) of the sink positions 0 .. sink_keys(start) - 1, then of
-        first_key(start) .. start + T - 1; stage the new k, v (B, K, T, H) for `commit`."""
+        first_key(start) .. start + T - 1; stage the new k, v (B, K, T, H) for `commit` (joins step.staged)."""
         B, K, C, H = self.k.shape
         _check_kv("k", k, B, K, H)
         _check_kv("v", v, B, K, H)
@@ -85,7 +83,13 @@ class RollingKVCache(_KVBuffers):
         to_sinks = max(0, min(step.end, self.sink_k.shape[2]) - step.start)  # new positions that are sinks
         self._staged = (step, k.detach()[:, :, step.num_new - keep:], v.detach()[:, :, step.num_new - keep:],
                         k.detach()[:, :, :to_sinks], v.detach()[:, :, :to_sinks])
+        step.staged.append(self)
         return keys, values
+
+    def attend(self, q: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor], step: CacheStep,
+               scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
+        """Grouped attention under the band mask of this ring's window (`mask`)."""
+        return grouped_attention(q, *kv, self.mask(step), scale, kernel=kernel)
 
     def mask(self, step: CacheStep) -> torch.Tensor | None:
         first, n_sink = self.first_key(step.start), self.sink_keys(step.start)

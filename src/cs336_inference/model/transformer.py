@@ -26,10 +26,11 @@ from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
 from .config import ModelConfig
 from .describe import describe
-from .kv_cache import CacheStep, KVCache
-from .layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from .kv_cache import ForwardStep, KVCache, check_pad, rope_positions
+from .layers import RMSNorm, RotaryEmbedding
+from .variants import build_ffn, build_norm
 
-__all__ = ["ModelConfig", "TransformerBlock", "TransformerLM"]
+__all__ = ["ModelConfig", "PostNormBlock", "TransformerBlock", "TransformerLM"]
 
 
 def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
@@ -44,16 +45,29 @@ def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None
 class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int = 0, device=None, dtype=None):
         super().__init__()
-        self.ln1 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
+        self.ln1 = build_norm(config, "ln1", device=device, dtype=dtype)    # RMSNorm, or Identity (norm="none")
         self.attn = build_attention(config, layer_idx, device=device, dtype=dtype)
-        self.ln2 = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-        self.ffn = SwiGLU(config.d_model, config.d_ff, device=device, dtype=dtype)
+        self.ln2 = build_norm(config, "ln2", device=device, dtype=dtype)
+        self.ffn = build_ffn(config, device=device, dtype=dtype)             # SwiGLU, or SiLU (ffn="silu")
 
     def forward(self, x: torch.Tensor, rope, mask=None, cache=None, step=None, shared_kv=None):
         """x (B, T, D) -> (x (B, T, D), the keys/values attention used); see `GroupedQueryAttention.forward`."""
         attn_out, kv = self.attn(self.ln1(x), rope, mask, cache, step, shared_kv)
         x = x + attn_out
         return x + self.ffn(self.ln2(x)), kv
+
+
+class PostNormBlock(TransformerBlock):
+    """The handout's post-norm ablation (the original Transformer's order): the same modules and keys,
+    x = ln1(x + attn(x)), then x = ln2(x + ffn(x))."""
+
+    def forward(self, x: torch.Tensor, rope, mask=None, cache=None, step=None, shared_kv=None):
+        attn_out, kv = self.attn(x, rope, mask, cache, step, shared_kv)
+        x = self.ln1(x + attn_out)
+        return self.ln2(x + self.ffn(x)), kv
+
+
+BLOCKS = {"pre": TransformerBlock, "post": PostNormBlock}   # by config.norm_position
 
 
 class TransformerLM(nn.Module):
@@ -63,11 +77,14 @@ class TransformerLM(nn.Module):
         self.config = config
         self.token_embeddings = nn.Embedding(config.vocab_size, config.d_model, device=device, dtype=dtype)
         self.layers = nn.ModuleList(
-            TransformerBlock(config, i, device=device, dtype=dtype) for i in range(config.num_layers))
-        self.ln_final = RMSNorm(config.d_model, config.norm_eps, device=device, dtype=dtype)
-        self.lm_head = Linear(config.d_model, config.vocab_size, device=device, dtype=dtype)
+            BLOCKS[config.norm_position](config, i, device=device, dtype=dtype) for i in range(config.num_layers))
+        self.ln_final = build_norm(config, "ln_final", device=device, dtype=dtype)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False, device=device, dtype=dtype)
         self.tie_weights()
         self.rope = RotaryEmbedding(self.rope_dim, config.context_length, config.rope_theta, device=device)
+        # per layer, from the config once: the layer whose keys/values it uses (CLA) and its window
+        self.kv_sources = tuple(config.kv_source_layer(i) for i in range(config.num_layers))
+        self.windows = tuple(config.layer_window(i) for i in range(config.num_layers))
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -94,12 +111,16 @@ class TransformerLM(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.ln_final.weight.device   # a norm weight: present even when lm_head is quantized
+        return self.rope.cos.device   # a buffer every model has, even with lm_head quantized and no norms
 
     @property
     def dtype(self) -> torch.dtype:
-        """The activation dtype (quantized layers store codes, so ask a norm)."""
-        return self.ln_final.weight.dtype
+        """The activation dtype (quantized layers store codes, so ask a norm, or else the embedding)."""
+        for module in (self.ln_final, *(m for b in self.layers for m in (b.ln1, b.ln2)), self.token_embeddings):
+            weight = getattr(module, "weight", None)
+            if isinstance(weight, torch.Tensor) and weight.is_floating_point():
+                return weight.dtype
+        return torch.float32
 
     def fuse_projections(self) -> "TransformerLM":
         """Decode option: q/k/v and SwiGLU's w1/w3 each as one matmul (fewer calls per step). The
@@ -149,7 +170,7 @@ class TransformerLM(nn.Module):
         _checks.positive_int("max_rollback", max_rollback)
         layers = []
         for i, block in enumerate(self.layers):
-            source = self.config.kv_source_layer(i)
+            source = self.kv_sources[i]
             if source == i:
                 layers.append(block.attn.new_cache(batch_size, max_seq_len, device=self.device,
                                                    dtype=dtype or self.dtype, max_rollback=max_rollback))
@@ -158,84 +179,98 @@ class TransformerLM(nn.Module):
         return KVCache(layers, max_seq_len, batch_size)
 
     def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int | None = None,
-                pad: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
-        """token_ids (B, T) or (T,) -> logits (B, T, V) (or (T, V); (B, 1, V) with last_only).
+                pad: torch.Tensor | None = None, last_only: bool = False,
+                step: ForwardStep | None = None) -> torch.Tensor:
+        """token_ids (B, T) or (T,) -> logits (B, T, V) (or (T, V); with last_only (B, 1, V), or what
+        step.select_last keeps).
 
         cache: None for a full forward; a `KVCache` to prefill (T = prompt length) or decode (T = 1):
         the tokens take positions cache.length .. cache.length + T - 1 and the cache advances by T only
         if the whole forward succeeds. start_pos: the first position without a cache (default 0); with
         one it may only repeat cache.length (a checked assertion). pad (B,): left-padding slots per
         sequence of a ragged batch, given on every call (prefill and each decode step alike).
+        step: instead of a cache, a `ForwardStep` its owner already built (a paged engine step).
+        The inputs are checked at the edges: a full forward and a cache's first forward check the ids
+        (their values too) and the cache; a decode step checks nothing that reads a tensor's values.
         """
-        squeeze = isinstance(token_ids, torch.Tensor) and token_ids.dim() == 1
-        token_ids = self._check_tokens(token_ids)
+        if step is not None and (cache is not None or start_pos is not None or pad is not None):
+            raise ValueError("a forward takes either a step (which brings its own positions) or a cache with "
+                             "start_pos/pad, not both")
+        edge = step is None and (cache is None or not isinstance(cache, KVCache) or cache.length == 0)
+        if edge or not isinstance(token_ids, torch.Tensor):
+            token_ids = self.check_inputs(token_ids, cache, start_pos, pad)
+        squeeze = token_ids.dim() == 1
+        if squeeze:
+            token_ids = token_ids[None]
         B, T = token_ids.shape
-        if cache is None:
-            start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
-            step = CacheStep.new(start, T, B, pad)
+        if cache is not None:
+            step = cache.begin(T, pad, start_pos, batch_size=B)
+        if step is None:
+            start = start_pos or 0
+            pad = check_pad(pad, B, start + T)
+            positions = rope_positions(start, T, pad, self.device)
         else:
-            if not torch.compiler.is_compiling():   # identity checks would pin the graph to one cache
-                self._check_cache(cache, B)           # object; `compile_decode` runs them eagerly first
-            step = cache.begin(T, pad, start_pos)
-        if step.end > self.config.context_length:
-            raise ValueError(f"sequence too long: start position {step.start} + {T} tokens exceeds "
-                             f"context_length {self.config.context_length}")
-        if step.pad is not None and self.config.attention_sinks:
-            raise ValueError("attention_sinks cannot be combined with left padding (the sinks would be padding "
-                             "slots, not the first real tokens); run such sequences unpadded")
-        rope = self.rope.angles(step.positions(self.device))
-        masks = {}  # without a cache: one causal mask per distinct window (None = global)
+            positions = step.positions
+        rope = self.rope.angles(positions)
 
         x = self.token_embeddings(token_ids)  # (B, T, D)
         kv = None   # the keys/values of the current CLA group's first layer
+        masks = {}  # without a cache: one causal mask per distinct window (None = global)
         for i, block in enumerate(self.layers):
-            if cache is None:
-                window = self.config.layer_window(i)  # from the config, so a stand-in block (pruning) works too
+            if step is None:
+                window = self.windows[i]
                 if window not in masks:
                     sinks = self.config.attention_sinks if window is not None else 0
-                    masks[window] = attention_mask(T, T, step.start, step.pad, window=window, device=self.device,
-                                                   first_key=step.start, sinks=sinks)
-                layer_cache, mask = None, masks[window]
+                    masks[window] = attention_mask(T, T, start, pad, window=window, device=self.device,
+                                                   first_key=start, sinks=sinks)
+                x, kv = block(x, rope, masks[window], None, None, kv if self.kv_sources[i] != i else None)
             else:
-                layer_cache = cache.layers[i]
-                mask = layer_cache.mask(step)
-            follower = self.config.kv_source_layer(i) != i
-            x, kv = block(x, rope, mask, layer_cache, step, kv if follower else None)
+                x, kv = block(x, rope, None, step.layers[i], step, kv if self.kv_sources[i] != i else None)
         if last_only:
-            x = step.select_last(x)  # (B, 1, D): the position whose logits predict the next token
+            x = x[:, -1:] if step is None else step.select_last(x)  # the rows whose logits predict the next token
         logits = self.lm_head(self.ln_final(x))  # (B, T, V)
-        if cache is not None:
-            cache.commit(step)  # only now: an exception above leaves the cache as it was
+        if step is not None:
+            step.commit()  # only now: an exception above leaves the cache as it was
         return logits[0] if squeeze else logits
 
-    def _check_cache(self, cache, batch_size: int) -> None:
+    def check_inputs(self, token_ids, cache=None, start_pos=None, pad=None) -> torch.Tensor:
+        """The edge checks of a forward (a full one, or a cache's first): token ids (B, T) or (T,), integer,
+        in [0, vocab_size), on the model's device; the cache built for this model and batch; the length."""
+        token_ids = _checks.token_ids("token_ids", token_ids, self.config.vocab_size).to(self.device)
+        B, T = token_ids.shape if token_ids.dim() == 2 else (1, token_ids.shape[0])
+        if cache is None:
+            start = 0 if start_pos is None else _checks.non_negative_int("start_pos", start_pos)
+            if start + T > self.config.context_length:
+                raise ValueError(f"sequence too long: start position {start} + {T} tokens exceeds "
+                                 f"context_length {self.config.context_length}")
+        else:
+            self.check_cache(cache, B)
+        if pad is not None and self.config.attention_sinks:
+            raise ValueError("attention_sinks cannot be combined with left padding (the sinks would be padding "
+                             "slots, not the first real tokens); run such sequences unpadded")
+        return token_ids
+
+    def check_cache(self, cache, batch_size: int) -> None:
         """Refuse a cache built for another model (layer count, sharing, heads, dims, windows) or batch."""
         _checks.instance("cache", cache, KVCache, "a KVCache (from model.new_cache)")
         fix = "build the cache with this model's new_cache(...)"
         if len(cache.layers) != len(self.layers):
             raise ValueError(f"cache has {len(cache.layers)} layers but this model has {len(self.layers)}; {fix}")
-        owners = set()
+        owners = []
         for i, (layer, block) in enumerate(zip(cache.layers, self.layers)):
-            source = self.config.kv_source_layer(i)
+            source = self.kv_sources[i]
             if source != i:
                 if layer is not cache.layers[source]:
                     raise ValueError(f"layer {i} shares layer {source}'s keys/values (kv_share_group="
                                      f"{self.config.kv_share_group}) but the cache gives it its own; {fix}")
                 continue
-            if id(layer) in owners:
+            if any(layer is owner for owner in owners):
                 raise ValueError(f"cache layer {i} is shared with an earlier layer, but this model's layer {i} "
                                  f"computes its own keys/values; {fix}")
-            owners.add(id(layer))
+            owners.append(layer)
             expected = block.attn.cache_spec()
             if layer.spec != expected:
                 raise ValueError(f"cache layer {i} holds (K heads, key dim, window[, sinks]) = {layer.spec} but "
                                  f"this model's layer {i} needs {expected}; {fix}")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
-
-    def _check_tokens(self, token_ids) -> torch.Tensor:
-        """(B, T) or (T,) integer ids in [0, vocab_size) -> (B, T) int64 on the model's device."""
-        if torch.compiler.is_compiling():   # reading values back is a graph break: compiled callers
-            return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)  # check first
-        token_ids = _checks.token_ids("token_ids", token_ids, self.config.vocab_size)
-        return (token_ids[None] if token_ids.dim() == 1 else token_ids).to(self.device)

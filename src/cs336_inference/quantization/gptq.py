@@ -98,8 +98,10 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor | None = None, *, 
             if act_order:
                 scale, zero = static_scale[:, group:group + 1].double(), static_zero[:, group:group + 1].double()
             else:
-                if j % g == 0:  # a new group: its scale comes from the error-updated weights
-                    s, z = compute_scale_zero_point(torch.cat([W1[:, i:], W[:, end:]], 1)[:, :g],
+                if j % g == 0:  # a new group: its scale comes from the error-updated weights, including
+                    # its columns past this block, which get this block's errors only at the block's end
+                    past = W[:, end:j + g] - Err1[:, :i] @ Hinv[start:start + i, end:j + g]
+                    s, z = compute_scale_zero_point(torch.cat([W1[:, i:], past], 1)[:, :g],
                                                     bits, symmetric, "channel")
                     scales[:, group], zeros[:, group] = s[:, 0].double(), z[:, 0].double()
                 scale, zero = scales[:, group:group + 1], zeros[:, group:group + 1]

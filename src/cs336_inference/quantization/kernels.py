@@ -19,9 +19,10 @@ c = m directly):
   h, l in [0, 15], so w = h * 16s + (l * s + c): two int4 grids side by side, run as one int4pack
   matmul of [x, x] against [W_h | W_l]. Exact (no re-quantization), 8 bits per weight.
 
-Activations run in bf16: with fp16 or fp32 activations these CPU kernels take fallback paths 30-60x
-slower (fp32 stays available: exact up to summation order, so tests can check a layout without bf16
-rounding in the way). The kernels' real limits were learned by sweeping shapes in a subprocess (see the tests):
+Activations run in bf16: with fp16 or fp32 activations these CPU kernels take fallback paths many
+times slower (fp32 stays available: exact up to summation order, so tests can check a layout without
+bf16 rounding in the way). The kernels' real limits were learned by sweeping shapes in a subprocess
+(tests/library/test_kernel_shapes.py):
 int8pack with bf16 activations crashes or returns garbage on CPU unless in_features % 16 == 0, and
 the int4 CPU kernel needs out_features % 16 == 0; `packed_layout` refuses what would misbehave.
 

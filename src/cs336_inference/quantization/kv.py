@@ -125,7 +125,7 @@ def quantize_kv_cache(cache: KVCache, fmt: str = "int8", group_size: int | None 
     _checks.one_of("fmt", fmt, KV_FORMATS)
     replaced = {id(layer): QuantizedKVCache.like(layer, fmt, group_size) for layer in cache.unique_layers()}
     if cache.length:
-        step = CacheStep.new(0, cache.length, cache.batch_size)
+        step = CacheStep(0, cache.length)
         for layer in cache.unique_layers():
             replaced[id(layer)].update(*layer.read(cache.length), step)
     cache.layers = [replaced[id(layer)] for layer in cache.layers]

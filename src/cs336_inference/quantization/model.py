@@ -183,6 +183,8 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
     fits, else dequantize + matmul), "reference" (always dequantize + matmul) or "packed".
     """
     check_kernel(kernel)
+    if method == "awq" and fold_scales and hasattr(model, "config"):
+        model.config.require_handout_base("AWQ with fold_scales=True")   # folds into ln1/ln2/w3/ln_final
     names, batches = _check_args(model, method, bits, group_size, calibration, quantize_embedding,
                                  quantize_lm_head)
     record = _record(method, bits, group_size, symmetric, calibration, quantize_embedding, quantize_lm_head,

@@ -1,36 +1,47 @@
-"""Serving dynamic workloads: paged KV memory, schedulers (static / continuous batching), engine.
+"""Serving dynamic workloads: paged KV memory, schedulers (static / continuous batching), an online engine.
 
-Paging (vLLM, Kwon et al. 2023): `BlockAllocator` (free list + reference counts), `BlockTable`,
-`BlockManager` (tables of many sequences: prefix sharing, fork, copy-on-write), `PrefixCache`,
-`paged_attention`, and the `ContiguousAllocator` baseline with `KVMemoryStats` for both.
-Scheduling (Orca, Yu et al. 2022): `Request`, `StaticScheduler`, `ContinuousScheduler`.
-Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (runs a `TransformerLM` on a
-request trace, `make_trace`), `summarize` (throughput, TTFT / ITL / queueing percentiles).
+Paging (vLLM, Kwon et al. 2023): `BlockAllocator` (free list + reference counts), `BlockPool` (the
+allocator plus the `PrefixCache` naming full blocks), `BlockTable`, `KVCacheManager` (the tables of
+many sequences: prefix sharing, fork, copy-on-write), `paged_attention`, and the
+`ContiguousAllocator` baseline (`ContiguousManager`) with `KVMemoryStats` for both.
+Scheduling (Orca, Yu et al. 2022; chunked prefill, Sarathi): `Request`, `StaticScheduler`,
+`ContinuousScheduler`, one `ScheduledBatch` per step.
+Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add_request`, `step`,
+`abort`; `run` replays a trace from `make_trace`; `ChatSession`s share one engine through
+`RequestStreams`), `RequestOutput` (a step's deltas),
+`RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles).
+Online: `AsyncEngine` (asyncio streams per request over one engine thread); the OpenAI-compatible
+HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in `serving.client`.
 """
 
+from ..generation.sampling_params import SamplingParams
+from .async_engine import AsyncEngine
 from .block_allocator import BlockAllocator, OutOfBlocksError
-from .block_manager import BlockManager
+from .block_pool import BlockPool
 from .block_table import BlockTable, blocks_for
+from .chat import ChatSession, RequestStreams
 from .contiguous_allocator import ContiguousAllocator
 from .contiguous_manager import ContiguousManager
-from .engine import Engine, EngineConfig, EngineResult, StepRecord
+from .engine import Engine
+from .engine_records import EngineConfig, EngineResult, StepRecord
+from .kv_cache_manager import KVCacheManager
 from .memory_stats import KVMemoryStats
 from .metrics import RequestMetrics, benchmark_metrics, distribution, request_metrics, summarize
 from .paged_attention import paged_attention
-from .paged_kv_cache import PagedBatch, PagedKVCache, PagedLayerCache, PagedStep
+from .paged_kv_cache import PagedKVCache, PagedLayerCache, PagedStep
 from .prefix_cache import PrefixCache, chained_block_hash
-from .request import Request, RequestOutput, SamplingParams
+from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 
 __all__ = [
-    "BlockAllocator", "BlockManager", "BlockTable", "ContiguousAllocator", "ContiguousManager",
-    "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVMemoryStats", "OutOfBlocksError",
-    "PagedBatch", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request", "RequestMetrics",
-    "RequestOutput",
-    "SamplingParams", "ScheduledBatch", "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler",
-    "StepRecord", "TraceConfig", "benchmark_metrics", "blocks_for", "distribution",
-    "chained_block_hash", "make_chat_trace", "make_trace", "paged_attention",
+    "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
+    "ContiguousManager",
+    "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
+    "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
+    "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
+    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "benchmark_metrics",
+    "blocks_for", "chained_block_hash", "distribution", "make_chat_trace", "make_trace", "paged_attention",
     "poisson_arrivals", "request_metrics", "summarize",
 ]

@@ -16,14 +16,10 @@ from .prefix_cache import CachedBlock
 @dataclass
 class BlockTable:
     block_size: int
-    blocks: list[int] = field(default_factory=list)     # physical block of logical block i
-    token_ids: list[int] = field(default_factory=list)  # the tokens whose K/V the slots hold (or will)
+    blocks: list[int] = field(default_factory=list)  # physical block of logical block i
+    num_tokens: int = 0                               # token slots in use (the sequence owns the ids)
     # prefix-cache entries of the leading full blocks already named (for chaining the next one)
     cached: list[CachedBlock] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
 
     @property
     def capacity(self) -> int:
@@ -41,7 +37,7 @@ class BlockTable:
         return [self.slot(p) for p in range(start, end)]
 
     def copy(self) -> "BlockTable":
-        return BlockTable(self.block_size, list(self.blocks), list(self.token_ids), list(self.cached))
+        return BlockTable(self.block_size, list(self.blocks), self.num_tokens, list(self.cached))
 
 
 def blocks_for(num_tokens: int, block_size: int) -> int:

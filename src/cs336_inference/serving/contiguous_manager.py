@@ -1,6 +1,6 @@
 """The contiguous layout behind the engine's memory interface, to compare with paging on equal terms.
 
-Same interface as `BlockManager` (what the schedulers and the model runner call), but every sequence
+Same interface as `KVCacheManager` (what the schedulers and the model runner call), but every sequence
 owns one run of token slots reserved at admission for its prompt plus max_new_tokens (first fit in a
 `ContiguousAllocator`), n samples reserve n runs, nothing is shared (a fork copies the prompt's K/V),
 and there is no prefix cache. Internally a "block" is one token slot (block_size = 1), so the same
@@ -54,7 +54,9 @@ class ContiguousManager:
     def growth(self, token_ids, max_len: int, num_samples: int = 1) -> int:
         return 0  # everything was reserved at admission
 
-    def fits_empty(self, max_len: int, num_samples: int = 1, reserve: int = 0) -> bool:
+    def fits_empty(self, token_ids, max_len: int, num_samples: int = 1, reserve: int = 0,
+                   together: bool = False) -> bool:
+        """Every sample's run is reserved at admission, together or not."""
         return num_samples * max_len + reserve <= self.allocator.num_slots
 
     def append_needs_block(self, seq_id: Hashable) -> bool:
@@ -71,15 +73,17 @@ class ContiguousManager:
         for k in range(num_samples - 1):
             key = ("spare", seq_id, k)
             self._spare[seq_id].append((key, self.allocator.allocate(key, max_len)))
-        self.tables[seq_id] = BlockTable(1, list(range(start, start + len(token_ids))), list(token_ids))
+        self.tables[seq_id] = BlockTable(1, list(range(start, start + len(token_ids))), len(token_ids))
         return 0
 
-    def append_slot(self, seq_id: Hashable, token_id: int) -> None:
+    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """The next slots of the reservation (nothing to copy: nothing is shared)."""
         table = self.table(seq_id)
-        self.allocator.append(seq_id)  # refuses to pass the reservation
-        table.blocks.append(table.blocks[0] + table.num_tokens)
-        table.token_ids.append(token_id)
-        return None
+        self.allocator.append(seq_id, num_new_tokens)  # refuses to pass the reservation
+        start = table.blocks[0]
+        table.blocks.extend(range(start + table.num_tokens, start + table.num_tokens + num_new_tokens))
+        table.num_tokens += num_new_tokens
+        return []
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """Give `child_id` one of the parent's spare runs and copy the parent's K/V into it."""
@@ -91,7 +95,7 @@ class ContiguousManager:
         region.used = parent.num_tokens
         self.allocator.regions[child_id] = region
         self._spare[child_id] = []
-        self.tables[child_id] = BlockTable(1, list(range(start, start + parent.num_tokens)), list(parent.token_ids))
+        self.tables[child_id] = BlockTable(1, list(range(start, start + parent.num_tokens)), parent.num_tokens)
         return list(zip(parent.blocks, self.tables[child_id].blocks))
 
     def free(self, seq_id: Hashable) -> None:
@@ -101,7 +105,7 @@ class ContiguousManager:
         self.allocator.free(seq_id)
         del self.tables[seq_id]
 
-    def cache_full_blocks(self, seq_id: Hashable, num_computed: int) -> None:
+    def cache_blocks(self, seq_id: Hashable, token_ids) -> None:
         """No prefix cache in this layout."""
 
     def memory_stats(self) -> KVMemoryStats:

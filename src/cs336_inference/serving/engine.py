@@ -1,252 +1,310 @@
-"""`Engine`: serve a request trace with a `TransformerLM`, a scheduler and a paged KV cache.
+"""`Engine`: an online serving engine over a `TransformerLM`, a scheduler and a paged KV cache.
 
-One step of the loop: the scheduler picks the batch (admissions = prefills, running = decodes,
-preemptions), the model runner applies copy-on-write copies and runs every scheduled token in one
-forward (selective batching), and the engine samples one token per sequence, forks the extra samples
-of a fresh n > 1 request, retires finished sequences and records the time.
+The API (vLLM's `LLMEngine`, reduced):
 
-The clock: the trace's arrival times are seconds from its start. The engine's clock advances by the
-measured wall time of each step (scheduling, forward and sampling included), and when nothing can
-run it jumps to the next arrival instead of sleeping. So every latency is real compute time, and a
-trace with idle gaps replays without waiting through them.
+    request_id = engine.add_request(prompt_token_ids, sampling_params)   # validated here, once
+    outputs = engine.step()            # one iteration; the RequestOutput deltas it produced
+    engine.abort(request_id)           # frees its blocks now
+    engine.has_unfinished(), engine.stats()
+
+One step is schedule -> run -> postprocess (nano-vllm's loop): the scheduler picks the batch
+(decodes, prefill chunks, admissions, preemptions), the model runner applies copy-on-write copies
+and runs every scheduled token in one forward (selective batching), the sampler draws the tokens
+(one device -> host copy per step), and the scheduler's postprocess records them, forks the
+samples of a fresh n > 1 request and retires finished sequences. `run(trace)` replays a trace
+through the same API; `chat` sessions and the HTTP server are other users of it.
+
+A request that can never run (its worst case does not fit the KV pool, or n > max_num_seqs) is
+refused alone: its output has finish_reason "error" and a message naming the limit, and every other
+request is served. The engine is single-threaded: call it from one thread (the asyncio wrapper
+runs every call on its own one).
+
+The clock: by default a simulated one that starts at 0 and advances by the measured wall time of
+each step (scheduling, forward and sampling included); when nothing can run it jumps to the next
+arrival instead of sleeping, so every latency is real compute time and a trace with idle gaps
+replays without waiting through them. `Engine(model, step_time=cost)` keeps that simulated clock
+but advances it by `cost(batch)` seconds per step instead of the measured time: a fixed cost model,
+so a replay's every number is identical run to run (the lecture's demos). `Engine(model,
+clock=time.monotonic)` uses a real clock instead (an online server: arrivals and idle time are real).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
-from dataclasses import dataclass, field
+from typing import Callable, Hashable
 
 import torch
 
-from ..generation.sampling import sample_next_token
 from .. import _checks
-from .block_manager import BlockManager
+from ..generation.sampling_params import SamplingParams
+from ..model.transformer import TransformerLM
 from .contiguous_manager import ContiguousManager
-from .metrics import summarize
+from .engine_records import EngineConfig, EngineResult, StepRecord, records_from_outputs
+from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput
+from .sampler import sample
 from .scheduler import SCHEDULERS, ScheduledBatch
 from .sequence import Sequence, SequenceStatus
-
-
-KV_LAYOUTS = ("paged", "contiguous")
-
-
-@dataclass
-class EngineConfig:
-    scheduler: str = "continuous"        # "continuous" (iteration-level) or "static" (request-level)
-    kv_layout: str = "paged"             # "paged" (blocks on demand) or "contiguous" (reserve prompt +
-                                         # max_new_tokens per sequence; the same bytes, for comparison)
-    block_size: int = 16                 # tokens per KV block
-    num_blocks: int | None = None        # KV pool size; None: from kv_budget_bytes, else room for
-                                         # max_num_seqs sequences of min(context_length, 2048) tokens
-    kv_budget_bytes: int | None = None   # alternative to num_blocks: the pool's size in bytes
-    max_num_seqs: int = 32               # sequences running at once
-    max_num_batched_tokens: int = 2048   # tokens per forward (limits how many prefills join a step)
-    prefix_caching: bool = True          # share full blocks of common prefixes across requests
-    watermark_blocks: int | None = None  # blocks kept free at admission (None: 1% of the pool)
-
-    def __post_init__(self):
-        if self.scheduler not in SCHEDULERS:
-            raise ValueError(f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {self.kv_layout!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _checks.positive_int(name, getattr(self, name))
-        if self.num_blocks is not None:
-            _checks.positive_int("num_blocks", self.num_blocks)
-        if self.num_blocks is not None and self.kv_budget_bytes is not None:
-            raise ValueError("give num_blocks or kv_budget_bytes, not both")
-
-
-@dataclass
-class StepRecord:
-    """One engine step: when it ran and what the batch and the KV memory looked like after it."""
-
-    start: float
-    end: float
-    num_prefills: int
-    num_decodes: int
-    num_tokens: int
-    tokens_per_sequence: list[int]   # prefills (uncached prompt tokens) first, then decodes (1 each)
-    num_preempted: int
-    num_padding: int            # rows of a static batch that finished but still run (discarded)
-    num_running: int
-    num_waiting: int            # arrived, not running
-    reserved_tokens: int        # KV slots in blocks held by sequences
-    used_tokens: int            # KV slots holding a token (shared ones once)
-    logical_tokens: int         # sum of sequence lengths
-
-
-@dataclass
-class EngineResult:
-    outputs: list[RequestOutput]        # in the order the requests were given
-    steps: list[StepRecord]
-    config: EngineConfig
-    num_blocks: int
-    capacity_tokens: int                # KV slots in the pool
-    bytes_per_token: int                # KV bytes per token over all layers
-    free_blocks_at_end: int             # all of them, unless a sequence leaked its blocks
-    extra: dict = field(default_factory=dict)
-
-    def summary(self) -> dict:
-        """Latency/throughput (see `summarize`) plus the KV memory over the run, each step weighted
-        by its duration: waste = unused share of the reserved slots, sharing = logical tokens that
-        did not need their own slot (prefix caching, forks)."""
-        s = summarize(self.outputs)
-        steps = self.steps
-        dt = [r.end - r.start for r in steps]
-        reserved = sum(r.reserved_tokens * d for r, d in zip(steps, dt))
-        used = sum(r.used_tokens * d for r, d in zip(steps, dt))
-        logical = sum(r.logical_tokens * d for r, d in zip(steps, dt))
-        s.update(steps=len(steps), max_running=max((r.num_running for r in steps), default=0),
-                 peak_reserved_bytes=max((r.reserved_tokens for r in steps), default=0) * self.bytes_per_token,
-                 kv_waste_fraction=1 - used / reserved if reserved else 0.0,
-                 kv_reserved_fraction_of_pool=reserved / (sum(dt) * self.capacity_tokens) if steps else 0.0,
-                 kv_shared_fraction=1 - used / logical if logical else 0.0)
-        return s
 
 
 class Engine:
     """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields."""
 
-    def __init__(self, model, config: EngineConfig | None = None, **overrides):
+    def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
+                 clock: Callable[[], float] | None = None,
+                 step_time: Callable[[ScheduledBatch], float] | None = None, **overrides):
+        _checks.instance("model", model, TransformerLM, "a TransformerLM (e.g. load_pretrained('target'))")
+        if config is not None:
+            _checks.instance("config", config, EngineConfig)
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)})
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; EngineConfig has "
+                            f"{[f.name for f in dataclasses.fields(EngineConfig)]}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be None or a callable returning seconds, got {clock!r}")
+        if step_time is not None and not callable(step_time):
+            raise TypeError(f"step_time must be None or a callable batch -> seconds, got {step_time!r}")
+        if step_time is not None and clock is not None:
+            raise ValueError("step_time sets the cost of a step on the simulated clock; it cannot be combined "
+                             "with a real clock (pass one of clock, step_time)")
         self.model = model
-        self.config = dataclasses.replace(config or EngineConfig(), **overrides)
-        c = self.config
-        self.runner = ModelRunner.for_model(model, c.block_size, num_blocks=c.num_blocks,
-                                            kv_budget_bytes=c.kv_budget_bytes,
-                                            default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
+        self.config = c = dataclasses.replace(config or EngineConfig(), **overrides)
+        num_blocks = ModelRunner.num_blocks_for(model, c.block_size, num_blocks=c.num_blocks,
+                                                kv_budget_bytes=c.kv_budget_bytes,
+                                                default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
         if c.kv_layout == "contiguous":  # the same token slots, one slot per "block"
-            self.runner = ModelRunner(model, self.runner.num_blocks * c.block_size, block_size=1)
+            self.runner = ModelRunner(model, num_blocks * c.block_size, block_size=1)
+        else:
+            self.runner = ModelRunner(model, num_blocks, c.block_size)
+        self._clock = clock
+        self._step_time = step_time
+        self._request_ids = itertools.count()
+        self._reset()
+
+    def _reset(self) -> None:
+        """Empty KV memory and queues; the simulated clock back at 0."""
+        c = self.config
+        if c.kv_layout == "contiguous":
+            self.manager = ContiguousManager(self.num_blocks)
+        else:
+            self.manager = KVCacheManager(self.num_blocks, c.block_size, prefix_caching=c.prefix_caching)
+        self.scheduler = SCHEDULERS[c.scheduler](self.manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                                 c.watermark_blocks, c.chunked_prefill)
+        self.now = 0.0
+        self.last_step: StepRecord | None = None
+        self._live: dict[Hashable, _Live] = {}
+        self._pending: list[RequestOutput] = []   # refusals and aborts, reported by the next step
+        self._seq_ids = itertools.count()
 
     @property
     def num_blocks(self) -> int:
         return self.runner.num_blocks
 
-    def new_manager(self):
-        """Empty KV memory for one run: paged blocks, or contiguous runs of token slots."""
-        c = self.config
-        if c.kv_layout == "contiguous":
-            return ContiguousManager(self.num_blocks)
-        return BlockManager(self.num_blocks, c.block_size, prefix_caching=c.prefix_caching)
+    def _time(self) -> float:
+        return self._clock() if self._clock is not None else self.now
+
+    # --- the online API -----------------------------------------------------------------------------
+    def add_request(self, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    request_id: Hashable | None = None, arrival_time: float | None = None) -> Hashable:
+        """Queue a request; returns its id (a fresh str when none is given). Bad arguments raise
+        ValueError/TypeError here; a request that can never fit is accepted and then refused by the
+        next `step` (finish_reason "error")."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        _checks.instance("sampling_params", params, SamplingParams)
+        vocab, context = self.model.config.vocab_size, self.model.config.context_length
+        prompt = _check_prompt(prompt_token_ids, vocab)
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids must be < vocab_size {vocab}, got {bad_stop}")
+        if len(prompt) + params.max_tokens > context:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"model's context_length ({context})")
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+            while request_id in self._live:
+                request_id = str(next(self._request_ids))
+        elif request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        request = Request(request_id, prompt, params.max_tokens,
+                          self._time() if arrival_time is None else arrival_time, params)
+        generators = [None] * params.n
+        if params.temperature > 0 and params.seed is not None:
+            generators = [torch.Generator(self.model.device).manual_seed(params.seed + k) for k in range(params.n)]
+        seq = Sequence(next(self._seq_ids), request, 0, generator=generators[0], pending_forks=generators[1:])
+        reason = self.scheduler.never_fits(seq)
+        if reason is not None:
+            self._pending += [_output(request, k, [], "error", error=f"request {request_id!r} can never run: {reason}")
+                              for k in range(params.n)]
+            return request_id
+        self.scheduler.add(seq)
+        self._live[request_id] = _Live(request)
+        return request_id
+
+    def abort(self, request_id: Hashable) -> bool:
+        """Stop a request now and free its blocks; False (a no-op) if unknown or already finished.
+        The next `step` reports it with finish_reason "abort"."""
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return False
+        for seq in self.scheduler.abort(request_id):
+            self._pending.append(_output(live.request, seq.sample_index, [], "abort", seq=seq, live=live))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
 
     @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run -> postprocess. Returns this step's RequestOutput deltas:
+        one per sample that got a token or finished (refusals and aborts since the last step too)."""
+        outputs, self._pending = self._pending, []
+        self.last_step = None
+        t0, start = time.perf_counter(), self._time()
+        batch = self.scheduler.schedule(start)
+        if not batch:
+            waiting = self.scheduler.waiting
+            if waiting and not self.scheduler.running and waiting[0].request.arrival_time <= start:
+                raise RuntimeError(f"request {waiting[0].request.request_id!r} cannot be admitted into an "
+                                   f"idle engine (a bug: never_fits should have refused it)")
+            if waiting and self._clock is None:
+                self.now = max(self.now, waiting[0].request.arrival_time)  # idle: jump to the next arrival
+            return outputs
+        padding = sum(s.status is SequenceStatus.FINISHED for s in batch.decodes)  # before postprocess
+        for seq in batch.prefills:
+            live = self._live[seq.request.request_id]
+            live.first_scheduled_time = start if live.first_scheduled_time is None else live.first_scheduled_time
+        try:
+            logits = self.runner.execute(batch, self.manager)          # (len(batch.sequences), V)
+            sampled = sample(logits, batch)
+            cost = None if self._step_time is None else _step_cost(self._step_time, batch)
+        except Exception as e:  # leave the engine consistent: the batch's requests end in an error
+            self._fail(batch, f"{type(e).__name__}: {e}")
+            raise
+        if self._clock is not None:
+            end = self._clock()
+        else:
+            end = start + (time.perf_counter() - t0 if cost is None else cost)
+        self.now = max(self.now, end)
+        for seq in self.scheduler.postprocess(batch, sampled, end):
+            live = self._live[seq.request.request_id]
+            outputs.append(_output(seq.request, seq.sample_index, [seq.token_ids[-1]], seq.finish_reason,
+                                   seq=seq, live=live, time=end))
+            if seq.finish_reason is not None:
+                live.unfinished -= 1
+                if live.unfinished == 0:
+                    del self._live[seq.request.request_id]
+        self.last_step = self._record(batch, start, end, padding)
+        return outputs
+
+    def stats(self) -> dict:
+        """What a /metrics endpoint shows: requests running and waiting, KV blocks used and total."""
+        running = {s.request.request_id for s in self.scheduler.running if s.status is SequenceStatus.RUNNING}
+        used = self.num_blocks - self.manager.num_free_blocks
+        return {"running": len(running), "waiting": len(self._live) - len(running),
+                "running_sequences": len(self.scheduler.running), "waiting_sequences": len(self.scheduler.waiting),
+                "kv_blocks_used": used, "kv_blocks_total": self.num_blocks,
+                "kv_block_size": self.manager.block_size, "kv_usage": used / self.num_blocks}
+
+    # --- a whole trace ------------------------------------------------------------------------------
     def run(self, requests: list[Request]) -> EngineResult:
-        """Serve every request of the trace to completion; per-request outputs, times and step records."""
-        c = self.config
+        """Serve every request of a trace (arrival times: seconds from its start) on a fresh engine
+        state; per-request records (in the given order) and per-step records. A request refused at
+        intake or as impossible gets finish reason "error" and its message; the others are served."""
         requests = list(requests)
+        for r in requests:
+            _checks.instance("requests[i]", r, Request)
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request ids must be unique")
-        context = self.model.config.context_length
-        for r in requests:
-            if len(r.prompt) + r.max_new_tokens > context:
-                raise ValueError(f"request {r.request_id!r}: prompt ({len(r.prompt)}) + max_new_tokens "
-                                 f"({r.max_new_tokens}) exceeds the model's context_length ({context})")
-            if max(r.prompt) >= self.model.config.vocab_size:
-                raise ValueError(f"request {r.request_id!r}: token ids must be < vocab_size "
-                                 f"{self.model.config.vocab_size}")
-        manager = self.new_manager()
-        scheduler = SCHEDULERS[c.scheduler](manager, c.max_num_seqs, c.max_num_batched_tokens, c.watermark_blocks)
-        run = _Run(requests)
-        for request in sorted(requests, key=lambda r: r.arrival_time):
-            scheduler.add(run.new_sequence(request, 0, num_forks=request.sampling.n - 1))
+        if self.scheduler.has_unfinished() or self._live:
+            raise RuntimeError("run() needs an idle engine: finish or abort the requests added with add_request")
+        self._reset()
+        outputs, steps = [], []
+        for r in sorted(requests, key=lambda r: r.arrival_time):
+            try:
+                self.add_request(list(r.prompt), r.sampling, r.request_id, r.arrival_time)
+            except ValueError as e:  # refused alone, with its reason
+                outputs += [_output(r, k, [], "error", error=f"request {r.request_id!r}: {e}")
+                            for k in range(r.sampling.n)]
+        while self.has_unfinished():
+            outputs += self.step()
+            if self.last_step is not None:
+                steps.append(self.last_step)
+        return EngineResult(outputs=records_from_outputs(requests, outputs), steps=steps, config=self.config,
+                            num_blocks=self.num_blocks, capacity_tokens=self.manager.memory_stats().capacity_tokens,
+                            bytes_per_token=self.runner.bytes_per_token,
+                            free_blocks_at_end=self.manager.num_free_blocks)
 
-        now, steps = 0.0, []
-        while scheduler.has_unfinished():
-            t0 = time.perf_counter()
-            batch = scheduler.schedule(now)
-            if not batch:
-                head = scheduler.waiting[0]
-                if head.request.arrival_time <= now and not scheduler.running:
-                    raise RuntimeError(f"request {head.request.request_id!r} can never be admitted: the KV "
-                                       f"pool of {self.num_blocks} blocks cannot hold what it needs")
-                now = max(now, head.request.arrival_time)  # idle: jump to the next arrival
-                continue
-            for seq in batch.prefills:
-                run.scheduled(seq, now)
-            tokens_per_sequence = ([len(s.token_ids) - s.num_computed for s in batch.prefills]
-                                   + [1] * len(batch.decodes))
-            padding = sum(s.status is SequenceStatus.FINISHED for s in batch.decodes)
-            logits = self.runner.execute(batch, manager)             # (len(batch.sequences), V)
-            tokens = self._sample(logits, batch, scheduler, run)
-            elapsed = time.perf_counter() - t0
-            start, now = now, now + elapsed
-            for seq, token in tokens:
-                if seq.append(token, now):
-                    scheduler.finish(seq)
-            stats = manager.memory_stats()
-            steps.append(StepRecord(
-                start, now, len(batch.prefills), len(batch.decodes), sum(tokens_per_sequence), tokens_per_sequence,
-                len(batch.preempted), padding, len(scheduler.running),
-                sum(s.request.arrival_time <= now for s in scheduler.waiting),
-                stats.reserved_tokens, stats.used_tokens, stats.logical_tokens))
-        return EngineResult([run.output(r) for r in requests], steps, c, self.num_blocks,
-                            manager.memory_stats().capacity_tokens, self.runner.bytes_per_token,
-                            manager.num_free_blocks)
+    # --- helpers --------------------------------------------------------------------------------------
+    def _record(self, batch, start: float, end: float, padding: int) -> StepRecord:
+        stats = self.manager.memory_stats()
+        return StepRecord(
+            start=start, end=end, num_prefills=len(batch.prefills), num_decodes=len(batch.decodes),
+            num_tokens=batch.num_tokens,
+            tokens_per_sequence=[batch.num_scheduled_tokens[s.seq_id] for s in batch.sequences],
+            num_preempted=len(batch.preempted),
+            num_padding=padding,
+            num_running=len(self.scheduler.running),
+            num_waiting=sum(s.request.arrival_time <= end for s in self.scheduler.waiting),
+            reserved_tokens=stats.reserved_tokens, used_tokens=stats.used_tokens, logical_tokens=stats.logical_tokens)
 
-    def _sample(self, logits: torch.Tensor, batch: ScheduledBatch, scheduler, run) -> list[tuple[Sequence, int]]:
-        """One token per sequence (and per new sibling of a fresh n > 1 request), greedy rows batched."""
-        greedy = logits.argmax(-1).tolist()  # waits for the device: the tokens really exist now
-        out = []
-        for i, seq in enumerate(batch.sequences):
-            if seq.status is SequenceStatus.FINISHED:
-                continue  # a padding row of a static batch: its token is discarded
-            seq.num_computed = len(seq.token_ids)
-            scheduler.manager.cache_full_blocks(seq.seq_id, seq.num_computed)
-            family = [seq]
-            for k in range(seq.num_forks_pending):  # the prompt is in the cache: siblings share it
-                child = run.new_sequence(seq.request, k + 1)
-                scheduler.fork(seq, child)
-                family.append(child)
-            seq.num_forks_pending = 0
-            for member in family:
-                p = member.request.sampling
-                if p.temperature == 0:
-                    out.append((member, greedy[i]))
-                else:
-                    token = sample_next_token(logits[i], p.temperature, p.top_k, p.top_p, member.generator)
-                    out.append((member, int(token)))
-        return out
+    def _fail(self, batch, message: str) -> None:
+        """A forward that raised: end every request of the batch with an error and forget the prefix
+        cache's names (blocks named this step may hold nothing)."""
+        for request_id in {s.request.request_id for s in batch.sequences}:
+            live = self._live.pop(request_id, None)
+            if live is not None:
+                for seq in self.scheduler.abort(request_id):
+                    self._pending.append(_output(live.request, seq.sample_index, [], "error", error=message,
+                                                 seq=seq, live=live))
+        pool = getattr(self.manager, "pool", None)
+        if pool is not None and pool.prefix_cache is not None:
+            pool.prefix_cache.clear()
 
 
-class _Run:
-    """Bookkeeping of one `Engine.run`: the sequences of each request and their times."""
+@dataclasses.dataclass
+class _Live:
+    """An unfinished request: when it was first scheduled, and how many samples still run."""
 
-    def __init__(self, requests: list[Request]):
-        self.sequences: dict = {r.request_id: [] for r in requests}
-        self.first_scheduled: dict = {}
-        self.cached_tokens: dict = {r.request_id: 0 for r in requests}
-        self._next_id = 0
+    request: Request
+    first_scheduled_time: float | None = None
+    unfinished: int = 0
 
-    def new_sequence(self, request: Request, sample_index: int, num_forks: int = 0) -> Sequence:
-        p = request.sampling
-        generator = None
-        if p.temperature > 0 and p.seed is not None:
-            generator = torch.Generator().manual_seed(p.seed + sample_index)
-        seq = Sequence(self._next_id, request, sample_index, num_forks_pending=num_forks, generator=generator)
-        self._next_id += 1
-        self.sequences[request.request_id].append(seq)
-        return seq
+    def __post_init__(self):
+        self.unfinished = self.request.sampling.n
 
-    def scheduled(self, seq: Sequence, now: float) -> None:
-        rid = seq.request.request_id
-        self.first_scheduled.setdefault(rid, now)
-        if seq.num_preemptions == 0 and seq.sample_index == 0:
-            self.cached_tokens[rid] = seq.num_computed  # prompt tokens taken from the prefix cache
 
-    def output(self, request: Request) -> RequestOutput:
-        seqs = sorted(self.sequences[request.request_id], key=lambda s: s.sample_index)
-        return RequestOutput(
-            request.request_id, len(request.prompt), request.arrival_time,
-            tokens=[s.output for s in seqs], token_times=[list(s.token_times) for s in seqs],
-            finish_reasons=[s.finish_reason for s in seqs],
-            first_scheduled_time=self.first_scheduled.get(request.request_id),
-            finish_time=max(s.token_times[-1] for s in seqs),
-            cached_prompt_tokens=self.cached_tokens[request.request_id],
-            num_preemptions=sum(s.num_preemptions for s in seqs))
+def _output(request: Request, index: int, new_token_ids: list[int], finish_reason: str | None,
+            error: str | None = None, seq: Sequence | None = None, live: _Live | None = None,
+            time: float | None = None) -> RequestOutput:
+    first = live.first_scheduled_time if live is not None else None
+    return RequestOutput(
+        request_id=request.request_id, new_token_ids=new_token_ids, finished=finish_reason is not None,
+        finish_reason=finish_reason, error=error, index=index, num_prompt_tokens=len(request.prompt),
+        num_output_tokens=len(seq.output) if seq is not None else 0,
+        num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
+        num_preemptions=seq.num_preemptions if seq is not None else 0, arrival_time=request.arrival_time,
+        first_scheduled_time=first, time=time if time is not None else (first or request.arrival_time))
+
+
+def _step_cost(step_time: Callable[[ScheduledBatch], float], batch: ScheduledBatch) -> float:
+    cost = step_time(batch)
+    if not _checks._is_number(cost) or not 0 <= cost < float("inf"):
+        raise ValueError(f"step_time(batch) must return finite seconds >= 0, got {cost!r}")
+    return float(cost)
+
+
+def _check_prompt(prompt_token_ids, vocab_size: int) -> tuple[int, ...]:
+    if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError(f"prompt_token_ids must be a list of int token ids, got {type(prompt_token_ids).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty: a request needs at least one prompt token")
+    for t in prompt_token_ids:
+        _checks.integer("prompt_token_ids", t, 0, vocab_size - 1, allowed=f"int token ids in [0, {vocab_size})")
+    return tuple(prompt_token_ids)
 
 
 __all__ = ["Engine", "EngineConfig", "EngineResult", "StepRecord"]

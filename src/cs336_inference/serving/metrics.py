@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .request import RequestOutput
+from .request import RequestRecord
 
 
 def percentile(values, q: float) -> float:
@@ -20,10 +20,12 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def summarize(outputs: list[RequestOutput]) -> dict[str, float]:
-    """Throughput, TTFT / ITL / queueing percentiles (seconds) and totals over a finished run."""
+def summarize(records: list[RequestRecord]) -> dict[str, float]:
+    """Throughput, TTFT / ITL / queueing percentiles (seconds) and totals over a finished run's
+    completed requests (`failed`: how many were refused or aborted)."""
+    outputs = [o for o in records if o.completed]
     if not outputs:
-        raise ValueError("outputs is empty: nothing to summarize")
+        raise ValueError(f"outputs hold no completed request ({len(records)} given): nothing to summarize")
     start = min(o.arrival_time for o in outputs)
     end = max(o.finish_time for o in outputs)
     generated = sum(o.num_generated for o in outputs)
@@ -33,6 +35,7 @@ def summarize(outputs: list[RequestOutput]) -> dict[str, float]:
     latency = [o.latency for o in outputs]
     return {
         "requests": len(outputs),
+        "failed": len(records) - len(outputs),
         "generated_tokens": generated,
         "makespan_s": end - start,
         "throughput_tok_per_s": generated / (end - start),
@@ -94,7 +97,7 @@ def _chunk_gaps(times: list[float]) -> list[float]:
     return [b - a for a, b in zip(chunks, chunks[1:])]
 
 
-def request_metrics(output: RequestOutput) -> RequestMetrics:
+def request_metrics(output: RequestRecord) -> RequestMetrics:
     """vLLM's per-request metrics (TTFT, TPOT, ITL, E2EL) plus the queueing/prefill/decode split."""
     samples = [times for times in output.token_times if times]
     if not samples:
@@ -120,16 +123,18 @@ def distribution(values) -> dict[str, float]:
     return {"mean": float(np.mean(values)), "median": float(np.median(values)), "p99": percentile(values, 99)}
 
 
-def benchmark_metrics(outputs: list[RequestOutput], duration: float | None = None) -> dict:
+def benchmark_metrics(records: list[RequestRecord], duration: float | None = None) -> dict:
     """Aggregate a finished run the way vLLM's serving benchmark does (see the notes above).
 
     duration: seconds the run took (default: first arrival -> last token on the engine clock).
     Returns counts, throughputs (requests/s, output tok/s, total = input + output tok/s) and for each
     of ttft, tpot, itl, e2el, queueing, prefill, decode a {mean, median, p99} dict in seconds; TPOT
-    leaves out requests with a single output token, as vLLM does.
+    leaves out requests with a single output token, as vLLM does. Requests refused or aborted count
+    as `failed` and are left out of every measure.
     """
+    outputs = [o for o in records if o.completed]
     if not outputs:
-        raise ValueError("outputs is empty: nothing to measure")
+        raise ValueError(f"outputs hold no completed request ({len(records)} given): nothing to measure")
     per_request = [request_metrics(o) for o in outputs]
     if duration is None:
         duration = max(o.arrival_time + m.e2el for o, m in zip(outputs, per_request)) - min(
@@ -143,7 +148,8 @@ def benchmark_metrics(outputs: list[RequestOutput], duration: float | None = Non
         "itl": [gap for m in per_request for gap in m.itls], "e2el": [m.e2el for m in per_request],
         "queueing": [m.queueing for m in per_request], "prefill": [m.prefill for m in per_request],
         "decode": [m.decode for m in per_request]}
-    return {"completed": len(per_request), "duration_s": duration, "input_tokens": input_tokens,
+    return {"completed": len(per_request), "failed": len(records) - len(outputs), "duration_s": duration,
+            "input_tokens": input_tokens,
             "output_tokens": output_tokens, "request_throughput": len(per_request) / duration,
             "output_throughput": output_tokens / duration,
             "total_token_throughput": (input_tokens + output_tokens) / duration,

@@ -1,8 +1,10 @@
 """`ModelRunner`: turn a scheduled batch into one forward of the model over the paged KV cache.
 
 Prefills bring the uncached part of their prompt, decodes their last sampled token; all of them are
-concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward with
-a `PagedBatch` as its cache, and the logits of each sequence's last token come back, (B, V).
+concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward as
+one `PagedStep` (the model's `ForwardStep` contract), and the logits of each sequence's last token
+come back, (B, V). The runner is the model's edge: it checks the token ids and lengths here, on host
+lists, so the forward itself never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -18,21 +20,20 @@ class ModelRunner:
         self.model = model
         self.cache = PagedKVCache(model, num_blocks, block_size)
 
-    @classmethod
-    def for_model(cls, model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
-                  default_tokens: int = 4096) -> "ModelRunner":
+    @staticmethod
+    def num_blocks_for(model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
+                       default_tokens: int = 4096) -> int:
         """Size the pool by blocks, by bytes (the budget divided by one block's bytes over all layers),
         or to hold `default_tokens` tokens."""
-        if num_blocks is None:
-            per_block = block_size * PagedKVCache.bytes_per_token_of(model)
-            if kv_budget_bytes is not None:
-                num_blocks = kv_budget_bytes // per_block
-                if num_blocks < 1:
-                    raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is less than one block "
-                                     f"({per_block} bytes: {block_size} tokens over all layers)")
-            else:
-                num_blocks = -(-default_tokens // block_size)
-        return cls(model, num_blocks, block_size)
+        if num_blocks is not None:
+            return num_blocks
+        if kv_budget_bytes is None:
+            return -(-default_tokens // block_size)
+        per_block = block_size * PagedKVCache.bytes_per_token_of(model)
+        if kv_budget_bytes // per_block < 1:
+            raise ValueError(f"kv_budget_bytes={kv_budget_bytes} is less than one block "
+                             f"({per_block} bytes: {block_size} tokens over all layers)")
+        return kv_budget_bytes // per_block
 
     @property
     def num_blocks(self) -> int:
@@ -45,20 +46,35 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, manager) -> torch.Tensor:
         """Run every scheduled token once; logits (B, V) at the last token of each sequence.
-        `manager` (a `BlockManager` or `ContiguousManager`) holds the block tables."""
+        `manager` (a `KVCacheManager` or `ContiguousManager`) holds the block tables."""
         self.cache.copy_blocks(batch.copies)  # copy-on-write before anything writes the copies
         ids, tables, context_lens, query_lens = [], [], [], []
-        rows = [(seq, seq.num_computed) for seq in batch.prefills] + [(seq, -1) for seq in batch.decodes]
-        for seq, first_new in rows:  # prefills first, then decodes (the order of the logits)
-            table = manager.table(seq.seq_id)  # its tokens: the sequence's, plus its last sampled one
-            new = table.token_ids[first_new:]
-            ids.extend(new)
+        for seq in batch.prefills:  # prefills first, then decodes (the order of the logits)
+            start, n = seq.num_computed_tokens, batch.num_scheduled_tokens[seq.seq_id]
+            ids.extend(seq.token_ids[start:start + n])
+            tables.append(manager.table(seq.seq_id).blocks)
+            context_lens.append(start + n)
+            query_lens.append(n)
+        for seq in batch.decodes:  # the last sampled token, at the slot just reserved for it
+            table = manager.table(seq.seq_id)
+            ids.append(seq.token_ids[-1])
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)
-            query_lens.append(len(new))
-        view = self.cache.batch(tables, context_lens, query_lens)
+            query_lens.append(1)
+        self.check_step(ids, context_lens)
+        step = self.cache.step(tables, context_lens, query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
-        return self.model(token_ids, cache=view, last_only=True)[0]          # (B, V)
+        return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
+
+    def check_step(self, ids: list[int], context_lens: list[int]) -> None:
+        """The edge checks of a step, on host data: ids in the vocabulary, no sequence past the context."""
+        config = self.model.config
+        if ids and (min(ids) < 0 or max(ids) >= config.vocab_size):
+            bad = [t for t in ids if not 0 <= t < config.vocab_size]
+            raise ValueError(f"token ids must be in [0, vocab_size={config.vocab_size}), got {bad[:8]}")
+        if context_lens and max(context_lens) > config.context_length:
+            raise ValueError(f"a sequence of {max(context_lens)} tokens exceeds the model's context_length "
+                             f"{config.context_length}")
 
 
 __all__ = ["ModelRunner"]

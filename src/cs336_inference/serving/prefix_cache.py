@@ -73,6 +73,11 @@ class PrefixCache:
         self._by_block[block] = entry
         return entry
 
+    def clear(self) -> None:
+        """Forget every name (entries already held by block tables stay valid parents)."""
+        self._by_hash.clear()
+        self._by_block.clear()
+
     def evict(self, block: int) -> None:
         """Forget what `block` holds (it is about to be overwritten). No-op for an anonymous block."""
         entry = self._by_block.pop(block, None)

@@ -8,16 +8,18 @@ serving engine cannot simply batch and pad: arrival times, lengths and shared pr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass
 
+from .. import _checks
 from .request import Request, SamplingParams
 
 
 @dataclass(frozen=True)
 class TraceConfig:
     num_requests: int = 64
-    rate: float = 20.0                     # mean arrivals per second
+    rate: float = 20.0                     # mean arrivals per second (inf: all at time 0)
     prompt_len: tuple[int, int] = (16, 96)  # user part of the prompt, uniform in [lo, hi]
     max_new_tokens: int = 128              # the client's limit (outputs may stop earlier)
     stop_tokens: tuple[int, ...] = ()      # e.g. newline: an answer ends with its line
@@ -28,14 +30,18 @@ class TraceConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.num_requests < 1 or self.rate <= 0:
-            raise ValueError(f"num_requests must be >= 1 and rate > 0, got {self.num_requests}, {self.rate}")
-        lo, hi = self.prompt_len
-        if not 1 <= lo <= hi:
-            raise ValueError(f"prompt_len must be (lo, hi) with 1 <= lo <= hi, got {self.prompt_len}")
+        _checks.positive_ints(num_requests=self.num_requests, max_new_tokens=self.max_new_tokens,
+                              n_samples=self.n_samples)
+        if not _checks._is_number(self.rate) or not self.rate > 0:  # inf: everything arrives at 0
+            raise ValueError(f"rate must be a number > 0 (requests per second; inf: all at once), got {self.rate!r}")
+        _checks.non_negative_float("temperature", self.temperature)
+        _checks.integer("seed", self.seed)
+        lo_hi = self.prompt_len
+        if (not isinstance(lo_hi, (tuple, list)) or len(lo_hi) != 2 or not all(_checks._is_int(x) for x in lo_hi)
+                or not 1 <= lo_hi[0] <= lo_hi[1]):
+            raise ValueError(f"prompt_len must be (lo, hi) ints with 1 <= lo <= hi, got {self.prompt_len!r}")
         for name in ("system_prompt_fraction", "sampled_fraction"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+            _checks.probability(name, getattr(self, name))
 
 
 def poisson_arrivals(num_requests: int, rate: float, rng: random.Random) -> list[float]:
@@ -64,9 +70,9 @@ def make_trace(source_ids, config: TraceConfig = TraceConfig(), system_prompt=()
             prompt = list(system_prompt) + prompt
         if rng.random() < config.sampled_fraction:
             sampling = SamplingParams(temperature=config.temperature, n=config.n_samples,
-                                      seed=config.seed * 100_003 + i, stop_tokens=config.stop_tokens)
+                                      seed=config.seed * 100_003 + i, stop_token_ids=config.stop_tokens)
         else:
-            sampling = SamplingParams(stop_tokens=config.stop_tokens)
+            sampling = SamplingParams(stop_token_ids=config.stop_tokens)
         requests.append(Request(i, tuple(prompt), config.max_new_tokens, arrival, sampling))
     return requests
 
@@ -87,8 +93,7 @@ def make_chat_trace(tokenizer, source_ids, config: TraceConfig = TraceConfig(), 
         if system_prompt is not None and rng.random() < config.system_prompt_fraction:
             messages.insert(0, {"role": "system", "content": system_prompt})
         prompt = tokenizer.encode(tokenizer.apply_chat_template(messages))
-        sampling = SamplingParams(r.sampling.temperature, r.sampling.top_k, r.sampling.top_p, r.sampling.n,
-                                  r.sampling.seed, stop)
+        sampling = dataclasses.replace(r.sampling, stop_token_ids=stop)
         requests.append(Request(r.request_id, tuple(prompt), r.max_new_tokens, r.arrival_time, sampling))
     return requests
 

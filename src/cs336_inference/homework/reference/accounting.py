@@ -30,6 +30,32 @@ def kv_cache_bytes(batch_size: int, seq_len: int, num_layers: int, num_kv_heads:
 
 
 @graded("accounting")
+def window_kv_cache_bytes(batch_size: int, seq_len: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                          window: int, global_every: int | None = None, bytes_per_element: float = 2) -> int:
+    """Bytes of the KV cache of B = batch_size sequences of S = seq_len tokens when layers attend over a
+    sliding window (Mistral 7B): a local layer keeps only the last `window` positions (min(S, window)),
+    a global one all S. global_every None: every layer is local; else layer l (0-based) is global when
+    (l + 1) % global_every == 0 (one in every global_every, the last of each group: Gemma-style hybrids).
+    Each kept position holds a key and a value vector of H dims for each of the K heads."""
+    model = dict(vocab_size=1, d_model=num_kv_heads * head_dim, num_layers=num_layers, num_heads=num_kv_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, d_ff=1)
+    shape = _shape(model, seq_len).replace(sliding_window=window, global_every=global_every)
+    return int(_formulas.kv_cache_bytes(shape, batch_size, seq_len, bytes_per_element))
+
+
+@graded("accounting")
+def latent_kv_cache_bytes(batch_size: int, seq_len: int, num_layers: int, kv_lora_rank: int, rope_head_dim: int,
+                          bytes_per_element: float = 2) -> int:
+    """Bytes of multi-head latent attention's cache (DeepSeek-V2): per position and layer, one latent of
+    C = kv_lora_rank numbers plus the decoupled RoPE key of R = rope_head_dim numbers, shared by every
+    head (no separate values), for B = batch_size sequences of S = seq_len tokens."""
+    shape = ModelShape(name="homework", vocab_size=1, d_model=2, num_layers=num_layers, num_heads=1, num_kv_heads=1,
+                       head_dim=2, d_ff=1, context_length=seq_len, attention_type="mla", kv_lora_rank=kv_lora_rank,
+                       rope_head_dim=rope_head_dim)
+    return int(_formulas.kv_cache_bytes(shape, batch_size, seq_len, bytes_per_element))
+
+
+@graded("accounting")
 def inference_stats(model: dict, hardware: dict, batch_size: int, seq_len: int,
                     bytes_per_element: float = 2) -> dict[str, float]:
     """The lecture's model of serving a dense Llama-style Transformer (weights and cache in one precision).

@@ -11,9 +11,11 @@ import torch
 from einops import rearrange
 
 from ...model import attention as _attention
+from ...model import kv_cache as _kv_cache
 from ...model import layers as _layers
 from ...model import mla as _mla
 from ...model import rolling_kv_cache as _rolling
+from ...model.config import ModelConfig
 from ...model.kv_cache import CacheStep
 from ..registry import graded
 
@@ -86,6 +88,77 @@ def mla_absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: t
 
 
 @graded("attention")
+def mla_attention(x: torch.Tensor, weights: dict[str, torch.Tensor], num_heads: int,
+                  rope_theta: float = 10000.0) -> torch.Tensor:
+    """One causal multi-head latent attention layer (DeepSeek-V2, eqs. 9-14) over a whole sequence.
+
+    x: (B, T, D) at positions 0 .. T - 1. weights (y = x W^T, as assignment 1): "q_proj" (N (H + R), D),
+    each head's H content dims then its R rotated dims; "kv_down_proj" (C, D) the latent c = W_DKV x;
+    "k_rope_proj" (R, D) the key part every head shares, k_R = RoPE(W_KR x); "k_up_proj" (N H, C) and
+    "v_up_proj" (N H, C): head n's key content W_UK,n c and value W_UV,n c (rows n H .. (n + 1) H);
+    "output_proj" (D, N H). N = num_heads, H = k_up_proj rows / N, R = k_rope_proj rows, C = latent dims.
+    RoPE rotates adjacent pairs (x[2i], x[2i+1]) of each head's R query dims and of k_R by angle
+    p * rope_theta^(-2i/R) at position p. Head n: q_n = [q_content, RoPE(q_rot)], k_n = [W_UK,n c, k_R],
+    softmax(q_n k_n^T / sqrt(H + R)) causal, times v_n. Returns (B, T, D): output_proj of the heads'
+    outputs concatenated.
+    """
+    B, T, D = x.shape
+    R, C = weights["k_rope_proj"].shape[0], weights["kv_down_proj"].shape[0]
+    config = ModelConfig(vocab_size=2, context_length=T, d_model=D, num_layers=1, num_heads=num_heads,
+                         num_kv_heads=num_heads, d_ff=2, rope_theta=rope_theta, attention_type="mla",
+                         kv_lora_rank=C, rope_head_dim=R)
+    layer = _mla.MultiHeadLatentAttention(config).to(device=x.device, dtype=x.dtype)
+    layer.load_state_dict({f"{name}.weight": w for name, w in weights.items()})
+    cos, sin = _layers.rope_angles(R, T, rope_theta, device=x.device)
+    mask = _attention.attention_mask(T, T, 0, device=x.device)
+    with torch.no_grad():
+        out, _ = layer(x, (cos, sin), mask)
+    return out
+
+
+@graded("attention")
+class KVCache:
+    """One attention layer's keys and values, preallocated for max_seq_len positions (gpt-fast's cache).
+
+    Buffers of shape (B, K, max_seq_len, H) in float32 (or `dtype`); attribute `length` (int): positions
+    written so far. `nbytes`: the bytes of both buffers as allocated (keys and values); `bytes_per_token`:
+    what one position of one sequence occupies (keys and values of K heads of H dims).
+    """
+
+    def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, max_seq_len: int,
+                 dtype: torch.dtype = torch.float32):
+        """An empty cache."""
+        self._layer = _kv_cache.ContiguousKVCache(batch_size, num_kv_heads, head_dim, max_seq_len, dtype=dtype)
+        self._cache = _kv_cache.KVCache([self._layer], max_seq_len, batch_size)
+
+    @property
+    def length(self) -> int:
+        return self._cache.length
+
+    @property
+    def nbytes(self) -> int:
+        return self._cache.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self._cache.bytes_per_token
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v (B, K, T, H) at positions length .. length + T - 1 and return the keys and values of
+        positions 0 .. length + T - 1 (B, K, length + T, H), oldest first; then length += T. If that would
+        pass max_seq_len, raise ValueError and change nothing."""
+        step = self._cache.begin(k.shape[2])
+        keys, values = self._layer.update(k, v, step)
+        self._cache.commit(step)
+        return keys.clone(), values.clone()
+
+    def truncate(self, n: int) -> None:
+        """Roll back to the first n positions (0 <= n <= length, else ValueError and nothing changes): the
+        next append writes at position n (speculative decoding discards rejected drafts this way)."""
+        self._cache.truncate(n)
+
+
+@graded("attention")
 def sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
     """The mask of sliding-window attention (Mistral 7B) for T = num_new queries at positions
     start .. start + T - 1 over the keys at positions 0 .. start + T - 1.
@@ -106,7 +179,9 @@ class RollingKVBuffer:
     Position p lives in slot p % capacity, so memory stays flat however long the sequence grows. A query at
     position i attends to positions i - window + 1 .. i. capacity >= window; the capacity - window spare
     slots let `truncate` roll back (speculative decoding rejects drafts) even after the ring has wrapped.
-    Attribute `length` (int): the number of positions appended so far (after rollbacks).
+    Attributes (or properties): `length` (int), the number of positions appended so far (after rollbacks);
+    `nbytes` (int), the bytes of the ring's keys and values as allocated: 2 B K capacity H times 4 (float32),
+    however long the sequence grows.
     """
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, window: int, capacity: int):
@@ -116,6 +191,10 @@ class RollingKVBuffer:
         self._ring = _rolling.RollingKVCache(batch_size, num_kv_heads, head_dim, window, sys.maxsize,
                                              spare=capacity - window)
         self.window, self.capacity, self.length = window, capacity, 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._ring.nbytes
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v (B, K, T, H) at positions length .. length + T - 1 (slot p % capacity; when T exceeds

@@ -1,4 +1,4 @@
-"""The reference solution, data: the training batch sampler.
+"""The reference solution, data: the training batch sampler and bits per byte.
 
 See the package docstring; each function is a thin wrapper over the library."""
 
@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ...data import corpus as _corpus
+from ...data import evaluation as _evaluation
 from ..registry import graded
 
 
@@ -19,3 +20,15 @@ def get_batch(data: torch.Tensor, batch_size: int, seq_len: int,
     Returns (x, y), both (B, T = seq_len) int64: x = data[s : s + T], y = data[s + 1 : s + T + 1].
     """
     return _corpus.get_batch(data, batch_size, seq_len, generator)
+
+
+@graded("data")
+def bits_per_byte(logits: torch.Tensor, targets: torch.Tensor, num_bytes: int) -> float:
+    """A language model's loss in bits per byte of text: how the lecture compares models across tokenizers.
+
+    logits: (N, V) next-token logits at N positions; targets: (N,) int64, the tokens that came next;
+    num_bytes: the bytes of text those N target tokens encode (N for a byte-level tokenizer). Returns the
+    summed cross-entropy of the targets in bits (natural-log nats divided by ln 2) over num_bytes.
+    """
+    nats = torch.nn.functional.cross_entropy(logits.double(), targets, reduction="sum")
+    return _evaluation.bits_per_byte(float(nats), num_bytes)

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from ...quantization import awq as _awq
 from ...quantization import core as _core
 from ...quantization import gptq as _gptq
 from ...quantization import kv as _kv
 from ...quantization import llm_int8 as _llm_int8
 from ...quantization import packing as _packing
+from ...quantization import qat as _qat
 from ..registry import graded
 
 
@@ -110,3 +112,32 @@ def gptq_quantize(weight: torch.Tensor, inputs: torch.Tensor, bits: int = 4,
     """
     result = _gptq.gptq_quantize(weight, inputs=inputs, bits=bits, group_size=group_size)
     return result.quantized.dequantize(torch.float32)
+
+
+@graded("quantization")
+def awq_search_scales(weight: torch.Tensor, inputs: torch.Tensor, bits: int = 4, group_size: int | None = None,
+                      grid: int = 20) -> torch.Tensor:
+    """AWQ (Lin et al. 2024): per-input-channel scales s (I,) that protect the weights of salient channels.
+
+    weight: (O, I); inputs: (n, I) calibration activations X. Quantize W * s (each column j times s_j) and
+    feed X / s, so the layer computes (X / s) Q(W s)^T. Q: affine min/max round to nearest (as
+    `quantize_tensor`, affine), one scale and zero point per row (group_size None) or per group of
+    group_size columns of a row; dequantized. Search, in float32, alpha = k / grid for k = 0 .. grid - 1:
+      a = mean over the n rows of |X| per channel, at least 1e-8;  s = a^alpha / sqrt(max(a^alpha) min(a^alpha));
+      error(alpha) = mean over all entries of (X (Q(W s) / s)^T - X W^T)^2.
+    Returns the s of the alpha with the smallest error (the first such alpha on ties), (I,) in weight's dtype.
+    """
+    return _awq.awq_search_scales(weight, inputs, bits, group_size, symmetric=False, grid=grid).scales
+
+
+@graded("quantization")
+def ste_fake_quantize(w: torch.Tensor, bits: int = 4, group_size: int | None = None) -> torch.Tensor:
+    """Quantization-aware training's fake quantization with the straight-through estimator (STE).
+
+    w: (O, I) float, usually requiring grad. Forward: Q(w), the affine min/max round-to-nearest
+    quantize-then-dequantize of w (as `quantize_tensor`, affine; one scale per row if group_size is None,
+    else per group of group_size columns). Backward: the identity (round has zero gradient almost
+    everywhere, so the STE pretends Q(w) = w): d loss / d w = d loss / d Q(w). Returns (O, I), connected
+    to w's autograd graph.
+    """
+    return _qat.ste_fake_quantize(w, bits, group_size, symmetric=False)

@@ -28,7 +28,8 @@ class BlockAllocator:
         return self._blocks.num_free
 
     def allocate(self) -> int:
-        """A free block, now held once. When none is free raise a RuntimeError and change nothing."""
+        """The free block that has been free the longest, now held once. When none is free raise a
+        RuntimeError and change nothing."""
         return self._blocks.allocate()
 
     def incref(self, block: int) -> None:
@@ -43,6 +44,60 @@ class BlockAllocator:
     def ref_count(self, block: int) -> int:
         """How many tables hold `block` (0: free)."""
         return self._blocks.ref_count(block)
+
+
+@graded("serving")
+class BlockManager:
+    """The block tables of many sequences over one pool of num_blocks blocks of block_size token slots
+    (vLLM's block manager, no prefix caching). Position p of a sequence lives in block
+    block_table(seq)[p // block_size]. Blocks come from a `BlockAllocator` (first in, first out).
+    Attribute (or property) `num_free_blocks` (int). Every refused call (no free block: RuntimeError;
+    an unknown or already present sequence: ValueError) raises before changing anything.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        """No sequences; every block free."""
+        self._manager = _serving.KVCacheManager(num_blocks, block_size, prefix_caching=False)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._manager.num_free_blocks
+
+    def allocate(self, seq_id: int, num_tokens: int) -> list[int]:
+        """A new sequence of num_tokens tokens (a prompt): ceil(num_tokens / block_size) fresh blocks, in
+        the order the allocator hands them out. Returns its block table."""
+        self._manager.allocate(seq_id, list(range(1, num_tokens + 1)))
+        return self.block_table(seq_id)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """The physical blocks of seq_id, in position order."""
+        return list(self._manager.table(seq_id).blocks)
+
+    def ref_count(self, block: int) -> int:
+        """How many block tables hold `block` (0: free)."""
+        return self._manager.pool.ref_count(block)
+
+    def append_needs_block(self, seq_id: int) -> bool:
+        """Whether the next `append_slot(seq_id)` takes a free block: its last block is full, or shared with
+        another table (copy-on-write)."""
+        return self._manager.append_needs_block(seq_id)
+
+    def append_slot(self, seq_id: int) -> tuple[int, int] | None:
+        """Room for one more token of seq_id. If its last block is full, append a fresh block. Else, if the
+        last block is shared (ref count > 1, after `fork`), copy-on-write: take a fresh block, let go of
+        the shared one (the other holders keep it unchanged), put the fresh one last in the table and
+        return (shared, fresh): the cache must copy that block's data before writing. Otherwise None."""
+        copies = self._manager.allocate_slots(seq_id, 1)
+        return tuple(copies[0]) if copies else None
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """child_id starts as a copy of parent_id (parallel sampling, beam search): the same block table,
+        every block shared (one more holder each); no data is copied."""
+        self._manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        """seq_id lets go of every block (a block is free when its last holder lets go), last block first."""
+        self._manager.free(seq_id)
 
 
 @graded("serving")
@@ -81,7 +136,7 @@ def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple
     Returns {"decodes": seq ids, "prefills": seq ids, "preempted": seq ids in the order preempted,
     "waiting": the queue after the step, "num_free_blocks": free blocks after the step}.
     """
-    manager = _serving.BlockManager(num_blocks, block_size, prefix_caching=False)
+    manager = _serving.KVCacheManager(num_blocks, block_size, prefix_caching=False)
     scheduler = _serving.ContinuousScheduler(manager, max_num_seqs, max_num_batched_tokens, watermark_blocks)
 
     def sequence(seq_id, num_tokens):
@@ -90,7 +145,8 @@ def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple
     for seq_id, num_tokens in running:
         seq = sequence(seq_id, num_tokens)
         manager.allocate(seq_id, seq.token_ids)
-        seq.num_computed, seq.status = num_tokens - 1, _serving.SequenceStatus.RUNNING
+        seq.num_computed_tokens, seq.status = num_tokens, _serving.SequenceStatus.RUNNING
+        seq.token_ids.append(0)  # its last sampled token: this step's decode runs it
         scheduler.running.append(seq)
     for seq_id, num_tokens in waiting:
         scheduler.waiting.append(sequence(seq_id, num_tokens))
@@ -98,3 +154,33 @@ def continuous_batching_step(running: list[tuple[int, int]], waiting: list[tuple
     return {"decodes": [s.seq_id for s in batch.decodes], "prefills": [s.seq_id for s in batch.prefills],
             "preempted": [s.seq_id for s in batch.preempted], "waiting": [s.seq_id for s in scheduler.waiting],
             "num_free_blocks": manager.num_free_blocks}
+
+
+@graded("serving")
+def continuous_batching_run(requests: list[tuple[int, int]], num_blocks: int, block_size: int, max_num_seqs: int,
+                            max_num_batched_tokens: int, watermark_blocks: int) -> list[dict[str, list[int]]]:
+    """Serve requests to completion with continuous batching (no model: only who runs in each step).
+
+    requests: (prompt_len, max_new_tokens) of requests 0, 1, ..., all waiting (in that order) at the start.
+    Every step is one `continuous_batching_step` (same rules; a running sequence's num_tokens is the
+    number of slots its table holds), then every scheduled sequence produces one token: a prefill its
+    first output token (its table holds the prompt), a decode the next one (its new slot is for the token
+    produced in the step before). A sequence that has produced max_new_tokens tokens is finished right
+    after the step: it leaves the running list and frees its blocks. A preempted sequence waits with
+    num_tokens = prompt_len + the tokens it produced so far (it recomputes them all when readmitted).
+    Each request must fit alone: ceil((prompt_len + max_new_tokens) / block_size) + watermark_blocks <=
+    num_blocks (else ValueError). Returns one dict per step, until no sequence waits or runs:
+    {"decodes": seq ids, "prefills": seq ids, "preempted": seq ids}, as in `continuous_batching_step`.
+    """
+    manager = _serving.KVCacheManager(num_blocks, block_size, prefix_caching=False)
+    scheduler = _serving.ContinuousScheduler(manager, max_num_seqs, max_num_batched_tokens, watermark_blocks)
+    for seq_id, (prompt_len, max_new_tokens) in enumerate(requests):
+        request = _serving.Request(seq_id, tuple(range(1, prompt_len + 1)), max_new_tokens=max_new_tokens)
+        scheduler.add(_serving.Sequence(seq_id, request))
+    steps = []
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule(now=0.0)
+        steps.append({"decodes": [s.seq_id for s in batch.decodes], "prefills": [s.seq_id for s in batch.prefills],
+                      "preempted": [s.seq_id for s in batch.preempted]})
+        scheduler.postprocess(batch, [[0] * batch.samples_wanted(s) for s in batch.sequences], now=0.0)
+    return steps

@@ -26,3 +26,27 @@ def speculative_accept(p_draft: torch.Tensor, q_target: torch.Tensor, draft_toke
     """
     out = _rule.speculative_accept(p_draft, q_target, draft_tokens, generator)
     return int(out.num_accepted), int(out.next_token)
+
+
+@graded("speculative")
+def residual_distribution(p_draft: torch.Tensor, q_target: torch.Tensor) -> torch.Tensor:
+    """What speculative sampling draws from after rejecting a draft token: norm(max(q - p, 0)).
+
+    p_draft, q_target: (..., V) probabilities. Returns (..., V): max(q - p, 0) divided by its sum over V;
+    where that sum is 0 (only when q <= p everywhere, i.e. q == p: a rejection cannot happen), q itself.
+    """
+    return _rule.residual_distribution(p_draft, q_target)
+
+
+@graded("speculative")
+def greedy_verify(draft_tokens: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """Speculative decoding at temperature 0: verify g draft tokens against the target's argmaxes.
+
+    draft_tokens: g ints; target_logits: (g + 1, V), the target's logits at each proposed position plus
+    one more (row i predicts the token after the prefix and draft_tokens[:i]). Accept draft tokens while
+    each equals the argmax of its row (ties: the lowest token id); at the first mismatch, or after all g,
+    the next token is the argmax of the row reached. Returns (num_accepted k in 0 .. g, next_token) as
+    Python ints: the pass emits draft_tokens[:k], then next_token (g = 0: just the argmax of row 0).
+    """
+    k, token = _rule.greedy_accept(list(draft_tokens), target_logits.argmax(-1).tolist())
+    return int(k), int(token)

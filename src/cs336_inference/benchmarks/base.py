@@ -1,0 +1,218 @@
+"""The shape every `bench NAME` shares: measure -> JSON (and CSV) -> table -> plots.
+
+A benchmark module ends with one declaration:
+
+    BENCHMARK = Benchmark("accounting", measure, table=print_tables,
+                          plots={"{name}_kv_memory": plot_kv_memory})
+
+`BENCHMARK(quick=False, device=None, **options)` picks the device, seeds, applies the thread policy,
+calls `measure(run, **options)` and adds where it ran (`machine`: CPU, threads, torch, the load
+average at the start and at the end) to the result it returns. Then it writes figures/NAME.json (a
+`--quick` run: figures/scratch/NAME_quick.json), prints `table(result)` and saves every
+`plots[template](result)` as a PNG. A plot reads nothing but the result, so `replot()` redraws the
+committed PNGs from the committed JSON without timing anything (`python -m cs336_inference figures`).
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import math
+import os
+import platform
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .._openmp import wait_policy
+from ..device import get_device, seed_everything, thread_policy
+from ..figures import load_result, result_path, save_figure, save_json
+from ..timing import num_threads
+
+
+@dataclass
+class Run:
+    """What `measure` gets: where and how to run, and where outputs go. `measure` may rename the
+    result (`bench generation --model X` writes generation_X), mark it partial (`committed=False`:
+    one operating point of a sweep goes to the scratch folder, never over the committed result), or
+    hand it to another `report` (a Benchmark whose table, CSV and plots present this kind of result:
+    `bench inference --endpoint` measures a server, not the sweep)."""
+
+    name: str
+    device: torch.device
+    quick: bool
+    committed: bool = True
+    report: Benchmark | None = None
+
+    def path(self, suffix: str, name: str | None = None) -> Path:
+        return result_path(name or self.name, suffix, result=self.committed, quick=self.quick)
+
+    def save_figure(self, fig, name: str) -> Path:
+        """A figure drawn from live objects (not from the JSON, so `replot` cannot redraw it)."""
+        return save_figure(fig, name, result=self.committed, quick=self.quick)
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str                                      # `bench NAME`; its result is figures/NAME.json
+    measure: Callable[..., dict | None]            # measure(run, **options) -> a JSON-able result
+    table: Callable[[dict], None] | None = None    # prints the tables of a result
+    plots: dict = field(default_factory=dict)      # PNG name ("{name}" = the result's) -> plot(result) -> figure
+    csv: Callable[[dict], list[dict]] | None = None  # one flat row per run, written as NAME.csv
+    parallel: bool | Callable[[dict], bool] = False  # every core (large work) or one thread (toy models);
+                                                   # a function of the options where they decide
+    results: tuple[str, ...] = ()                  # committed results `replot` redraws (default: NAME)
+
+    def options(self) -> dict[str, inspect.Parameter]:
+        """The keyword options `measure` takes beyond the run (the CLI refuses any other)."""
+        return dict(list(inspect.signature(self.measure).parameters.items())[1:])
+
+    def is_parallel(self, options: dict) -> bool:
+        return self.parallel(options) if callable(self.parallel) else self.parallel
+
+    def __call__(self, quick: bool = False, device: str | torch.device | None = None, **options) -> dict | None:
+        run = Run(self.name, get_device(device), quick)
+        seed_everything(0)
+        cpu = run.device.type == "cpu"
+        with num_threads(thread_policy(self.is_parallel(options)) if cpu else torch.get_num_threads()):
+            machine, t0 = describe_machine(run.device), time.perf_counter()
+            result = self.measure(run, **options)
+        if result is None:   # nothing to measure here (it said why); no result is written
+            return None
+        machine.update(load_avg_end=load_avg(), wall_seconds=time.perf_counter() - t0)
+        result = finite(result)
+        result.setdefault("quick", quick)
+        result["machine"] = machine
+        (run.report or self).write(run, result)
+        return result
+
+    def write(self, run: Run, result: dict) -> list[Path]:
+        """Save the JSON (and CSV), print the tables, draw the plots."""
+        paths = [save_json(result, run.name, result=run.committed, quick=run.quick)]
+        if self.csv is not None:
+            paths.append(save_csv(self.csv(result), run.path(".csv")))
+        if self.table is not None:
+            self.table(result)
+        paths += self.draw(result, run.name, run.save_figure)
+        print("wrote " + ", ".join(str(p) for p in paths))
+        return paths
+
+    def replot(self) -> list[Path]:
+        """Redraw the PNGs of every committed result from its JSON (nothing is timed)."""
+        results = {name: load_result(name) for name in self.results or (self.name,)}
+        return [path for name, result in results.items() if result is not None
+                for path in self.draw(result, name, lambda fig, png: save_figure(fig, png, result=True))]
+
+    def draw(self, result: dict, name: str, save) -> list[Path]:
+        """Every plot of `result` that has something to draw, saved with save(figure, png_name)."""
+        import matplotlib.pyplot as plt
+
+        paths = []
+        for template, plot in self.plots.items():
+            fig = plot(result)
+            if fig is not None:
+                paths.append(save(fig, template.format(name=name, device=result.get("device"))))
+                plt.close(fig)
+        return paths
+
+
+def finite(value):
+    """NaN and inf -> None, recursively: strict JSON has no NaN, and "no value" is what they mean here."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def save_csv(rows: list[dict], path: Path) -> Path:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def describe_machine(device: torch.device) -> dict:
+    """What a reader needs to judge a number: the CPU, cores, threads, OpenMP's wait policy, the load
+    average, torch and the device (and the GPU's name and memory on CUDA)."""
+    d = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+         "omp_wait_policy": wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
+         "python": sys.version.split()[0], "platform": platform.platform(), "device": str(device)}
+    if device.type == "cuda":
+        d["gpu"] = torch.cuda.get_device_name(device)
+        d["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return d
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as peak: ...` then `peak.result()`: {"cuda_peak_bytes"} on a GPU;
+    on a CPU {"rss_start_bytes", "rss_peak_bytes", "rss_peak_is_per_run"} (None where the OS does
+    not tell): the resident set when the run started and Linux's peak resident set (VmHWM) during it,
+    reset at the start where /proc/self/clear_refs allows (else the process's peak so far)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.values = torch.device(device), {}
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.values["rss_start_bytes"] = _status_bytes("VmRSS")
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")   # "5": reset the peak resident set to the current one
+                self.values["rss_peak_is_per_run"] = True
+            except OSError:
+                self.values["rss_peak_is_per_run"] = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.values["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.values["rss_peak_bytes"] = _status_bytes("VmHWM")
+        return False
+
+    def result(self) -> dict:
+        return dict(self.values)
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (VmHWM: peak resident set, VmRSS: now) in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(rf"^{field}:\s*(\d+)\s*kB", f.read(), re.M)
+        return int(match.group(1)) * 1024 if match else None
+    except OSError:
+        return None
+
+
+__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "save_csv"]

@@ -1,0 +1,239 @@
+"""CPU decode speed-ups, opt in: `tune_for_cpu(model)` applies them to a model, as `fuse_projections` does.
+
+The model itself is plain PyTorch (`nn.Linear`, one code path on every device). On a CPU, batch-1
+decode multiplies a handful of rows by every weight matrix: memory-bound matrix-vector work, which
+MKL runs on one thread, leaving half the bandwidth of a 2-core machine unused. Three remedies, all
+host-side facts (thread count, machine load) that the model must not read:
+
+- few-row split: each full-precision linear splits W's output rows into one block per thread (a free
+  view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode);
+- streaming matmul: inside a compiled graph (`generation.compile_decode`) one row goes through
+  `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
+  once. `CPULinear` is the one place in the package that asks whether it is being compiled;
+- one thread under contention: while another process keeps a core busy, a decode step runs on one
+  thread (`decode_threads`): a chain of short parallel regions waits for its slowest thread, and
+  the thread that shares a core stalls every region, while one core nearly saturates memory bandwidth.
+
+`tune_for_cpu` changes nothing the model computes (state dict, results to rounding) and is
+idempotent; `untune_cpu` undoes it; `describe(model)` says what is applied. A compiled step runs
+outside the model's hooks' reach, so wrap its calls in `decode_threads()` yourself (`bench generation`).
+
+OpenMP's wait policy is the one CPU setting this module cannot apply: it must be set before torch
+loads, so `_openmp` sets it when the package is imported (see there for why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from einops import rearrange
+
+from .timing import num_threads
+
+# Rows at or below which the CPU few-row split beats one MKL gemm call (on the weights of the ~90M
+# benchmark model, `bench generation`); above it the gemm's own blocking wins.
+SPLIT_MAX_ROWS = 64
+_SPLIT_ENABLED = True
+
+
+@contextlib.contextmanager
+def few_row_split(enabled: bool):
+    """Turn the few-row split of every `CPULinear` on or off (benchmarks compare both)."""
+    global _SPLIT_ENABLED
+    previous, _SPLIT_ENABLED = _SPLIT_ENABLED, bool(enabled)
+    try:
+        yield
+    finally:
+        _SPLIT_ENABLED = previous
+
+
+def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (..., d_in), (d_out, d_in) -> (..., d_out)
+    """Rows times W^T written as a multiply and a sum, for a compiled batch-1 decode graph on the CPU.
+
+    Eagerly this would materialise a (d_out, M, d_in) product; under `torch.compile` the multiply and
+    the sum fuse into one vectorised loop over W's rows, split across all threads, that reads each
+    weight once, where MKL's matrix-vector kernel runs on one thread. Used for one row only: with a
+    batch size that the graph keeps symbolic, the generated loop over M is not vectorised and runs far
+    slower than a gemm. Accumulates in fp32 (bf16 weights are upcast inside the loop); the summation
+    order differs from a gemm's, so results equal `F.linear`'s to rounding, not bit for bit.
+    """
+    rows = x.reshape(-1, x.shape[-1])                                     # (M, d_in)
+    out = (w.float()[:, None, :] * rows.float()[None]).sum(-1)             # (d_out, M)
+    return out.t().reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+class CPULinear(nn.Linear):
+    """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
+
+    Eagerly, in inference, a few rows on several threads: the output rows of W split into one block
+    per thread, streamed in parallel by `bmm`. Traced by the compiler, one row without autograd:
+    `streaming_matmul`. Everything else: `F.linear`.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
+        w = self.weight
+        if torch.compiler.is_compiling():   # a graph must not bake in the thread count
+            if x.device.type == "cpu" and math.prod(x.shape[:-1]) == 1 and not torch.is_grad_enabled():
+                return streaming_matmul(x, w)
+            return F.linear(x, w)
+        P = torch.get_num_threads()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (_SPLIT_ENABLED and P > 1 and 0 < rows <= SPLIT_MAX_ROWS and x.device.type == "cpu"
+                and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
+                and x.dtype == w.dtype):
+            blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
+            x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
+            y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
+            return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
+        return F.linear(x, w)
+
+
+class _OtherLoad:
+    """Cores' worth of CPU time that *other* processes used recently, from Linux's /proc/stat (all
+    CPUs' busy time) minus this process's own CPU time (`os.times`), refreshed at most once per
+    `interval` seconds. The load average cannot tell our own threads from other people's; this can."""
+
+    def __init__(self, interval: float = 0.25):
+        self.interval = interval
+        self.last: tuple[float, float, float] | None = None   # (wall, all busy seconds, own seconds)
+        self.value: float | None = None
+        try:
+            self.ticks = os.sysconf("SC_CLK_TCK")
+        except (AttributeError, ValueError, OSError):
+            self.ticks = None
+
+    def _sample(self) -> tuple[float, float, float] | None:
+        if self.ticks is None:
+            return None
+        try:
+            with open("/proc/stat") as f:
+                fields = [int(v) for v in f.readline().split()[1:]]
+        except (OSError, ValueError):
+            return None
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)       # idle + iowait
+        own = os.times()
+        return time.monotonic(), (sum(fields[:8]) - idle) / self.ticks, own.user + own.system
+
+    def __call__(self) -> float | None:
+        now = time.monotonic()
+        if self.last is not None and now - self.last[0] < self.interval:
+            return self.value
+        sample = self._sample()
+        if sample is not None and self.last is not None:
+            wall = sample[0] - self.last[0]
+            self.value = max(0.0, ((sample[1] - self.last[1]) - (sample[2] - self.last[2])) / wall)
+        self.last = sample if sample is not None else (now, 0.0, 0.0)
+        return self.value
+
+
+other_cpu_load = _OtherLoad()
+
+
+def cpu_contended(threshold: float = 0.5) -> bool:
+    """True when other processes kept at least `threshold` of a core busy over the last second or so
+    (False where it cannot be measured). Cheap to call often: it reads /proc at most every 0.25 s."""
+    load = other_cpu_load()
+    return load is not None and load >= threshold
+
+
+def decode_threads():
+    """The thread count one decode step should run with, as a context: all of torch's threads, or one
+    while other processes keep a core busy (`cpu_contended`)."""
+    if torch.get_num_threads() > 1 and cpu_contended():
+        return num_threads(1)
+    return contextlib.nullcontext()
+
+
+@dataclass
+class CPUTuning:
+    """What `tune_for_cpu` applied to a model (kept on it as `model.cpu_tuning`)."""
+
+    split_linears: int = 0      # full-precision linears made `CPULinear`
+    threads: bool = False       # decode steps drop to one thread under contention
+    previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
+
+    def describe(self) -> str:
+        parts = []
+        if self.split_linears:
+            parts.append(f"{self.split_linears} linears split across threads for <= {SPLIT_MAX_ROWS} rows "
+                         f"(streamed in a compiled batch-1 step)")
+        if self.threads:
+            parts.append("decode steps on one thread while another process holds a core")
+        return "CPU tuning: " + ("; ".join(parts) if parts else "nothing (not a CPU model)")
+
+
+def _one_thread_if_contended(model, args, kwargs):
+    """Forward pre-hook: a decode step (one new token per sequence) under contention runs on one thread."""
+    if torch.compiler.is_compiling():   # host-side: a compiled step's caller applies decode_threads
+        return
+    ids = args[0] if args else kwargs.get("token_ids")
+    threads = model.cpu_tuning.previous_threads
+    if isinstance(ids, torch.Tensor) and ids.shape[-1] == 1 and torch.get_num_threads() > 1 and cpu_contended():
+        threads.append(torch.get_num_threads())
+        torch.set_num_threads(1)
+    else:
+        threads.append(None)
+
+
+def _restore_threads(model, args, kwargs, output=None):
+    """Forward hook (also run when the forward raises): put the thread count back."""
+    if torch.compiler.is_compiling():
+        return
+    threads = model.cpu_tuning.previous_threads
+    previous = threads.pop() if threads else None
+    if previous is not None:
+        torch.set_num_threads(previous)
+
+
+def tune_for_cpu(model: nn.Module, split: bool = True, threads: bool = True) -> nn.Module:
+    """Apply the CPU decode speed-ups to `model` in place and return it (idempotent; a second call
+    with other options replaces the first). split: full-precision bias-free linears become `CPULinear`
+    (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); threads: a decode step
+    runs on one thread while another process holds a core. A model off the CPU is left as it is.
+    Apply it after `fuse_projections` (fusing builds new linears) and before or after quantizing
+    (quantized layers keep their own kernels)."""
+    untune_cpu(model)
+    record = CPUTuning()
+    if next(model.parameters()).device.type == "cpu":
+        for module in model.modules():
+            if type(module) is nn.Linear and module.bias is None and split:
+                module.__class__ = CPULinear
+                record.split_linears += 1
+        if threads:
+            model.register_forward_pre_hook(_one_thread_if_contended, with_kwargs=True)
+            model.register_forward_hook(_restore_threads, with_kwargs=True, always_call=True)
+            record.threads = True
+    model.cpu_tuning = record
+    return model
+
+
+def untune_cpu(model: nn.Module) -> nn.Module:
+    """Undo `tune_for_cpu`: plain `nn.Linear`s, no thread hooks."""
+    for module in model.modules():
+        if type(module) is CPULinear:
+            module.__class__ = nn.Linear
+    for hooks, hook in ((model._forward_pre_hooks, _one_thread_if_contended), (model._forward_hooks, _restore_threads)):
+        for key in [k for k, h in hooks.items() if h is hook]:
+            del hooks[key]
+            model._forward_hooks_with_kwargs.pop(key, None)
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
+            model._forward_hooks_always_called.pop(key, None)
+    model.__dict__.pop("cpu_tuning", None)
+    return model
+
+
+def describe(model: nn.Module) -> str:
+    """One line: which CPU speed-ups `model` runs with."""
+    record = getattr(model, "cpu_tuning", None)
+    return record.describe() if record is not None else "CPU tuning: none (plain model)"
+
+
+__all__ = ["CPULinear", "CPUTuning", "SPLIT_MAX_ROWS", "cpu_contended", "decode_threads", "describe",
+           "few_row_split", "other_cpu_load", "streaming_matmul", "tune_for_cpu", "untune_cpu"]

@@ -1,0 +1,10 @@
+"""The OpenAI-compatible HTTP server (`python -m cs336_inference serve`); needs the `[serve]` extra.
+
+`protocol` (request bodies, OpenAI's error format), `detokenizer` (token ids -> streamed text, stop
+strings), `choices` (one HTTP request's engine requests as one stream), `server` (the FastAPI app),
+`prometheus` (`/metrics`).
+"""
+
+from .server import OpenAIServer, build_app, run_server
+
+__all__ = ["OpenAIServer", "build_app", "run_server"]

@@ -1,0 +1,189 @@
+"""A corpus of students' assignment-1 layouts and the handout's ablations (tests/student_layouts.py: small
+models written here, each with its own names and a naive forward): each loads with key_map="auto" to its own
+logits (|delta| < 1e-4), or is refused with a message naming the fix; `verify` catches the ablations whose
+keys are the base model's; nothing is dropped without allow_dropped= and a warning."""
+
+import pytest
+import torch
+from adapters import run_infer_key_map, run_load_cs336_checkpoint, run_verify_checkpoint
+from student_layouts import LAYOUTS, Arch, Layout, StudentLM
+
+from cs336_inference.model import (AutoKeyMapError, CheckpointMismatchError, ModelConfig, split_fused_gate_up,
+                                   split_fused_qkv)
+
+IDS = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+RENAMED = LAYOUTS["mha_r_w_Q_swiglu_ff_linear_W_g"]
+
+
+def _config(arch: Arch, **fields) -> ModelConfig:
+    return ModelConfig(vocab_size=arch.vocab, context_length=32, d_model=arch.d_model, num_layers=arch.layers,
+                       num_heads=arch.heads, num_kv_heads=arch.kv_heads, d_ff=arch.d_ff, rope_theta=arch.theta,
+                       norm_eps=arch.eps, **fields)
+
+
+def _delta(model, student) -> float:
+    with torch.no_grad():
+        return float((model(IDS) - student(IDS)).abs().max())
+
+
+def _pasted_key_map(printed: str):
+    """Run the code key_map='auto' printed, as a user pasting it would."""
+    namespace = {"split_fused_qkv": split_fused_qkv, "split_fused_gate_up": split_fused_gate_up}
+    exec(printed.split("key_map=key_map:\n", 1)[1], namespace)
+    return namespace["key_map"]
+
+
+ARCHS = {"gqa": Arch(), "mha": Arch(kv_heads=4), "mqa": Arch(kv_heads=1)}
+CASES = [(layout, "gqa") for layout in LAYOUTS] + [("bare_Wq_Wk_Wv_Wo_dot_w", "mha"), ("fused_qkv_proj_weights", "mqa"),
+                                                   ("gain_weights_ffn_l1_output_embed", "mha")]
+
+
+@pytest.mark.parametrize("layout, heads", CASES, ids=[f"{a}-{b}" for a, b in CASES])
+def test_every_layout_loads_with_auto_and_the_printed_map_pastes_back(layout, heads, capsys):
+    arch = ARCHS[heads]
+    student = StudentLM(arch, LAYOUTS[layout], seed=1)
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto")
+    assert _delta(model, student) < 1e-4
+    printed = capsys.readouterr().out
+    if layout == "handout":
+        assert "already have the handout's names" in printed
+        return
+    again = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map=_pasted_key_map(printed))
+    with torch.no_grad():
+        assert torch.equal(again(IDS), model(IDS))
+
+
+ABLATIONS = {   # student architecture, the config fields that load it
+    "post_norm": (Arch(post_norm=True), dict(norm_position="post")),
+    "nope": (Arch(rope=False), dict(positional="none")),
+    "silu_ffn": (Arch(swiglu=False, d_ff=64), dict(ffn="silu")),
+    "no_rmsnorm": (Arch(norms=False), dict(norm="none")),
+    "qk_norm_gain": (Arch(qk_norm="gain"), dict(qk_norm="gain", qk_norm_eps=1e-6)),
+    "qk_norm_no_gain": (Arch(qk_norm="no_gain"), dict(qk_norm="no_gain", qk_norm_eps=1e-6)),
+}
+QK_NAMES = Layout(**{**RENAMED.__dict__, "q_norm": "q_norm.g", "k_norm": "k_norm.g"})
+
+
+@pytest.mark.parametrize("name", ABLATIONS)
+def test_each_ablation_loads_with_its_config_fields(name):
+    arch, fields = ABLATIONS[name]
+    student = StudentLM(arch, QK_NAMES, seed=2)
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(arch, **fields), key_map="auto",
+                                      verify=student)
+    assert _delta(model, student) < 1e-4
+
+
+@pytest.mark.parametrize("name, fix", [("post_norm", "norm_position='post'"), ("nope", "positional='none'"),
+                                       ("qk_norm_no_gain", "qk_norm='no_gain'")])
+def test_verify_catches_ablations_with_the_base_models_keys(name, fix):
+    arch, fields = ABLATIONS[name]
+    student = StudentLM(arch, QK_NAMES, seed=3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto")   # loads: same keys
+    assert _delta(wrong, student) > 1e-2
+    with pytest.raises(CheckpointMismatchError, match=rf"max \|delta logit\| = .*matches these weights with {fix}"):
+        run_verify_checkpoint(wrong, student)
+    with pytest.raises(CheckpointMismatchError) as err:
+        run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto", verify=student)
+    assert err.value.suggestion == dict([fix.replace("'", "").split("=")]) and err.value.max_delta > 1e-2
+
+
+@pytest.mark.parametrize("name, message", [
+    ("silu_ffn", r"no layer has ffn\.w3 .*ModelConfig\(\.\.\., ffn='silu'\)"),
+    ("no_rmsnorm", r"no RMSNorm weights in its blocks and no final norm.*norm='none'\)"),
+    ("qk_norm_gain", r"look like QK-norm gains .*qk_norm='gain'"),
+])
+def test_ablations_with_other_keys_are_refused_naming_the_config_field(name, message):
+    arch, _ = ABLATIONS[name]
+    student = StudentLM(arch, QK_NAMES if name != "qk_norm_gain" else LAYOUTS["handout"], seed=4)
+    for key_map in ("auto", None):
+        with pytest.raises(ValueError, match=message):
+            run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map=key_map)
+
+
+def test_dropping_is_never_silent():
+    """The way the README used to show (rename to None) needs allow_dropped= and warns naming each tensor."""
+    student = StudentLM(ABLATIONS["qk_norm_gain"][0], LAYOUTS["handout"], seed=5)
+    drop = {r"\.(q|k)_norm\.": None}
+    with pytest.raises(ValueError, match=r"key_map discarded 4 tensor\(s\).*allow_dropped=(.|\n)*qk_norm='gain'"):
+        run_load_cs336_checkpoint(student.state_dict(), _config(student.arch), key_map=drop)
+    with pytest.warns(UserWarning, match=r"discarded 4 tensor\(s\).*layers\.0\.attn\.q_norm\.weight \(8,\)"):
+        run_load_cs336_checkpoint(student.state_dict(), _config(student.arch), key_map=drop, allow_dropped="_norm")
+    # buffers a student saved (RoPE tables): refused with the hint, then dropped with a warning
+    buffers = StudentLM(Arch(), Layout(buffers={"cos_cached": (32, 4)}), seed=6)
+    with pytest.raises(ValueError, match=r"unexpected keys .*cos_cached(.|\n)*RoPE tables .*allow_dropped="):
+        run_load_cs336_checkpoint(buffers.state_dict(), _config(buffers.arch), key_map="auto")
+    with pytest.warns(UserWarning, match=r"discarded 2 tensor\(s\).*layers\.0\.attn\.cos_cached \(32, 4\)"):
+        model = run_load_cs336_checkpoint(buffers.state_dict(), _config(buffers.arch), key_map="auto",
+                                          allow_dropped="cos_cached")
+    assert _delta(model, buffers) < 1e-4
+    with pytest.raises(TypeError, match="allow_dropped must be"):
+        run_load_cs336_checkpoint(buffers.state_dict(), _config(buffers.arch), allow_dropped=3)
+
+
+def test_auto_refuses_ambiguous_roles_naming_the_candidates():
+    nameless = StudentLM(Arch(), Layout(k="a.weight", v="b.weight"), seed=7)   # k and v: same shape, no names
+    with pytest.raises(AutoKeyMapError, match=r"layers\.0\.attn\.a\.weight could be any of \['attn\.k_proj\.weight', "
+                                              r"'attn\.v_proj\.weight'\]"):
+        run_infer_key_map(nameless.state_dict(), _config(nameless.arch))
+    # w1 = gate, w2 = up, w3 = down: the names contradict the shapes, so no guess is loaded
+    renumbered = StudentLM(Arch(), Layout(w1="w1.weight", w3="w2.weight", w2="w3.weight"), seed=8)
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.w2\.weight has shape \(48, 32\), but its name says "
+                                         r"ffn\.w2\.weight \(shape \(32, 48\)"):
+        run_load_cs336_checkpoint(renumbered.state_dict(), _config(renumbered.arch), key_map="auto")
+    deeper = StudentLM(Arch(layers=3), Layout(), seed=9)
+    with pytest.raises(AutoKeyMapError, match=r"layer indices \[0, 1, 2\] .*config.num_layers=2"):
+        run_infer_key_map(deeper.state_dict(), _config(Arch()))
+
+
+def test_hints_say_what_each_suggested_map_fixes():
+    student = StudentLM(Arch(), RENAMED, seed=10)
+    with pytest.raises(ValueError) as err:
+        run_load_cs336_checkpoint(student.state_dict(), _config(student.arch))
+    message = str(err.value)
+    assert "key_map=COMMON_RENAMES fixes 4 of the 21 missing keys; 17 stay missing" in message
+    assert "key_map='auto' loads this checkpoint (it places all 21 tensors" in message
+    nameless = StudentLM(Arch(), Layout(k="a.weight", v="b.weight"), seed=7)
+    with pytest.raises(ValueError, match="key_map='auto' does not load it either: .* could be any of"):
+        run_load_cs336_checkpoint(nameless.state_dict(), _config(nameless.arch))
+
+
+def test_verify_names_the_kind_of_difference_it_cannot_explain():
+    student = StudentLM(Arch(theta=500000.0), Layout(), seed=11)
+    theta_wrong = run_load_cs336_checkpoint(student.state_dict(), _config(Arch()))
+    with pytest.raises(CheckpointMismatchError, match=r"Position 0 agrees .* RoPE \(rope_theta"):
+        run_verify_checkpoint(theta_wrong, student)
+    swapped = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch),
+                                        key_map={r"\.w1\.": ".tmp.", r"\.w3\.": ".w1.", r"\.tmp\.": ".w3."})
+    with pytest.raises(CheckpointMismatchError, match=r"Position 0 already differs.* w1 \(gate\) vs w3 \(up\)"):
+        run_verify_checkpoint(swapped, student)
+    assert run_verify_checkpoint(run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)), student) < 1e-4
+    with pytest.raises(ValueError, match=r"returned logits of shape \(2, 16\)"):
+        run_verify_checkpoint(swapped, lambda ids: ids.float())
+
+
+def test_the_homework_skeleton_loads_and_verifies_the_students_model(tmp_path, capsys):
+    import importlib.util
+
+    from cs336_inference.homework import skeleton
+    skeleton.write_skeleton(tmp_path / "my_solution")
+    spec = importlib.util.spec_from_file_location("a1_loader", tmp_path / "my_solution" / "my_assignment1_model.py")
+    loader = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loader)
+    student = StudentLM(Arch(post_norm=True), RENAMED, seed=12)
+    model = loader.load_my_model(student.state_dict(), _config(student.arch, norm_position="post"), student)
+    assert _delta(model, student) < 1e-4
+    with pytest.raises(CheckpointMismatchError, match="norm_position='post'"):
+        loader.load_my_model(student.state_dict(), _config(student.arch), student)
+
+
+def test_auto_with_tied_embeddings_takes_the_table_once_or_twice():
+    student = StudentLM(Arch(), RENAMED, seed=13)
+    with torch.no_grad():
+        student.out_linear.W.copy_(student.embedding.embedding)      # the student tied them: both names saved
+    state = student.state_dict()
+    tied = _config(student.arch, tie_embeddings=True)
+    both = run_load_cs336_checkpoint(state, tied, key_map="auto")
+    once = run_load_cs336_checkpoint({k: v for k, v in state.items() if k != "out_linear.W"}, tied, key_map="auto")
+    with torch.no_grad():
+        want = student(IDS)
+        assert float((both(IDS) - want).abs().max()) < 1e-4 and torch.equal(once(IDS), both(IDS))

@@ -1,0 +1,247 @@
+"""The online engine API on the shipped target model: add_request / step / abort / has_unfinished /
+stats. The streamed deltas equal `generate` token for token; refusals are per request; an abort frees
+its blocks at once; chunked prefill and same-step prefix hits change when tokens are computed,
+never which."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import adapters
+from cs336_inference.model import load_pretrained
+from cs336_inference.serving import Engine, RequestOutput, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_pretrained("target").eval()
+
+
+@pytest.fixture(scope="module")
+def text():
+    return adapters.run_load_corpus("val")[:4000].tolist()
+
+
+def _drain(engine) -> dict:
+    """Step until done: {(request_id, sample): (tokens, [RequestOutput...])}."""
+    streams: dict = {}
+    for _ in range(10_000):
+        if not engine.has_unfinished():
+            return streams
+        for out in engine.step():
+            assert isinstance(out, RequestOutput)
+            tokens, outs = streams.setdefault((out.request_id, out.index), ([], []))
+            tokens.extend(out.new_token_ids)
+            outs.append(out)
+    raise AssertionError("the engine did not finish")
+
+
+def _generate(model, prompt, max_tokens, **kwargs):
+    return adapters.run_generate(model, [list(prompt)], max_tokens, **kwargs).tokens[0]
+
+
+def test_step_deltas_equal_generate_and_run(model, text):
+    engine = Engine(model, block_size=4, max_num_seqs=4)
+    prompts = [text[100:120], text[500:507], text[900:931]]
+    greedy = SamplingParams(max_tokens=9, stop_token_ids=(10,))
+    sampled = SamplingParams(0.8, max_tokens=6, n=2, seed=7)
+    ids = [engine.add_request(prompts[0], greedy), engine.add_request(prompts[1], sampled, request_id="s"),
+           engine.add_request(prompts[2], greedy, arrival_time=0.0)]
+    assert ids[1] == "s" and isinstance(ids[0], str) and len(set(ids)) == 3
+    assert engine.has_unfinished() and engine.stats()["waiting"] == 3
+    streams = _drain(engine)
+    assert set(streams) == {(ids[0], 0), ("s", 0), ("s", 1), (ids[2], 0)}
+    for tokens, outs in streams.values():
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]   # finished exactly once, last
+        assert [o.num_output_tokens for o in outs] == list(range(1, len(tokens) + 1))
+        assert all(len(o.new_token_ids) == 1 and o.error is None for o in outs)
+        assert outs[-1].finish_reason in ("stop", "length")
+        assert all(a.time <= b.time for a, b in zip(outs, outs[1:]))
+    for rid, prompt in ((ids[0], prompts[0]), (ids[2], prompts[2])):
+        assert streams[(rid, 0)][0] == _generate(model, prompt, 9, stop_tokens=[10])
+        assert streams[(rid, 0)][1][0].num_prompt_tokens == len(prompt)
+    for k in range(2):
+        want = _generate(model, prompts[1], 6, temperature=0.8, generator=torch.Generator().manual_seed(7 + k))
+        assert streams[("s", k)][0] == want
+    stats = engine.stats()
+    assert (stats["running"], stats["waiting"], stats["kv_blocks_used"]) == (0, 0, 0)
+    assert stats["kv_blocks_total"] == engine.num_blocks
+
+    trace = [adapters.make_request(i, p, 9, stop_tokens=(10,)) for i, p in enumerate(prompts)]
+    result = Engine(model, block_size=4, max_num_seqs=4).run(trace)
+    assert [o.tokens[0] for o in result.outputs] == [streams[(ids[0], 0)][0], _generate(model, prompts[1], 9,
+                                                     stop_tokens=[10]), streams[(ids[2], 0)][0]]
+
+
+def test_abort_frees_blocks_at_once_and_the_others_continue(model, text):
+    engine = Engine(model, block_size=4, max_num_seqs=4)
+    keep = engine.add_request(text[0:30], SamplingParams(max_tokens=12))
+    drop = engine.add_request(text[40:70], SamplingParams(max_tokens=12, n=2))
+    got: dict = {}
+    for _ in range(3):
+        for out in engine.step():
+            got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    used = engine.stats()["kv_blocks_used"]
+    assert engine.abort(drop) is True
+    assert engine.stats()["kv_blocks_used"] < used and engine.stats()["running"] == 1
+    assert engine.abort(drop) is False and engine.abort("nobody") is False
+    first = engine.step()
+    aborted = [o for o in first if o.request_id == drop]
+    assert sorted(o.index for o in aborted) == [0, 1]
+    assert all(o.finished and o.finish_reason == "abort" and o.new_token_ids == [] for o in aborted)
+    for out in first:
+        got.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    for key, (tokens, _) in _drain(engine).items():
+        got.setdefault(key, []).extend(tokens)
+    assert got[(keep, 0)] == _generate(model, text[0:30], 12)
+    assert engine.abort(keep) is False  # finished
+    assert engine.stats()["kv_blocks_used"] == 0
+
+
+def test_add_request_validates_at_the_edge(model):
+    engine = Engine(model)
+    V, context = model.config.vocab_size, model.config.context_length
+    params = SamplingParams(max_tokens=4)
+    cases = [(([1, V], params), ValueError, "token ids in"), (([1, -2], params), ValueError, "token ids in"),
+             (([1, 2.0], params), TypeError, "prompt_token_ids"), (([], params), ValueError, "empty"),
+             (("abc", params), TypeError, "list of int"), (([1], {"max_tokens": 3}), TypeError, "SamplingParams"),
+             (([1], SamplingParams(stop_token_ids=(V,))), ValueError, "stop_token_ids"),
+             (([1] * (context - 3), params), ValueError, "context_length")]
+    for args, error, words in cases:
+        with pytest.raises(error, match=words):
+            engine.add_request(*args)
+    with pytest.raises(ValueError, match="arrival_time"):
+        engine.add_request([1], params, arrival_time=float("nan"))
+    engine.add_request([1, 2], params, request_id="x")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([3], params, request_id="x")
+    with pytest.raises(TypeError, match="n must be"):
+        SamplingParams(n=1.5)
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens="8")
+    with pytest.raises(TypeError, match="model"):
+        Engine(None)
+    with pytest.raises(TypeError, match="unknown engine option"):
+        Engine(model, block_sise=8)
+    assert engine.stats()["waiting"] == 1  # only the good request is queued
+
+
+def test_a_request_that_can_never_fit_is_refused_alone(model, text):
+    engine = Engine(model, block_size=8, num_blocks=12)
+    big = engine.add_request(text[:100], SamplingParams(max_tokens=20))       # 15 blocks > 12
+    small = engine.add_request(text[200:220], SamplingParams(max_tokens=5))
+    first = engine.step()
+    refused = [o for o in first if o.request_id == big]
+    assert len(refused) == 1 and refused[0].finished and refused[0].finish_reason == "error"
+    assert "12 KV blocks of 8 tokens" in refused[0].error
+    streams = _drain(engine)
+    tokens = [t for o in first if o.request_id == small for t in o.new_token_ids] + streams[(small, 0)][0]
+    assert tokens == _generate(model, text[200:220], 5)
+
+
+def test_chunked_prefill_runs_long_prompts_in_pieces_beside_decodes(model, text):
+    """A token budget of 24: prompts of up to 90 tokens run in chunks while the others decode; the
+    outputs equal `generate`, no step exceeds the budget, and decodes never wait for a whole prompt."""
+    lengths = [10, 90, 60, 12, 75]
+    trace = [adapters.make_request(i, text[300 * i:300 * i + n], 8, 0.001 * i) for i, n in enumerate(lengths)]
+    result = adapters.run_engine(model, trace, block_size=8, max_num_batched_tokens=24, chunked_prefill=True)
+    for request, output in zip(trace, result.outputs):
+        assert output.tokens == [_generate(model, request.prompt, 8)]
+    assert all(s.num_tokens <= 24 for s in result.steps)
+    assert any(s.num_decodes and s.num_prefills and s.num_tokens == 24 for s in result.steps)
+    unchunked = adapters.run_engine(model, trace, block_size=8, max_num_batched_tokens=24)
+    assert max(s.num_tokens for s in unchunked.steps) == 90          # a whole prompt in one step
+
+
+def test_identical_prompts_admitted_in_the_same_step_share_their_blocks(model, text):
+    prompt = text[1000:1040]                                          # 5 blocks of 8
+    trace = [adapters.make_request(i, prompt, 6) for i in range(3)]
+    result = adapters.run_engine(model, trace, block_size=8)
+    first = result.steps[0]
+    assert first.num_prefills == 3
+    assert [o.cached_prompt_tokens for o in result.outputs] == [0, 32, 32]
+    assert first.reserved_tokens == 8 * (5 + 1 + 1)                   # 4 shared blocks + one last block each
+    want = _generate(model, prompt, 6)
+    assert all(o.tokens == [want] for o in result.outputs)
+
+
+class _HostSyncs(TorchDispatchMode):
+    """Counts what makes the host wait for the device: a tensor read back as a Python number
+    (`aten._local_scalar_dense`: item(), int(t), bool(t), ...) and `Tensor.tolist` (which torch
+    does not dispatch on a CPU tensor, so it is counted by wrapping it). `phase` labels each one."""
+
+    def __init__(self):
+        super().__init__()
+        self.syncs, self.phase = [], "step"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.syncs.append((self.phase, "item"))
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        real, counter = torch.Tensor.tolist, self
+
+        def tolist(t):
+            counter.syncs.append((counter.phase, "tolist"))
+            return real(t)
+        self._real, torch.Tensor.tolist = real, tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._real
+        return super().__exit__(*exc)
+
+
+def test_an_engine_step_syncs_with_the_device_once(model, text):
+    """Steps with prefill chunks, decodes, a fork and sampled rows: the model's execution reads
+    nothing back from the device, and the whole step reads exactly once (the sampled ids)."""
+    engine = Engine(model, block_size=4, max_num_batched_tokens=24, chunked_prefill=True)
+    engine.add_request(text[0:40], SamplingParams(max_tokens=6))
+    engine.add_request(text[50:60], SamplingParams(0.8, top_k=20, top_p=0.9, max_tokens=6, n=2, seed=3))
+    execute = engine.runner.execute
+    counter = _HostSyncs()
+
+    def counted_execute(*args, **kwargs):
+        counter.phase = "model"
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            counter.phase = "step"
+    engine.runner.execute = counted_execute
+    ran = 0
+    while engine.has_unfinished():
+        counter.syncs.clear()
+        with counter:
+            engine.step()
+        if engine.last_step is not None:
+            ran += 1
+            assert counter.syncs == [("step", "tolist")], f"step {ran}: {counter.syncs}"
+    assert ran >= 6
+
+
+def test_a_forward_that_raises_leaves_the_engine_consistent(model, text):
+    """The batch's requests end with finish_reason "error" (reported by the next step), their blocks
+    are freed, the prefix cache forgets blocks named that step, and the engine keeps serving."""
+    engine = Engine(model, block_size=4)
+    prompt = text[0:30]
+    for _ in range(2):
+        engine.add_request(prompt, SamplingParams(max_tokens=8))
+    engine.step()
+    execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        engine.runner.execute = execute
+        raise RuntimeError("device lost")
+    engine.runner.execute = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    outs = engine.step()
+    assert len(outs) == 2 and all(o.finish_reason == "error" and "device lost" in o.error for o in outs)
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
+    assert _drain(engine)[(rid, 0)][0] == _generate(model, prompt, 8)
