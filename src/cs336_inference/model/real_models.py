@@ -173,10 +173,11 @@ def load_real_tokenizer(name: str) -> BPETokenizer:
     """The model's own BPE tokenizer, from the verified cache or (first time) from the GGUF header."""
     path = gguf_path(name)
     cached = cache_entry(name, path) / "tokenizer.json"
-    spec = read_verified(cached, lambda p: json.loads(p.read_text()))
-    if spec is None:
-        spec = gguf_tokenizer_spec(read_gguf(path))
-        write_verified(cached, lambda p: Path(p).write_text(json.dumps(spec)))
+    tokenizer = read_verified(cached, lambda p: BPETokenizer.from_spec(json.loads(p.read_text())))
+    if tokenizer is not None:   # a file that fails its checksum or lacks a field is rebuilt
+        return tokenizer
+    spec = gguf_tokenizer_spec(read_gguf(path))
+    write_verified(cached, lambda p: Path(p).write_text(json.dumps(spec)))
     return BPETokenizer.from_spec(spec)
 
 
