@@ -314,7 +314,8 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
 
     sys.setswitchinterval(switch_interval_s)
 
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)   # open streams get 5 s, then are cut (and aborted)
     print(f"serving {server.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     uvicorn.Server(config).run()
 
