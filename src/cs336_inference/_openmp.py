@@ -3,7 +3,7 @@
 torch's CPU kernels run on OpenMP worker threads. Between parallel regions an idle worker spins for
 a while (the default wait policy) so the next region starts a few microseconds sooner. On a shared
 2-core machine that spinning steals the core another process, or our own main thread, needs; every
-op then waits for a descheduled thread and small kernels become 10-100x slower. With
+op then waits for a descheduled thread and small kernels become many times slower. With
 OMP_WAIT_POLICY=PASSIVE idle workers sleep instead, but waking a sleeping worker costs tens of
 microseconds per region, and a compiled batch-1 decode step is ~60 short regions back to back.
 So we also set a *short* spin, GOMP_SPINCOUNT=10000 (GNU OpenMP, which torch's Linux wheels use):

@@ -89,7 +89,7 @@ class HardwareMeasurement:
 def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool = False) -> HardwareMeasurement:
     """Measure peak matmul FLOP/s and memory bandwidth of `device` (cpu, cuda, mps; default: best).
 
-    quick: smaller problems and fewer repeats (~0.5 s on a 2-core CPU), for the lecture; the full
+    quick: smaller problems and fewer repeats (a fraction of a second), for the lecture; the full
     measurement streams 512 MiB and times 2048^3 (CPU) / 8192^3 (CUDA) matmuls.
     dtype: the matmul precision (default: bf16 on CUDA, fp32 elsewhere).
     """

@@ -1,21 +1,14 @@
-"""`python -m cs336_inference bench generation`: how fast the model generates, and why.
+"""`bench generation`: how fast the model generates, and why.
 
-A ~90M-parameter model whose fp32 weights (~330 MB) dwarf the CPU caches, so batch-1 decode streams
-every weight from memory each step: time per step ~ weight bytes / bandwidth. Fewer bytes per weight
-(bf16, int8, int4) should then mean proportionally faster decode, *if* the kernels read the small
-bytes directly (`QuantizedLinear`'s packed kernels) instead of materialising fp32 weights.
-
-Measured side by side in one run (the machines are shared: every variant is timed once per round,
-rounds alternate, we report medians with min/max over rounds and the load average):
-- fp32, bf16, int8 (per channel) and int4 (groups of 128) at batch 1 and 8, each with our decode
-  options (fused projections, torch's fused attention); "fp32 plain" is the readable path (separate
-  projections, hand-written attention, one `F.linear` per matrix);
-- Hugging Face `LlamaForCausalLM` on the same weights (the peer; needs the `[peer]` extra), with a
-  check that its greedy tokens equal ours;
-- weight bytes per step / time per step against the streaming bandwidth measured in the same run;
-- KL(fp32 || variant) of the next-token distributions, so speed is never quoted without its cost;
-- a busy section: the batch-1 fp32 rows again while another process holds a core.
-Plus prefill tokens/s and naive (re-run the prefix) vs cached generation.
+A ~90M-parameter model (or, with `--model smollm2-135m`, the real one) whose fp32 weights dwarf the
+CPU caches, so batch-1 decode streams every weight each step: time ~ weight bytes / bandwidth. Fewer
+bytes (bf16, int8, int4) should mean faster decode, *if* the kernels read the small bytes directly
+(`QuantizedLinear`'s packed kernels). Timed side by side in alternating rounds (medians, min/max):
+fp32 / bf16 / int8 / int4 at batch 1 and 8 with our decode options (fused projections, SDPA), eager
+and compiled; "fp32 plain", the readable path; Hugging Face's Llama on the same weights (the `[peer]`
+extra; its greedy tokens must equal ours); weight bytes per step / time against the bandwidth
+measured in the same run; KL(fp32 || variant), so speed is never quoted without its cost; batch-1
+fp32 again while another process holds a core; prefill tokens/s; naive vs cached generation.
 """
 
 from __future__ import annotations

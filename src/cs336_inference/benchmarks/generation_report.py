@@ -2,46 +2,38 @@
 
 from __future__ import annotations
 
-def _fmt(value, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
+from ..tables import print_table
 
 def print_generation(result: dict) -> None:
-    print(f"\n{result['preset']} on {result['device']}: {result['parameters']:,} parameters, "
-          f"{result['threads']} thread(s), OMP_WAIT_POLICY={result['omp_wait_policy']} "
-          f"(GOMP_SPINCOUNT={result.get('gomp_spincount', '-')}), bf16 matmul unit: {result['cpu_bf16_matmul']}")
-    print(f"streaming bandwidth (measured in this run): {result['measured_bandwidth_GBps']:.1f} GB/s; "
-          f"load average {_fmt(result['load_average_start'], '.2f')} at start, "
-          f"{_fmt(result['load_average_decode'], '.2f')} after the decode rounds")
-    print(f"greedy tokens: fast == plain {result['greedy_fast_equals_plain']}, "
-          f"== Hugging Face {result.get('greedy_equals_peer', 'not run (no transformers)')}")
-    if result.get("compile_seconds"):
-        print("torch.compile time: " + ", ".join(f"{k} {v:.0f} s" for k, v in result["compile_seconds"].items()))
-    head = (f"{'variant':<14}{'B':>3}{'ms/step':>9}{'(min-max)':>15}{'tok/s':>8}{'MB/step':>9}{'GB/s':>7}"
-            f"{'of bw':>7}{'vs fp32':>8}{'vs HF':>7}{'KL':>9}{'top1':>6}")
-    print("\n" + head)
-    for r in result["rows"]:
-        spread = f"({r['ms_min']:.1f}-{r['ms_max']:.1f})"
-        print(f"{r['variant']:<14}{r['batch']:>3}{r['ms_per_step']:>9.1f}"
-              f"{spread:>15}{r['tok_per_s']:>8.1f}"
-              f"{r['weight_bytes_per_step'] / 1e6:>9.1f}{r['GBps']:>7.1f}{r['fraction_of_bandwidth']:>7.0%}"
-              f"{r['speedup_vs_fp32']:>7.2f}x{_fmt(r.get('speedup_vs_hf_fp32'), '>6.2f')}x"
-              f"{_fmt(r['kl_to_fp32'], '>9.5f')}{_fmt(r['top1_agreement'], '>6.2f')}")
-    busy = result["busy"]
-    print(f"\nbusy (one other process spinning, load {_fmt(busy['load_average'], '.2f')}), batch 1:")
-    for name, v in busy.items():
-        if isinstance(v, dict):
-            print(f"  {name:<14} {v['ms_per_step']:8.1f} ms/step ({v['ms_min']:.1f}-{v['ms_max']:.1f})")
-    print("\ngoals:")
-    for goal, v in result["goals"].items():
-        state = {True: "met", False: "NOT met", None: "not measured"}[v["met"]]
-        if v.get("within_noise") and v["value"] < v["target"]:
-            state += " (a tie: each median inside the other's min-max over rounds)"
-        print(f"  {goal:<48} {_fmt(v['value'], '.2f'):>6} (target >= {v['target']:g}, {v['variant']})  {state}")
-    if "naive_over_cached" in result:
-        print(f"\nprefill {result['prefill_tok_per_s_prompt32']:.0f} tok/s (prompt 32); {result['new_tokens']} tokens "
-              f"naive {result['naive_generation_s']:.1f} s vs cached {result['cached_generation_s']:.1f} s "
-              f"({result['naive_over_cached']:.1f}x)")
+    r = result
+    print(f"\n{r['preset']} on {r['device']}: {r['parameters']:,} parameters, {r['threads']} thread(s), "
+          f"OMP_WAIT_POLICY={r['omp_wait_policy']} (GOMP_SPINCOUNT={r.get('gomp_spincount', '-')}), bf16 matmul "
+          f"unit: {r['cpu_bf16_matmul']}; streaming bandwidth (measured in this run) "
+          f"{r['measured_bandwidth_GBps']:.1f} GB/s; greedy tokens: fast == plain {r['greedy_fast_equals_plain']}, "
+          f"== Hugging Face {r.get('greedy_equals_peer', 'not run (no transformers)')}")
+    if r.get("compile_seconds"):
+        print("torch.compile time: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["compile_seconds"].items()))
+    print_table([dict(row, spread=f"{row['ms_min']:.1f}-{row['ms_max']:.1f}") for row in r["rows"]], [
+        ("variant", "variant", None), ("batch", "B", None), ("ms_per_step", "ms/step", "{:.1f}"),
+        ("spread", "min-max", None), ("tok_per_s", "tok/s", "{:.1f}"),
+        ("weight_bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"), ("GBps", "GB/s", "{:.1f}"),
+        ("fraction_of_bandwidth", "of bw", "{:.0%}"), ("speedup_vs_fp32", "vs fp32", "{:.2f}x"),
+        ("speedup_vs_hf_fp32", "vs HF", "{:.2f}x"), ("kl_to_fp32", "KL", "{:.5f}"),
+        ("top1_agreement", "top1", "{:.2f}")])
+    busy = r["busy"]
+    print_table([dict(v, variant=k) for k, v in busy.items() if isinstance(v, dict)],
+                [("variant", "variant", None), ("ms_per_step", "ms/step", "{:.1f}"), ("ms_min", "min", "{:.1f}"),
+                 ("ms_max", "max", "{:.1f}")],
+                title=f"\nbusy (one other process spinning, load {busy['load_average']}), batch 1:")
+    states, tie = {True: "met", False: "NOT met", None: "not measured"}, " (a tie: each median in the other's min-max)"
+    print_table([dict(v, goal=k, state=states[v["met"]] + (tie if v.get("within_noise") and v["value"] < v["target"]
+                                                           else "")) for k, v in r["goals"].items()],
+                [("goal", "goal", None), ("value", "value", "{:.2f}"), ("target", "target >=", "{:g}"),
+                 ("variant", "measured on", None), ("state", "", None)], title="\ngoals:")
+    if "naive_over_cached" in r:
+        print(f"\nprefill {r['prefill_tok_per_s_prompt32']:.0f} tok/s (prompt 32); {r['new_tokens']} tokens naive "
+              f"{r['naive_generation_s']:.1f} s vs cached {r['cached_generation_s']:.1f} s "
+              f"({r['naive_over_cached']:.1f}x)")
 
 
 def plot_generation(result: dict):

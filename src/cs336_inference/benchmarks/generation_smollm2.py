@@ -1,14 +1,10 @@
-"""`python -m cs336_inference bench generation_smollm2`: prefill vs decode on a real model, on this machine.
+"""`bench generation_smollm2`: loading, prefill and decode of a real model on this machine's roofline.
 
-First, what loading costs: converting the GGUF (parse + dequantize, no cache) and loading the
-converted weights from the disk cache (memory-mapped), in fp32 and bf16, with the bytes they occupy.
-
-SmolLM2-135M in fp32 and bf16: prefill tokens/s, decode tokens/s at B = 1 and B = 8, the bytes a decode
-step must read (every weight once, the tied 49152 x 576 table included as the lm_head, plus the KV
-cache) against the streaming bandwidth measured in the same run, where a decode step sits on this
-machine's roofline (FLOPs / byte against peak FLOP/s / bandwidth), and naive (re-run the prefix)
-against cached generation. fp32 and bf16 are measured in alternating rounds (medians), so drifting
-load on a shared machine hits both alike.
+Loading: converting the GGUF (parse + dequantize, no cache) and loading the converted weights from the
+disk cache (memory-mapped), in fp32 and bf16. Then SmolLM2-135M in fp32 and bf16, in alternating
+rounds: prefill tokens/s, decode tokens/s at B = 1 and 8, the bytes a step reads (every weight once,
+the tied embedding as the lm_head, plus the KV cache) against the bandwidth measured in the same run,
+where the step sits on the roofline (FLOPs / byte against peak / bandwidth), naive vs cached generation.
 """
 
 from __future__ import annotations
@@ -25,22 +21,11 @@ from ..generation.generate import generate
 from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
-from .base import Benchmark
+from .base import Benchmark, rss_bytes
 from ..accounting.model_roofline import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _rss_mb() -> float | None:
-    """This process's resident memory (Linux), for the load table."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def measure_loading(device: torch.device) -> dict:
@@ -50,12 +35,12 @@ def measure_loading(device: torch.device) -> dict:
     out = dict(convert_gguf_s=time.perf_counter() - t0)
     for p, dt in PRECISIONS.items():
         load_pretrained(MODEL, device=device, dtype=dt)          # make sure this dtype's cache file exists
-        rss0, t0 = _rss_mb(), time.perf_counter()
+        rss0, t0 = rss_bytes(), time.perf_counter()
         model = load_pretrained(MODEL, device=device, dtype=dt)
         out[f"load_{p}_s"] = time.perf_counter() - t0
         out[f"parameters_{p}_MB"] = sum(t.nbytes for t in model.parameters()) / 1e6
-        rss1 = _rss_mb()
-        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else rss1 - rss0
+        rss1 = rss_bytes()
+        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else (rss1 - rss0) / 2**20
         del model
     return out
 

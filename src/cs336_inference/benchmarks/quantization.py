@@ -1,14 +1,10 @@
-"""`python -m cs336_inference bench quantization`: every quantization method on the shipped target
-model: true bytes, validation bits per byte, KL and top-1 agreement to the fp32 model, decode speed.
+"""`bench quantization`: every quantization method on the shipped target: true bytes, validation bits
+per byte, KL and top-1 agreement to fp32, and batch-1 decode speed (interleaved rounds, medians).
 
-Writes figures/quantization.json (the committed results table the notebook and lecture quote) and
-figures/quantization.png (quality vs bytes; decode tokens/s). Decode speed is measured with the
-foundation's `decode_step_seconds`, interleaving variants over several rounds (medians), because
-the machines are shared. Quantized layers run their default kernel ("auto": torch's packed
-int4/int8 kernels where the layout fits, the dequantize-then-matmul reference elsewhere, e.g. int3;
-each row records which). The 2M-parameter target fits in the CPU caches and its decode step is
-mostly per-op overhead, so its tokens/s say little about bytes: `bench generation` measures the
-speed-up of fewer bytes on a model that streams its weights from memory.
+Each layer runs its default kernel (torch's packed int4/int8 kernels where the layout fits, the
+dequantize-then-matmul reference elsewhere, e.g. int3; each row says which). The 2M-parameter target
+fits in the CPU caches, so its decode step is per-op overhead and its tokens/s say little about
+bytes: `bench generation` measures what fewer bytes buy on a model that streams its weights.
 """
 
 from __future__ import annotations
@@ -173,8 +169,9 @@ def plot_quantization(result: dict):
         if r["method"] == "kv_int8":
             continue
         # KL(fp32 || quantized) separates the methods far better than bpb deltas of a few 1e-3
-        ax1.scatter(r["model_bytes"] / 1e6, max(r["kl_to_fp32"], 1e-5), color=colors[r["method"]],
-                    marker=markers.get(r["bits"], "o"), s=70 if r["bits"] == 32 else 45)
+        # hollow markers: methods of one size and bit width land on top of each other
+        ax1.scatter(r["model_bytes"] / 1e6, max(r["kl_to_fp32"], 1e-5), facecolors="none", linewidths=1.6,
+                    edgecolors=colors[r["method"]], marker=markers.get(r["bits"], "o"), s=90 if r["bits"] == 32 else 60)
     for method, color in colors.items():
         if any(r["method"] == method for r in rows) and method != "kv_int8":
             ax1.scatter([], [], color=color, label={"none": "fp32", "llm_int8": "LLM.int8()"}.get(method, method))

@@ -1,16 +1,11 @@
 """`bench speculative_draft`: a draft for SmolLM2-135M, pruned and distilled on a CPU time budget.
 
 Minitron-style (`compression.prune_model` + `distill`): keep the most important layers and MLP
-channels of SmolLM2-135M-Instruct, then distil the full model into the cut one for about
-`minutes` of CPU training on offline text (CPython's help pages, plain and as the chat tasks the
-speculative benchmark runs). Reports the draft's acceptance rate alpha on the benchmark's grounded
-chat prompts (greedy, gamma = 4) before and after distillation, its measured cost ratio c, and the
-speed-up the theory then predicts; the draft is used in `bench speculative` only if alpha >= 0.5.
-
-Why a small-vocabulary-heavy draft struggles on a CPU: SmolLM2 ties its 49152 x 576 embedding to
-the output head, 28M of its 135M parameters, and a draft must keep the whole vocabulary. That one
-matrix is a large share of every decode step, so even a draft with few layers costs a sizeable
-fraction of the target (c is far from the 0.05 of a 70B/1B pair).
+channels, then distil the full model into the cut one for `minutes` of CPU training on offline text
+(CPython's help pages, plain and as the chat tasks `bench speculative` runs). Reports alpha on the
+grounded chat prompts (greedy, gamma = 4) before and after, the measured cost ratio c and the
+predicted speed-up. A draft must keep SmolLM2's whole tied 49152 x 576 embedding (28M of its 135M
+parameters), so even a few layers cost a sizeable fraction of the target.
 """
 
 from __future__ import annotations

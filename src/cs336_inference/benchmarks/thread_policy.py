@@ -1,15 +1,11 @@
-"""`python -m cs336_inference bench thread_policy`: how OpenMP's waiting and our thread count shape decode.
+"""`bench thread_policy`: how OpenMP's waiting and our thread count shape batch-1 decode.
 
-OpenMP reads its wait policy once, when torch loads, so each policy runs in its own fresh process
-(this module run as a script). Each process builds the same ~90M model (fused projections, SDPA),
-compiles its decode step, and times batch-1 decode, eager and compiled, on an idle machine and
-while a busy loop holds one core. Policies:
-- "sleep": OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=0 (idle workers sleep at once);
-- "short spin" (the package's default): PASSIVE with GOMP_SPINCOUNT=`_openmp.SHORT_SPIN`;
-- "short spin, no switch": the same without `cpu_tuning`'s drop to one thread under contention
-  (`tune_for_cpu(threads=False)`; shows why the switch is there);
-- "spin": OMP_WAIT_POLICY=ACTIVE (OpenMP's long spin).
-Rounds alternate idle and busy inside each process; we report medians with min/max over rounds.
+OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
+module as a script) that builds the same ~90M model (fused projections, SDPA), compiles its decode
+step and times it, eager and compiled, idle and while a busy loop holds a core, in alternating rounds.
+Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin" (the package's default: PASSIVE with
+`_openmp.SHORT_SPIN`), the same without `cpu_tuning`'s drop to one thread under contention
+(`tune_for_cpu(threads=False)`), and "spin" (ACTIVE).
 """
 
 from __future__ import annotations
@@ -24,6 +20,7 @@ import time
 import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
 
 from .._openmp import SHORT_SPIN
+from ..tables import print_table
 from ..timing import load_average
 from .base import Benchmark
 
@@ -96,15 +93,13 @@ def _child(quick: bool, switch: bool) -> dict:
 
 
 def _print(result: dict) -> None:
-    print(f"\nbatch-1 decode, bench-90m{' (quick: smaller)' if result['quick'] else ''}, "
-          f"{result['threads']} threads, ms/step (min-max over rounds); load average "
-          f"{result['load_average_start']:.2f} at start, {result['load_average_end']:.2f} at the end")
-    head = f"{'policy':<24}" + "".join(f"{c + ' ' + p:>22}" for c in ("idle", "busy") for p in PATHS)
-    print(head)
-    for name, r in result["policies"].items():
-        cells = "".join(f"{r[f'{c} {p}']['ms']:>8.1f} ({r[f'{c} {p}']['ms_min']:.1f}-{r[f'{c} {p}']['ms_max']:.1f})"
-                        .rjust(22) for c in ("idle", "busy") for p in PATHS)
-        print(f"{name:<24}{cells}")
+    cells = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
+    rows = [{"policy": name, **{c: f"{r[c]['ms']:.1f} ({r[c]['ms_min']:.1f}-{r[c]['ms_max']:.1f})" for c in cells}}
+            for name, r in result["policies"].items()]
+    print_table(rows, [("policy", "policy", None)] + [(c, c, None) for c in cells],
+                title=f"\nbatch-1 decode, bench-90m{' (quick: smaller)' if result['quick'] else ''}, "
+                      f"{result['threads']} threads, ms/step (min-max over rounds); load average "
+                      f"{result['load_average_start']:.2f} at start, {result['load_average_end']:.2f} at the end")
 
 
 def _plot(result: dict):

@@ -219,8 +219,8 @@ PRESETS: dict[str, dict] = {
     # Unit tests: a few thousand parameters, runs anywhere in milliseconds.
     "tiny": dict(vocab_size=257, context_length=64, d_model=32, num_layers=2, num_heads=4,
                  num_kv_heads=2, d_ff=64),
-    # The shipped target (~2M parameters, trained on the offline corpus in ~12 min on 2 CPU
-    # cores): context 512 so recall up to ~400 tokens back is measurable; GQA with G = 3.
+    # The shipped target (~2M parameters, trained on the offline corpus in minutes on a CPU):
+    # context 512 so recall up to ~400 tokens back is measurable; GQA with G = 3.
     "target": dict(vocab_size=257, context_length=512, d_model=192, num_layers=4, num_heads=6,
                    num_kv_heads=2, d_ff=640),
     # The shipped draft (~10x fewer non-embedding parameters and FLOPs per token than the target):

