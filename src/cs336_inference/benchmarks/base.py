@@ -93,34 +93,31 @@ class Benchmark:
 
     def write(self, run: Run, result: dict) -> list[Path]:
         """Save the JSON (and CSV), print the tables, draw the plots."""
-        import matplotlib.pyplot as plt
-
         paths = [save_json(result, run.name, result=run.committed, quick=run.quick)]
         if self.csv is not None:
             paths.append(save_csv(self.csv(result), run.path(".csv")))
         if self.table is not None:
             self.table(result)
-        for template, plot in self.plots.items():
-            fig = plot(result)
-            if fig is not None:
-                paths.append(run.save_figure(fig, template.format(name=run.name, device=result.get("device"))))
-                plt.close(fig)
+        paths += self.draw(result, run.name, run.save_figure)
         print("wrote " + ", ".join(str(p) for p in paths))
         return paths
 
     def replot(self) -> list[Path]:
         """Redraw the PNGs of every committed result from its JSON (nothing is timed)."""
+        results = {name: load_result(name) for name in self.results or (self.name,)}
+        return [path for name, result in results.items() if result is not None
+                for path in self.draw(result, name, lambda fig, png: save_figure(fig, png, result=True))]
+
+    def draw(self, result: dict, name: str, save) -> list[Path]:
+        """Every plot of `result` that has something to draw, saved with save(figure, png_name)."""
         import matplotlib.pyplot as plt
 
         paths = []
-        for name in self.results or (self.name,):
-            result = load_result(name)
-            for template, plot in self.plots.items() if result is not None else ():
-                fig = plot(result)
-                if fig is not None:
-                    paths.append(save_figure(fig, template.format(name=name, device=result.get("device")),
-                                             result=True))
-                    plt.close(fig)
+        for template, plot in self.plots.items():
+            fig = plot(result)
+            if fig is not None:
+                paths.append(save(fig, template.format(name=name, device=result.get("device"))))
+                plt.close(fig)
         return paths
 
 

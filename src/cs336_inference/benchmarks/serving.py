@@ -21,6 +21,7 @@ parameters, context 512).
    short paragraph; half behind a shared system prompt, the others behind the template's default
    one; answers end at <|im_end|> or after 128 tokens): static vs continuous batching, and paged vs
    contiguous memory in a tight budget (1536 token slots).
+5. Chunked prefill on a trace with long prompts (`serving_chunked`): p99 ITL whole vs chunked.
 One CPU thread throughout (a shared machine stalls spinning OpenMP threads); the load average
 before and after is recorded.
 """
@@ -40,6 +41,7 @@ from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
 from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..tables import print_table
 from .base import Benchmark
+from .serving_chunked import CHUNKING_COLUMNS, chunking_rows, compare_chunking, plot_chunking
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line
 METRICS = [("throughput_tok_per_s", "throughput (tok/s)", "{:,.0f}"), ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
@@ -147,18 +149,21 @@ def measure(run, model_name: str = "target") -> dict:
     scheduling, sched_runs = compare_schedulers(model, requests, repeats=1 if quick else 3)
     memory, layout_runs = compare_layouts(model, requests, budget_tokens=2048)
     sharing = sharing_savings(model, quick)
+    chunking = compare_chunking(model, quick)
     real, real_runs = ({"skipped": "full runs only"}, None) if quick else real_model_results(device)
     results = {"device": str(device), "model": model_name, "threads": torch.get_num_threads(),
                "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg()),
                "trace": {**config.__dict__, "prompt_len": list(config.prompt_len),
                          "stop_tokens": list(config.stop_tokens)},
-               "scheduling": scheduling, "memory": memory, "sharing": sharing, REAL_MODEL: real}
+               "scheduling": scheduling, "memory": memory, "sharing": sharing, "chunked_prefill": chunking,
+               REAL_MODEL: real}
     paged16 = memory["layouts"]["paged, block 16"]["waste_pct"]
     results["goals"] = {"continuous >= 2x static throughput": scheduling["throughput_ratio"] >= 2,
                         "continuous has the lower p99 TTFT":
                             scheduling["continuous"]["ttft_p99_s"] < scheduling["static"]["ttft_p99_s"],
                         "paged waste < 4% (block 16)": paged16 < 4,
-                        "paged waste < 4% (block 8)": memory["layouts"]["paged, block 8"]["waste_pct"] < 4}
+                        "paged waste < 4% (block 8)": memory["layouts"]["paged, block 8"]["waste_pct"] < 4,
+                        "chunked prefill lowers p99 ITL": chunking["itl_p99_ratio"] > 1}
     # drawn from the runs' step records, which the JSON does not keep: `figures` cannot redraw these
     _plot(sched_runs, layout_runs, results, run)
     if real_runs is not None:
@@ -196,6 +201,13 @@ def print_results(results: dict) -> None:
     print_table([{"case": k, **v} for k, v in results["sharing"].items()],
                 [("case", "sharing", None), ("shared_pct", "% of tokens stored once for several", "{:.1f}"),
                  ("cached_prompt_tokens", "prompt tokens from the prefix cache", None)], title="\nKV sharing")
+    c = results.get("chunked_prefill")
+    lo, hi = c["itl_p99_ratio_range"] if c else (0, 0)
+    if c:
+        print_table(chunking_rows(c), CHUNKING_COLUMNS,
+                    title=f"\nchunked prefill, prompts of {c['trace']['prompt_len'][0]}-{c['trace']['prompt_len'][1]} "
+                          f"tokens: p99 ITL {c['itl_p99_ratio']:.1f}x lower with {c['compared']} "
+                          f"({lo:.1f}..{hi:.1f}x), median of {c['repeats']} alternated runs")
     real = results[REAL_MODEL]
     if "skipped" not in real:
         _print_scheduling(real["scheduling"], f"\n{REAL_MODEL}, {real['trace']['num_requests']} chat requests", load)
@@ -227,17 +239,23 @@ def _print_memory(m: dict) -> None:
                 title=f"\ncontinuous batching in {m['budget_tokens']} KV token slots")
 
 
-def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
+def _scheduling_panels(sched_runs: dict, tok_digits: int, ttft_digits: int):
+    """Three panels; the first two: each policy's request timeline on one time axis."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
     for ax, policy in zip(axes[:2], ("static", "continuous")):
         s = sched_runs[policy].summary()
-        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.0f} tok/s, "
-                                              f"p99 TTFT {s['ttft_p99_s']:.2f} s")
-    end = max(r.steps[-1].end for r in sched_runs.values())
-    for ax in axes[:2]:
-        ax.set_xlim(0, end)
+        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.{tok_digits}f} tok/s, "
+                                              f"p99 TTFT {s['ttft_p99_s']:.{ttft_digits}f} s")
+        ax.set_xlim(0, max(r.steps[-1].end for r in sched_runs.values()))
+    return fig, axes
+
+
+def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, axes = _scheduling_panels(sched_runs, 0, 2)
     for policy, result in sched_runs.items():
         plot_batch_size(axes[2], result, policy)
     axes[2].set_title("sequences producing a token in each step")
@@ -265,14 +283,7 @@ def _plot(sched_runs: dict, layout_runs: dict, results: dict, run) -> None:
 def _plot_real(sched_runs: dict, layout_runs: dict, real: dict, run) -> None:
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    for ax, policy in zip(axes[:2], ("static", "continuous")):
-        s = sched_runs[policy].summary()
-        plot_timeline(ax, sched_runs[policy], f"{policy} batching: {s['throughput_tok_per_s']:.1f} tok/s, "
-                                              f"p99 TTFT {s['ttft_p99_s']:.1f} s")
-    end = max(r.steps[-1].end for r in sched_runs.values())
-    for ax in axes[:2]:
-        ax.set_xlim(0, end)
+    fig, axes = _scheduling_panels(sched_runs, 1, 1)
     for (label, result), color in zip(layout_runs.items(), ("C0", "C3")):
         plot_memory(axes[2], result, label, color)
     axes[2].set_title(f"KV memory, continuous batching ({real['memory']['budget_tokens']} token slots)")
@@ -284,7 +295,8 @@ def _plot_real(sched_runs: dict, layout_runs: dict, real: dict, run) -> None:
     plt.close(fig)
 
 
-BENCHMARK = bench_serving = Benchmark("serving", measure, print_results)
+BENCHMARK = bench_serving = Benchmark("serving", measure, print_results,
+                                      plots={"{name}_chunked_prefill": plot_chunking})
 
 __all__ = ["bench_serving", "compare_layouts", "compare_schedulers", "print_results", "real_model_results",
            "real_model_trace", "serving_trace", "sharing_savings"]
