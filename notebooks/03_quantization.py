@@ -365,4 +365,4 @@ else:
 #    its gain over round-to-nearest (`layer_output_error`) on `layers.0.ffn.w2` at int3 holds on text it
 #    was not calibrated on.
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/03_quantization.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

@@ -20,7 +20,7 @@ class LectureRun:
     returncode: int
     stdout: str
     stderr: str
-    tree_changed: bool        # `git status --porcelain` differs after the run (None outside git: False)
+    tree_change: str          # what `git status --porcelain` shows after the run but not before ("" outside git)
     trace_dir: Path | None    # where edtrace wrote lecture_10.json (None for the CLI run)
 
     def failure(self) -> str:
@@ -38,7 +38,8 @@ def _run(command: list[str], trace_dir: Path | None = None) -> LectureRun:
     before = _git_status()
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     after = _git_status()
-    return LectureRun(proc.returncode, proc.stdout, proc.stderr, before is not None and before != after, trace_dir)
+    change = "" if before is None else "\n".join(sorted(set(after.splitlines()) ^ set(before.splitlines())))
+    return LectureRun(proc.returncode, proc.stdout, proc.stderr, change, trace_dir)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ def test_narration_parsing_skips_edtrace_lines_and_timed_items():
 def test_lecture_runs_end_to_end(lecture_cli_run):
     run = lecture_cli_run
     assert run.returncode == 0, run.failure()
-    assert not run.tree_changed, "the lecture changed `git status` (outputs belong in git-ignored folders)"
+    assert not run.tree_change, f"the lecture changed `git status` (outputs go to ignored folders):\n{run.tree_change}"
     for section in ("landscape", "reduce_kv_cache_size", "quantization", "continuous_batching", "summary"):
         assert section in run.stdout
 

@@ -270,7 +270,7 @@ def _markdown(step) -> list[str]:
 
 def _trace(run) -> dict:
     assert run.returncode == 0, run.failure()
-    assert not run.tree_changed, "the trace run changed `git status`"
+    assert not run.tree_change, f"the trace run changed `git status`:\n{run.tree_change}"
     return json.loads((run.trace_dir / "lecture_10.json").read_text())
 
 

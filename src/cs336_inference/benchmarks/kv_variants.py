@@ -220,7 +220,8 @@ def plot_scale(data: dict):
             ax.plot(lengths, [v / 1e9 for v in curves[name]], marker=".", color=f"C{i}",
                     ls="--" if name.startswith("window") else "-", label=name, **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-               ylabel="KV cache of one sequence (GB = 1e9 bytes, bf16)", title=f"{model_name} attention shape (accounting only)")
+               ylabel="KV cache of one sequence (GB, bf16)",
+               title=f"{model_name} attention shape (accounting only)")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.tight_layout()
