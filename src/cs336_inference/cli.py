@@ -7,9 +7,12 @@ runs it; heavy imports happen inside the runner so `--help` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
+
+from . import cli_args as check  # argument types: one-line errors naming the option
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,18 +39,23 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smaller sizes, for a smoke run (writes figures/scratch/NAME_quick.*, "
                         "never the committed results)")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
     # Options only some benchmarks take (refused by the others): bench inference's model and one operating point.
-    p.add_argument("--model", default=None, help="inference: the model (target, or smollm2-135m; default "
+    p.add_argument("--model", default=None, type=check.text,
+                   help="inference: the model (target, or smollm2-135m; default "
                    "target); generation: smollm2-135m instead of the random-init preset")
-    p.add_argument("--preset", default=None,
+    p.add_argument("--preset", default=None, type=check.text,
                    help="inference: run only this operating point (chat, batch or rollouts) at every precision")
-    p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
-    p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
+    p.add_argument("--concurrency", type=check.positive_int, default=None,
+                   help="inference: with --preset, sequences at once")
+    p.add_argument("--output-len", type=check.positive_int, default=None,
+                   help="inference: with --preset, tokens per answer")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
-    p.add_argument("--endpoint", default=None, help="inference: measure the OpenAI-compatible server at this URL "
+    p.add_argument("--endpoint", default=None, type=check.url,
+                   help="inference: measure the OpenAI-compatible server at this URL "
                    "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
-    p.add_argument("--tokenizer", default=None, help="inference --endpoint: cut prompts and count tokens with this "
+    p.add_argument("--tokenizer", default=None, type=check.text,
+                   help="inference --endpoint: cut prompts and count tokens with this "
                    "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
@@ -90,11 +98,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
                    help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", default=None, type=check.text,
                    help="output file (default: a new file ./trained/PRESET.pt; the shipped models in the "
                         "package's assets/ are replaced only if --out names one)")
-    p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs only)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
+    p.add_argument("--steps", type=check.positive_int, default=None, help="override the step count (smoke runs only)")
+    p.add_argument("--device", default=None, type=check.device, help="cpu or cuda (default: best available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
@@ -115,20 +123,20 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def _load_args(p: argparse.ArgumentParser) -> None:
     """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", default="smollm2-135m", type=check.text,
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--max-new-tokens", type=check.positive_int, default=256)
+    p.add_argument("--temperature", type=check.temperature, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=check.positive_int, default=None)
+    p.add_argument("--top-p", type=check.probability, default=None)
+    p.add_argument("--seed", type=check.non_negative_int, default=0, help="sampling seed (temperature > 0)")
 
 
 def _load_model(args):
@@ -163,7 +171,7 @@ def _stats_line(turn) -> str:
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, type=check.text, help="the text to continue")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
 
 
@@ -199,7 +207,7 @@ def _run_generate(args) -> int:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
-    p.add_argument("--system", default=None, help="a system message (default: the model's own)")
+    p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
 
 
 def _run_chat(args) -> int:
@@ -212,8 +220,10 @@ def _run_chat(args) -> int:
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
     while True:
         try:
-            text = input("you> ")
-        except (EOFError, KeyboardInterrupt):
+            text = check.read_line("you> ")
+        except KeyboardInterrupt:
+            text = None
+        if text is None:
             print()
             return 0
         if text.strip() in ("/quit", "/exit"):
@@ -233,12 +243,15 @@ def _run_chat(args) -> int:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: room for "
+    p.add_argument("--host", default="127.0.0.1", type=check.text,
+                   help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=check.port, default=8000)
+    p.add_argument("--max-num-seqs", type=check.positive_int, default=32, help="sequences in the running batch at most")
+    p.add_argument("--num-blocks", type=check.positive_int, default=None,
+                   help="KV cache blocks of 16 tokens (default: room for "
                    "max-num-seqs sequences of min(context, 2048) tokens)")
-    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--served-model-name", default=None, type=check.text,
+                   help="the name clients send as 'model' (default: --model)")
     p.set_defaults(seed=0)
 
 
@@ -310,7 +323,8 @@ def _figures_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerun", action="store_true",
                    help="re-run every benchmark (hours) instead of redrawing the plots from the committed JSON")
     p.add_argument("--quick", action="store_true", help="with --rerun: smaller sizes, for a smoke run")
-    p.add_argument("--device", default=None, help="with --rerun: cpu, cuda or mps (default: best available)")
+    p.add_argument("--device", default=None, type=check.device,
+                   help="with --rerun: cpu, cuda or mps (default: best available)")
 
 
 def _run_figures(args) -> int:
@@ -329,7 +343,7 @@ def _homework_args(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", metavar="action", required=True)
     init = actions.add_parser("init", help="write a student package DIR with every graded function's signature, "
                                            "docstring and `raise NotImplementedError`, plus how to grade it")
-    init.add_argument("dir", help="the package folder to create (its name is the package name)")
+    init.add_argument("dir", type=check.text, help="the package folder to create (its name is the package name)")
     init.add_argument("--force", action="store_true", help="overwrite the generated files in an existing DIR")
 
 
@@ -369,7 +383,7 @@ COMMANDS: dict[str, tuple] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cs336_inference",
+    parser = check.Parser(prog="python -m cs336_inference",
                                      description="CS336 Lecture 10 (Inference), executable.")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (help_text, add_args, _) in COMMANDS.items():
@@ -378,9 +392,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A mistake in the arguments, or one the library refuses while running (a
+    ValueError / TypeError: unknown model, missing device, prompt too long, ...), is one line on
+    stderr naming what is wrong, and exit status 2; CS336_DEBUG=1 shows the traceback instead."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:   # a usage error (already printed, one line) or --help
+        return exit_.code
     if args.command is None:
         parser.print_help()
         return 0
-    return COMMANDS[args.command][2](args)
+    try:
+        return COMMANDS[args.command][2](args)
+    except (ValueError, TypeError, FileNotFoundError, PermissionError) as err:
+        if os.environ.get("CS336_DEBUG"):
+            raise
+        print(f"{parser.prog} {args.command}: error: {check.one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

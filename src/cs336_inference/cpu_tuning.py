@@ -199,6 +199,9 @@ def tune_for_cpu(model: nn.Module, split: bool = True, threads: bool = True) -> 
     runs on one thread while another process holds a core. A model off the CPU is left as it is.
     Apply it after `fuse_projections` (fusing builds new linears) and before or after quantizing
     (quantized layers keep their own kernels)."""
+    for name, flag in (("split", split), ("threads", threads)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
     untune_cpu(model)
     record = CPUTuning()
     if next(model.parameters()).device.type == "cpu":

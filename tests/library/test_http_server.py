@@ -231,8 +231,8 @@ def test_serve_refuses_bad_arguments_before_listening(capsys):
     from cs336_inference.cli import main
 
     assert main(["serve", "--model", "target", "--port", "70000"]) == 2
-    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert "--port: must be a port number in [0, 65535]" in capsys.readouterr().err
     assert main(["serve", "--model", "no-such-model", "--port", "0"]) == 2
     assert "'no-such-model'" in capsys.readouterr().err
     assert main(["serve", "--model", "target", "--port", "0", "--max-num-seqs", "0"]) == 2
-    assert "max_num_seqs" in capsys.readouterr().err
+    assert "--max-num-seqs: must be a positive integer" in capsys.readouterr().err

@@ -182,13 +182,11 @@ def load_real_tokenizer(name: str) -> BPETokenizer:
     """The model's own BPE tokenizer, from the cache or (first time) from the GGUF header."""
     path = gguf_path(name)
     cached = _entry(name, path) / "tokenizer.json"
-    spec = None
     if cached.is_file():
         try:
-            spec = json.loads(cached.read_text())
-        except (OSError, ValueError):
-            spec = None
-    if spec is None:
-        spec = gguf_tokenizer_spec(read_gguf(path))
-        _write_atomic(cached, lambda p: Path(p).write_text(json.dumps(spec)))
+            return BPETokenizer.from_spec(json.loads(cached.read_text()))
+        except (OSError, ValueError):   # unreadable, or a field missing: rebuild the cached file
+            pass
+    spec = gguf_tokenizer_spec(read_gguf(path))
+    _write_atomic(cached, lambda p: Path(p).write_text(json.dumps(spec)))
     return BPETokenizer.from_spec(spec)

@@ -148,6 +148,7 @@ class TransformerLM(nn.Module):
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied table counts once; excluding it then drops lm_head too)."""
+        _checks.boolean("exclude_embeddings", exclude_embeddings)
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 

@@ -34,6 +34,7 @@ def check_bits(bits) -> int:
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
     """Integer code range: signed [-2^(b-1), 2^(b-1)-1] when symmetric, unsigned [0, 2^b-1] when affine."""
     check_bits(bits)
+    _checks.boolean("symmetric", symmetric)   # a truthy string must not pick the signed range
     return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
 
 
