@@ -127,7 +127,11 @@ def _load_args(p: argparse.ArgumentParser) -> None:
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
     p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: "
+                   "bf16 for int4-exact, else fp32 on CPU and bf16 on CUDA)")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="the weights: int4-exact (the published GGUF blocks on the packed int4 kernel; the default "
+                        "for smollm2-135m), int8 (per channel, packed kernel), bf16 or fp32 (the toy models' default)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -139,24 +143,93 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=check.non_negative_int, default=0, help="sampling seed (temperature > 0)")
 
 
-def _load_model(args):
+PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
+
+
+def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
+    """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
+
+    precision: "int4-exact" (a real model's published Q4_1 / Q8_0 blocks on the packed kernels, no
+    re-quantization: the default for a real model), "int8" (per-channel RTN on the packed int8 kernel),
+    "bf16" or "fp32" (the toy models' default on a CPU; bf16 on CUDA). Then torch's fused attention
+    and, on a CPU, the opt-in CPU tuning (`cpu_tuning.tune_for_cpu`: few-row split, one thread per step
+    under contention). The thread policy is applied first (every core for a real model).
+    """
     import torch
 
-    from .device import default_dtype, get_device, seed_everything
+    from .device import apply_thread_policy, default_dtype, get_device
     from .model import REAL_MODELS, load_pretrained, load_tokenizer
 
-    from .device import apply_thread_policy
+    apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
+    device = get_device(device)
+    if precision is None:
+        precision = "int4-exact" if name in REAL_MODELS else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int4-exact":
+        if name not in REAL_MODELS:
+            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
+                             f"shipped toy model (use fp32, bf16 or int8)")
+        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
+    else:
+        base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
+        model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()
+        if precision == "int8":
+            from .quantization import quantize_model
 
-    apply_thread_policy(parallel=args.model in REAL_MODELS)  # a real model is large work: every core
-    device = get_device(args.device)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
-    model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
+            model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
+    model.set_attention_kernel("sdpa")
+    tuning = ""
     if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
         from .cpu_tuning import describe, tune_for_cpu
 
-        print(describe(tune_for_cpu(model)), file=sys.stderr)
+        tuning = "; " + describe(tune_for_cpu(model))
+    banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
+              f"{torch.get_num_threads()} threads{tuning}")
+    return model, load_tokenizer(name), banner
+
+
+def compiled_decode_step(model):
+    """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
+    decode step where torch can compile here (CUDA, or a CPU with a C++ compiler). Its kernels are cached
+    on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
+    process pays the compile; later ones trace and reuse them. On a CPU each step runs under
+    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
+    import contextlib
+    import os
+    import shutil
+
+    from .model.disk_cache import cache_dir
+
+    if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
+    if model.device.type not in ("cpu", "cuda"):
+        return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from .cpu_tuning import decode_threads
+    from .generation.compiled import compile_decode
+
+    step = compile_decode(model)
+    threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
+
+    def decode(token_ids, cache):
+        with threads():
+            return step(token_ids, cache)
+
+    return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
+
+
+def _load_model(args):
+    import torch
+
+    from .device import seed_everything
+
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    model, tokenizer, banner = load_for_inference(args.model, args.device, getattr(args, "precision", None), dtype)
+    print(banner, file=sys.stderr)
+    device = model.device
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
-    return model, load_tokenizer(args.model), generator
+    return model, tokenizer, generator
 
 
 def _sampling(args, generator) -> dict:
@@ -172,6 +245,8 @@ def _stats_line(turn) -> str:
 def _generate_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--prompt", required=True, type=check.text, help="the text to continue")
+    p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
+                   "where torch can compile; the first run compiles, later runs reuse the cached kernels)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
 
 
@@ -191,13 +266,15 @@ def _run_generate(args) -> int:
     if len(ids) >= room:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
+    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
+    print(how, file=sys.stderr)
     t0 = time.perf_counter()
     cache = model.new_cache(1, room)
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
     sampling = _sampling(args, generator)
     sampling["max_new_tokens"] = room - len(ids)
     count = 0
-    for token in stream(model, cache, logits, stop_tokens=stop, **sampling):
+    for token in stream(model, cache, logits, stop_tokens=stop, decode=decode, **sampling):
         first, count = first or time.perf_counter(), count + 1
         if token not in stop:
             print(out.push(token), end="", flush=True)
@@ -290,6 +367,7 @@ BENCHMARKS: dict[str, str] = {
     "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
     "thread_policy": "OpenMP wait policies, idle vs busy",
     "serving_http": "the engine in process vs behind `serve` (HTTP)",
+    "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
 }
 
 
