@@ -182,34 +182,23 @@ for alpha in (0.5, 0.7, 0.8, 0.9):
 # v ≈ 1. Our 2M-parameter toy target fits in the CPU's caches: its matmuls are compute- and
 # overhead-bound, so 5 tokens cost noticeably more than 1, and the draft (1/8 of the FLOPs) still
 # costs a fair fraction of a target step because per-layer overhead does not shrink with width.
-# Measured here (medians of 30; one thread):
+# Measured here by `measure_costs` (medians of 30 ratios, each taken against a plain step timed in
+# the same cycle; one thread): c per draft token and v(γ) per pass, in target decode steps.
 
 # %%
-from cs336_inference.timing import median_seconds  # noqa: E402
+from cs336_inference.generation.speculative_costs import measure_costs  # noqa: E402
 
-
-@torch.inference_mode()
-def pass_seconds(model, num_tokens, context=96):
-    cache = model.new_cache(1, context + num_tokens)
-    model(torch.randint(0, 256, (1, context)), cache=cache)
-    ids = torch.randint(0, 256, (1, num_tokens))
-
-    def run():
-        model(ids, cache=cache)
-        cache.truncate(context)
-    return median_seconds(run, torch.device("cpu"), 30)
-
-
-step = pass_seconds(target, 1)
-c = pass_seconds(draft, 1) / step
-v = {g: pass_seconds(target, g + 1) / step for g in (1, 2, 4, 8)}
-print(f"target step {step * 1e3:.2f} ms; draft/target cost c = {c:.2f}; "
+gammas = (1, 2, 4, 8)
+costs = measure_costs(target, {"draft": draft}, story, gammas)
+c = costs["draft"][1]["draft"]["wall"]
+v = {g: costs["verify"][g]["wall"] for g in gammas}
+print(f"target step {costs['token']['wall'] * 1e3:.2f} ms; draft/target cost c = {c:.2f}; "
       + ", ".join(f"v({g}) = {x:.2f}" for g, x in v.items()))
 
 # %%
 plain_out = generate(target, [story], 120)
 plain_s = plain_out.total_time - plain_out.ttft
-for g in (1, 2, 4, 8):
+for g in gammas:
     out = speculative_generate(target, draft, story, g, max_new_tokens=120)
     measured = plain_s / out.decode_time_s
     predicted = expected_tokens_per_pass(out.alpha, g) / (g * c + v[g])

@@ -4,235 +4,143 @@ For each workload (a target, its drafters, prompts), temperature (0 and 1) and g
 tokens/s of plain `generate` and of `speculative_generate`, run alternately (plain before each
 drafter's sweep, every repeat), so the speed-up is a ratio measured side by side; decode time is a
 run's time minus its prefill (timed alone). With one CPU thread the clock is the process's CPU time,
-which a busy shared machine does not inflate (wall-clock beside it).
+which a busy shared machine does not inflate (wall-clock beside it). Next to it, the speed-up the
+theory predicts from the *measured* alpha and the costs c and v measured in the same run
+(`generation.speculative_costs`); `paper` is Leviathan et al.'s formula, which assumes v = 1.
 
-Next to it, the speed-up the theory predicts from the *measured* alpha and *measured* costs, in units
-of one plain decode step of the target (forward + sampling), timed in the same run (`measure_costs`):
-  c  one draft token (draft forward + sampling; drafter and verifier take turns, as in the loop, since
-     on a CPU they evict each other's weights), or one prompt lookup per pass;
-  v  the target's verification pass over g + 1 tokens, accept rule included.
-predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)) over the passes j (g_j drafts
-proposed); `paper` is Leviathan et al.'s E[tokens | alpha, gamma] / (gamma c + 1), which assumes a
-memory-bound target (v = 1). Workloads: `speculative_workloads`.
+Workloads: the shipped toy pair on stories (free generation) and echo drills (lines that repeat
+earlier lines: input-grounded, where prompt lookup shines); SmolLM2-135M-Instruct with prompt lookup
+on chat tasks whose answer copies a given passage, and on free writing for contrast (where installed).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
+from ..data.corpus import corpus_documents
+from ..data.real_text import prose_paragraphs
 from ..generation.generate import generate
-from ..generation.prompt_lookup import prompt_lookup_propose
-from ..generation.drafters import SamplingParams
-from ..generation.sampling import sample_next_token
-from ..generation.speculative import speculative_generate
-from ..generation.speculative_rule import accept_unchecked, greedy_accept
-from ..generation.speculative_theory import expected_speedup, expected_tokens_per_pass
+from ..generation.speculative import SpeculativeResult, speculative_generate
+from ..generation.speculative_costs import CLOCKS, measure_costs, predicted_speedup, timed
+from ..model.checkpoints import load_pretrained
+from ..model.real_models import real_model_missing
+from ..model.tokenizer import load_tokenizer
 from ..tables import print_table
-from ..timing import sync_device
 from .base import Benchmark
 from .speculative_plot import plot_acceptance, plot_speculative
-from .speculative_workloads import Workload, real_workloads, toy_workloads
 
 TEMPERATURES = (0.0, 1.0)
-
-
-def _timed(fn, device):
-    """(fn(), wall seconds, CPU seconds of this process), device-synchronised."""
-    sync_device(device)
-    wall, cpu = time.perf_counter(), time.process_time()
-    out = fn()
-    sync_device(device)
-    return out, time.perf_counter() - wall, time.process_time() - cpu
-
-
-def _median_cost(fn, device, repeats: int) -> dict:
-    fn()  # warm-up
-    times = [_timed(fn, device)[1:] for _ in range(repeats)]
-    return {"wall": statistics.median(t[0] for t in times), "cpu": statistics.median(t[1] for t in times)}
-
-
-class _StepTimer:
-    """A model with its cache prefilled to `context` tokens: `step(T, then)` times one forward over T
-    new tokens followed by `then(logits (T, V))`, and rolls the cache back, so every call sees the
-    same context."""
-
-    def __init__(self, model, ids: torch.Tensor, gen: torch.Generator):
-        self.model, self.context = model, ids.shape[1]
-        self.cache = model.new_cache(1, self.context + 16)  # room for the largest pass (gamma + 1 <= 16)
-        model(ids, cache=self.cache)
-        self.gen = gen
-
-    def step(self, num_tokens: int, then) -> tuple[float, float]:
-        model, device = self.model, self.model.device
-        new = torch.randint(0, model.config.vocab_size, (1, num_tokens), device=device, generator=self.gen)
-
-        def run():
-            then(model(new, cache=self.cache)[0])  # (num_tokens, V)
-            self.cache.truncate(self.context)
-        return _timed(run, device)[1:]
-
-
-def _median_ratios(cycles: list[dict], unit: str = "token") -> dict:
-    """{name: {clock: median over cycles of (name's seconds / the unit's seconds in the same cycle)}}:
-    ratios taken within one cycle (a few ms) are robust to the load drifting on a shared machine."""
-    return {name: {k: statistics.median(c[name][i] / c[unit][i] for c in cycles) for i, k in enumerate(("wall", "cpu"))}
-            for name in cycles[0] if name != unit}
-
-
-@torch.inference_mode()
-def measure_costs(workload: Workload, gammas, temperature: float, repeats: int = 30) -> dict:
-    """Costs in units of one plain decode step of the target (forward + sample), at the workload's
-    typical context (prompt + half its greedy output), sampling and the accept rule included. Each
-    cost is timed in cycles that also time one plain step, as a median of per-cycle ratios:
-      verify[g]       the target's pass over g + 1 tokens + the accept rule;
-      DRAFTER[gamma]  a model drafter in the loop's rhythm (gamma draft tokens, then the verification):
-                      'draft' per draft token (forward + sample), 'verify' per pass. Two models taking
-                      turns evict each other's weights from the CPU's private caches, so both cost
-                      more than timed alone;
-      prompt_lookup[gamma]  one search, per pass.
-    `token` is the plain step itself, in seconds."""
-    target, device = workload.target, workload.target.device
-    sampling = SamplingParams(temperature)
-    gen = torch.Generator(device=device).manual_seed(0)
-    prompt = workload.prompts[0]
-    half = generate(target, [prompt], workload.max_new_tokens // 2, stop_tokens=workload.stop_tokens).tokens[0]
-    ids = torch.tensor([prompt + half], device=device)
-    V = target.config.vocab_size
-
-    def sample(logits):  # what `generate` and the model drafter do with each token's logits
-        return sample_next_token(logits[-1], temperature, generator=gen).tolist()
-
-    def accept(g):
-        drafts = torch.randint(0, V, (g,), device=device, generator=gen)
-        p = torch.softmax(torch.randn(g, V, device=device, generator=gen), -1)
-
-        def rule(logits):
-            if sampling.greedy:
-                return greedy_accept(drafts.tolist(), logits.argmax(-1).tolist())
-            return accept_unchecked(p, sampling.probs(logits), drafts, gen)
-        return rule
-
-    verifier = _StepTimer(target, ids, gen)
-
-    def cycles(one_cycle) -> list[dict]:
-        one_cycle()  # warm-up
-        return [one_cycle() | {"token": verifier.step(1, sample)} for _ in range(repeats)]
-
-    def verify_cycle(g):
-        return lambda: {"verify": verifier.step(g + 1, accept(g))}
-
-    def lookup_cycle(seq, g):
-        return lambda: {"lookup": _timed(lambda: prompt_lookup_propose(seq, g), device)[1:]}
-
-    def draft_cycle(drafter, gamma):
-        def one_cycle():
-            steps = [drafter.step(1, sample) for _ in range(gamma)]
-            return {"draft": tuple(sum(t[k] for t in steps) / gamma for k in (0, 1)),
-                    "verify": verifier.step(gamma + 1, accept(gamma))}
-        return one_cycle
-
-    tokens, verify = [], {}
-    for g in range(max(gammas) + 1):
-        runs = cycles(verify_cycle(g))
-        verify[g] = _median_ratios(runs)["verify"]
-        tokens += [c["token"] for c in runs]
-    costs = {"token": {k: statistics.median(t[i] for t in tokens) for i, k in enumerate(("wall", "cpu"))},
-             "verify": verify}
-    for name, draft in workload.drafters.items():
-        if draft == "prompt_lookup":
-            costs[name] = {g: _median_ratios(cycles(lookup_cycle(ids[0].tolist(), g)))["lookup"] for g in gammas}
-        else:
-            drafter = _StepTimer(draft, ids, gen)
-            costs[name] = {g: _median_ratios(cycles(draft_cycle(drafter, g))) for g in gammas}
-    return costs
-
-
-@torch.inference_mode()
-def measure_prefills(workload: Workload) -> dict:
-    """Seconds of each prompt's prefill + first token, plain and with each drafter: what decode time excludes."""
-    out, target, device = {}, workload.target, workload.target.device
-    for i, prompt in enumerate(workload.prompts):
-        out[("plain", i)] = _median_cost(partial(generate, target, [prompt], 1), device, 5)
-        for name, draft in workload.drafters.items():
-            out[(name, i)] = _median_cost(partial(speculative_generate, target, draft, prompt, 1, max_new_tokens=1),
-                                          device, 5)
-    return out
-
-
-def _predict(costs: dict, clock: str, drafter: str, is_lookup: bool, proposed: list[int], alpha: float,
-             gamma: int) -> dict:
-    """The theory's speed-up from measured alpha and measured costs (see the module docstring)."""
-    verify = {g: costs["verify"][g][clock] for g in costs["verify"]}
-    tokens = statistics.fmean(expected_tokens_per_pass(alpha, g) for g in proposed)
-    if is_lookup:
-        lookup = costs[drafter][gamma][clock]         # one search per pass
-        cost = statistics.fmean(lookup + verify[g] for g in proposed)
-        c = lookup / gamma                            # per drafted token, for the paper formula
-    else:
-        c = costs[drafter][gamma]["draft"][clock]
-        verify[gamma] = costs[drafter][gamma]["verify"][clock]  # in the loop's rhythm
-        cost = statistics.fmean(g * c + verify[g] for g in proposed)
-    return dict(predicted_speedup=tokens / cost, paper_speedup=expected_speedup(alpha, gamma, c),
-                cost_ratio=c, verify_cost=verify[gamma], predicted_tokens_per_pass=tokens)
+REAL_TASKS = ("Rewrite the following passage, putting each sentence on its own line:\n\n",
+              "Summarize the following passage:\n\n")
 
 
 @dataclass
-class _Run:
-    """One timed generation: which prompt, how many tokens after the first, wall and CPU seconds."""
+class Workload:
+    name: str
+    target: torch.nn.Module
+    drafters: dict            # name -> TransformerLM or "prompt_lookup"
+    prompts: list[list[int]]
+    max_new_tokens: int
+    note: str = ""
+    stop_tokens: list[int] | None = None
+    gammas: tuple[int, ...] | None = None  # None: the benchmark's sweep
+    extra: dict = field(default_factory=dict)
 
-    prompt: int
-    tokens: int
-    wall: float
-    cpu: float
-    result: object = None
+
+def toy_workloads(device, quick: bool) -> list[Workload]:
+    target = load_pretrained("target", device=device)
+    draft, scratch = load_pretrained("draft", device=device), load_pretrained("draft-scratch", device=device)
+    n_prompts, new = (1, 32) if quick else (2, 96)
+    docs = corpus_documents("val")
+    stories = [list(d[:64].encode()) for d in docs if d.startswith("Once upon a time")][:n_prompts]
+    echoes = [list(d[:320].encode()) for d in docs if d.startswith("Echo drill") and len(d) > 480][:n_prompts]
+    return [Workload("toy-story", target, {"draft": draft, "draft-scratch": scratch, "prompt_lookup": "prompt_lookup"},
+                     stories, new, "free continuation of a story opening (64 bytes)"),
+            Workload("toy-echo", target, {"draft": draft, "prompt_lookup": "prompt_lookup"}, echoes, new,
+                     "echo drills: each line repeats an earlier one (320-byte prompt), an input-grounded task")]
 
 
-def _generation(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> _Run:
-    """Prompt i decoded plainly (draft None) or speculatively, timed on both clocks."""
-    target, g = workload.target, torch.Generator(device=workload.target.device).manual_seed(seed)
-    kw = dict(temperature=temperature, stop_tokens=workload.stop_tokens, generator=g)
+def real_workloads(device, quick: bool) -> list[Workload]:
+    """SmolLM2-135M-Instruct (when its package is installed) with prompt lookup: chat tasks whose
+    answer copies a given passage (edit, summarise), and free writing where nothing can be copied."""
+    name = "smollm2-135m"
+    if missing := real_model_missing(name):
+        print(f"(real model unavailable: {missing}; toy workloads only)")
+        return []
+    target, tok, paragraphs = load_pretrained(name, device=device), load_tokenizer(name), prose_paragraphs()
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    n_prompts, new = (1, 24) if quick else (2, 128)
+    grounded = [chat(REAL_TASKS[i % 2] + paragraphs[1 + 5 * i]) for i in range(n_prompts)]
+    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]  # contrast
+    lookup, extra = {"prompt_lookup": "prompt_lookup"}, dict(model=name, parameters=target.num_parameters(),
+                                                             dtype=str(target.dtype))
+    return [Workload("smollm2-grounded", target, lookup, grounded, new, "SmolLM2-135M-Instruct, chat: rewrite / "
+                     "summarise a given passage (the answer copies the input)", tok.stop_ids, extra=extra),
+            Workload("smollm2-free", target, lookup, free, new // 2, "SmolLM2-135M-Instruct, chat: write a story "
+                     "(nothing to copy from the prompt)", tok.stop_ids, gammas=(1, 2, 4, 8), extra=extra)]
+
+
+def pooled(results: list[SpeculativeResult], gamma: int) -> SpeculativeResult:
+    """Many runs' passes as one result: its `alpha` and `acceptance_by_position` pool every pass."""
+    return SpeculativeResult([], 0, gamma, proposed=[g for r in results for g in r.proposed],
+                             accepted=[k for r in results for k in r.accepted])
+
+
+@torch.inference_mode()
+def measure_prefills(workload: Workload, repeats: int = 5) -> dict:
+    """Seconds of each prompt's prefill + first token, plain and with each drafter: what decode time excludes."""
+    def median_cost(fn):
+        fn()   # warm-up
+        times = [timed(fn, workload.target.device)[1:] for _ in range(repeats)]
+        return {k: statistics.median(t[i] for t in times) for i, k in enumerate(CLOCKS)}
+
+    out, target = {}, workload.target
+    for i, prompt in enumerate(workload.prompts):
+        out[("plain", i)] = median_cost(partial(generate, target, [prompt], 1))
+        for name, draft in workload.drafters.items():
+            out[(name, i)] = median_cost(partial(speculative_generate, target, draft, prompt, 1, max_new_tokens=1))
+    return out
+
+
+def _generation(workload: Workload, draft, i: int, gamma: int, temperature: float, seed: int) -> tuple:
+    """Prompt i decoded plainly (draft None) or speculatively: (i, tokens after the first, wall s, CPU s,
+    the SpeculativeResult or None)."""
+    target, prompt = workload.target, workload.prompts[i]
+    kw = dict(temperature=temperature, stop_tokens=workload.stop_tokens,
+              generator=torch.Generator(device=target.device).manual_seed(seed))
     if draft is None:
-        out, wall, cpu = _timed(lambda: generate(target, [workload.prompts[i]], workload.max_new_tokens, **kw),
-                                target.device)
-        return _Run(i, len(out.tokens[0]) - 1, wall, cpu)
-    out, wall, cpu = _timed(lambda: speculative_generate(target, draft, workload.prompts[i], gamma,
-                                                         max_new_tokens=workload.max_new_tokens, **kw), target.device)
-    return _Run(i, out.num_generated - 1, wall, cpu, out)
+        out, wall, cpu = timed(lambda: generate(target, [prompt], workload.max_new_tokens, **kw), target.device)
+        return i, len(out.tokens[0]) - 1, wall, cpu, None
+    out, wall, cpu = timed(lambda: speculative_generate(target, draft, prompt, gamma,
+                                                        max_new_tokens=workload.max_new_tokens, **kw), target.device)
+    return i, out.num_generated - 1, wall, cpu, out
 
 
-def _decode_rate(runs: list[_Run], prefill: dict, who: str, clock: str) -> float:
+def _decode_rate(runs: list[tuple], prefill: dict, who: str, clock: str) -> float:
     """Tokens after the first / (run time - its prefill) over a set of runs."""
-    seconds = sum(getattr(r, clock) - prefill[(who, r.prompt)][clock] for r in runs)
-    return sum(r.tokens for r in runs) / seconds
-
-
-def acceptance(results, gamma: int) -> tuple[float, list]:
-    """Pooled alpha (accepted / examined) and acceptance by draft position over many runs."""
-    passes = [(g, k) for r in results for g, k in zip(r.proposed, r.accepted)]
-    examined = sum(k + (k < g) for g, k in passes)
-    alpha = sum(k for _, k in passes) / examined if examined else 0.0
-    by_position = []
-    for i in range(gamma):
-        tried = sum(1 for g, k in passes if g > i and k >= i)
-        by_position.append(sum(1 for _, k in passes if k > i) / tried if tried else None)
-    return alpha, by_position
+    k = 2 + CLOCKS.index(clock)
+    return sum(r[1] for r in runs) / sum(r[k] - prefill[(who, r[0])][clock] for r in runs)
 
 
 def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatures=TEMPERATURES):
     """Every (temperature, drafter, gamma): pooled acceptance, measured speed-up per repeat (decode
     tokens/s, prefill subtracted, on `clock` and on the wall), the prediction; plus the measured costs."""
-    prefill = measure_prefills(workload)
-    prompts = range(len(workload.prompts))
+    prefill, prompts, target = measure_prefills(workload), range(len(workload.prompts)), workload.target
+    prompt = workload.prompts[0]   # costs at a typical context: the prompt + half its greedy answer
+    context = prompt + generate(target, [prompt], workload.max_new_tokens // 2,
+                                stop_tokens=workload.stop_tokens).tokens[0]
     costs, rows = {}, []
     for temperature in temperatures:
-        costs[temperature] = measure_costs(workload, gammas, temperature)
-        plain = []  # per repeat: plain runs (each prompt, before each drafter's sweep)
-        spec = {}   # (drafter, gamma) -> per repeat: runs over the prompts
+        costs[f"T={temperature:g}"] = cost = measure_costs(target, workload.drafters, context, gammas, temperature)
+        plain, spec = [], {}   # per repeat: plain runs (each prompt, before each drafter's sweep); speculative
         for rep in range(repeats):
             plain.append([])
             for drafter, draft in workload.drafters.items():
@@ -240,39 +148,25 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
                 for gamma in gammas:
                     spec.setdefault((drafter, gamma), []).append(
                         [_generation(workload, draft, i, gamma, temperature, rep) for i in prompts])
-        plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in ("wall", "cpu")}
+        plain_rate = {c: [_decode_rate(runs, prefill, "plain", c) for runs in plain] for c in CLOCKS}
         for (drafter, gamma), reps in spec.items():
-            results = [run.result for runs in reps for run in runs]
-            alpha, by_position = acceptance(results, gamma)
+            results = [run[4] for runs in reps for run in runs]
+            passes = pooled(results, gamma)
             speedups = {c: [_decode_rate(runs, prefill, drafter, c) / base for runs, base in zip(reps, plain_rate[c])]
-                        for c in ("wall", "cpu")}
+                        for c in CLOCKS}
             main = speedups[clock]
-            passes = sum(r.target_forwards for r in results)
             row = dict(workload=workload.name, drafter=drafter, temperature=temperature, gamma=gamma,
-                       alpha=alpha, acceptance_by_position=by_position,
-                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / passes,
+                       alpha=passes.alpha or 0.0, acceptance_by_position=passes.acceptance_by_position,
+                       tokens_per_pass=sum(r.num_generated - 1 for r in results) / len(passes.accepted),
                        measured_speedup=statistics.median(main), measured_speedup_min=min(main),
                        measured_speedup_max=max(main), measured_speedup_wall=statistics.median(speedups["wall"]),
                        plain_tok_per_s=statistics.median(plain_rate[clock]))
             row["spec_tok_per_s"] = row["plain_tok_per_s"] * row["measured_speedup"]
-            row.update(_predict(costs[temperature], clock, drafter, workload.drafters[drafter] == "prompt_lookup",
-                                [g for r in results for g in r.proposed], alpha, gamma))
+            row |= predicted_speedup(cost, drafter, row["alpha"], gamma, passes.proposed, clock)
             row["measured_over_predicted"] = row["measured_speedup"] / row["predicted_speedup"]
             rows.append(row)
-    costs = {f"T={t:g}": c for t, c in costs.items()}  # JSON keys
     costs["prefill"] = {f"{name} prompt {i}": v for (name, i), v in prefill.items()}
     return rows, costs
-
-
-def _print_table(rows: list[dict], clock: str) -> None:
-    print_table(rows, [("workload", "workload", None), ("drafter", "drafter", None), ("temperature", "T", "{:g}"),
-                       ("gamma", "gamma", None), ("alpha", "alpha", "{:.2f}"),
-                       ("tokens_per_pass", "tok/pass", "{:.2f}"),
-                       ("cost_ratio", "c", "{:.3f}"), ("verify_cost", "v", "{:.2f}"),
-                       ("paper_speedup", "paper (v=1)", "{:.2f}"), ("predicted_speedup", "predicted", "{:.2f}"),
-                       ("measured_speedup", f"measured ({clock})", "{:.2f}"), ("measured_speedup_min", "min", "{:.2f}"),
-                       ("measured_speedup_max", "max", "{:.2f}"), ("measured_speedup_wall", "wall", "{:.2f}"),
-                       ("measured_over_predicted", "meas/pred", "{:.2f}")])
 
 
 def measure(run, workloads=None) -> dict:
@@ -282,9 +176,7 @@ def measure(run, workloads=None) -> dict:
     is (wall-clock is reported beside it); with more threads wall-clock is the measure."""
     device, quick = run.device, run.quick
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
-    gammas = (1, 4) if quick else tuple(range(1, 9))
-    repeats = 1 if quick else 3
-    t0 = time.perf_counter()
+    gammas, repeats, t0 = ((1, 4) if quick else tuple(range(1, 9))), 1 if quick else 3, time.perf_counter()
     workloads = workloads if workloads is not None else toy_workloads(device, quick) + real_workloads(device, quick)
     rows, costs, notes = [], {}, {}
     for w in workloads:
@@ -299,6 +191,17 @@ def measure(run, workloads=None) -> dict:
                 repeats=repeats, seconds=time.perf_counter() - t0, workloads=notes, costs=costs, rows=rows)
 
 
+def print_speculative(result: dict) -> None:
+    f2 = "{:.2f}"
+    print_table(result["rows"], [
+        ("workload", "workload", None), ("drafter", "drafter", None), ("temperature", "T", "{:g}"),
+        ("gamma", "gamma", None), ("alpha", "alpha", f2), ("tokens_per_pass", "tok/pass", f2),
+        ("cost_ratio", "c", "{:.3f}"), ("verify_cost", "v", f2), ("paper_speedup", "paper (v=1)", f2),
+        ("predicted_speedup", "predicted", f2), ("measured_speedup", f"measured ({result['clock']})", f2),
+        ("measured_speedup_min", "min", f2), ("measured_speedup_max", "max", f2),
+        ("measured_speedup_wall", "wall", f2), ("measured_over_predicted", "meas/pred", f2)])
+
+
 BENCHMARK = bench_speculative = Benchmark(
-    "speculative", measure, lambda result: _print_table(result["rows"], result["clock"]),
+    "speculative", measure, print_speculative,
     plots={"speculative": plot_speculative, "speculative_acceptance": plot_acceptance})

@@ -10,20 +10,22 @@ parameters), so even a few layers cost a sizeable fraction of the target.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
 
 from ..compression import distill, importance_scores, prune_model
+from ..data.real_text import prose_paragraphs
 from ..data.training import TrainConfig
 from ..generation.speculative import speculative_generate
+from ..generation.speculative_costs import measure_costs
 from ..generation.speculative_theory import expected_speedup, optimal_gamma
+from ..model.tokenizer import load_tokenizer
 from .base import Benchmark
-from .speculative import acceptance
-from .speculative_workloads import REAL_TASKS, prose_paragraphs, real_workloads
+from .speculative import REAL_TASKS, pooled, real_workloads
 
 DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
+GAMMA = 4
 
 
 def _training_text(tok, held_out: set[str]) -> torch.Tensor:
@@ -45,24 +47,10 @@ def _training_text(tok, held_out: set[str]) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def _alpha(target, draft, prompts, stop, gamma: int = 4, new: int = 64) -> tuple[float, list]:
-    """Pooled acceptance rate and acceptance by draft position on `prompts` (greedy)."""
-    return acceptance([speculative_generate(target, draft, p, gamma, max_new_tokens=new, stop_tokens=stop)
-                        for p in prompts], gamma)
-
-
-@torch.inference_mode()
-def _token_seconds(model, ids: torch.Tensor, repeats: int = 10) -> float:
-    cache = model.new_cache(1, ids.shape[1] + 1)
-    model(ids, cache=cache)
-    token = ids[:, -1:]
-    times = []
-    for _ in range(repeats + 1):
-        t0 = time.process_time()
-        model(token, cache=cache)
-        cache.truncate(ids.shape[1])
-        times.append(time.process_time() - t0)
-    return statistics.median(times[1:])
+def _acceptance(target, draft, prompts, stop, new: int = 64):
+    """Pooled acceptance over `prompts` (greedy, gamma GAMMA): a result with `alpha`, `acceptance_by_position`."""
+    return pooled([speculative_generate(target, draft, p, GAMMA, max_new_tokens=new, stop_tokens=stop)
+                   for p in prompts], GAMMA)
 
 
 def measure(run, minutes: float = 30.0) -> dict | None:
@@ -71,8 +59,6 @@ def measure(run, minutes: float = 30.0) -> dict | None:
     if not workloads:
         print("bench speculative_draft needs the real model (SmolLM2-135M); nothing to do")
         return None
-    from ..model.tokenizer import load_tokenizer
-
     w, tok = workloads[0], load_tokenizer("smollm2-135m")
     target, prompts = w.target, w.prompts
     minutes = 1.0 if quick else minutes
@@ -83,7 +69,7 @@ def measure(run, minutes: float = 30.0) -> dict | None:
     calibration = train[: 8 * 257].view(8, 257)
     scores = importance_scores(target, calibration)
     draft = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
-    alpha_pruned, _ = _alpha(target, draft, prompts, w.stop_tokens)
+    alpha_pruned = _acceptance(target, draft, prompts, w.stop_tokens).alpha
     print(f"pruned to {DRAFT_SHAPE} ({draft.num_parameters():,} parameters): alpha {alpha_pruned:.2f} before "
           "distillation", flush=True)
 
@@ -101,18 +87,17 @@ def measure(run, minutes: float = 30.0) -> dict | None:
                          train_data=train, val_data=val)
     train_minutes = (time.perf_counter() - t0) / 60
     draft.eval()
-    alpha, by_position = _alpha(target, draft, prompts, w.stop_tokens)
-    ids = torch.tensor([prompts[0]], device=device)
-    c = _token_seconds(draft, ids) / _token_seconds(target, ids)
+    passes = _acceptance(target, draft, prompts, w.stop_tokens)
+    alpha, by_position = passes.alpha, passes.acceptance_by_position
+    c = measure_costs(target, {"draft": draft}, prompts[0], (GAMMA,), repeats=10)["draft"][GAMMA]["draft"]["wall"]
     best = optimal_gamma(alpha, c, max_gamma=16)
-    result = dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
-                  draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
-                  train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
-                  history={k: v for k, v in history.items() if isinstance(v, list)},
-                  alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=by_position,
-                  cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
-                  used_in_bench_speculative=alpha >= 0.5)
-    return result
+    return dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
+                draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
+                train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
+                history={k: v for k, v in history.items() if isinstance(v, list)},
+                alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=by_position,
+                cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
+                used_in_bench_speculative=alpha >= 0.5)
 
 
 def print_result(r: dict) -> None:

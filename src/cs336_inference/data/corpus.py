@@ -74,13 +74,18 @@ def build_corpus(seed: int = 0) -> bytes:
     return ENDOFTEXT.join(build_documents(seed)).encode("utf-8")
 
 
+def corpus_documents(split: str = "val", seed: int = 0) -> list[str]:
+    """The documents of one split ("train" or "val"), in corpus order (what `load_corpus` joins)."""
+    _checks.one_of("split", split, SPLITS)
+    docs = build_corpus(seed).decode("utf-8").split(ENDOFTEXT)
+    return [d for i, d in enumerate(docs) if (i % VAL_EVERY == VAL_EVERY - 1) == (split == "val")]
+
+
 @functools.lru_cache(maxsize=8)
 def _split_ids(split: str, seed: int) -> torch.Tensor:
-    docs = build_corpus(seed).decode("utf-8").split(ENDOFTEXT)
     eot = ByteTokenizer().eot_id
-    chosen = [d for i, d in enumerate(docs) if (i % VAL_EVERY == VAL_EVERY - 1) == (split == "val")]
     pieces = []
-    for doc in chosen:
+    for doc in corpus_documents(split, seed):
         pieces.append(np.frombuffer(doc.encode("utf-8"), dtype=np.uint8).astype(np.int64))
         pieces.append(np.array([eot], dtype=np.int64))
     return torch.from_numpy(np.concatenate(pieces))

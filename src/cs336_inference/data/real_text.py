@@ -23,6 +23,19 @@ def pydoc_documents(split: str) -> list[str]:
     return [topics[n] for i, n in enumerate(names) if (i % EVAL_EVERY == EVAL_EVERY - 1) == (split == "eval")]
 
 
+def prose_paragraphs() -> list[str]:
+    """Plain-prose paragraphs (350-650 characters, on one line) of the help text, both splits: English
+    to rewrite or summarise (no code, lists or markup)."""
+    from pydoc_data.topics import topics
+
+    out = []
+    for name in sorted(topics):
+        for par in topics[name].split("\n\n"):
+            if 350 < len(par) < 650 and not par.startswith(" ") and not any(m in par for m in ("::", "*", "`", "\n ")):
+                out.append(" ".join(par.split()))
+    return out
+
+
 def token_stream(tokenizer, documents: list[str], separator: int | None = None) -> torch.Tensor:
     """The documents' token ids joined into one 1-D stream (separated by `separator`, e.g. end of text)."""
     ids: list[int] = []
