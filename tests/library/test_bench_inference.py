@@ -9,9 +9,9 @@ import math
 import pytest
 
 from cs336_inference import cli
-from cs336_inference.benchmarks.inference import bench_inference
-from cs336_inference.benchmarks.inference_config import SPARSE_RATE, SweepConfig, Workload, operating_points
-from cs336_inference.benchmarks.inference_runs import run_benchmark
+from cs336_inference.benchmarks.inference import bench_inference, run_benchmark
+from cs336_inference.benchmarks.inference_config import SPARSE_RATE, SweepConfig, operating_points
+from cs336_inference.serving import Workload
 
 
 @pytest.mark.parametrize("kwargs, name", [
@@ -26,13 +26,6 @@ def test_bad_arguments_name_themselves(kwargs, name):
         bench_inference(quick=True, device="cpu", **kwargs)
     if name in kwargs:   # the value given is quoted too
         assert repr(kwargs[name]) in str(info.value)
-
-
-@pytest.mark.parametrize("field, value", [("concurrency", 0), ("output_len", 0), ("num_requests", 0),
-                                          ("samples", 0), ("rate", 0.0), ("prompt_len", (0, 4))])
-def test_workload_refuses(field, value):
-    with pytest.raises(ValueError, match=field):
-        Workload("w", **{"prompt_len": (4, 8), "output_len": 4, "concurrency": 1, "num_requests": 1, field: value})
 
 
 def test_sweep_and_runner_refuse():
@@ -114,31 +107,3 @@ def test_tiny_sweep_writes_strict_json_csv_and_plots(tmp_path, monkeypatch, one_
     for line, r in zip(table, rows):
         assert line["cpu"] == data["machine"]["cpu"] and line["precision"] == r["precision"]
         assert math.isclose(float(line["output_throughput"]), r["output_throughput"], rel_tol=1e-9)
-
-
-def test_one_at_a_time_server_times_and_tokens(one_thread):
-    """Requests served in arrival order, one at a time: a request that arrives while another runs waits
-    exactly until that one's last token; greedy speculative tokens equal plain `generate`'s."""
-    import torch
-
-    from cs336_inference import ModelConfig, TransformerLM, generate
-    from cs336_inference.benchmarks.inference_runs import serve_one_at_a_time
-    from cs336_inference.serving import Request, SamplingParams
-
-    torch.manual_seed(0)
-    model = TransformerLM(ModelConfig(vocab_size=64, context_length=64, d_model=32, num_layers=2, num_heads=4,
-                                      d_ff=64)).eval()
-    prompts = [(1, 2, 3, 1, 2, 3, 1, 2), (5, 6, 7, 5, 6, 7)]
-    requests = [Request(0, prompts[0], 12, 0.0), Request(1, prompts[1], 9, 1e-6, SamplingParams())]
-    for draft in (None, "prompt_lookup"):
-        outputs, stats = serve_one_at_a_time(model, requests, draft, gamma=3)
-        first, second = outputs
-        assert first.first_scheduled_time == 0.0 and second.first_scheduled_time == first.token_times[0][-1]
-        for o, r in zip(outputs, requests):
-            times = o.token_times[0]
-            assert len(times) == len(o.tokens[0]) == r.max_new_tokens
-            assert all(a <= b for a, b in zip(times, times[1:])) and times[0] > o.first_scheduled_time
-            assert o.tokens[0] == generate(model, [list(r.prompt)], r.max_new_tokens).tokens[0]
-        if draft is not None:   # tokens of one pass share its end time: passes = distinct times after the first
-            distinct = sum(len(set(o.token_times[0][1:]) - {o.token_times[0][0]}) for o in outputs)
-            assert stats["passes"] == distinct and stats["accepted"] <= stats["proposed"]

@@ -121,6 +121,17 @@ class Benchmark:
         return paths
 
 
+def median_repeat(repeats: list[dict], key: str, ranged=()) -> dict:
+    """The repeat with the median `key` (the lower middle of an even count), so every number of a row
+    comes from one run and stays consistent; with how many repeats there were and each `ranged`
+    metric's min and max over them (None where none has a value)."""
+    out = {**sorted(repeats, key=lambda r: r[key])[(len(repeats) - 1) // 2], "repeats": len(repeats)}
+    for k in ranged:
+        values = [r[k] for r in repeats if r[k] is not None and math.isfinite(r[k])]
+        out[f"{k}_min"], out[f"{k}_max"] = (min(values), max(values)) if values else (None, None)
+    return out
+
+
 def finite(value):
     """NaN and inf -> None, recursively: strict JSON has no NaN, and "no value" is what they mean here."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -220,4 +231,5 @@ def _status_bytes(field: str) -> int | None:
         return None
 
 
-__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "rss_bytes", "save_csv"]
+__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "median_repeat", "rss_bytes",
+           "save_csv"]

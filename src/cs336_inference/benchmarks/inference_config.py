@@ -1,70 +1,29 @@
-"""What `bench inference` sweeps: workloads, the lecture's three operating points, and the sweep plan.
+"""What `bench inference` sweeps: the lecture's three operating points, and the sweep plan.
 
-A `Workload` is a request trace plus the engine's batch limit: prompt and output lengths, how many
-requests, how they arrive (Poisson at `rate` per second, or all at once: an offline job), samples per
-request, and how many sequences may run at once (`concurrency`, the engine's `max_num_seqs`). A run
-is a workload served at one precision with one KV layout (and, where it applies, speculative decoding).
-The three operating points (interactive chat, offline batch, RL rollouts) come in two sizes: for the
-shipped toy model and for a real model on a CPU.
+A run is a `serving.Workload` (a request trace plus the engine's batch limit) served at one
+precision with one KV layout (and, where it applies, speculative decoding). The three operating
+points (interactive chat, offline batch, RL rollouts) come in two sizes: for the shipped toy model
+and for a real model on a CPU.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 
+import torch
+
 from .. import _checks
+from ..data.corpus import load_corpus
+from ..data.real_text import pydoc_documents, token_stream
+from ..serving.workload import Workload
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 KV_LAYOUTS = ("paged", "contiguous")
 SPECULATIVE = ("off", "prompt_lookup", "draft")   # plain decoding, prompt lookup, the shipped draft model
+NEWLINE = 10   # the byte tokenizer's stop token for the toy model: an answer ends with its line
 SPARSE_RATE = 1e-4   # arrivals far apart: each request runs alone (TTFT = prefill, no queueing); the
                      # engine jumps over idle gaps, so they cost no time (throughput means nothing there)
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    prompt_len: tuple[int, int]       # tokens, uniform in [lo, hi] (before any shared system prompt)
-    output_len: int                   # max_new_tokens; exact unless stop_at_eos
-    concurrency: int                  # sequences running at once (the engine's max_num_seqs)
-    num_requests: int
-    rate: float = math.inf            # mean arrivals per second (Poisson); inf = all at t = 0 (offline)
-    samples: int = 1                  # n samples per prompt (they share the prompt's KV blocks)
-    temperature: float = 0.0          # 0 = greedy
-    stop_at_eos: bool = False         # end at the model's stop tokens (else exactly output_len, like
-                                      # vLLM's --ignore-eos for synthetic prompts)
-    system_prompt_len: int = 0        # a shared prefix in front of a share of the prompts
-    system_prompt_fraction: float = 0.0
-    chat: bool = False                # real models with a chat template: format as chat messages
-    seed: int = 0
-
-    def __post_init__(self):
-        _checks.instance("name", self.name, str)
-        lo, hi = self.prompt_len
-        if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-            raise ValueError(f"workload {self.name!r}: prompt_len must be (lo, hi) ints with 1 <= lo <= hi, "
-                             f"got {self.prompt_len!r}")
-        for name in ("output_len", "concurrency", "num_requests", "samples"):
-            _checks.positive_int(f"workload {self.name!r}: {name}", getattr(self, name))
-        if not (isinstance(self.rate, (int, float)) and self.rate > 0):
-            raise ValueError(f"workload {self.name!r}: rate must be > 0 requests/s (inf: all at once), "
-                             f"got {self.rate!r}")
-        _checks.non_negative_float(f"workload {self.name!r}: temperature", self.temperature)
-        _checks.probability(f"workload {self.name!r}: system_prompt_fraction", self.system_prompt_fraction)
-        _checks.non_negative_int("system_prompt_len", self.system_prompt_len)
-
-    @property
-    def max_prompt_len(self) -> int:
-        return self.prompt_len[1] + self.system_prompt_len
-
-    def replace(self, **changes) -> "Workload":
-        return dataclasses.replace(self, **changes)
-
-    def describe(self) -> dict:
-        return {**dataclasses.asdict(self), "prompt_len": list(self.prompt_len),
-                "rate": None if math.isinf(self.rate) else self.rate}
 
 
 @dataclass(frozen=True)
@@ -81,6 +40,23 @@ class RunSpec:
         _checks.one_of("precision", self.precision, PRECISIONS)
         _checks.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
         _checks.one_of("speculative", self.speculative, SPECULATIVE)
+
+
+def workload_row(spec: RunSpec) -> dict:
+    """The columns that say what a run served (the in-process and the endpoint benchmark's rows)."""
+    w = spec.workload
+    return {"axis": spec.axis, "workload": w.name, "precision": spec.precision, "concurrency": w.concurrency,
+            "prompt_len_lo": w.prompt_len[0], "prompt_len_hi": w.prompt_len[1], "output_len": w.output_len,
+            "num_requests": w.num_requests, "samples": w.samples, "workload_spec": dataclasses.asdict(w)}
+
+
+def source_tokens(tokenizer, real_model: bool) -> torch.Tensor:
+    """Held-out text as one token stream: the toy corpus's validation split, or CPython's help text."""
+    return token_stream(tokenizer, pydoc_documents("eval"), tokenizer.eos_id) if real_model else load_corpus("val")
+
+
+def stop_tokens(tokenizer, real_model: bool) -> tuple[int, ...]:
+    return tuple(tokenizer.stop_ids) if real_model else (NEWLINE,)
 
 
 def _toy_points() -> dict[str, Workload]:
@@ -194,13 +170,8 @@ class SweepConfig:
         return out
 
     def describe(self) -> dict:
-        """The sweep as plain data (for the JSON)."""
-        return {**{f.name: list(getattr(self, f.name)) for f in dataclasses.fields(self)
-                   if isinstance(getattr(self, f.name), tuple)},
-                **{f.name: getattr(self, f.name).describe() for f in dataclasses.fields(self)
-                   if isinstance(getattr(self, f.name), Workload)},
-                "requests_per_slot": self.requests_per_slot, "speculative_requests": self.speculative_requests,
-                "presets": {k: w.describe() for k, w in self.presets.items()}, "repeats": self.repeats}
+        """The sweep as plain data (for the JSON; `finite` makes an infinite rate None)."""
+        return dataclasses.asdict(self)
 
 
 def check_arguments(model: str, preset, concurrency, output_len) -> None:
@@ -241,4 +212,5 @@ def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
 
 
 __all__ = ["KV_LAYOUTS", "OPERATING_POINTS", "PRECISIONS", "RunSpec", "SPARSE_RATE", "SPECULATIVE", "SweepConfig",
-           "Workload", "check_arguments", "check_preset", "operating_points", "sweep_config"]
+           "check_arguments", "check_preset", "operating_points", "source_tokens", "stop_tokens", "sweep_config",
+           "workload_row"]

@@ -1,4 +1,4 @@
-"""Tables and figures of a `bench inference` result (the dict its JSON holds)."""
+"""Tables and figures of a `bench inference` result (the dict its JSON holds), in process or --endpoint."""
 
 from __future__ import annotations
 
@@ -25,20 +25,27 @@ AXES = {"concurrency": ("concurrency", "C", "concurrency (all requests at t = 0:
 
 
 def _rows(result: dict, axis: str) -> list[dict]:
-    """The rows of one axis, with the time split and memory as cells."""
+    """The rows of one axis, with the time split and memory as cells (where the run measured them)."""
     out = []
     for r in (r for r in result["rows"] if r["axis"] == axis):
-        total, parts = r["e2el_mean_s"], [r["queueing_mean_s"], r["prefill_mean_s"], r["decode_mean_s"]]
-        memory = f"{r['weight_bytes'] / 1e6:,.1f} + {r.get('kv_pool_bytes', 0) / 1e6:,.1f}"
+        total, parts = r["e2el_mean_s"], [r.get(f"{k}_mean_s") for k in ("queueing", "prefill", "decode")]
+        memory = f"{r.get('weight_bytes', 0) / 1e6:,.1f} + {r.get('kv_pool_bytes', 0) / 1e6:,.1f}"
         rss, start = r.get("rss_peak_bytes"), r.get("rss_start_bytes")
         if rss and start:
             memory += f" (RSS {rss / 1e6:,.0f}, run +{max(rss - start, 0) / 1e6:,.0f})"
         if r.get("cuda_peak_bytes") is not None:
             memory = f"{r['cuda_peak_bytes'] / 1e6:,.0f} (CUDA)"
-        out.append({**r, "memory": memory, "split": " / ".join(f"{100 * p / total:.0f}" for p in parts)
-                    if total > 0 else "-", "load": f"{r['num_requests']}x{r['samples']}" if r["samples"] > 1
-                    else str(r["num_requests"])})
+        split = " / ".join(f"{100 * p / total:.0f}" for p in parts) if total and None not in parts else "-"
+        load = f"{r['num_requests']}x{r['samples']}" if r["samples"] > 1 else str(r["num_requests"])
+        out.append({**r, "memory": memory, "split": split, "load": load})
     return out
+
+
+def _print_axes(result: dict, extra=()) -> None:
+    for axis, (key, header, title) in AXES.items():
+        if rows := _rows(result, axis):
+            print_table(rows, [("precision", "precision", None), (key, header, None),
+                               *(PROMPT if axis == "prompt_len" else LATENCY), *extra], title=f"\nSweep over {title}")
 
 
 def print_inference(result: dict) -> None:
@@ -59,8 +66,7 @@ def print_inference(result: dict) -> None:
                  ("kl_to_fp32", "KL(fp32||p) nats/tok", lambda v: f"{max(v, 0.0):.5f}"),
                  ("top1_agreement", "top-1 agree", "{:.3f}")],
                 title=f"\nQuality against fp32 ({result['quality_tokens']:,} held-out tokens)")
-    layouts = _rows(result, "kv_layout")
-    if layouts:
+    if layouts := _rows(result, "kv_layout"):
         chat = [r for r in _rows(result, "preset") if r["workload"] == "chat" and r["precision"] == base]
         print_table(chat + layouts, [
             ("kv_layout", "KV layout", None),
@@ -68,17 +74,12 @@ def print_inference(result: dict) -> None:
             ("kv_waste_fraction", "waste % of reserved", lambda f: f"{100 * f:.1f}"),
             ("max_running", "most running", None), ("output_throughput", "out tok/s", "{:,.0f}"), LATENCY[1]],
             title="\nKV layout on the chat workload (paged blocks of 16 vs contiguous prompt + max_new_tokens)")
-    for axis, (key, header, title) in AXES.items():
-        if _rows(result, axis):
-            print_table(_rows(result, axis), [("precision", "precision", None), (key, header, None),
-                                              *(PROMPT if axis == "prompt_len" else LATENCY), SPLIT],
-                        title=f"\nSweep over {title}")
-    spec = _rows(result, "speculative")
-    plain = next((r for r in spec if r["speculative"] == "off"), None)
-    for r in spec:
-        if plain is not None and r["tpot_median_s"] and plain["tpot_median_s"]:
-            r["speedup"] = plain["tpot_median_s"] / r["tpot_median_s"]
-    if spec:
+    _print_axes(result, [SPLIT])
+    if spec := _rows(result, "speculative"):
+        plain = next((r for r in spec if r["speculative"] == "off"), {})
+        for r in spec:
+            if plain.get("tpot_median_s") and r["tpot_median_s"]:
+                r["speedup"] = plain["tpot_median_s"] / r["tpot_median_s"]
         print_table(spec, [("speculative", "drafter", None), LATENCY[0], LATENCY[2],
                            ("speedup", "decode speed-up", "{:.2f}x"), LATENCY[3], LATENCY[4], LATENCY[5],
                            ("spec_tokens_per_pass", "tokens / target pass", "{:.2f}"),
@@ -88,11 +89,19 @@ def print_inference(result: dict) -> None:
                           f"cache, {base}, gamma {result['speculative']['gamma']})")
 
 
+def print_endpoint(result: dict) -> None:
+    print(f"\nbench inference --endpoint {result['endpoint']} --model {result['model']} (tokens counted by the "
+          f"server's usage; prompts cut with the {result['tokenizer']} tokenizer; {result['arrivals']} arrivals)")
+    print_table(_rows(result, "preset"), [("workload", "operating point", None), ("load", "requests", None),
+                                          ("concurrency", "C", None), *LATENCY, ("failed", "failed", None)])
+    _print_axes(result, [("failed", "failed", None)])
+
+
 def plot_operating_points(result: dict):
     """Left: output throughput (all users) against the time per output token one user sees, as
     concurrency grows, one curve per precision: the throughput/latency trade-off of the lecture,
     measured. Right: where each operating point's requests spend their time (queueing, prefill,
-    decode; mean seconds, base precision)."""
+    decode; mean seconds, base precision; an endpoint's client cannot see the split: bars of E2E)."""
     rows, points = _rows(result, "concurrency"), _rows(result, "preset")
     if not rows and not points:
         return None
@@ -109,33 +118,33 @@ def plot_operating_points(result: dict):
                          fmt="none", ecolor=f"C{i}", alpha=0.4, capsize=2)
     # C labels: a point whose label would sit on the same label of a nearby point (the precisions'
     # points at one C often do) gets none
-    labelled = [r for r in rows if r["tpot_median_s"] is not None]
+    labelled, placed = [r for r in rows if r["tpot_median_s"] is not None], []
     if labelled:
         xs, ys = [1e3 * r["tpot_median_s"] for r in labelled], [r["output_throughput"] for r in labelled]
-        span_x, span_y, placed = (max(xs) - min(xs)) or 1, (max(ys) - min(ys)) or 1, []
+        span_x, span_y = (max(xs) - min(xs)) or 1, (max(ys) - min(ys)) or 1
         for x, y, r in zip(xs, ys, labelled):
-            if any(c == r["concurrency"] and abs(x - px) < 0.06 * span_x and abs(y - py) < 0.06 * span_y
-                   for c, px, py in placed):
-                continue
-            placed.append((r["concurrency"], x, y))
-            ax1.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+            if not any(c == r["concurrency"] and abs(x - px) < 0.06 * span_x and abs(y - py) < 0.06 * span_y
+                       for c, px, py in placed):
+                placed.append((r["concurrency"], x, y))
+                ax1.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
     ax1.set(xlabel="time per output token, median (ms): the latency one user sees",
             ylabel="output tokens / s (all users" + ("; bars: min..max of repeats)" if repeated else ")"),
             title="concurrency buys throughput with latency (C = sequences at once)")
     ax1.grid(alpha=0.3)
     if rows:
         ax1.legend(title="precision", fontsize=8)
-    points = [r for r in points if r["precision"] == result["base_precision"]]
+    base = result.get("base_precision", "server")
+    points = [r for r in points if r["precision"] == base]
+    split = all(r.get("queueing_mean_s") is not None for r in points)
     bottom = [0.0] * len(points)
-    for key, color in (("queueing", "C7"), ("prefill", "C1"), ("decode", "C0")):
+    for key, color in (("queueing", "C7"), ("prefill", "C1"), ("decode", "C0")) if split else (("e2el", "C0"),):
         values = [r[f"{key}_mean_s"] for r in points]
         ax2.bar([r["workload"] for r in points], values, bottom=bottom, color=color, label=key)
         bottom = [b + v for b, v in zip(bottom, values)]
     for j, r in enumerate(points):
         ax2.annotate(f"{r['output_throughput']:,.0f} tok/s", (j, bottom[j]), textcoords="offset points",
                      xytext=(0, 3), ha="center", fontsize=8)
-    ax2.set(ylabel="mean seconds per request",
-            title=f"operating points ({result['base_precision']}): where a request's time goes")
+    ax2.set(ylabel="mean seconds per request", title=f"operating points ({base}): where a request's time goes")
     ax2.legend(fontsize=8)
     fig.suptitle(f"bench inference: {result['model']} on {result['device']}")
     fig.tight_layout()
@@ -143,7 +152,8 @@ def plot_operating_points(result: dict):
 
 
 def plot_ttft(result: dict):
-    """TTFT against prompt length (one request at a time: TTFT is the prefill), one curve per precision."""
+    """TTFT against prompt length (one request at a time: TTFT is the prefill, plus a server's
+    overhead), one curve per precision."""
     rows = _rows(result, "prompt_len")
     if not rows:
         return None

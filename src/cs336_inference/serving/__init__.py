@@ -9,7 +9,9 @@ Scheduling (Orca, Yu et al. 2022; chunked prefill, Sarathi): `Request`, `StaticS
 Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add_request`, `step`,
 `abort`; `run` replays a trace from `make_trace`; `ChatSession`s share one engine through
 `RequestStreams`), `RequestOutput` (a step's deltas),
-`RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles).
+`RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles);
+`Workload` (a named trace and batch limit: an operating point) and `serve_one_at_a_time` (the
+one-sequence baseline, plain or speculative).
 Online: `AsyncEngine` (asyncio streams per request over one engine thread); the OpenAI-compatible
 HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in `serving.client`.
 """
@@ -26,14 +28,16 @@ from .engine import Engine
 from .engine_records import EngineConfig, EngineResult, StepRecord
 from .kv_cache_manager import KVCacheManager
 from .memory_stats import KVMemoryStats
-from .metrics import RequestMetrics, benchmark_metrics, distribution, request_metrics, summarize
+from .metrics import RequestMetrics, benchmark_metrics, distribution, flat_metrics, request_metrics, summarize
 from .paged_attention import paged_attention
 from .paged_kv_cache import PagedKVCache, PagedLayerCache, PagedStep
+from .one_at_a_time import serve_one_at_a_time
 from .prefix_cache import PrefixCache, chained_block_hash
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
+from .workload import Workload
 
 __all__ = [
     "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
@@ -41,7 +45,7 @@ __all__ = [
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
     "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
-    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "benchmark_metrics",
-    "blocks_for", "chained_block_hash", "distribution", "make_chat_trace", "make_trace", "paged_attention",
-    "poisson_arrivals", "request_metrics", "summarize",
+    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "Workload",
+    "benchmark_metrics", "blocks_for", "chained_block_hash", "distribution", "flat_metrics", "make_chat_trace",
+    "make_trace", "paged_attention", "poisson_arrivals", "request_metrics", "serve_one_at_a_time", "summarize",
 ]

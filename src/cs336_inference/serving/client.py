@@ -92,6 +92,25 @@ class StreamResult:
         return (self.e2el - self.ttft) / (per_choice - 1) if per_choice > 1 else None
 
 
+def base_url(endpoint: str) -> str:
+    """http://host:port or http://host:port/v1 -> http://host:port/v1."""
+    if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+        raise ValueError(f"endpoint must be an http(s) URL such as http://127.0.0.1:8000/v1, got {endpoint!r}")
+    url = endpoint.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
+def served_models(url: str, timeout: float = 10) -> list[dict]:
+    """GET {url}/models: the model cards the server lists (a clear error if nothing answers)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/models", timeout=timeout) as response:
+            return json.loads(response.read())["data"]
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"no OpenAI-compatible server answered GET {url}/models ({error})") from None
+
+
 def request_payload(model: str, r: EndpointRequest) -> dict:
     """The JSON body of a streamed completion (`ignore_eos` is the extension vLLM, SGLang and llama.cpp share)."""
     body = {"model": model, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": r.temperature,
@@ -224,5 +243,5 @@ def stream_metrics(results: list[StreamResult], duration: float) -> dict:
             "e2el": distribution([r.e2el for r in done])}
 
 
-__all__ = ["EndpointRequest", "StreamResult", "arrival_times", "count_tokens", "http_sender", "open_session",
-           "request_payload", "run_load", "stream_completion", "stream_metrics"]
+__all__ = ["EndpointRequest", "StreamResult", "arrival_times", "base_url", "count_tokens", "http_sender",
+           "open_session", "request_payload", "run_load", "served_models", "stream_completion", "stream_metrics"]

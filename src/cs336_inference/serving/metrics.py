@@ -156,4 +156,14 @@ def benchmark_metrics(records: list[RequestRecord], duration: float | None = Non
             **{name: distribution(values[name]) for name in _DISTRIBUTIONS}}
 
 
-__all__ = ["RequestMetrics", "benchmark_metrics", "distribution", "percentile", "request_metrics", "summarize"]
+def flat_metrics(metrics: dict) -> dict:
+    """`benchmark_metrics` (or the client's `stream_metrics`) as one flat row of a table or CSV:
+    {"ttft": {"mean": .., "median": .., "p99": ..}} -> {"ttft_mean_s": .., "ttft_median_s": .., ...}."""
+    out = {}
+    for key, value in metrics.items():
+        out.update({f"{key}_{stat}_s": v for stat, v in value.items()} if isinstance(value, dict) else {key: value})
+    return out
+
+
+__all__ = ["RequestMetrics", "benchmark_metrics", "distribution", "flat_metrics", "percentile", "request_metrics",
+           "summarize"]
