@@ -121,6 +121,16 @@ class Benchmark:
         return paths
 
 
+def alternate(runs: dict, repeats: int) -> dict[str, list]:
+    """Call each of `runs` ({name: fn}) once per round, `repeats` rounds, in order, so that load
+    drifting on a shared machine hits every variant alike: {name: [its result in each round]}."""
+    out = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            out[name].append(fn())
+    return out
+
+
 def median_repeat(repeats: list[dict], key: str, ranged=()) -> dict:
     """The repeat with the median `key` (the lower middle of an even count), so every number of a row
     comes from one run and stays consistent; with how many repeats there were and each `ranged`
@@ -231,5 +241,5 @@ def _status_bytes(field: str) -> int | None:
         return None
 
 
-__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "median_repeat", "rss_bytes",
-           "save_csv"]
+__all__ = ["Benchmark", "PeakMemory", "Run", "alternate", "describe_machine", "finite", "load_avg", "median_repeat",
+           "rss_bytes", "save_csv"]

@@ -23,49 +23,31 @@ import collections
 import math
 import statistics
 import time
+from functools import partial
 
 import torch
 
 from ..data.corpus import load_corpus
 from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import load_tokenizer
-from ..serving import Engine
+from ..serving import Engine, Workload
 from ..serving.async_engine import AsyncEngine
+from ..serving.client import EndpointRequest, StreamResult, http_sender, open_session, run_load, stream_metrics
 from ..serving.http.launch import running_server
-from ..serving.client import (EndpointRequest, StreamResult, arrival_times, http_sender, open_session, run_load,
-                              stream_metrics)
 from ..serving.request import SamplingParams
 from ..tables import format_table
-from .base import Benchmark, load_avg
+from .base import Benchmark, alternate, load_avg, median_repeat
 
 NAME = "serving_http"
 MODES = ("engine", "async", "http")
-
-
-def make_load(num_requests: int, prompt_len: tuple[int, int], output_len: int, rate: float,
-              seed: int = 0) -> tuple[list[EndpointRequest], list[list[int]]]:
-    """Requests (as text, for the HTTP client) and their token ids (for the in-process modes)."""
-    source = load_corpus("val").tolist()
-    gen = torch.Generator().manual_seed(seed)
-    tokenizer = load_tokenizer("target")
-    times = arrival_times(num_requests, rate, "poisson", seed)
-    requests, ids = [], []
-    for i in range(num_requests):
-        length = int(torch.randint(prompt_len[0], prompt_len[1] + 1, (1,), generator=gen))
-        start = int(torch.randint(0, len(source) - length, (1,), generator=gen))
-        piece = [t for t in source[start:start + length] if t < 256]       # bytes only: text round-trips
-        text = bytes(piece).decode("utf-8", errors="ignore") or "The"
-        requests.append(EndpointRequest(text, output_len, times[i]))
-        ids.append(tokenizer.encode(text))
-    return requests, ids
 
 
 def _params(r: EndpointRequest) -> SamplingParams:
     return SamplingParams(temperature=r.temperature, max_tokens=r.max_tokens)
 
 
-def drive_engine(engine: Engine, requests: list[EndpointRequest], ids: list[list[int]],
-                 concurrency: int) -> tuple[list[StreamResult], float]:
+def drive_engine(engine: Engine, requests: list[EndpointRequest], concurrency: int,
+                 tokenizer) -> tuple[list[StreamResult], float]:
     """Serve `requests` on `engine` in real time from one loop: add each at its arrival time while
     fewer than `concurrency` are in flight, step, and stamp each token when `step` returns it."""
     order = collections.deque(sorted(range(len(requests)), key=lambda i: requests[i].arrival_time))
@@ -75,9 +57,10 @@ def drive_engine(engine: Engine, requests: list[EndpointRequest], ids: list[list
         now = time.perf_counter()
         while order and len(inflight) < concurrency and start + requests[order[0]].arrival_time <= now:
             i = order.popleft()
-            results[i] = StreamResult(sent=time.perf_counter())
-            tokens[i] = []
-            inflight[engine.add_request(ids[i], _params(requests[i]), request_id=str(i))] = i
+            results[i], tokens[i] = StreamResult(sent=time.perf_counter()), []
+            ids = tokenizer.encode(requests[i].prompt)
+            results[i].usage = {"prompt_tokens": len(ids)}
+            inflight[engine.add_request(ids, _params(requests[i]), request_id=str(i))] = i
         if not inflight:
             time.sleep(max(0.0, start + requests[order[0]].arrival_time - time.perf_counter()))
             continue
@@ -89,20 +72,19 @@ def drive_engine(engine: Engine, requests: list[EndpointRequest], ids: list[list
                 results[i].chunk_times.setdefault(0, []).append(now)
                 tokens[i] += out.new_token_ids
             if out.finished:
-                results[i].usage = {"prompt_tokens": len(ids[i]), "completion_tokens": len(tokens[i])}
+                results[i].usage["completion_tokens"] = len(tokens[i])
                 del inflight[out.request_id]
     duration = time.perf_counter() - start
-    tokenizer = load_tokenizer("target")
     for i, result in results.items():
         result.text[0] = tokenizer.decode(tokens[i])
     return [results[i] for i in range(len(requests))], duration
 
 
-def async_sender(served: AsyncEngine, ids_of: dict, tokenizer):
+def async_sender(served: AsyncEngine, tokenizer):
     """`send` for `run_load` through the AsyncEngine in this process."""
 
     async def send(r: EndpointRequest) -> StreamResult:
-        result, tokens, ids = StreamResult(sent=time.perf_counter()), [], ids_of[id(r)]
+        result, tokens, ids = StreamResult(sent=time.perf_counter()), [], tokenizer.encode(r.prompt)
         async for out in served.generate(ids, _params(r)):
             if out.new_token_ids:
                 result.chunk_times.setdefault(0, []).append(time.perf_counter())
@@ -114,28 +96,21 @@ def async_sender(served: AsyncEngine, ids_of: dict, tokenizer):
     return send
 
 
-async def _async_run(model, requests, ids, concurrency):
-    engine = Engine(model, clock=time.monotonic, max_num_seqs=concurrency)
-    ids_of = {id(r): i for r, i in zip(requests, ids)}
-    async with AsyncEngine(engine) as served:
-        return await run_load(async_sender(served, ids_of, load_tokenizer("target")), requests, concurrency)
+def one_run(mode: str, model, url: str, requests, concurrency: int, tokenizer) -> tuple[dict, list]:
+    """Serve `requests` one way (MODES); vLLM's metrics of the run and the texts it returned."""
+    async def through():
+        if mode == "http":
+            async with open_session(concurrency) as session:
+                return await run_load(http_sender(session, url, "target"), requests, concurrency)
+        async with AsyncEngine(Engine(model, clock=time.monotonic, max_num_seqs=concurrency)) as served:
+            return await run_load(async_sender(served, tokenizer), requests, concurrency)
 
-
-async def _http_run(url, requests, concurrency):
-    async with open_session(concurrency) as session:
-        return await run_load(http_sender(session, url, "target"), requests, concurrency)
-
-
-def one_run(mode: str, model, url: str, requests, ids, concurrency: int) -> tuple[dict, list]:
     if mode == "engine":
         results, duration = drive_engine(Engine(model, clock=time.monotonic, max_num_seqs=concurrency), requests,
-                                         ids, concurrency)
-    elif mode == "async":
-        results, duration = asyncio.run(_async_run(model, requests, ids, concurrency))
+                                         concurrency, tokenizer)
     else:
-        results, duration = asyncio.run(_http_run(url, requests, concurrency))
-    failed = [r.error for r in results if not r.ok]
-    if failed:
+        results, duration = asyncio.run(through())
+    if failed := [r.error for r in results if not r.ok]:
         raise RuntimeError(f"{mode}: {len(failed)} requests failed, e.g. {failed[0]}")
     return stream_metrics(results, duration), [r.text.get(0, "") for r in results]
 
@@ -144,35 +119,26 @@ def measure(run, concurrency: int = 32, repeats: int | None = None) -> dict:
     """Serve the same load in process and over HTTP (one thread: the scaffold's policy for the toy model)."""
     if run.device.type != "cpu":
         raise ValueError("bench serving_http runs the toy target on the CPU (the server process picks its device)")
-    quick = run.quick
-    repeats = repeats or (1 if quick else 3)
-    num_requests, output_len = (2 * concurrency, 16) if quick else (4 * concurrency, 64)
-    model = load_pretrained("target").eval()
-    loads = {"closed loop": math.inf}
-    load_before = load_avg()
-    rows = []
+    repeats = repeats or (1 if run.quick else 3)
+    num_requests, output_len = (2 * concurrency, 16) if run.quick else (4 * concurrency, 64)
+    model, tokenizer, source = load_pretrained("target").eval(), load_tokenizer("target"), load_corpus("val").tolist()
+    load = Workload(NAME, (32, 96), output_len, concurrency, num_requests, seed=1)   # ignore_eos: exact lengths
+    load_before, rows = load_avg(), []
     with running_server("target", "--max-num-seqs", str(concurrency)) as server:
-        url = server.v1
-        warm, warm_ids = make_load(concurrency, (32, 96), 8, math.inf, seed=99)
-        for mode in MODES:
-            one_run(mode, model, url, warm, warm_ids, concurrency)
-        for load, rate in list(loads.items()) + [("poisson", None)]:
+        def modes(requests):
+            return {m: partial(one_run, m, model, server.v1, requests, concurrency, tokenizer) for m in MODES}
+
+        warm = load.replace(num_requests=concurrency, output_len=8, seed=99).text_requests(source, tokenizer)
+        alternate(modes(warm), 1)
+        for name, rate in (("closed loop", math.inf), ("poisson", None)):
             if rate is None:        # under capacity: 60% of the closed loop's measured request rate
-                closed = [r for r in rows if r["load"] == "closed loop" and r["mode"] == "engine"]
-                rate = 0.6 * closed[0]["request_throughput"]
-            requests, ids = make_load(num_requests, (32, 96), output_len, rate, seed=1)
-            runs, texts = {m: [] for m in MODES}, {}
-            for _ in range(repeats):
-                for mode in MODES:
-                    metrics, texts[mode] = one_run(mode, model, url, requests, ids, concurrency)
-                    runs[mode].append(metrics)
-            same = texts["engine"] == texts["async"] == texts["http"]
-            for mode in MODES:
-                best = sorted(runs[mode], key=lambda m: m["duration_s"])[(len(runs[mode]) - 1) // 2]
-                rows.append({"load": load, "rate": None if math.isinf(rate) else rate, "mode": mode,
-                             "concurrency": concurrency, "num_requests": num_requests, "output_len": output_len,
-                             "same_text_as_engine": same, "repeats": repeats, **best,
-                             "ttft_p99_per_repeat": [m["ttft"]["p99"] for m in runs[mode]]})
+                rate = 0.6 * next(r["request_throughput"] for r in rows if r["mode"] == "engine")
+            runs = alternate(modes(load.text_requests(source, tokenizer, rate=rate)), repeats)
+            same = len({tuple(results[-1][1]) for results in runs.values()}) == 1   # the last repeat's texts
+            rows += [{"load": name, "rate": None if math.isinf(rate) else rate, "mode": mode,
+                      "concurrency": concurrency, "num_requests": num_requests, "output_len": output_len,
+                      "same_text_as_engine": same, **median_repeat([m for m, _ in results], "duration_s"),
+                      "ttft_p99_per_repeat": [m["ttft"]["p99"] for m, _ in results]} for mode, results in runs.items()]
     return {"benchmark": NAME, "model": "target", "device": "cpu", "threads": torch.get_num_threads(),
             "load_avg_before": load_before, "load_avg_after": load_avg(), "rows": rows,
             "p99_ttft_ratio_http_to_engine": {
@@ -229,4 +195,4 @@ def plot_serving_http(result: dict):
 
 BENCHMARK = bench_serving_http = Benchmark(NAME, measure, print_serving_http, plots={NAME: plot_serving_http})
 
-__all__ = ["bench_serving_http", "drive_engine", "make_load", "plot_serving_http"]
+__all__ = ["bench_serving_http", "drive_engine", "plot_serving_http"]
