@@ -18,6 +18,7 @@ import time
 import torch
 import torch.nn as nn
 
+from ..cpu_tuning import tune_for_cpu
 from ..data.corpus import load_corpus
 from ..data.evaluation import compare_on_text
 from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
@@ -46,7 +47,7 @@ def build_precision(model: nn.Module, precision: str, device: torch.device) -> n
     packed kernels, quantized from the device's default dtype (fp32 on a CPU, bf16 on a GPU)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    fast = copy.deepcopy(model).to(device).fuse_projections().set_attention_kernel("sdpa").eval()
+    fast = tune_for_cpu(copy.deepcopy(model).to(device).fuse_projections().set_attention_kernel("sdpa").eval())
     if precision in ("fp32", "bf16"):
         return fast.to(torch.float32 if precision == "fp32" else torch.bfloat16)
     fast = fast.to(default_dtype(device))
