@@ -211,10 +211,17 @@ def compiled_decode_step(model):
 
     step = compile_decode(model)
     threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
+    failed = []
 
     def decode(token_ids, cache):
         with threads():
-            return step(token_ids, cache)
+            if not failed:
+                try:
+                    return step(token_ids, cache)
+                except Exception as error:   # a compiler failure: say so once, then decode eagerly
+                    failed.append(error)
+                    print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
+            return model(token_ids[:, None], cache=cache)[:, -1]
 
     return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
 
@@ -380,6 +387,9 @@ BENCHMARKS: dict[str, str] = {
 
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
+    p.add_argument("--model", default=None, type=check.text,
+                   help="also load this model as chat/generate/serve would and list what runs each layer")
+    p.add_argument("--precision", default=None, choices=PRECISIONS, help="with --model: the weights (as for chat)")
 
 
 def _run_info(args) -> int:
@@ -394,6 +404,10 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
+    if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())
+        model, _, banner = load_for_inference(args.model, precision=args.precision)
+        print(banner)
+        print(model.describe())
     return 0
 
 
