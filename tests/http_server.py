@@ -3,7 +3,6 @@ to call it and read its /metrics. 127.0.0.1 only; every call has a timeout."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import urllib.error
 import urllib.request
@@ -35,13 +34,3 @@ def request(url: str, data: bytes | None = None, timeout: float = 30) -> tuple[i
             return response.status, response.read().decode()
     except urllib.error.HTTPError as error:
         return error.code, error.read().decode()
-
-
-@contextlib.contextmanager
-def running_server(model: str, *args: str, timeout: float = 120):
-    """A ready `serve` process for `model`, stopped (by pid) when the block ends."""
-    server = Server.start(model, *args)
-    try:
-        yield server.wait_ready(timeout)
-    finally:
-        server.stop()

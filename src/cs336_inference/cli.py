@@ -350,15 +350,8 @@ def _run_serve(args) -> int:
     from .serving import Engine
     from .serving.async_engine import AsyncEngine
 
-    if not 0 <= args.port <= 65535:
-        print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
-        return 2
-    try:
-        model, tokenizer, _ = _load_model(args)
-        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
-    except (ValueError, TypeError) as error:   # an unknown model, a bad engine size: say so, no traceback
-        print(f"serve: {error}", file=sys.stderr)
-        return 2
+    model, tokenizer, _ = _load_model(args)
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0

@@ -230,7 +230,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "a prefill that exactly fills the token budget is refused"),
     Mutant("scheduler_admits_while_preempting", SCHEDULER,
            (("        if not batch.preempted:  # no admission while memory is short", "        if True:"),),
-           "new sequences are admitted in the same step that preempted one"),
+           "new sequences are admitted in the same step that preempted one",
+           equivalent="a victim re-prefills its tokens plus the one it was to decode, one block more than it "
+                      "freed, and waits at the front: without shared blocks (the graded functions have none) "
+                      "nothing behind it can be admitted in that step"),
     Mutant("kv_bytes_without_k_and_v", FORMULAS,
            (("return 2 * config.num_kv_heads * config.head_dim", "return config.num_kv_heads * config.head_dim"),),
            "numeric KV bytes miss the factor 2 for keys and values"),

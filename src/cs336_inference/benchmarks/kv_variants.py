@@ -217,10 +217,11 @@ def plot_scale(data: dict):
         curves = scale["bytes"][model_name]
         for i, name in enumerate(SCALE_VARIANTS):
             style = dict(lw=4, alpha=0.6, zorder=1) if name == "MHA" else dict(lw=1.6, zorder=2)
-            ax.plot(lengths, [v / 2 ** 30 for v in curves[name]], marker=".", color=f"C{i}",
+            ax.plot(lengths, [v / 1e9 for v in curves[name]], marker=".", color=f"C{i}",
                     ls="--" if name.startswith("window") else "-", label=name, **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-               ylabel="KV cache of one sequence (GiB, bf16)", title=f"{model_name} attention shape (accounting only)")
+               ylabel="KV cache of one sequence (GB, bf16)",
+               title=f"{model_name} attention shape (accounting only)")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -82,9 +82,10 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(model: str, *args: str, timeout: float = 120):
-    """A ready `serve` process for `model` (extra CLI `args`), stopped when the block ends."""
-    server = ServerProcess.start(model, *args)
+def running_server(model: str, *args: str, timeout: float = 120, server_class: type = ServerProcess):
+    """A ready `serve` process for `model` (extra CLI `args`), stopped when the block ends
+    (`server_class`: a ServerProcess subclass with more helpers, as the tests use)."""
+    server = server_class.start(model, *args)
     try:
         yield server.wait_ready(timeout)
     finally:
