@@ -15,7 +15,7 @@ from pathlib import Path
 import edtrace
 from edtrace import Reference
 
-__all__ = ["ROOT", "Reference", "image", "link", "part", "section", "section_heading", "text"]
+__all__ = ["ROOT", "Reference", "figure", "image", "link", "part", "section", "section_heading", "text"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,14 @@ def text(message: str, **kwargs) -> None:
 def link(reference: Reference | None = None, **kwargs) -> None:
     reference = reference if reference is not None else Reference(**kwargs)
     edtrace.link(reference)
-    print(f"  -> {reference.label} {reference.title or ''} {reference.url or ''}".rstrip())
+    words = [reference.label, reference.title if reference.label != f"[{reference.title}]" else None, reference.url]
+    print("  -> " + " ".join(w for w in words if w))
+
+
+def figure(what: str, url: str) -> None:
+    """Where the official lecture shows a figure we do not redistribute: a link to its source (the
+    paper's figure or table, or the image's own address). Nothing is fetched, ever."""
+    link(Reference(title=f"Figure: {what}", url=url))
 
 
 def image(path: str, **kwargs) -> None:

@@ -129,4 +129,4 @@ print("saved", save_figure(fig, "00_generation_step_latency"))
 # 3. Count the token positions each generator runs through the model for a P-token prompt and N new
 #    tokens (wrap `model.forward` to count), and compare with the formulas used above.
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/00_generation.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

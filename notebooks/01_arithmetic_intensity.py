@@ -203,4 +203,4 @@ plt.close("all")
 # 3. With `kv_cache_bytes_per_token` and `num_parameters`, find the context length S at which one
 #    Llama 2 13B sequence's KV cache outweighs the bf16 weights (and at B = 64: S / 64).
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/01_arithmetic_intensity.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

@@ -272,4 +272,4 @@ else:
 # 3. Receptive field: in the `window 16` model (L = 4), change token 0 of an 80-token input and find the
 #    last position whose logits change. Predict it first: L·(W−1).
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/02_kv_cache.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

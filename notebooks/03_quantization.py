@@ -65,8 +65,9 @@ print(f"q = {int(q)}, x_hat = {float(x_hat):.4f}, error = {5.2342 - float(x_hat)
 # %% [markdown]
 # ## Number formats
 # Floating-point formats spend bits on an exponent (range) and a mantissa (precision); integers
-# spread their codes evenly and need a scale. Note the two fp8 e4m3 variants: the lecture quotes
-# ±240 (the `fnuz` variant of some accelerators), torch's `float8_e4m3fn` reaches ±448.
+# spread their codes evenly and need a scale. Note the two fp8 e4m3 variants: H100's e4m3 is torch's
+# `float8_e4m3fn`, whose maximum is 448; the ±240 the official lecture quotes "on H100s" is the maximum of
+# `float8_e4m3fnuz`, the variant of some other accelerators (e.g. AMD MI300).
 
 # %%
 rows = []
@@ -364,4 +365,4 @@ else:
 #    its gain over round-to-nearest (`layer_output_error`) on `layers.0.ffn.w2` at int3 holds on text it
 #    was not calibrated on.
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/03_quantization.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

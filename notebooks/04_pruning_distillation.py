@@ -129,4 +129,4 @@ save_figure(fig, "04_pruning_bpb")
 # 3. Drop one layer with `prune_model(..., num_layers=L - 1)`: it removes the layer `scores["layers"]`
 #    ranks lowest. Compare with dropping the highest-ranked one (negate the layer scores).
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/04_pruning_distillation.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

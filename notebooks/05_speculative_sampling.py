@@ -305,7 +305,8 @@ else:
 # 2. With α = 0.8 and `verify_cost` v = 1, for which cost ratios c is γ = 1 optimal (`optimal_gamma`)?
 #    Derive the threshold by comparing γ = 1 with γ = 2, then repeat with v = 1.5: how does it move?
 #
-# Answers: `tests/library/test_notebook_exercises.py`. Further, open-ended:
+# Worked answers: `answers/05_speculative_sampling.ipynb` (checked by `tests/library/test_notebook_exercises.py`).
+# Further, open-ended (no worked answers):
 # * Make the draft worse on purpose (add noise to its `lm_head`) and check with a chi-square test that
 #   `speculative_generate` at temperature 1 still samples the target's distribution of the first 2 tokens.
 # * Prompt lookup with `max_ngram = 1` vs 3 on the echo drills and on a story: which finds more

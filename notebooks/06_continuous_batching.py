@@ -41,13 +41,13 @@ from cs336_inference.serving.plots import plot_batch_size, plot_timeline
 device = get_device()
 print("device:", device)
 seed_everything(0)
-print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny model: one steady thread (timings are real)
+print("CPU threads:", cs336_inference.apply_thread_policy())  # tiny model: one thread is fastest
 model = load_pretrained("target", device=device).eval()
 tokenizer = ByteTokenizer()
 
 # %% [markdown]
 # ## A trace
-# 32 requests arrive as a Poisson process (60 per second on average: faster than this CPU serves
+# 32 requests arrive as a Poisson process (60 per second on average: faster than the engine serves
 # them, so a queue forms). Each prompt is a slice of the validation text; half of them start with the
 # same 64-token "system prompt"; an answer ends with its line (stop token `\n`) or after 96 tokens;
 # two in ten ask for 4 samples at temperature 0.8.
@@ -68,16 +68,26 @@ for r in requests[:6]:
 # * static: a batch is what has arrived when the previous batch finished; it runs until its longest
 #   answer is done (finished rows stay in the batch as padding, as in `generate` on a batch);
 # * continuous: every step admits arrived requests while memory and the batch limit allow.
+#
+# The engine runs on a simulated clock, as in the lecture: `Engine(..., step_time=step_seconds)` advances
+# time by a fixed cost per step (10 ms, plus 0.1 ms per token it computes: a memory-bound step, as on a
+# GPU, costs about the same for 1 or 12 sequences). So every number below is the same on every run;
+# drop `step_time=` to time this CPU instead.
 
 # %%
-runs = {policy: Engine(model, scheduler=policy, max_num_seqs=12).run(requests) for policy in ("static", "continuous")}
+def step_seconds(batch) -> float:
+    return 0.010 + 0.0001 * batch.num_tokens
+
+
+runs = {policy: Engine(model, scheduler=policy, max_num_seqs=12, step_time=step_seconds).run(requests)
+        for policy in ("static", "continuous")}
 for policy, result in runs.items():
     s = result.summary()
     print(f"{policy:>10}: {s['throughput_tok_per_s']:6.0f} tok/s | TTFT p50 {s['ttft_p50_s'] * 1e3:5.0f} ms, "
           f"p99 {s['ttft_p99_s'] * 1e3:5.0f} ms | ITL p50 {s['itl_p50_s'] * 1e3:4.1f} ms, p99 "
           f"{s['itl_p99_s'] * 1e3:5.1f} ms | mean queueing {s['queueing_mean_s'] * 1e3:5.0f} ms | {s['steps']} steps")
 static, continuous = runs["static"].summary(), runs["continuous"].summary()
-print(f"this run: continuous batching took {static['steps'] / continuous['steps']:.2f}x fewer steps and served "
+print(f"continuous batching took {static['steps'] / continuous['steps']:.2f}x fewer steps and served "
       f"{continuous['throughput_tok_per_s'] / static['throughput_tok_per_s']:.2f}x the tokens/s of static batching")
 
 fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
@@ -94,9 +104,9 @@ plt.show()
 # Under static batching late arrivals wait for the whole batch (the grey bars), and a batch drains:
 # fewer and fewer rows produce a token while the longest answer finishes. Continuous batching refills
 # a slot at the very next step, so more tokens come out per step and nobody waits for a stranger's
-# long answer (the step counts are deterministic; the tokens/s are this run's). (On a GPU a decode step
-# costs about the same for 1 or 12 sequences, so every idle row
-# is lost throughput; on this CPU a row costs a little, so the gap is smaller than on a GPU.)
+# long answer. On the simulated clock, as on a GPU, a step costs about the same for 1 or 12 sequences, so
+# every idle row is lost throughput; timed on this CPU (no `step_time`), a row costs a little, so the gap
+# is smaller (the lecture shows the committed wall-clock run on SmolLM2).
 #
 # ## Selective batching: one forward, ragged sequences
 # Each step concatenates the new tokens of every scheduled sequence into one row, `[sum of T_b, D]`:
@@ -134,7 +144,7 @@ print(repr(tokenizer.decode(list(r.prompt[-40:]))), "->", repr(tokenizer.decode(
 
 # %%
 small = Engine(model, scheduler="continuous", max_num_seqs=12, block_size=16, num_blocks=40,
-               watermark_blocks=0).run(requests)
+               watermark_blocks=0, step_time=step_seconds).run(requests)
 s = small.summary()
 print(f"{small.num_blocks} blocks of 16 tokens: {s['preemptions']} preemptions, at most {s['max_running']} running, "
       f"{s['throughput_tok_per_s']:.0f} tok/s")
@@ -160,4 +170,4 @@ print("greedy outputs unchanged")
 # 3. Recompute `summary()["ttft_p99_s"]` from the outputs yourself: each request's first token time
 #    (`token_times`) minus its `arrival_time`, then `numpy.percentile`.
 #
-# Answers: `tests/library/test_notebook_exercises.py`.
+# Worked answers: `answers/06_continuous_batching.ipynb` (checked by `tests/library/test_notebook_exercises.py`).

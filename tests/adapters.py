@@ -20,7 +20,7 @@ import implementation
 
 from cs336_inference.device import default_dtype, get_device, seed_everything
 from cs336_inference.generation import decode_one_token, generate, prefill
-from cs336_inference.model import (ByteTokenizer, ModelConfig, TransformerLM, apply_rope, checkpoints,
+from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, TransformerLM, apply_rope, checkpoints,
                                    rope_angles, scaled_dot_product_attention)
 
 
@@ -327,6 +327,20 @@ def run_rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -
     """Rotate x (..., T, H) at integer positions (T,)."""
     cos, sin = rope_angles(x.shape[-1], int(positions.max()) + 1, theta)
     return apply_rope(x, cos[positions], sin[positions])
+
+
+def run_library_rmsnorm(weight: torch.Tensor, x: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """The library's RMSNorm (the graded adapter is run_rmsnorm)."""
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight.data.copy_(weight)
+    return norm(x)
+
+
+def run_library_swiglu(w1, w2, w3, x) -> torch.Tensor:
+    """The library's SwiGLU (the graded adapter is run_swiglu)."""
+    ffn = SwiGLU(w1.shape[1], w1.shape[0])
+    ffn.load_state_dict({"w1.weight": w1, "w2.weight": w2, "w3.weight": w3})
+    return ffn(x)
 
 
 def run_generate(model, prompt_ids, max_new_tokens, **kwargs):
@@ -640,6 +654,30 @@ def get_model_tokenizer(name: str):
 def run_load_gguf_weights(path, dtype=torch.float32, cache_as=None):
     from cs336_inference.model.real_models import load_gguf_weights
     return load_gguf_weights(path, dtype, cache_as=cache_as)
+
+
+def run_load_gguf_tensors(path, cache_as=None):
+    """(config, the file's tensors as stored: {"qtypes", "data"})."""
+    from cs336_inference.model.real_models import load_gguf_tensors
+    return load_gguf_tensors(path, cache_as=cache_as)
+
+
+def make_exact_linear(raw, qtype: str):
+    """A QuantizedLinear holding one stored GGUF tensor's blocks (raw: its bytes, (O, bytes per row))."""
+    from cs336_inference.model.gguf import gguf_blocks
+    from cs336_inference.quantization import exact_linear
+    return exact_linear(gguf_blocks(raw, qtype))
+
+
+def run_gguf_exact_model(config, stored, **kwargs):
+    from cs336_inference.quantization import gguf_exact_model
+    return gguf_exact_model(config, stored, **kwargs)
+
+
+def run_packed_matmul(x, layer):
+    """x @ W^T through the packed kernel layout `layer` chose (None: it has none)."""
+    from cs336_inference.quantization import packed_matmul
+    return packed_matmul(x, layer.packed_weight())
 
 
 def run_with_attention(model, **changes):

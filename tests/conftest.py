@@ -69,25 +69,22 @@ def pytest_collection_modifyitems(session, config, items):
     import importlib.util
 
     if importlib.util.find_spec("fastapi") and any("toy_server" in getattr(i, "fixturenames", ()) for i in items):
-        from http_server import start_server
+        from http_server import Server
 
-        _early_servers["toy"] = start_server(*TOY_SERVER_ARGS)
+        _early_servers["toy"] = Server.start(*TOY_SERVER_ARGS)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _early_servers:
-        from http_server import stop_server
-
-        for server in _early_servers.values():
-            stop_server(server)
+    for server in _early_servers.values():
+        server.stop()
 
 
 @pytest.fixture(scope="session")
 def toy_server():
     """One `serve --model target` process on a free 127.0.0.1 port for the whole session (tests/http_server.py)."""
     pytest.importorskip("fastapi", reason="the [serve] extra is not installed")
-    from http_server import start_server, wait_ready
+    from http_server import Server
 
     if "toy" not in _early_servers:
-        _early_servers["toy"] = start_server(*TOY_SERVER_ARGS)
-    yield wait_ready(_early_servers["toy"])
+        _early_servers["toy"] = Server.start(*TOY_SERVER_ARGS)
+    yield _early_servers["toy"].wait_ready()

@@ -21,6 +21,7 @@ from .generation import (GenerationResult, decode_one_token, expected_speedup, e
                          prefill, sample_next_token, speculative_accept, speculative_generate)
 from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
                     load_tokenizer, scaled_dot_product_attention, verify_checkpoint)
+from . import quantization  # noqa: F401,E402  (registers load_pretrained's weights="gguf-exact")
 
 __version__ = "0.1.0"
 

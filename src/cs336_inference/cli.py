@@ -7,9 +7,12 @@ runs it; heavy imports happen inside the runner so `--help` stays instant.
 from __future__ import annotations
 
 import argparse
+import os
 import runpy
 import sys
 from pathlib import Path
+
+from . import cli_args as check  # argument types: one-line errors naming the option
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,18 +39,23 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
                    help="smaller sizes, for a smoke run (writes figures/scratch/NAME_quick.*, "
                         "never the committed results)")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
     # Options only some benchmarks take (refused by the others): bench inference's model and one operating point.
-    p.add_argument("--model", default=None, help="inference: the model (target, or smollm2-135m; default "
+    p.add_argument("--model", default=None, type=check.text,
+                   help="inference: the model (target, or smollm2-135m; default "
                    "target); generation: smollm2-135m instead of the random-init preset")
-    p.add_argument("--preset", default=None,
+    p.add_argument("--preset", default=None, type=check.text,
                    help="inference: run only this operating point (chat, batch or rollouts) at every precision")
-    p.add_argument("--concurrency", type=int, default=None, help="inference: with --preset, sequences at once")
-    p.add_argument("--output-len", type=int, default=None, help="inference: with --preset, tokens per answer")
+    p.add_argument("--concurrency", type=check.positive_int, default=None,
+                   help="inference: with --preset, sequences at once")
+    p.add_argument("--output-len", type=check.positive_int, default=None,
+                   help="inference: with --preset, tokens per answer")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
-    p.add_argument("--endpoint", default=None, help="inference: measure the OpenAI-compatible server at this URL "
+    p.add_argument("--endpoint", default=None, type=check.url,
+                   help="inference: measure the OpenAI-compatible server at this URL "
                    "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
-    p.add_argument("--tokenizer", default=None, help="inference --endpoint: cut prompts and count tokens with this "
+    p.add_argument("--tokenizer", default=None, type=check.text,
+                   help="inference --endpoint: cut prompts and count tokens with this "
                    "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
@@ -90,11 +98,11 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--preset", required=True, choices=sorted(TRAIN_PRESETS),
                    help="which shipped model to make (target; draft = pruned + distilled target; draft-scratch)")
-    p.add_argument("--out", default=None,
+    p.add_argument("--out", default=None, type=check.text,
                    help="output file (default: a new file ./trained/PRESET.pt; the shipped models in the "
                         "package's assets/ are replaced only if --out names one)")
-    p.add_argument("--steps", type=int, default=None, help="override the step count (smoke runs only)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: best available)")
+    p.add_argument("--steps", type=check.positive_int, default=None, help="override the step count (smoke runs only)")
+    p.add_argument("--device", default=None, type=check.device, help="cpu or cuda (default: best available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
@@ -115,40 +123,120 @@ _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 def _load_args(p: argparse.ArgumentParser) -> None:
     """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
-    p.add_argument("--model", default="smollm2-135m",
+    p.add_argument("--model", default="smollm2-135m", type=check.text,
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
-    p.add_argument("--device", default=None, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="default: fp32 on CPU, bf16 on CUDA")
+    p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: "
+                   "bf16 for int4-exact, else fp32 on CPU and bf16 on CUDA)")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="the weights: int4-exact (the published GGUF blocks on the packed int4 kernel; the default "
+                        "for smollm2-135m), int8 (per channel, packed kernel), bf16 or fp32 (the toy models' default)")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature > 0)")
+    p.add_argument("--max-new-tokens", type=check.positive_int, default=256)
+    p.add_argument("--temperature", type=check.temperature, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=check.positive_int, default=None)
+    p.add_argument("--top-p", type=check.probability, default=None)
+    p.add_argument("--seed", type=check.non_negative_int, default=0, help="sampling seed (temperature > 0)")
+
+
+PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
+
+
+def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
+    """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
+
+    precision: "int4-exact" (a real model's published Q4_1 / Q8_0 blocks on the packed kernels, no
+    re-quantization: the default for a real model), "int8" (per-channel RTN on the packed int8 kernel),
+    "bf16" or "fp32" (the toy models' default on a CPU; bf16 on CUDA). Then torch's fused attention
+    and, on a CPU, the opt-in CPU tuning (`cpu_tuning.tune_for_cpu`: few-row split, one thread per step
+    under contention). The thread policy is applied first (every core for a real model).
+    """
+    import torch
+
+    from .device import apply_thread_policy, default_dtype, get_device
+    from .model import REAL_MODELS, load_pretrained, load_tokenizer
+
+    apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
+    device = get_device(device)
+    if precision is None:
+        precision = "int4-exact" if name in REAL_MODELS else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int4-exact":
+        if name not in REAL_MODELS:
+            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
+                             f"shipped toy model (use fp32, bf16 or int8)")
+        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
+    else:
+        base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
+        model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()
+        if precision == "int8":
+            from .quantization import quantize_model
+
+            model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
+    model.set_attention_kernel("sdpa")
+    tuning = ""
+    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
+        from .cpu_tuning import describe, tune_for_cpu
+
+        tuning = "; " + describe(tune_for_cpu(model))
+    banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
+              f"{torch.get_num_threads()} threads{tuning}")
+    return model, load_tokenizer(name), banner
+
+
+def compiled_decode_step(model):
+    """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
+    decode step where torch can compile here (CUDA, or a CPU with a C++ compiler). Its kernels are cached
+    on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
+    process pays the compile; later ones trace and reuse them. On a CPU each step runs under
+    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
+    import contextlib
+    import os
+    import shutil
+
+    from .model.disk_cache import cache_dir
+
+    if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
+    if model.device.type not in ("cpu", "cuda"):
+        return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from .cpu_tuning import decode_threads
+    from .generation.compiled import compile_decode
+
+    step = compile_decode(model)
+    threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
+    failed = []
+
+    def decode(token_ids, cache):
+        with threads():
+            if not failed:
+                try:
+                    return step(token_ids, cache)
+                except Exception as error:   # a compiler failure: say so once, then decode eagerly
+                    failed.append(error)
+                    print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
+            return model(token_ids[:, None], cache=cache)[:, -1]
+
+    return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
 
 
 def _load_model(args):
     import torch
 
-    from .device import default_dtype, get_device, seed_everything
-    from .model import REAL_MODELS, load_pretrained, load_tokenizer
+    from .device import seed_everything
 
-    from .device import apply_thread_policy
-
-    apply_thread_policy(parallel=args.model in REAL_MODELS)  # a real model is large work: every core
-    device = get_device(args.device)
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else default_dtype(device)
-    model = load_pretrained(args.model, device=device, dtype=dtype).set_attention_kernel("sdpa")
-    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
-        from .cpu_tuning import describe, tune_for_cpu
-
-        print(describe(tune_for_cpu(model)), file=sys.stderr)
+    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+    model, tokenizer, banner = load_for_inference(args.model, args.device, getattr(args, "precision", None), dtype)
+    print(banner, file=sys.stderr)
+    device = model.device
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
-    return model, load_tokenizer(args.model), generator
+    return model, tokenizer, generator
 
 
 def _sampling(args, generator) -> dict:
@@ -163,7 +251,9 @@ def _stats_line(turn) -> str:
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
-    p.add_argument("--prompt", required=True, help="the text to continue")
+    p.add_argument("--prompt", required=True, type=check.text, help="the text to continue")
+    p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
+                   "where torch can compile; the first run compiles, later runs reuse the cached kernels)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
 
 
@@ -183,13 +273,15 @@ def _run_generate(args) -> int:
     if len(ids) >= room:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
+    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
+    print(how, file=sys.stderr)
     t0 = time.perf_counter()
     cache = model.new_cache(1, room)
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
     sampling = _sampling(args, generator)
     sampling["max_new_tokens"] = room - len(ids)
     count = 0
-    for token in stream(model, cache, logits, stop_tokens=stop, **sampling):
+    for token in stream(model, cache, logits, stop_tokens=stop, decode=decode, **sampling):
         first, count = first or time.perf_counter(), count + 1
         if token not in stop:
             print(out.push(token), end="", flush=True)
@@ -199,7 +291,7 @@ def _run_generate(args) -> int:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
-    p.add_argument("--system", default=None, help="a system message (default: the model's own)")
+    p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
 
 
 def _run_chat(args) -> int:
@@ -212,8 +304,10 @@ def _run_chat(args) -> int:
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
     while True:
         try:
-            text = input("you> ")
-        except (EOFError, KeyboardInterrupt):
+            text = check.read_line("you> ")
+        except KeyboardInterrupt:
+            text = None
+        if text is None:
             print()
             return 0
         if text.strip() in ("/quit", "/exit"):
@@ -233,12 +327,15 @@ def _run_chat(args) -> int:
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-num-seqs", type=int, default=32, help="sequences in the running batch at most")
-    p.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks of 16 tokens (default: room for "
+    p.add_argument("--host", default="127.0.0.1", type=check.text,
+                   help="address to listen on (default: this machine only)")
+    p.add_argument("--port", type=check.port, default=8000)
+    p.add_argument("--max-num-seqs", type=check.positive_int, default=32, help="sequences in the running batch at most")
+    p.add_argument("--num-blocks", type=check.positive_int, default=None,
+                   help="KV cache blocks of 16 tokens (default: room for "
                    "max-num-seqs sequences of min(context, 2048) tokens)")
-    p.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--served-model-name", default=None, type=check.text,
+                   help="the name clients send as 'model' (default: --model)")
     p.set_defaults(seed=0)
 
 
@@ -253,15 +350,8 @@ def _run_serve(args) -> int:
     from .serving import Engine
     from .serving.async_engine import AsyncEngine
 
-    if not 0 <= args.port <= 65535:
-        print(f"--port must be in [0, 65535], got {args.port}", file=sys.stderr)
-        return 2
-    try:
-        model, tokenizer, _ = _load_model(args)
-        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
-    except (ValueError, TypeError) as error:   # an unknown model, a bad engine size: say so, no traceback
-        print(f"serve: {error}", file=sys.stderr)
-        return 2
+    model, tokenizer, _ = _load_model(args)
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0
@@ -284,11 +374,15 @@ BENCHMARKS: dict[str, str] = {
     "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
     "thread_policy": "OpenMP wait policies, idle vs busy",
     "serving_http": "the engine in process vs behind `serve` (HTTP)",
+    "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
 }
 
 
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
+    p.add_argument("--model", default=None, type=check.text,
+                   help="also load this model as chat/generate/serve would and list what runs each layer")
+    p.add_argument("--precision", default=None, choices=PRECISIONS, help="with --model: the weights (as for chat)")
 
 
 def _run_info(args) -> int:
@@ -303,6 +397,10 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
+    if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())
+        model, _, banner = load_for_inference(args.model, precision=args.precision)
+        print(banner)
+        print(model.describe())
     return 0
 
 
@@ -310,7 +408,8 @@ def _figures_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rerun", action="store_true",
                    help="re-run every benchmark (hours) instead of redrawing the plots from the committed JSON")
     p.add_argument("--quick", action="store_true", help="with --rerun: smaller sizes, for a smoke run")
-    p.add_argument("--device", default=None, help="with --rerun: cpu, cuda or mps (default: best available)")
+    p.add_argument("--device", default=None, type=check.device,
+                   help="with --rerun: cpu, cuda or mps (default: best available)")
 
 
 def _run_figures(args) -> int:
@@ -329,7 +428,7 @@ def _homework_args(p: argparse.ArgumentParser) -> None:
     actions = p.add_subparsers(dest="action", metavar="action", required=True)
     init = actions.add_parser("init", help="write a student package DIR with every graded function's signature, "
                                            "docstring and `raise NotImplementedError`, plus how to grade it")
-    init.add_argument("dir", help="the package folder to create (its name is the package name)")
+    init.add_argument("dir", type=check.text, help="the package folder to create (its name is the package name)")
     init.add_argument("--force", action="store_true", help="overwrite the generated files in an existing DIR")
 
 
@@ -369,7 +468,7 @@ COMMANDS: dict[str, tuple] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m cs336_inference",
+    parser = check.Parser(prog="python -m cs336_inference",
                                      description="CS336 Lecture 10 (Inference), executable.")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (help_text, add_args, _) in COMMANDS.items():
@@ -378,9 +477,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. A mistake in the arguments, or one the library refuses while running (a
+    ValueError / TypeError: unknown model, missing device, prompt too long, ...), is one line on
+    stderr naming what is wrong, and exit status 2; CS336_DEBUG=1 shows the traceback instead."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:   # a usage error (already printed, one line) or --help
+        return exit_.code
     if args.command is None:
         parser.print_help()
         return 0
-    return COMMANDS[args.command][2](args)
+    try:
+        return COMMANDS[args.command][2](args)
+    except (ValueError, TypeError, FileNotFoundError, PermissionError) as err:
+        if os.environ.get("CS336_DEBUG"):
+            raise
+        print(f"{parser.prog} {args.command}: error: {check.one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130

@@ -13,6 +13,7 @@ host-side facts (thread count, machine load) that the model must not read:
 - one thread under contention: while another process keeps a core busy, a decode step runs on one
   thread (`decode_threads`): a chain of short parallel regions waits for its slowest thread, and
   the thread that shares a core stalls every region, while one core nearly saturates memory bandwidth.
+  A prefill (compute-bound) is decided separately (`prefill_threads`, `PREFILL_CONTENDED`).
 
 `tune_for_cpu` changes nothing the model computes (state dict, results to rounding) and is
 idempotent; `untune_cpu` undoes it; `describe(model)` says what is applied. A compiled step runs
@@ -143,6 +144,21 @@ def cpu_contended(threshold: float = 0.5) -> bool:
     return load is not None and load >= threshold
 
 
+# Other processes' load (cores) at which a prefill runs on one thread. Prefill is compute-bound: its
+# matmuls are long parallel regions, split evenly between the threads, so each waits for the thread
+# that shares a core; one thread on the free core does the same work without the wait. Decided
+# separately from decode (`decode_threads`), whose short memory-bound regions stall sooner.
+PREFILL_CONTENDED = 0.5
+
+
+def prefill_threads():
+    """The thread count a prefill (many tokens at once) should run with, as a context: all of torch's
+    threads, or one while other processes keep `PREFILL_CONTENDED` of a core busy."""
+    if torch.get_num_threads() > 1 and cpu_contended(PREFILL_CONTENDED):
+        return num_threads(1)
+    return contextlib.nullcontext()
+
+
 def decode_threads():
     """The thread count one decode step should run with, as a context: all of torch's threads, or one
     while other processes keep a core busy (`cpu_contended`)."""
@@ -165,17 +181,20 @@ class CPUTuning:
             parts.append(f"{self.split_linears} linears split across threads for <= {SPLIT_MAX_ROWS} rows "
                          f"(streamed in a compiled batch-1 step)")
         if self.threads:
-            parts.append("decode steps on one thread while another process holds a core")
+            parts.append("decode steps and prefills on one thread while another process holds a core")
         return "CPU tuning: " + ("; ".join(parts) if parts else "nothing (not a CPU model)")
 
 
 def _one_thread_if_contended(model, args, kwargs):
-    """Forward pre-hook: a decode step (one new token per sequence) under contention runs on one thread."""
+    """Forward pre-hook: under contention a decode step (one new token per sequence) runs on one thread,
+    and so does a prefill (more tokens), each by its own threshold."""
     if torch.compiler.is_compiling():   # host-side: a compiled step's caller applies decode_threads
         return
     ids = args[0] if args else kwargs.get("token_ids")
     threads = model.cpu_tuning.previous_threads
-    if isinstance(ids, torch.Tensor) and ids.shape[-1] == 1 and torch.get_num_threads() > 1 and cpu_contended():
+    decode = isinstance(ids, torch.Tensor) and ids.shape[-1] == 1
+    if (isinstance(ids, torch.Tensor) and torch.get_num_threads() > 1
+            and cpu_contended(*(() if decode else (PREFILL_CONTENDED,)))):
         threads.append(torch.get_num_threads())
         torch.set_num_threads(1)
     else:
@@ -199,6 +218,9 @@ def tune_for_cpu(model: nn.Module, split: bool = True, threads: bool = True) -> 
     runs on one thread while another process holds a core. A model off the CPU is left as it is.
     Apply it after `fuse_projections` (fusing builds new linears) and before or after quantizing
     (quantized layers keep their own kernels)."""
+    for name, flag in (("split", split), ("threads", threads)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
     untune_cpu(model)
     record = CPUTuning()
     if next(model.parameters()).device.type == "cpu":
@@ -235,5 +257,6 @@ def describe(model: nn.Module) -> str:
     return record.describe() if record is not None else "CPU tuning: none (plain model)"
 
 
-__all__ = ["CPULinear", "CPUTuning", "SPLIT_MAX_ROWS", "cpu_contended", "decode_threads", "describe",
+__all__ = ["CPULinear", "CPUTuning", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "cpu_contended", "decode_threads",
+           "describe", "prefill_threads",
            "few_row_split", "other_cpu_load", "streaming_matmul", "tune_for_cpu", "untune_cpu"]

@@ -5,9 +5,9 @@ list the same tests."""
 
 POINTS = {
     # --- layers (4) ---------------------------------------------------------------------------------------
-    "test_layers.py::test_rmsnorm_matches_the_definition": 2,
-    "test_layers.py::test_rmsnorm_keeps_the_input_dtype_and_computes_in_float32": 1,
-    "test_layers.py::test_swiglu_gates_the_w3_branch_with_silu_of_w1": 2,
+    "test_norm_and_ffn.py::test_rmsnorm_matches_the_definition": 2,
+    "test_norm_and_ffn.py::test_rmsnorm_keeps_the_input_dtype_and_computes_in_float32": 1,
+    "test_norm_and_ffn.py::test_swiglu_gates_the_w3_branch_with_silu_of_w1": 2,
     # --- generation loop (5) ------------------------------------------------------------------------------
     "test_generation_loop.py::test_a_ragged_batch_decodes_as_each_prompt_alone": 2,
     "test_generation_loop.py::test_a_stop_token_ends_its_sequence_and_is_part_of_the_output": 2,

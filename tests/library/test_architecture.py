@@ -23,7 +23,7 @@ LAYERS = {
     "shipped_models": 6,             # how the shipped toy models are made (training + pruning)
     "benchmarks": 7,
     "homework": 7,                   # the graded functions' reference solution and the student skeleton
-    "cli": 8, "__main__": 8, "__init__": 8,
+    "cli": 8, "cli_args": 8, "__main__": 8, "__init__": 8,
 }
 
 

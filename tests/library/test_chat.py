@@ -104,11 +104,29 @@ def test_text_stream_holds_back_a_split_utf8_character():
 def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
     from cs336_inference.cli import main
 
-    assert main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", "20"]) == 0
+    assert main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", "20",
+                 "--no-compile"]) == 0
     out = capsys.readouterr()
     assert len(out.out.strip()) > 0 and "TTFT" in out.err and "tok/s" in out.err
+    assert "target: fp32 weights" in out.err and "eager decode (--no-compile)" in out.err   # the banner says what runs
     lines = iter(["Hello there", "/reset", "Again", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert main(["chat", "--model", "target", "--max-new-tokens", "10"]) == 0
     out = capsys.readouterr().out
     assert out.count("TTFT") == 2 and "reused from the KV cache" in out
+
+
+def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
+    from cs336_inference.cli import load_for_inference
+
+    model, _, banner = load_for_inference("target", precision="int8")
+    assert banner.startswith("target: int8 weights") and "CPU tuning" in banner
+    assert "int8pack" in model.describe()
+    with pytest.raises(ValueError, match="int4-exact"):
+        load_for_inference("target", precision="int4-exact")
+    from cs336_inference.cli import main
+
+    assert main(["info", "--model", "target", "--precision", "int8"]) == 0
+    assert "layers.*.ffn.w2 (x4): int8pack per channel" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="precision must be one of"):
+        load_for_inference("target", precision="int3")

@@ -222,3 +222,26 @@ def test_an_engine_step_syncs_with_the_device_once(model, text):
             ran += 1
             assert counter.syncs == [("step", "tolist")], f"step {ran}: {counter.syncs}"
     assert ran >= 6
+
+
+def test_a_forward_that_raises_leaves_the_engine_consistent(model, text):
+    """The batch's requests end with finish_reason "error" (reported by the next step), their blocks
+    are freed, the prefix cache forgets blocks named that step, and the engine keeps serving."""
+    engine = Engine(model, block_size=4)
+    prompt = text[0:30]
+    for _ in range(2):
+        engine.add_request(prompt, SamplingParams(max_tokens=8))
+    engine.step()
+    execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        engine.runner.execute = execute
+        raise RuntimeError("device lost")
+    engine.runner.execute = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()
+    outs = engine.step()
+    assert len(outs) == 2 and all(o.finish_reason == "error" and "device lost" in o.error for o in outs)
+    assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
+    assert _drain(engine)[(rid, 0)][0] == _generate(model, prompt, 8)

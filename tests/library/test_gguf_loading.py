@@ -3,6 +3,8 @@ cache of converted weights, and tied embeddings through save/load. Fast: no real
 
 from __future__ import annotations
 
+import warnings
+
 import gguf
 import numpy as np
 import pytest
@@ -97,12 +99,42 @@ def test_conversion_is_cached_on_disk_and_rebuilt_when_damaged(tmp_path, monkeyp
     _, bf16 = run_load_gguf_weights(tmp_path / "tiny.gguf", torch.bfloat16, cache_as="tiny")  # cast from fp32
     assert bf16["ln_final.weight"].dtype == torch.bfloat16 and (entry / "weights-bfloat16.pt").is_file()
 
-    monkeypatch.undo()
+
+
+def _flip_bytes(path, count=585):
+    data = bytearray(path.read_bytes())
+    for i in range(count):                      # inside the tensor data, the file keeps its size
+        data[len(data) // 2 + 7 * i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", ["flipped bytes", "truncated", "empty", "edited config", "no checksum"])
+def test_a_damaged_or_edited_cache_file_is_named_and_rebuilt(tmp_path, monkeypatch, damage):
+    """Every cached file is checked against the checksum written with it: silent corruption (bytes flipped
+    inside the weights, a hand-edited rope_theta) must never load; the warning names the file."""
     monkeypatch.setenv("CS336_CACHE_DIR", str(tmp_path / "cache"))
-    (entry / "weights-float32.pt").write_bytes(b"truncated")
-    with pytest.warns(UserWarning, match="damaged cache entry"):
-        _, rebuilt = run_load_gguf_weights(tmp_path / "tiny.gguf", cache_as="tiny")
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    config, state = run_load_gguf_weights(tmp_path / "tiny.gguf", cache_as="tiny")
+    entry = next((tmp_path / "cache").glob("tiny-*"))
+    target = entry / ("config.json" if damage == "edited config" else "weights-float32.pt")
+    if damage == "flipped bytes":
+        _flip_bytes(target)
+    elif damage == "truncated":
+        target.write_bytes(target.read_bytes()[:1000])
+    elif damage == "empty":
+        target.write_bytes(b"")
+    elif damage == "edited config":
+        target.write_text(target.read_text().replace('"rope_theta": 50000.0', '"rope_theta": 10000.0'))
+        assert "10000.0" in target.read_text()
+    else:
+        (entry / "weights-float32.pt.crc32").unlink()
+    with pytest.warns(UserWarning, match=f"damaged cache file {target}"):
+        config2, rebuilt = run_load_gguf_weights(tmp_path / "tiny.gguf", cache_as="tiny")
+    assert config2 == config and config2.rope_theta == 50000.0
     assert all(torch.equal(state[k], rebuilt[k]) for k in state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # rebuilt with a fresh checksum: the next load is quiet
+        run_load_gguf_weights(tmp_path / "tiny.gguf", cache_as="tiny")
 
 
 def test_tied_model_saves_one_table_and_refuses_a_different_head(tmp_path):

@@ -66,7 +66,7 @@ def test_train_without_out_never_overwrites_the_shipped_models(tmp_path, monkeyp
     assert len(list(tmp_path.rglob("*.pt"))) == 2
 
 
-def test_train_with_a_bad_out_fails_before_training(tmp_path, monkeypatch):
+def test_train_with_a_bad_out_fails_before_training(tmp_path, monkeypatch, capsys):
     from cs336_inference import cli, shipped_models
 
     def no_training(*args, **kwargs):
@@ -75,8 +75,9 @@ def test_train_with_a_bad_out_fails_before_training(tmp_path, monkeypatch):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     for bad in (blocker / "model.pt", tmp_path):                  # parent is a file; out is a directory
-        with pytest.raises(ValueError, match="out"):
-            cli.main(["train", "--preset", "draft-scratch", "--steps", "1", "--out", str(bad)])
+        assert cli.main(["train", "--preset", "draft-scratch", "--steps", "1", "--out", str(bad)]) == 2
+        err = capsys.readouterr().err                              # one line naming --out, no traceback
+        assert len(err.strip().splitlines()) == 1 and "out" in err and "Traceback" not in err
 
 
 def test_a_failed_save_leaves_the_old_file_intact_and_no_partial_file(model, tmp_path, monkeypatch):

@@ -196,7 +196,9 @@ def test_n_choices_seeds_and_stop_strings(toy_server, target):
 def test_smollm2_chat_through_the_openai_client_equals_generate():
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
-    from http_server import running_server
+    from http_server import Server
+
+    from cs336_inference.serving.http.launch import running_server
 
     from cs336_inference.model.real_models import real_model_missing
 
@@ -204,7 +206,7 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
         pytest.skip(real_model_missing("smollm2-135m"))
     model, tokenizer = load_pretrained("smollm2-135m").eval(), load_tokenizer("smollm2-135m")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    with running_server("smollm2-135m", "--max-num-seqs", "4") as server:
+    with running_server("smollm2-135m", "--max-num-seqs", "4", server_class=Server) as server:
         client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
                                                 temperature=0, stream=True)
@@ -231,8 +233,8 @@ def test_serve_refuses_bad_arguments_before_listening(capsys):
     from cs336_inference.cli import main
 
     assert main(["serve", "--model", "target", "--port", "70000"]) == 2
-    assert "--port must be in [0, 65535]" in capsys.readouterr().err
+    assert "--port" in capsys.readouterr().err
     assert main(["serve", "--model", "no-such-model", "--port", "0"]) == 2
     assert "'no-such-model'" in capsys.readouterr().err
     assert main(["serve", "--model", "target", "--port", "0", "--max-num-seqs", "0"]) == 2
-    assert "max_num_seqs" in capsys.readouterr().err
+    assert "--max-num-seqs" in capsys.readouterr().err

@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from adapters import run_rmsnorm, run_rope, run_scaled_dot_product_attention, run_swiglu
+from adapters import run_library_rmsnorm, run_library_swiglu, run_rope, run_scaled_dot_product_attention
 from reference_model import ref_rope
 
 
@@ -33,7 +33,7 @@ def test_rope_preserves_relative_position_dot_products():
 def test_rmsnorm_formula():
     x, w = torch.randn(3, 5, 8), torch.randn(8)
     want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
-    torch.testing.assert_close(run_rmsnorm(x, w), want)
+    torch.testing.assert_close(run_library_rmsnorm(w, x), want)
 
 
 def test_swiglu_formula():
@@ -41,7 +41,7 @@ def test_swiglu_formula():
     w1, w2, w3, x = torch.randn(F, D), torch.randn(D, F), torch.randn(F, D), torch.randn(2, 3, D)
     a, g = x @ w1.T, x @ w3.T
     want = (a * torch.sigmoid(a) * g) @ w2.T
-    torch.testing.assert_close(run_swiglu(x, w1, w2, w3), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(run_library_swiglu(w1, w2, w3, x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_sdpa_matches_explicit_softmax_loop():

@@ -13,13 +13,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
+ANSWERS = sorted((NOTEBOOKS / "answers").glob("[0-9][0-9]_*.py"))   # worked answers to the exercises
+WITH_ANSWERS = [s for s in SOURCES if int(s.name[:2]) <= 7]   # notebooks 00-07 must have an answers notebook
+ALL, ALL_IDS = SOURCES + ANSWERS, [s.stem for s in SOURCES] + [f"answers/{s.stem}" for s in ANSWERS]
 
 
 def _cells(nb):
     return [(c.cell_type, c.source.strip()) for c in nb.cells]
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=[s.stem for s in SOURCES])
+@pytest.mark.parametrize("source", ALL, ids=ALL_IDS)
 def test_ipynb_pair_in_sync_and_without_outputs(source):
     ipynb = source.with_suffix(".ipynb")
     assert ipynb.exists(), f"{ipynb.name} missing: run `jupytext --to ipynb {source.name}` in notebooks/"
@@ -31,7 +34,7 @@ def test_ipynb_pair_in_sync_and_without_outputs(source):
             assert not cell.get("outputs"), f"{ipynb.name} has outputs committed; clear them"
 
 
-@pytest.mark.parametrize("source", SOURCES, ids=[s.stem for s in SOURCES])
+@pytest.mark.parametrize("source", ALL, ids=ALL_IDS)
 def test_notebook_is_plain_python(source):
     """`python notebooks/NN_topic.py` runs the same code as the kernel (the slow test below) only if no
     cell needs IPython: no magics, shell escapes or get_ipython/display (jupytext would comment a magic
@@ -59,6 +62,22 @@ def test_notebook_ends_with_a_summary_and_exercises_that_use_the_library(source)
     assert 2 <= len(numbered) <= 3, f"{source.name}: {len(numbered)} exercises"
     assert "`" in exercises and "tests/library/test_notebook_exercises.py" in exercises, (
         f"{source.name}: exercises should name the library calls they use and where the answers live")
+
+
+@pytest.mark.parametrize("source", WITH_ANSWERS, ids=[s.stem for s in WITH_ANSWERS])
+def test_every_exercise_has_a_worked_answer(source):
+    """notebooks/answers/NN_topic.py answers each numbered exercise under `## Exercise k` (in order), and the
+    notebook's exercises point there. tests/library/test_notebook_exercises.py runs and checks the answers."""
+    answers = NOTEBOOKS / "answers" / source.name
+    assert answers.exists(), f"{source.name}: no worked answers (write notebooks/answers/{source.name})"
+    exercises = [c.source for c in jupytext.read(source).cells if c.cell_type == "markdown"][-1]
+    numbered = [line for line in exercises.splitlines() if re.match(r"\d+\. ", line)]
+    assert f"answers/{source.stem}.ipynb" in exercises, f"{source.name}: the exercises do not point to their answers"
+    headings = [line for c in jupytext.read(answers).cells if c.cell_type == "markdown"
+                for line in c.source.splitlines() if line.startswith("## Exercise")]
+    assert [h.split(":")[0] for h in headings] == [f"## Exercise {k}" for k in range(1, len(numbered) + 1)], headings
+    code = [c for c in jupytext.read(answers).cells if c.cell_type == "code"]
+    assert len(code) > len(numbered), f"{answers.name}: a code cell per answer, after the setup"
 
 
 @pytest.mark.slow

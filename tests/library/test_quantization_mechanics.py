@@ -8,7 +8,7 @@ import pytest
 import torch
 from adapters import get_fp8_range, run_fp8_round_trip, run_pack_bits, run_unpack_bits
 
-from cs336_inference.quantization import pack_int4, quantize_tensor
+from cs336_inference.quantization import pack_int4, quantize, quantize_tensor
 
 
 def rtn(x, bits=8, symmetric=True, granularity="tensor", group_size=None):
@@ -38,6 +38,22 @@ def test_bad_quantization_arguments_raise():
         rtn(torch.tensor([[1.0, float("nan")]]), 8)
     with pytest.raises(ValueError, match="granularity"):
         rtn(x, 8, True, "row")
+    for bad in (float("nan"), float("inf"), -float("inf")):   # a code for NaN would be -2^31 (int32 cast)
+        with pytest.raises(ValueError, match="NaN/Inf"):
+            quantize(torch.tensor([0.5, bad]), scale=0.1, zero_point=0, bits=8)
+
+
+def test_model_records_only_the_options_a_method_uses():
+    from adapters import make_config, make_model, run_quantize_model
+
+    model = make_model(make_config(vocab_size=64, d_model=32, num_heads=2, d_ff=64, num_layers=1, context_length=16))
+    fp8 = run_quantize_model(model, "fp8", 8, 128)                 # the default group size: not a request
+    assert fp8.quantization["group_size"] is None and fp8.quantization["symmetric"] is True
+    assert "group_size=128" in fp8.quantization["ignored"]
+    with pytest.warns(UserWarning, match="group_size=32 is not used"):
+        run_quantize_model(model, "llm_int8", 8, 32)
+    rtn8 = run_quantize_model(model, "rtn", 8, None, torch.randint(0, 64, (1, 8)), symmetric=True)
+    assert rtn8.quantization["ignored"] == ["calibration"] and rtn8.quantization["symmetric"] is True
 
 
 def test_pack_int4_rejects_out_of_range_and_odd_lengths():

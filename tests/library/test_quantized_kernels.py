@@ -9,6 +9,8 @@ products, the scale of any rounding error in a dot product):
   (relative 2^-8), so |err| <= 3 * 2^-8 * s.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -36,7 +38,8 @@ def _check(y, y_ref, bound, tol):
 
 
 LAYOUTS = [(4, 32, False), (4, 64, False), (4, 128, False), (4, 64, True), (4, 128, True),
-           (4, None, False), (4, None, True), (8, None, True), (8, None, False)]
+           (4, None, False), (4, None, True), (8, None, True), (8, None, False),
+           (8, 32, True), (8, 64, False), (8, 128, True)]   # grouped int8: two int4 planes
 
 
 @pytest.mark.parametrize("bits,group_size,symmetric", LAYOUTS)
@@ -79,9 +82,18 @@ def test_int4_kernel_uses_the_zero_point():
         _check(layer(x), y_ref, bound, FP32_TOL)
 
 
-def test_auto_falls_back_where_no_kernel_fits_and_packed_refuses():
+def test_auto_falls_back_where_no_kernel_fits_and_packed_refuses(monkeypatch):
+    from cs336_inference.quantization import kernels
+
+    monkeypatch.setattr(kernels, "_announced", set())
     weight = torch.randn(40, 64)                        # 40 rows: not a multiple of 16 (CPU int4)
-    auto = adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="auto", scale_dtype=torch.float32)
+    with pytest.warns(kernels.SlowKernelWarning, match="out_features % 16"):
+        auto = adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="auto",
+                                                          scale_dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                  # said once: a second such layer is quiet
+        adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="auto")
+    assert "reference" in auto.kernel_summary() and "out_features" in auto.kernel_summary()
     assert auto.packed_weight(torch.device("cpu")) is None
     x = torch.randn(3, 64)
     y_ref, bound = _reference(x, weight, 4, 32, False)
@@ -91,8 +103,10 @@ def test_auto_falls_back_where_no_kernel_fits_and_packed_refuses():
         adapters.make_quantized_linear_from_weight(weight, 4, 32, False, kernel="packed")
     with pytest.raises(ValueError, match="group_size"):
         adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 16, False, kernel="packed")
-    with pytest.raises(ValueError, match="per channel"):
-        adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 8, 32, True, kernel="packed")
+    with pytest.raises(ValueError, match="in_features % 16"):   # int8pack crashes there (see the shape sweep)
+        adapters.make_quantized_linear_from_weight(torch.randn(32, 24), 8, None, True, kernel="packed")
+    with pytest.raises(ValueError, match="grouped int8"):
+        adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 8, 16, True, kernel="packed")
     with pytest.raises(ValueError, match="kernel"):
         adapters.make_quantized_linear_from_weight(torch.randn(32, 64), 4, 32, False, kernel="fast")
 
@@ -111,7 +125,7 @@ def test_quantized_model_kernels_agree_and_refusal_leaves_model_unchanged():
     config = adapters.make_config(vocab_size=64, d_model=64, num_heads=4, num_kv_heads=2, d_ff=128,
                                   num_layers=2, context_length=32)
     model = adapters.make_model(config)
-    ids = torch.randint(0, 64, (2, 12))
+    ids = torch.randint(0, 64, (2, 6))   # 12 rows: the packed (decode-sized) path
     q = adapters.run_quantize_model(model, "rtn", bits=4, group_size=32)
     with torch.no_grad():
         fast = adapters.run_model(q, ids)
@@ -119,8 +133,8 @@ def test_quantized_model_kernels_agree_and_refusal_leaves_model_unchanged():
         slow = adapters.run_model(q, ids)
     assert (fast - slow).abs().max() <= 0.05 * slow.abs().max()   # bf16 activations through 2 blocks
     assert not torch.equal(fast, slow)                               # the two kernels really differ
-    q8 = adapters.run_quantize_model(model, "rtn", bits=8, group_size=32, symmetric=True)  # groups: no kernel
-    with pytest.raises(ValueError, match="per channel"):
+    q8 = adapters.run_quantize_model(model, "rtn", bits=8, group_size=16, symmetric=True)  # g16: no kernel
+    with pytest.raises(ValueError, match="grouped int8"):
         adapters.run_set_quantized_kernel(q8, "packed")
     assert all(m.kernel == "auto" for m in q8.modules() if hasattr(m, "kernel"))
 

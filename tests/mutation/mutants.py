@@ -106,8 +106,8 @@ MUTANTS: tuple[Mutant, ...] = (
            (("mass_before = sorted_probs.cumsum(-1) - sorted_probs", "mass_before = sorted_probs.cumsum(-1)"),),
            "top-p drops the token that crosses the threshold (the nucleus falls short of top_p)"),
     Mutant("sampler_ignores_top_k", SAMPLING,
-           (("probs = logits_to_probs(logits, temperature, top_k, top_p)",
-             "probs = logits_to_probs(logits, temperature, None, top_p)"),),
+           (("probs = _probs(logits.float(), temperature, top_k, top_p)",
+             "probs = _probs(logits.float(), temperature, None, top_p)"),),
            "sample_next_token forgets to pass top_k on"),
     Mutant("speculative_bonus_from_the_last_draft_position", SPECULATIVE,
            (("dist = q_target[g] if k == g", "dist = q_target[g - 1] if k == g"),),
@@ -230,7 +230,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "a prefill that exactly fills the token budget is refused"),
     Mutant("scheduler_admits_while_preempting", SCHEDULER,
            (("        if not batch.preempted:  # no admission while memory is short", "        if True:"),),
-           "new sequences are admitted in the same step that preempted one"),
+           "new sequences are admitted in the same step that preempted one",
+           equivalent="a victim re-prefills its tokens plus the one it was to decode, one block more than it "
+                      "freed, and waits at the front: without shared blocks (the graded functions have none) "
+                      "nothing behind it can be admitted in that step"),
     Mutant("kv_bytes_without_k_and_v", FORMULAS,
            (("return 2 * config.num_kv_heads * config.head_dim", "return config.num_kv_heads * config.head_dim"),),
            "numeric KV bytes miss the factor 2 for keys and values"),

@@ -112,6 +112,8 @@ def num_parameters(model, include_norms: bool = False, active_only: bool = False
     `TransformerLM` we run has them). active_only counts the experts one token uses (MoE).
     Tied embeddings (SmolLM2) count the one V x D table once.
     """
+    _checks.boolean("include_norms", include_norms)
+    _checks.boolean("active_only", active_only)
     s = get_model_shape(model)
     total = (1 if s.tie_embeddings else 2) * s.vocab_size * s.d_model  # token embedding (+ untied lm_head)
     for layer in range(s.num_layers):

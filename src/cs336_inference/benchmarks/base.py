@@ -184,7 +184,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            self.values["rss_start_bytes"] = _status_bytes("VmRSS")
+            self.values["rss_start_bytes"] = rss_bytes()
             try:
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")   # "5": reset the peak resident set to the current one
@@ -205,6 +205,11 @@ class PeakMemory:
         return dict(self.values)
 
 
+def rss_bytes() -> int | None:
+    """This process's resident set now (Linux), in bytes; None where the OS does not tell."""
+    return _status_bytes("VmRSS")
+
+
 def _status_bytes(field: str) -> int | None:
     """A memory line of /proc/self/status (VmHWM: peak resident set, VmRSS: now) in bytes."""
     try:
@@ -215,4 +220,4 @@ def _status_bytes(field: str) -> int | None:
         return None
 
 
-__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "save_csv"]
+__all__ = ["Benchmark", "PeakMemory", "Run", "describe_machine", "finite", "load_avg", "rss_bytes", "save_csv"]

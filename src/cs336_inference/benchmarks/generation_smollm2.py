@@ -22,22 +22,11 @@ from ..cpu_tuning import describe, tune_for_cpu
 from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
-from .base import Benchmark
+from .base import Benchmark, rss_bytes
 from ..accounting.model_roofline import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _rss_mb() -> float | None:
-    """This process's resident memory (Linux), for the load table."""
-    try:
-        for line in open("/proc/self/status"):
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 def measure_loading(device: torch.device) -> dict:
@@ -47,12 +36,12 @@ def measure_loading(device: torch.device) -> dict:
     out = dict(convert_gguf_s=time.perf_counter() - t0)
     for p, dt in PRECISIONS.items():
         load_pretrained(MODEL, device=device, dtype=dt)          # make sure this dtype's cache file exists
-        rss0, t0 = _rss_mb(), time.perf_counter()
+        rss0, t0 = rss_bytes(), time.perf_counter()
         model = load_pretrained(MODEL, device=device, dtype=dt)
         out[f"load_{p}_s"] = time.perf_counter() - t0
         out[f"parameters_{p}_MB"] = sum(t.nbytes for t in model.parameters()) / 1e6
-        rss1 = _rss_mb()
-        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else rss1 - rss0
+        rss1 = rss_bytes()
+        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else (rss1 - rss0) / 2**20
         del model
     return out
 

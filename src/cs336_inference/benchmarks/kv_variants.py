@@ -40,17 +40,15 @@ VARIANTS: dict[str, dict] = {
 
 # At real scale (accounting only): each variant applied to the attention of Llama 2 13B (MHA, 40 layers)
 # and of DeepSeek-V2 (MLA, 60 layers of 128 heads x 128 dims), from `model_shapes.REAL_MODELS`.
+_GQA = dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)   # undo DeepSeek-V2's MLA
 SCALE_VARIANTS = {
-    "MHA": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None),
-    "GQA (K=8)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=8),
-    "MQA (K=1)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=1),
+    "MHA": _GQA,
+    "GQA (K=8)": dict(_GQA, num_kv_heads=8),
+    "MQA (K=1)": dict(_GQA, num_kv_heads=1),
     "MLA (C=512, R=64)": dict(attention_type="mla", kv_lora_rank=512, rope_head_dim=64),
-    "window 4096": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, sliding_window=4096),
-    "hybrid (window 1024, 1 global in 6) + GQA (K=8)": dict(
-        attention_type="gqa", kv_lora_rank=None, rope_head_dim=None, num_kv_heads=8, sliding_window=1024,
-        global_every=6),
-    "CLA (2 layers) + GQA (K=8)": dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None,
-                                       num_kv_heads=8, kv_share_group=2),
+    "window 4096": dict(_GQA, sliding_window=4096),
+    "hybrid (window 1024, 1 global in 6) + GQA (K=8)": dict(_GQA, num_kv_heads=8, sliding_window=1024, global_every=6),
+    "CLA (2 layers) + GQA (K=8)": dict(_GQA, num_kv_heads=8, kv_share_group=2),
 }
 SCALE_MODELS = {"Llama-2-13B": "llama2-13b", "DeepSeek-V2": "deepseek-v2"}
 
@@ -219,10 +217,11 @@ def plot_scale(data: dict):
         curves = scale["bytes"][model_name]
         for i, name in enumerate(SCALE_VARIANTS):
             style = dict(lw=4, alpha=0.6, zorder=1) if name == "MHA" else dict(lw=1.6, zorder=2)
-            ax.plot(lengths, [v / 2 ** 30 for v in curves[name]], marker=".", color=f"C{i}",
+            ax.plot(lengths, [v / 1e9 for v in curves[name]], marker=".", color=f"C{i}",
                     ls="--" if name.startswith("window") else "-", label=name, **style)
         ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-               ylabel="KV cache of one sequence (GiB, bf16)", title=f"{model_name} attention shape (accounting only)")
+               ylabel="KV cache of one sequence (GB, bf16)",
+               title=f"{model_name} attention shape (accounting only)")
         ax.set_xscale("log", base=2)
         ax.legend(fontsize=7)
     fig.tight_layout()

@@ -1,25 +1,19 @@
-"""`python -m cs336_inference bench long_context`: what each way of shrinking the KV cache costs a
-real model that was trained without it.
+"""`bench long_context`: what each way of shrinking the KV cache costs a real model trained without it.
 
 SmolLM2-135M-Instruct (full attention, trained to 8k tokens) retrieves a passkey (`data.passkey`) at
-contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1, 20 trials per context. Each variant is
-applied post hoc, with no training: a sliding window W (Longformer, Mistral), the same window keeping
-4 attention sinks (StreamingLLM), local/global hybrids (Gemma 2, Character.AI; with the sinks, which a
-post-hoc window needs at all), MQA made by
-mean-pooling the 3 KV heads (GQA's conversion, without its uptraining), and int8 / fp8 / int4 KV caches.
-Per variant: accuracy per context, KV cache bytes at the longest context (measured on the cache
-object), and decode latency at the longest context.
-
-Work is shared where that is exact, so the full run fits in well under an hour on 2 CPU cores (bf16):
-- a trial is scored from one prefill plus one forward of its answer tokens: greedy decoding emits the
-  key iff each answer token is the argmax given the ones before it (teacher forcing checks exactly that);
-- the KV-cache formats reuse the full-attention prefill of each trial and quantize the filled cache
-  (the prompt's own attention ran in bf16, every decode step reads the codes: what serving engines do);
-- a window that covers the whole sequence changes nothing, so those cells reuse the full result;
-- prompts are prefilled in chunks of 256 tokens (chunked prefill, as vLLM/Sarathi do): the same math,
-  but a windowed layer then attends over window + chunk keys instead of the whole prompt.
-Decode latency is timed at the end, one step per variant in turn (8 rounds), so drifting load on a
-shared machine hits every variant alike.
+contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1. Each variant is applied post hoc: a
+sliding window (Longformer, Mistral), the window keeping 4 attention sinks (StreamingLLM), local/global
+hybrids (Gemma 2, Character.AI), MQA by mean-pooling the KV heads (GQA's conversion without its
+uptraining), and int8 / fp8 / int4 KV caches. Per variant: accuracy per context, the cache's bytes at
+the longest context (measured on the cache object) and decode latency there (one step per variant in
+turn, rounds interleaved). Work is shared only where that is exact:
+- a trial is one prefill plus one forward of its answer: greedy decoding emits the key iff each answer
+  token is the argmax given the ones before it, which teacher forcing checks;
+- the KV formats quantize the full-attention prefill of each trial (the prompt's own attention ran in
+  bf16, each decode step reads the codes: what serving engines do);
+- a window covering the whole sequence changes nothing, so those cells reuse the full result;
+- prompts are prefilled in chunks of 256 (as vLLM/Sarathi do): the same math, but a windowed layer
+  attends over window + chunk keys instead of the whole prompt.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""`python -m cs336_inference bench quantization_smollm2`: every quantization method on a real model
-and real English text (CPython's documentation, `data.real_text`), against the unquantized model.
+"""`bench quantization_smollm2`: every quantization method on a real model and real English text
+(CPython's documentation, `data.real_text`), against the unquantized model.
 
-Per variant: bits per UTF-8 byte on held-out text, KL(reference || variant) per token and top-1
-agreement with the reference, and the model's true stored bytes. Also: how many activations entering
-each layer's linears exceed LLM.int8()'s outlier threshold 6.0 (Dettmers et al. 2022), per layer.
-
-The reference is the published model itself: its weights are *already* 4-bit (GGUF Q4_1: blocks of
-32 with an fp16 scale d and an fp16 minimum m, w = d q + m), dequantized to fp32. Re-quantizing them
-on llama.cpp's own grid reproduces them exactly (a quantized model quantizes losslessly to its own
-grid: itself a lesson), while our affine int4 g32 uses another grid (range widened to contain 0, an
-integer zero point), and the table shows what that difference costs.
-Groups of 128 do not divide D = 576 (= 4.5 x 128), so the "g128" rows use g96, the largest group of
-at most 128 that divides both 576 and F = 1536.
+Per variant: bits per UTF-8 byte of held-out text, KL(reference || variant) and top-1 agreement per
+token, the model's true stored bytes; and how many activations entering each layer's linears exceed
+LLM.int8()'s outlier threshold 6.0 (Dettmers et al. 2022). The reference is the published model: its
+weights are *already* 4-bit (GGUF Q4_1: blocks of 32, w = d q + m), dequantized to fp32. Re-quantizing
+on llama.cpp's own grid reproduces them exactly, while our affine int4 g32 uses another grid (range
+widened to contain 0, an integer zero point): the table shows what that costs. 128 does not divide
+D = 576, so the "g128" rows use g96 (the largest group <= 128 dividing both 576 and F = 1536).
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ parameters, context 512).
    short paragraph; half behind a shared system prompt, the others behind the template's default
    one; answers end at <|im_end|> or after 128 tokens): static vs continuous batching, and paged vs
    contiguous memory in a tight budget (1536 token slots).
+5. Chunked prefill on a trace with long prompts (`serving_chunked`): p99 ITL whole vs chunked.
 One CPU thread throughout (a shared machine stalls spinning OpenMP threads); the load average
 before and after is recorded.
 """
@@ -40,6 +41,7 @@ from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
 from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..tables import print_table
 from .base import Benchmark
+from .serving_chunked import CHUNKING_COLUMNS, chunking_rows, compare_chunking, plot_chunking
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line
 METRICS = [("throughput_tok_per_s", "throughput (tok/s)", "{:,.0f}"), ("ttft_p50_s", "TTFT p50 (s)", "{:.3f}"),
@@ -147,18 +149,21 @@ def measure(run, model_name: str = "target") -> dict:
     scheduling, sched_runs = compare_schedulers(model, requests, repeats=1 if quick else 3)
     memory, layout_runs = compare_layouts(model, requests, budget_tokens=2048)
     sharing = sharing_savings(model, quick)
+    chunking = compare_chunking(model, quick)
     real, real_runs = ({"skipped": "full runs only"}, None) if quick else real_model_results(device)
     results = {"device": str(device), "model": model_name, "threads": torch.get_num_threads(),
                "load_avg_before": list(load_before), "load_avg_after": list(os.getloadavg()),
                "trace": {**config.__dict__, "prompt_len": list(config.prompt_len),
                          "stop_tokens": list(config.stop_tokens)},
-               "scheduling": scheduling, "memory": memory, "sharing": sharing, REAL_MODEL: real}
+               "scheduling": scheduling, "memory": memory, "sharing": sharing, "chunked_prefill": chunking,
+               REAL_MODEL: real}
     paged16 = memory["layouts"]["paged, block 16"]["waste_pct"]
     results["goals"] = {"continuous >= 2x static throughput": scheduling["throughput_ratio"] >= 2,
                         "continuous has the lower p99 TTFT":
                             scheduling["continuous"]["ttft_p99_s"] < scheduling["static"]["ttft_p99_s"],
                         "paged waste < 4% (block 16)": paged16 < 4,
-                        "paged waste < 4% (block 8)": memory["layouts"]["paged, block 8"]["waste_pct"] < 4}
+                        "paged waste < 4% (block 8)": memory["layouts"]["paged, block 8"]["waste_pct"] < 4,
+                        "chunked prefill lowers p99 ITL": chunking["itl_p99_ratio"] > 1}
     # drawn from the runs' step records, which the JSON does not keep: `figures` cannot redraw these
     _plot(sched_runs, layout_runs, results, run)
     if real_runs is not None:
@@ -196,6 +201,13 @@ def print_results(results: dict) -> None:
     print_table([{"case": k, **v} for k, v in results["sharing"].items()],
                 [("case", "sharing", None), ("shared_pct", "% of tokens stored once for several", "{:.1f}"),
                  ("cached_prompt_tokens", "prompt tokens from the prefix cache", None)], title="\nKV sharing")
+    c = results.get("chunked_prefill")
+    lo, hi = c["itl_p99_ratio_range"] if c else (0, 0)
+    if c:
+        print_table(chunking_rows(c), CHUNKING_COLUMNS,
+                    title=f"\nchunked prefill, prompts of {c['trace']['prompt_len'][0]}-{c['trace']['prompt_len'][1]} "
+                          f"tokens: p99 ITL {c['itl_p99_ratio']:.1f}x lower with {c['compared']} "
+                          f"({lo:.1f}..{hi:.1f}x), median of {c['repeats']} alternated runs")
     real = results[REAL_MODEL]
     if "skipped" not in real:
         _print_scheduling(real["scheduling"], f"\n{REAL_MODEL}, {real['trace']['num_requests']} chat requests", load)
@@ -283,7 +295,8 @@ def _plot_real(sched_runs: dict, layout_runs: dict, real: dict, run) -> None:
     plt.close(fig)
 
 
-BENCHMARK = bench_serving = Benchmark("serving", measure, print_results)
+BENCHMARK = bench_serving = Benchmark("serving", measure, print_results,
+                                      plots={"{name}_chunked_prefill": plot_chunking})
 
 __all__ = ["bench_serving", "compare_layouts", "compare_schedulers", "print_results", "real_model_results",
            "real_model_trace", "serving_trace", "sharing_savings"]

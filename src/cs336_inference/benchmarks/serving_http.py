@@ -20,15 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-import urllib.request
 
 import torch
 
@@ -37,6 +31,7 @@ from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import load_tokenizer
 from ..serving import Engine
 from ..serving.async_engine import AsyncEngine
+from ..serving.http.launch import running_server
 from ..serving.client import (EndpointRequest, StreamResult, arrival_times, http_sender, open_session, run_load,
                               stream_metrics)
 from ..serving.request import SamplingParams
@@ -119,43 +114,6 @@ def async_sender(served: AsyncEngine, ids_of: dict, tokenizer):
     return send
 
 
-@contextlib.contextmanager
-def serve_process(model: str, max_num_seqs: int, timeout: float = 120):
-    """`python -m cs336_inference serve` on a free 127.0.0.1 port; yields its /v1 URL; stopped by pid."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile("w+")
-    cmd = [sys.executable, "-m", "cs336_inference", "serve", "--model", model, "--host", "127.0.0.1", "--port",
-           str(port), "--max-num-seqs", str(max_num_seqs)]
-    process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"serve exited with {process.returncode}:\n{log.read()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"serve was not ready within {timeout} s")
-            time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
-        log.close()
-
-
 async def _async_run(model, requests, ids, concurrency):
     engine = Engine(model, clock=time.monotonic, max_num_seqs=concurrency)
     ids_of = {id(r): i for r, i in zip(requests, ids)}
@@ -193,7 +151,8 @@ def measure(run, concurrency: int = 32, repeats: int | None = None) -> dict:
     loads = {"closed loop": math.inf}
     load_before = load_avg()
     rows = []
-    with serve_process("target", concurrency) as url:
+    with running_server("target", "--max-num-seqs", str(concurrency)) as server:
+        url = server.v1
         warm, warm_ids = make_load(concurrency, (32, 96), 8, math.inf, seed=99)
         for mode in MODES:
             one_run(mode, model, url, warm, warm_ids, concurrency)
@@ -270,4 +229,4 @@ def plot_serving_http(result: dict):
 
 BENCHMARK = bench_serving_http = Benchmark(NAME, measure, print_serving_http, plots={NAME: plot_serving_http})
 
-__all__ = ["bench_serving_http", "drive_engine", "make_load", "plot_serving_http", "serve_process"]
+__all__ = ["bench_serving_http", "drive_engine", "make_load", "plot_serving_http"]

@@ -1,26 +1,19 @@
 """`bench speculative`: plain target decoding vs speculative decoding, measured and predicted.
 
-For each workload (a target, its drafters, prompts), temperature (0 and 1) and gamma (1..8):
-decode tokens/s of plain `generate(target)` and of `speculative_generate`, run alternately in one
-process (plain before each drafter's sweep, in every repeat), so the speed-up is a ratio measured
-side by side. Decode time = the run's time minus its prefill (timed alone). With one CPU thread the
-primary clock is the process's CPU time, which a busy shared machine does not inflate; wall-clock
-is reported beside it.
+For each workload (a target, its drafters, prompts), temperature (0 and 1) and gamma (1..8): decode
+tokens/s of plain `generate` and of `speculative_generate`, run alternately (plain before each
+drafter's sweep, every repeat), so the speed-up is a ratio measured side by side; decode time is a
+run's time minus its prefill (timed alone). With one CPU thread the clock is the process's CPU time,
+which a busy shared machine does not inflate (wall-clock beside it).
 
-Next to it, the speed-up the theory predicts from the *measured* acceptance rate alpha and the
-*measured* costs, in units of one plain decode step of the target (forward + sampling), each part
-timed on its own in the same run (`measure_costs`; a model drafter and the verifier are timed taking
-turns, as in the loop, since on a CPU they evict each other's weights from the private caches):
-  c  one draft token (draft forward + sampling), or one prompt lookup (per pass),
+Next to it, the speed-up the theory predicts from the *measured* alpha and *measured* costs, in units
+of one plain decode step of the target (forward + sampling), timed in the same run (`measure_costs`):
+  c  one draft token (draft forward + sampling; drafter and verifier take turns, as in the loop, since
+     on a CPU they evict each other's weights), or one prompt lookup per pass;
   v  the target's verification pass over g + 1 tokens, accept rule included.
-predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)), with g_j the drafts proposed in
-pass j (always gamma for a model draft, except near the end); `paper` is Leviathan et al.'s
-E[tokens | alpha, gamma] / (gamma c + 1), which assumes a memory-bound target (v = 1).
-
-Workloads: the shipped toy pair on two kinds of text, stories (free generation) and echo drills
-(lines that repeat earlier lines: input-grounded, where prompt lookup shines); and, where the real
-model is installed, SmolLM2-135M-Instruct with prompt lookup on chat tasks whose answer copies a
-given passage, and on free writing for contrast.
+predicted = mean_j E[tokens | alpha, g_j] / mean_j (g_j c + v(g_j)) over the passes j (g_j drafts
+proposed); `paper` is Leviathan et al.'s E[tokens | alpha, gamma] / (gamma c + 1), which assumes a
+memory-bound target (v = 1). Workloads: `speculative_workloads`.
 """
 
 from __future__ import annotations

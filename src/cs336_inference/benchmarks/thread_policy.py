@@ -20,6 +20,7 @@ import time
 import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
 
 from .._openmp import SHORT_SPIN
+from ..tables import print_table
 from ..timing import load_average
 from .base import Benchmark
 
@@ -92,15 +93,13 @@ def _child(quick: bool, switch: bool) -> dict:
 
 
 def _print(result: dict) -> None:
-    print(f"\nbatch-1 decode, bench-90m{' (quick: smaller)' if result['quick'] else ''}, "
-          f"{result['threads']} threads, ms/step (min-max over rounds); load average "
-          f"{result['load_average_start']:.2f} at start, {result['load_average_end']:.2f} at the end")
-    head = f"{'policy':<24}" + "".join(f"{c + ' ' + p:>22}" for c in ("idle", "busy") for p in PATHS)
-    print(head)
-    for name, r in result["policies"].items():
-        cells = "".join(f"{r[f'{c} {p}']['ms']:>8.1f} ({r[f'{c} {p}']['ms_min']:.1f}-{r[f'{c} {p}']['ms_max']:.1f})"
-                        .rjust(22) for c in ("idle", "busy") for p in PATHS)
-        print(f"{name:<24}{cells}")
+    cells = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
+    rows = [{"policy": name, **{c: f"{r[c]['ms']:.1f} ({r[c]['ms_min']:.1f}-{r[c]['ms_max']:.1f})" for c in cells}}
+            for name, r in result["policies"].items()]
+    print_table(rows, [("policy", "policy", None)] + [(c, c, None) for c in cells],
+                title=f"\nbatch-1 decode, bench-90m{' (quick: smaller)' if result['quick'] else ''}, "
+                      f"{result['threads']} threads, ms/step (min-max over rounds); load average "
+                      f"{result['load_average_start']:.2f} at start, {result['load_average_end']:.2f} at the end")
 
 
 def _plot(result: dict):

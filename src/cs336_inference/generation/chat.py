@@ -28,11 +28,13 @@ def extend(model, cache, ids: list[int]) -> torch.Tensor:
 @torch.inference_mode()
 def stream(model, cache, logits: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
            top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
-           generator: torch.Generator | None = None):
+           generator: torch.Generator | None = None, decode=None):
     """Yield up to `max_new_tokens` token ids, sampled from `logits` and then from each decode step.
 
     Every yielded token except the last is already in the cache when the next one is yielded; a
-    stop token (yielded too) ends the stream. The caller may stop iterating at any time.
+    stop token (yielded too) ends the stream. The caller may stop iterating at any time. decode:
+    `step(token_ids (1,), cache) -> logits (1, V)` to run each step (a `compile_decode` step), else
+    the model's own forward.
     """
     _check_sampling_args(temperature, top_k, top_p)
     stop = {int(t) for t in stop_tokens}
@@ -41,7 +43,10 @@ def stream(model, cache, logits: torch.Tensor, max_new_tokens: int, temperature:
         yield token
         if token in stop or step == max_new_tokens - 1 or cache.length >= cache.max_seq_len:
             return
-        logits = model(torch.tensor([[token]], device=model.device), cache=cache, start_pos=cache.length)[0, -1]
+        if decode is not None:
+            logits = decode(torch.tensor([token], device=model.device), cache)[0]
+        else:
+            logits = model(torch.tensor([[token]], device=model.device), cache=cache, start_pos=cache.length)[0, -1]
 
 
 class TextStream:

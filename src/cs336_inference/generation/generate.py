@@ -133,6 +133,7 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
     _checks.generator("generator", generator)
+    _checks.boolean("use_cache", use_cache)
     if sampler is None:
         sampler = sample_next_token
     elif not callable(sampler):

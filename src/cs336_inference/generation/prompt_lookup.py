@@ -21,8 +21,13 @@ from .drafters import SamplingParams
 
 def prompt_lookup_propose(sequence: list[int], n: int, max_ngram: int = 3, min_ngram: int = 1) -> list[int]:
     """Up to n tokens continuing `sequence`, copied from after the most recent earlier occurrence of
-    its last `ngram` tokens (longest ngram first). Empty when nothing matches."""
-    if n <= 0:
+    its last `ngram` tokens (longest ngram first). Empty when nothing matches (or n = 0)."""
+    sequence = _checks.token_list("sequence", sequence)
+    _checks.non_negative_int("n", n)
+    _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
+    if min_ngram > max_ngram:
+        raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
+    if n == 0 or not sequence:
         return []
     ids = torch.tensor(sequence)
     for size in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):

@@ -19,10 +19,20 @@ def _check_sampling_args(temperature, top_k, top_p) -> None:
 
 
 def _check_logits(logits) -> None:
+    """Type, shape and values: NaN or +inf anywhere, or a row where every token is -inf, has no
+    distribution to sample (argmax would silently return token 0). The value check reads one bool back
+    from the device per call: sampling is where a generated token reaches the host anyway."""
     if not isinstance(logits, torch.Tensor) or not logits.dtype.is_floating_point:
-        raise TypeError("logits must be a floating-point torch.Tensor of shape (..., V)")
+        raise TypeError(f"logits must be a floating-point torch.Tensor of shape (..., V), got "
+                        f"{logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__}")
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
+    bad = torch.isnan(logits) | torch.isposinf(logits)
+    if bool(bad.any() | torch.isneginf(logits).all(-1).any()):
+        what = ("NaN" if bool(torch.isnan(logits).any()) else "+inf" if bool(torch.isposinf(logits).any())
+                else "a row where every logit is -inf (no token allowed)")
+        raise ValueError(f"logits must be finite or -inf (a forbidden token), with at least one token allowed per "
+                         f"row; got {what} (a diverged model, or NaN weights?)")
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -30,7 +40,11 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int |
     """The sampling distribution (..., V) in fp32. Temperature 0 gives a one-hot on the argmax."""
     _check_logits(logits)
     _check_sampling_args(temperature, top_k, top_p)
-    logits = logits.float()
+    return _probs(logits.float(), temperature, top_k, top_p)
+
+
+def _probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """`logits_to_probs` on checked fp32 arguments."""
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / temperature
@@ -56,7 +70,7 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     _checks.generator("generator", generator)
     if temperature == 0:
         return logits.argmax(-1)
-    probs = logits_to_probs(logits, temperature, top_k, top_p)
+    probs = _probs(logits.float(), temperature, top_k, top_p)
     flat = probs.reshape(-1, probs.shape[-1])
     if generator is not None and generator.device != flat.device:
         flat = flat.to(generator.device)

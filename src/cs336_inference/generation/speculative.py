@@ -27,7 +27,7 @@ from .. import _checks
 from ..model.transformer import TransformerLM
 from ..timing import sync_device
 from .drafters import Drafter, ModelDrafter, SamplingParams
-from .generate import left_pad, prefill
+from .generate import left_pad, prefill, stop_token_set
 from .prompt_lookup import PromptLookupDrafter
 from .sampling import sample_next_token
 from .speculative_rule import accept_unchecked, greedy_accept
@@ -159,7 +159,7 @@ class SpeculativeDecoder:
         _check_args(target, self.drafter, gamma, max_new_tokens, generator)
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.target, self.gamma, self.max_new_tokens, self.generator = target, gamma, max_new_tokens, generator
-        self.stop = set(int(t) for t in (stop_tokens or []))
+        self.stop = stop_token_set(stop_tokens, target.config.vocab_size)   # as `generate` accepts them
         prompt = _prompt_list(prompt_ids)
         P = len(prompt)
         for who, model in (("target", target), ("draft", getattr(self.drafter, "model", None))):

@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import torch
 
+from .. import _checks
+
 
 class Acceptance(NamedTuple):
     """num_accepted: how many leading draft tokens were kept (0..g); next_token: the token emitted after
@@ -73,6 +75,25 @@ def _check_accept_args(p_draft, q_target, draft_tokens) -> None:
                          f"V = {q_target.shape[1]}; speculative sampling needs a shared vocabulary")
     if g and (int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= V):
         raise ValueError(f"draft_tokens must be in [0, V={V}), got {draft_tokens.tolist()}")
+    for name, x in (("p_draft", p_draft), ("q_target", q_target)):
+        _check_distributions(name, x)
+
+
+def _check_distributions(name: str, x: torch.Tensor, tolerance: float = 1e-3) -> None:
+    """Each row a probability distribution: finite, >= 0, summing to 1 (within `tolerance`, as fp32
+    softmax rows do). Logits or unnormalised weights would be sampled as if they were probabilities."""
+    if x.numel() == 0:
+        return
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must hold probabilities, got NaN or inf")
+    if bool((x < 0).any()):
+        raise ValueError(f"{name} must hold probabilities (>= 0), got a minimum of {float(x.min()):.4g}: logits? "
+                         f"pass softmax(logits), or logits_to_probs(...) for the sampling distribution")
+    sums = x.double().sum(-1)
+    worst = int((sums - 1).abs().argmax())
+    if abs(float(sums[worst]) - 1) > tolerance:
+        raise ValueError(f"each row of {name} must sum to 1 (a distribution over V), got row {worst} summing to "
+                         f"{float(sums[worst]):.6g}")
 
 
 def speculative_accept(p_draft: torch.Tensor, q_target: torch.Tensor, draft_tokens: torch.Tensor,
@@ -84,6 +105,7 @@ def speculative_accept(p_draft: torch.Tensor, q_target: torch.Tensor, draft_toke
     g = 0 is allowed (nothing proposed: just a sample from q_target[0]).
     """
     _check_accept_args(p_draft, q_target, draft_tokens)
+    _checks.generator("generator", generator)
     return accept_unchecked(p_draft, q_target, draft_tokens, generator)
 
 

@@ -76,14 +76,24 @@ def optimal_gamma(alpha, cost_ratio, max_gamma: int = 64, verify_cost=1) -> int:
 
 
 def acceptance_rate(p, q) -> float | Fraction | torch.Tensor:
-    """alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q): tensors (..., V) -> (...), or sequences -> a number."""
+    """alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q): tensors (..., V) -> (...), or sequences -> a number.
+
+    p and q must be distributions (>= 0, summing to 1: exactly for Fractions, within 1e-6 for floats and
+    1e-3 per row for tensors); anything else would give an alpha that is not an acceptance rate."""
     if isinstance(p, torch.Tensor) and isinstance(q, torch.Tensor):
         if p.shape != q.shape:
             raise ValueError(f"p and q must have the same shape (same vocabulary), got {tuple(p.shape)} and "
                              f"{tuple(q.shape)}")
+        for name, x in (("p", p), ("q", q)):
+            if not x.dtype.is_floating_point or not bool(torch.isfinite(x).all()) or bool((x < 0).any()) \
+                    or bool(((x.double().sum(-1) - 1).abs() > 1e-3).any()):
+                raise ValueError(f"{name} must hold probability rows (finite, >= 0, each summing to 1)")
         return torch.minimum(p, q).sum(-1)
     p, q = _as_fractions(p, "p"), _as_fractions(q, "q")
     _check_same_vocab(p, q)
+    for name, dist in (("p", p), ("q", q)):
+        if abs(sum(dist) - 1) > Fraction(1, 10**6):
+            raise ValueError(f"{name} must sum to 1 (a distribution), got {float(sum(dist)):.6g}")
     return sum(min(a, b) for a, b in zip(p, q))
 
 

@@ -197,6 +197,8 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     Refuses (ValueError, nothing written) a name that is not a Python identifier, or a folder that already
     holds files unless force=True (a student's work is never overwritten by accident).
     """
+    if not isinstance(force, bool):
+        raise TypeError(f"force must be True or False, got {type(force).__name__} {force!r}")
     directory = Path(directory)
     name = directory.resolve().name
     if not name.isidentifier():

@@ -84,8 +84,10 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          "B one G T S -> B one (G T) S")
     if kernel == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    else:
+    elif kernel == "reference":
         out = scaled_dot_product_attention(q, k, v, mask, scale)
+    else:   # a misspelt kernel must not silently run the reference one
+        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
     return rearrange(out, "B K (G T) H -> B (K G) T H", G=G)
 
 

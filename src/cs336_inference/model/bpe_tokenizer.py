@@ -74,7 +74,20 @@ class BPETokenizer:
 
     @classmethod
     def from_spec(cls, spec: dict) -> "BPETokenizer":
-        """From `gguf.gguf_tokenizer_spec` output (or the JSON it was cached as)."""
+        """From `gguf.gguf_tokenizer_spec` output (or the JSON it was cached as). A spec with a missing or
+        mistyped field is refused (ValueError naming the field), never half-read."""
+        if not isinstance(spec, dict):
+            raise ValueError(f"a tokenizer spec must be a dict (JSON object), got {type(spec).__name__}")
+        for field, kind, what in (("tokens", str, "strings"), ("merges", str, "strings"), ("special", int, "ints")):
+            value = spec.get(field)
+            if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, kind) for v in value):
+                raise ValueError(f"tokenizer spec field {field!r} must be a list of {what}, got "
+                                 f"{'nothing (missing)' if value is None else type(value).__name__}; fields present: "
+                                 f"{sorted(spec)}")
+        bad = [i for i in spec["special"] if not 0 <= i < len(spec["tokens"])]
+        if bad:
+            raise ValueError(f"tokenizer spec field 'special' names ids outside its {len(spec['tokens'])} tokens: "
+                             f"{bad}")
         return cls(spec["tokens"], spec["merges"], spec["special"], spec.get("pre", "gpt2"), spec.get("bos_id"),
                    spec.get("eos_id"), spec.get("chat_template"))
 
@@ -104,6 +117,8 @@ class BPETokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """The conversation as the model was trained to see it (its own Jinja template), ending with
         the assistant's header when add_generation_prompt. messages: [{"role": ..., "content": ...}]."""
+        if not isinstance(add_generation_prompt, bool):
+            raise TypeError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template")
         if not isinstance(messages, (list, tuple)) or not messages:

@@ -22,7 +22,7 @@ from .checkpoint_keys import apply_key_map
 from .config import ModelConfig
 from .key_inference import AutoKeyMapError, infer_key_map
 from .layers import RotaryEmbedding
-from .real_models import REAL_MODELS, load_real_weights
+from .real_models import REAL_MODELS, WEIGHT_FORMATS, load_real_tensors, load_real_weights
 from .transformer import TransformerLM
 from .verify import verify_checkpoint
 
@@ -87,11 +87,28 @@ def load_extra(path: str | os.PathLike) -> dict:
     return _read(path).get("extra", {})
 
 
-def load_pretrained(name: str, device=None, dtype: torch.dtype | None = None) -> TransformerLM:
+def load_pretrained(name: str, device=None, dtype: torch.dtype | None = None,
+                    weights: str = "dequantized") -> TransformerLM:
     """A model by name, offline: a toy model shipped in the package (`available_pretrained()`) or a
-    real one read from an installed package ("smollm2-135m", see `real_models`). dtype: default fp32."""
+    real one read from an installed package ("smollm2-135m", see `real_models`). dtype: default fp32.
+
+    weights (real models): "dequantized" (the published blocks converted to `dtype` once: the
+    reference) or "gguf-exact" (the published Q4_1 / Q8_0 blocks themselves on torch's packed kernels,
+    no re-quantization; dtype is then the activations', default bf16; see `quantization.gguf_exact`).
+    """
     _checks.instance("name", name, str, "a model name (str), e.g. 'target' or 'smollm2-135m'")
     device = _check_device(device)
+    _checks.instance("weights", weights, str, "a str")
+    if weights != "dequantized":
+        if name not in REAL_MODELS:
+            raise ValueError(f"weights={weights!r} applies to the real models {sorted(REAL_MODELS)}; {name!r} is a "
+                             f"shipped full-precision model (use the default weights='dequantized')")
+        if weights not in WEIGHT_FORMATS:
+            raise ValueError(f"unknown weights {weights!r}; available: {['dequantized', *sorted(WEIGHT_FORMATS)]}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype or None, got {dtype!r}")
+        config, stored = load_real_tensors(name)
+        return WEIGHT_FORMATS[weights](config, stored, device=device, dtype=dtype or torch.bfloat16)
     if name in REAL_MODELS:
         config, state = load_real_weights(name, dtype or torch.float32)
         return from_state_dict(config, state, device, dtype, copy=False)

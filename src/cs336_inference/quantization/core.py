@@ -34,6 +34,7 @@ def check_bits(bits) -> int:
 def qrange(bits: int, symmetric: bool) -> tuple[int, int]:
     """Integer code range: signed [-2^(b-1), 2^(b-1)-1] when symmetric, unsigned [0, 2^b-1] when affine."""
     check_bits(bits)
+    _checks.boolean("symmetric", symmetric)   # a truthy string must not pick the signed range
     return (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if symmetric else (0, 2**bits - 1)
 
 
@@ -115,6 +116,9 @@ def quantize(x, scale, zero_point=0, bits: int = 8, symmetric: bool | None = Non
     `symmetric` picks the code range (default: signed when zero_point is 0, else unsigned).
     """
     x = torch.as_tensor(x, dtype=torch.float32) if not isinstance(x, torch.Tensor) else x
+    if x.is_floating_point() and not torch.isfinite(x).all():   # round(NaN) cast to int32 would be -2^31
+        raise ValueError(f"x contains {int((~torch.isfinite(x)).sum())} NaN/Inf value(s); only finite values "
+                         f"have a code")
     if symmetric is None:
         symmetric = bool(torch.all(torch.as_tensor(zero_point) == 0))
     qmin, qmax = qrange(bits, symmetric)

@@ -1,34 +1,77 @@
 """Weight-only quantized matmuls that read the packed codes: torch's int4pack and int8pack kernels.
 
-The readable way to run a quantized linear is to dequantize W_hat = (q - z) * s and call an ordinary
-matmul: correct, but it writes the full-precision matrix to memory and reads it back every step, so
-a memory-bound decode gets *slower*. Fast kernels instead read the small codes and dequantize inside
+The readable way to run a quantized linear is to dequantize W_hat and call an ordinary matmul:
+correct, but it writes the full-precision matrix to memory and reads it back every step, so a
+memory-bound decode gets *slower*. Fast kernels instead read the small codes and dequantize inside
 the matmul (in registers), so fewer bytes are also fewer milliseconds. torch ships such kernels for
-CPU and CUDA (the ones gpt-fast and torchao call):
+CPU and CUDA (the ones gpt-fast and torchao call). Every layout below starts from one form,
+unsigned codes u with a per-group scale s and offset c, w = u * s + c (symmetric codes q in
+[-2^(b-1), 2^(b-1)) are u = q + 2^(b-1), c = -2^(b-1) s; affine ones c = -z s; GGUF's Q4_1 stores
+c = m directly):
 
-- int4: `aten._weight_int4pack_mm_for_cpu` / `aten._weight_int4pack_mm` (CUDA) on a weight repacked
-  by `aten._convert_weight_to_int4pack[_for_cpu]`. Their grid is unsigned u in [0, 15] with one
-  (scale, zero) pair per group of 32/64/128/256 inputs, and the *float* zero sits at the middle code:
-      w = (u - 8) * scale + zero.
-  Our affine codes mean w = (q - z) * s with an integer zero point z, i.e. u = q and
-  zero = (8 - z) * s; our symmetric codes q in [-8, 7] mean u = q + 8 and zero = 0.
-- int8: `torch._weight_int8pack_mm(x, q, scale)` = x @ (q * scale)^T with int8 codes and one scale per
-  output row. Affine per-row codes fit too: with q' = q - 128 and z' = z - 128,
-  x @ ((q - z) * s)^T = x @ (q' * s)^T - (sum_k x_k) * (z' * s).
+- "int4pack": `aten._weight_int4pack_mm_for_cpu` / `aten._weight_int4pack_mm` (CUDA). Its grid is
+  w = (u - 8) * scale + zero with one (scale, zero) pair per group of 32/64/128/256 inputs and a
+  *float* zero, so scale = s and zero = c + 8 s: any 4-bit form maps on without re-quantizing.
+- "int8pack": `torch._weight_int8pack_mm(x, t, scale)` = x @ (t * scale)^T with int8 codes t = u - 128
+  and one scale per output row; w = t s + (c + 128 s), so a nonzero c + 128 s is subtracted as
+  (sum_k x_k) * (c + 128 s).
+- "int8 as two int4 planes" (grouped int8, which int8pack cannot hold): u = 16 h + l with nibbles
+  h, l in [0, 15], so w = h * 16s + (l * s + c): two int4 grids side by side, run as one int4pack
+  matmul of [x, x] against [W_h | W_l]. Exact (no re-quantization), 8 bits per weight.
 
-Activations run in bf16 there: with fp32 activations these CPU kernels take fallback paths that are
-several times slower than an fp32 matmul. fp32 activations stay available (slow, but exact up to summation order)
-so tests can check the packed layout against the reference without bf16 rounding in the way.
+Activations run in bf16: with fp16 or fp32 activations these CPU kernels take fallback paths many
+times slower (fp32 stays available: exact up to summation order, so tests can check a layout without
+bf16 rounding in the way). The kernels' real limits were learned by sweeping shapes in a subprocess
+(tests/library/test_kernel_shapes.py):
+int8pack with bf16 activations crashes or returns garbage on CPU unless in_features % 16 == 0, and
+the int4 CPU kernel needs out_features % 16 == 0; `packed_layout` refuses what would misbehave.
+
+A packed layout is built once, when a layer is built or moved (`QuantizedLinear`), never per call.
+It serves the few-row matmuls of decode; prefill's many-row matmuls are compute-bound, where these
+kernels are slower than dequantizing once and calling the dtype's dense matmul (`PACKED_MAX_ROWS`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 KERNELS = ("auto", "reference", "packed")
 INT4_GROUP_SIZES = (256, 128, 64, 32)   # what the int4pack kernels accept (largest first)
+# Above this many rows (tokens x batch) the layer dequantizes once and runs a dense matmul instead: the
+# packed CPU kernels are tuned for matrix-vector work, and on a long prefill a dense bf16 matmul wins
+# even after paying for the dequantization (on SmolLM2's exact weights the two cross near this size).
+PACKED_MAX_ROWS = 128
+
+
+class SlowKernelWarning(UserWarning):
+    """A quantized layer dequantizes its weight on every call (no packed kernel fits it)."""
+
+
+_announced: set[str] = set()
+_collectors: list[list[str]] = []
+
+
+def announce_fallback(message: str) -> None:
+    """Warn once per distinct message (or hand it to the innermost `collect_fallbacks`)."""
+    if _collectors:
+        _collectors[-1].append(message)
+    elif message not in _announced:
+        _announced.add(message)
+        warnings.warn(message, SlowKernelWarning, stacklevel=4)
+
+
+@contextlib.contextmanager
+def collect_fallbacks():
+    """Gather the fallbacks announced inside (one summary warning per model, not one per layer)."""
+    _collectors.append(found := [])
+    try:
+        yield found
+    finally:
+        _collectors.remove(found)
 
 
 def check_kernel(kernel) -> str:
@@ -48,39 +91,57 @@ def int4_kernel_group(group_size: int) -> int | None:
     return next((g for g in INT4_GROUP_SIZES if group_size % g == 0), None)
 
 
-def packed_unsupported_reason(bits: int, symmetric: bool, group_size: int, out_features: int,
-                              in_features: int, device: torch.device) -> str | None:
-    """Why the packed kernels cannot run this layer on `device` (None when they can)."""
+def _int4_reason(group_size: int, out_features: int, in_features: int, device: torch.device) -> str | None:
+    if int4_kernel_group(group_size) is None:
+        return f"int4pack needs group_size a multiple of 32, got {group_size}"
+    if device.type == "cpu" and out_features % 16:
+        return f"the int4pack CPU kernel needs out_features % 16 == 0, got {out_features}"
+    if device.type == "cuda" and (out_features % 8 or in_features % 32):
+        return f"the int4pack CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0, got " \
+               f"{out_features}, {in_features}"
+    return None
+
+
+def packed_layout(bits: int, group_size: int, out_features: int, in_features: int, device,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[str | None, str | None]:
+    """(layout, None) for the packed kernel that runs this layer on `device` with `dtype` activations,
+    or (None, why none can)."""
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
-        return f"no packed kernels on {device.type}"
+        return None, f"no packed kernels on {device.type}"
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
-        return "torch's packed CUDA kernels need compute capability 8.0 (Ampere) or newer"
-    if bits == 8:
-        if group_size != in_features:
-            return f"int8 packed kernel needs one scale per output row (per channel), got group_size {group_size}"
-        return None
+        return None, "torch's packed CUDA kernels need compute capability 8.0 (Ampere) or newer"
     if bits == 4:
-        if int4_kernel_group(group_size) is None:
-            return f"int4 packed kernels need group_size a multiple of 32, got {group_size}"
-        if device.type == "cpu" and out_features % 16:
-            return f"int4 CPU kernel needs out_features divisible by 16, got {out_features}"
-        if device.type == "cuda" and (out_features % 8 or in_features % 32):
-            return (f"int4 CUDA kernel needs out_features % 8 == 0 and in_features % 32 == 0, "
-                    f"got {out_features}, {in_features}")
-        return None
-    return f"no packed kernel for {bits}-bit codes (only 4 and 8)"
+        reason = _int4_reason(group_size, out_features, in_features, device)
+        return ("int4pack", None) if reason is None else (None, reason)
+    if bits == 8:
+        if group_size == in_features and (device.type == "cuda" or dtype != torch.bfloat16 or in_features % 16 == 0):
+            return "int8pack", None
+        planes = _int4_reason(group_size, out_features, 2 * in_features, device)
+        if planes is None:
+            return "int8 as two int4 planes", None
+        if group_size != in_features:
+            return None, f"grouped int8 runs as two int4 planes, and {planes.replace('int4pack', 'that')}"
+        return None, (f"int8pack with bf16 activations needs in_features % 16 == 0 on CPU (it crashes "
+                      f"otherwise), got {in_features}, and the two-int4-plane form: {planes}")
+    return None, f"no packed kernel for {bits}-bit codes (only 4 and 8)"
+
+
+def packed_unsupported_reason(bits: int, symmetric: bool, group_size: int, out_features: int,
+                              in_features: int, device, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why no packed kernel can run this layer on `device` (None when one can)."""
+    return packed_layout(bits, group_size, out_features, in_features, device, dtype)[1]
 
 
 @dataclass
 class PackedWeight:
     """A quantized weight laid out for one kernel on one device (derived data, never saved)."""
 
-    bits: int
-    weight: torch.Tensor              # int4: kernel layout; int8: (O, I) int8 codes
-    scales: torch.Tensor              # int4: (I / g, O, 2) scale and zero; int8: (O,) scales
-    group_size: int                   # kernel group length (int4)
-    zero_term: torch.Tensor | None    # int8 affine: (O,) z' * s, subtracted times sum(x)
+    layout: str                       # "int4pack", "int8pack" or "int8 as two int4 planes"
+    weight: torch.Tensor              # int4: the kernel's layout; int8pack: (O, I) int8 codes
+    scales: torch.Tensor              # int4: (I / g, O, 2) scale and zero; int8pack: (O,) scales
+    group_size: int                   # kernel group length (int4 layouts)
+    zero_term: torch.Tensor | None    # int8pack with an offset: (O,) subtracted times sum(x)
 
     @property
     def nbytes(self) -> int:
@@ -94,48 +155,61 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
-def pack_weight(codes: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, bits: int,
-                group_size: int, device: torch.device, dtype: torch.dtype) -> PackedWeight:
-    """Codes (O, I) int, scale (O, G), zero_point (O, G) or None (symmetric) -> the kernel's layout.
+def _int4_weight(unsigned: torch.Tensor, device: torch.device) -> torch.Tensor:
+    unsigned = unsigned.to(device=device, dtype=torch.int32).contiguous()
+    if device.type == "cpu":
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, _inner_k_tiles(unsigned.shape[1]))
+    pairs = (unsigned[:, 0::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)   # CUDA: the even element high
+    return torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(unsigned.shape[1]))
 
-    The caller checks `packed_unsupported_reason` first.
+
+def _int4_scales(scale: torch.Tensor, zero: torch.Tensor, repeat: int, dtype: torch.dtype) -> torch.Tensor:
+    """(O, G) scale and zero -> the kernel's (G * repeat, O, 2), each group repeated `repeat` times."""
+    pair = torch.stack([scale.repeat_interleave(repeat, 1), zero.repeat_interleave(repeat, 1)], dim=-1)
+    return pair.transpose(0, 1).contiguous().to(dtype)
+
+
+def pack_weight(unsigned: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int, group_size: int,
+                layout: str, device, dtype: torch.dtype = torch.bfloat16) -> PackedWeight:
+    """Unsigned codes u (O, I), scale and offset (O, I / group_size) with w = u * s + c -> `layout`.
+
+    The caller picks `layout` with `packed_layout` first. The scales and zeros are computed in fp32 and
+    rounded once, to the activation dtype the kernels take.
     """
     device = torch.device(device)
-    O, I = codes.shape
-    codes, scale = codes.to(device), scale.to(device).float()
-    zero = None if zero_point is None else zero_point.to(device).float()
-    if bits == 8:
-        if zero is None:
-            return PackedWeight(8, codes.to(torch.int8), scale[:, 0].to(dtype), I, None)
-        # affine: shift both codes and zero points by 128 so the codes fit in int8
-        zero_term = (zero[:, 0] - 128) * scale[:, 0]
-        return PackedWeight(8, (codes - 128).to(torch.int8), scale[:, 0].to(dtype), I, zero_term.to(dtype))
+    O, I = unsigned.shape
+    s, c = scale.to(device).float(), offset.to(device).float()
+    if layout == "int8pack":
+        t = (unsigned.to(device) - 128).to(torch.int8)
+        zero = c[:, 0] + 128 * s[:, 0]                                    # w = t s + zero
+        zero_term = None if bool((zero == 0).all()) else zero.to(dtype)
+        return PackedWeight(layout, t, s[:, 0].to(dtype), I, zero_term)
     g = int4_kernel_group(group_size)
-    repeat = group_size // g                       # per-channel (or g512...) scales repeat per kernel group
-    scale = scale.repeat_interleave(repeat, dim=1)                            # (O, I / g)
-    if zero is None:
-        unsigned, offset = codes + 8, torch.zeros_like(scale)
-    else:
-        unsigned, offset = codes, (8 - zero.repeat_interleave(repeat, dim=1)) * scale
-    scales = torch.stack([scale, offset], dim=-1).transpose(0, 1).contiguous().to(dtype)   # (I / g, O, 2)
-    unsigned = unsigned.to(torch.int32).contiguous()
-    if device.type == "cpu":
-        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, _inner_k_tiles(I))
-    else:  # the CUDA converter takes two codes per byte, the even element in the high nibble
-        pairs = (unsigned[:, 0::2] << 4 | unsigned[:, 1::2]).to(torch.uint8)
-        weight = torch.ops.aten._convert_weight_to_int4pack(pairs, _inner_k_tiles(I))
-    return PackedWeight(4, weight, scales, g, None)
+    repeat = group_size // g
+    if layout == "int4pack":
+        return PackedWeight(layout, _int4_weight(unsigned, device), _int4_scales(s, c + 8 * s, repeat, dtype),
+                            g, None)
+    if layout != "int8 as two int4 planes":
+        raise ValueError(f"unknown packed layout {layout!r}")
+    high, low = unsigned.to(device) >> 4, unsigned.to(device) & 15         # u = 16 h + l
+    weight = _int4_weight(torch.cat([high, low], dim=1), device)            # (O, 2I) codes
+    scales = torch.cat([_int4_scales(16 * s, 128 * s, repeat, dtype),       # 16 s h = (h - 8) 16 s + 128 s
+                        _int4_scales(s, c + 8 * s, repeat, dtype)])         # l s + c = (l - 8) s + c + 8 s
+    return PackedWeight(layout, weight, scales, g, None)
 
 
 def packed_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     """x (..., I) in the packed weight's dtype -> x @ W_hat^T (..., O), reading only the packed bytes."""
     lead, I = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, I).contiguous()                                         # (M, I)
-    if packed.bits == 8:
+    if packed.layout == "int8pack":
         y = torch._weight_int8pack_mm(x2, packed.weight, packed.scales)
         if packed.zero_term is not None:
-            y = y - x2.sum(-1, keepdim=True) * packed.zero_term
-    elif x2.device.type == "cpu":
+            y = y + x2.sum(-1, keepdim=True) * packed.zero_term
+        return y.reshape(*lead, y.shape[-1])
+    if packed.layout != "int4pack":                                            # two planes: [x, x] @ [W_h | W_l]^T
+        x2 = torch.cat([x2, x2], dim=1)
+    if x2.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed.weight, packed.group_size, packed.scales)
     else:
         y = torch.ops.aten._weight_int4pack_mm(x2, packed.weight, packed.group_size, packed.scales)

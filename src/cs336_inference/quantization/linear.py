@@ -24,42 +24,55 @@ from einops import rearrange
 
 from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
-from .kernels import (PackedWeight, check_kernel, default_compute_dtype, pack_weight, packed_matmul,
-                      packed_unsupported_reason)
+from .kernels import (PACKED_MAX_ROWS, PackedWeight, announce_fallback, check_kernel, default_compute_dtype,
+                      pack_weight, packed_layout, packed_matmul)
 from .fp8 import fp8_dtype, quantize_fp8
 from .llm_int8 import absmax_int8, llm_int8_matmul
 from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
 
 
 class QuantizedLinear(nn.Module):
-    """y = (x / input_scale) @ W_hat^T with W_hat = (q - zero_point) * scale per group of the input dim.
+    """y = (x / input_scale) @ W_hat^T with W_hat = (q - zero_point) * scale per group of the input dim
+    (or, given `minimum`, W_hat = q * scale + minimum: GGUF's Q4_1 blocks).
 
-    kernel: "auto" (packed where it fits, else reference), "reference" (dequantize, then matmul) or
-    "packed" (torch's int4pack / int8pack kernels; refused when the layout does not fit).
-    compute_dtype: the activation dtype of the packed kernels (default bf16; fp32 is exact but slow).
+    kernel: "auto" (packed where it fits, else reference, announced once), "reference" (dequantize,
+    then matmul) or "packed" (torch's int4pack / int8pack kernels; refused when the layout does not fit).
+    The choice is made when the layer is built or moved (`.to`, `.cuda`, a dtype cast, a loaded state
+    dict), never per call: `kernel_summary()` says what runs. compute_dtype: the activation dtype of
+    the packed kernels (default bf16; fp32 is exact but slow).
     """
 
     def __init__(self, qt: QuantizedTensor, input_scale: torch.Tensor | None = None,
                  scale_dtype: torch.dtype = torch.float16, out_dtype: torch.dtype | None = None,
-                 bias: torch.Tensor | None = None, kernel: str = "auto", compute_dtype: torch.dtype | None = None):
+                 bias: torch.Tensor | None = None, kernel: str = "auto", compute_dtype: torch.dtype | None = None,
+                 minimum: torch.Tensor | None = None):
         super().__init__()
         if qt.q.dim() != 2 or qt.group_size is None:
             raise ValueError("QuantizedLinear needs a 2-D weight quantized per channel or per group")
         if not torch.isfinite(qt.scale).all():
             raise ValueError("qt.scale contains NaN/Inf: the weight's scales must be finite (was the weight?)")
+        if minimum is not None:
+            if qt.symmetric or tuple(minimum.shape) != tuple(qt.scale.shape) or not torch.isfinite(minimum).all():
+                raise ValueError(f"minimum (w = q * scale + minimum) needs unsigned codes (symmetric=False) and "
+                                 f"finite values shaped like the scales {tuple(qt.scale.shape)}, got "
+                                 f"{tuple(minimum.shape)} with symmetric={qt.symmetric}")
         self.out_features, self.in_features = qt.q.shape
         self.bits, self.symmetric, self.group_size = check_bits(qt.bits), qt.symmetric, qt.group_size
         self.out_dtype = out_dtype
         self.register_buffer("qweight", self._pack(qt.q))
-        tiny = torch.finfo(scale_dtype).tiny
-        self.register_buffer("scale", qt.scale.float().clamp(min=tiny).to(scale_dtype))
+        scale = qt.scale.float() if minimum is not None else qt.scale.float().clamp(min=torch.finfo(scale_dtype).tiny)
+        self.register_buffer("scale", scale.to(scale_dtype))
         # Affine zero points are integers in [0, 2^b - 1]: one byte each. Symmetric: none stored.
-        self.register_buffer("zero_point", None if qt.symmetric else qt.zero_point.to(torch.uint8))
+        affine = not qt.symmetric and minimum is None
+        self.register_buffer("zero_point", qt.zero_point.to(torch.uint8) if affine else None)
+        self.register_buffer("minimum", None if minimum is None else minimum.to(scale_dtype))
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().to(scale_dtype))
         self.register_buffer("bias", _bias(bias, self.out_features))
         self.compute_dtype = compute_dtype
-        self._packed: tuple[tuple, PackedWeight] | None = None   # (device, dtype) -> kernel layout
-        self.set_kernel(kernel)
+        self.kernel = check_kernel(kernel)
+        self._packed: PackedWeight | None = None
+        self.fallback_reason: str | None = None
+        self._choose_kernel(codes=qt.q)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int = 4, group_size: int | None = 128, symmetric: bool = False,
@@ -80,23 +93,42 @@ class QuantizedLinear(nn.Module):
         offset = 2 ** (self.bits - 1) if self.symmetric else 0  # dense packing stores unsigned codes
         return pack_bits(q + offset, self.bits)
 
-    def codes(self) -> torch.Tensor:
-        """The integer codes (O, I) as int32."""
+    def codes(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The integer codes (O, I) as int32 (or only `rows`, token ids (...,) -> (..., I), for 8 and 4 bits)."""
+        packed = self.qweight if rows is None or self.bits not in (4, 8) else self.qweight[rows]
         if self.bits == 8:
-            return self.qweight.to(torch.int32)
-        if self.bits == 4:
-            return unpack_int4(self.qweight, signed=self.symmetric).to(torch.int32)
-        offset = 2 ** (self.bits - 1) if self.symmetric else 0
-        codes = unpack_bits(self.qweight, self.bits, self.out_features * self.in_features) - offset
-        return codes.reshape(self.out_features, self.in_features)
+            codes = packed.to(torch.int32)
+        elif self.bits == 4:
+            codes = unpack_int4(packed, signed=self.symmetric).to(torch.int32)
+        else:
+            offset = 2 ** (self.bits - 1) if self.symmetric else 0
+            codes = unpack_bits(packed, self.bits, self.out_features * self.in_features) - offset
+            codes = codes.reshape(self.out_features, self.in_features)
+        return codes if rows is None or self.bits in (4, 8) else codes[rows]
 
-    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """W_hat (O, I) in `dtype` (default: the dtype of the layer it replaced)."""
+    def dequantized_weight(self, dtype: torch.dtype | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """W_hat (O, I) in `dtype` (default: the dtype of the layer it replaced); with `rows`, only those
+        rows (token ids (...,) -> (..., I): an embedding lookup that dequantizes what it reads)."""
         dtype = dtype or self.out_dtype or torch.float32
-        q = rearrange(self.codes(), "O (G g) -> O G g", g=self.group_size).to(dtype)
+        pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+        q = rearrange(self.codes(rows), "... (G g) -> ... G g", g=self.group_size).to(dtype)
         if self.zero_point is not None:
-            q = q - self.zero_point.to(dtype)[..., None]
-        return rearrange(q * self.scale.to(dtype)[..., None], "O G g -> O (G g)")
+            q = q - pick(self.zero_point).to(dtype)[..., None]
+        w = q * pick(self.scale).to(dtype)[..., None]
+        if self.minimum is not None:
+            w = w + pick(self.minimum).to(dtype)[..., None]
+        return rearrange(w, "... G g -> ... (G g)")
+
+    def unsigned_form(self, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u, s, c): unsigned codes (O, I) and fp32 scale and offset (O, G) with W_hat = u * s + c
+        (`codes`: this layer's codes when the caller already holds them, saving an unpack)."""
+        u, s = (self.codes() if codes is None else codes.to(torch.int32)), self.scale.float()
+        if self.symmetric:
+            half = 2 ** (self.bits - 1)
+            return u + half, s, -half * s
+        if self.minimum is not None:
+            return u, s, self.minimum.float()
+        return u, s, -self.zero_point.float() * s
 
     def set_kernel(self, kernel: str) -> "QuantizedLinear":
         """Switch between "auto", "reference" and "packed" (refused if packed cannot run here)."""
@@ -107,50 +139,80 @@ class QuantizedLinear(nn.Module):
                 raise ValueError(f"kernel='packed' cannot run this layer ({self.extra_repr()}): {reason}; "
                                  f"use kernel='auto' or 'reference'")
         self.kernel = kernel
+        self._choose_kernel()
         return self
 
     def packed_unsupported_reason(self, device) -> str | None:
-        return packed_unsupported_reason(self.bits, self.symmetric, self.group_size, self.out_features,
-                                         self.in_features, torch.device(device))
+        dtype = self.compute_dtype or default_compute_dtype(torch.device(device))
+        return packed_layout(self.bits, self.group_size, self.out_features, self.in_features, device, dtype)[1]
+
+    def _choose_kernel(self, rebuild: bool = False, codes: torch.Tensor | None = None) -> None:
+        """Decide, for the device the codes live on, what `forward` runs; build the packed layout once
+        (again only when the device, the kernel setting or, with `rebuild`, the codes change)."""
+        device = self.qweight.device
+        dtype = self.compute_dtype or default_compute_dtype(device)
+        if not rebuild and getattr(self, "_chosen_for", None) == (device, self.kernel, dtype):
+            return
+        self._packed, self.fallback_reason, self._chosen_for = None, None, (device, self.kernel, dtype)
+        if self.kernel == "reference" or device.type == "meta":
+            return
+        layout, reason = packed_layout(self.bits, self.group_size, self.out_features, self.in_features, device, dtype)
+        if layout is None:
+            if self.kernel == "packed":
+                raise ValueError(f"kernel='packed' cannot run this layer on {device}: {reason}")
+            self.fallback_reason = reason
+            announce_fallback(f"QuantizedLinear(int{self.bits}, group_size={self.group_size}, in={self.in_features}, "
+                              f"out={self.out_features}) dequantizes its weight on every call, slower than a "
+                              f"full-precision matmul: {reason}")
+            return
+        self._packed = pack_weight(*self.unsigned_form(codes), self.bits, self.group_size, layout, device, dtype)
 
     def packed_weight(self, device=None) -> PackedWeight | None:
-        """The packed-kernel layout for `device` (built once, then reused), or None when this layer runs
-        the reference kernel there."""
-        device = torch.device(device) if device is not None else self.qweight.device
+        """The packed-kernel layout this layer runs (None: the reference kernel), chosen for its device."""
+        if device is not None and torch.device(device) != self.qweight.device:
+            raise ValueError(f"the layer lives on {self.qweight.device}, not {device}: move it with .to({device!r})")
+        return self._packed
+
+    def kernel_summary(self) -> str:
+        """What `forward` runs, in words (listed per layer by `TransformerLM.describe()`)."""
+        if self._packed is not None:
+            dtype = str(self.compute_dtype or default_compute_dtype(self.qweight.device)).removeprefix("torch.")
+            grid = "per channel" if self._packed.layout == "int8pack" else f"g{self._packed.group_size}"
+            return (f"{self._packed.layout} {grid} ({dtype} activations; above {PACKED_MAX_ROWS} rows: "
+                    f"dequantize + dense matmul)")
         if self.kernel == "reference":
-            return None
-        reason = self.packed_unsupported_reason(device)
-        if reason is not None:
-            if self.kernel == "packed":
-                raise ValueError(f"kernel='packed' cannot run on {device}: {reason}")
-            return None
-        dtype = self.compute_dtype or default_compute_dtype(device)
-        key = (device, dtype)
-        if self._packed is None or self._packed[0] != key:
-            zero = None if self.zero_point is None else self.zero_point
-            self._packed = (key, pack_weight(self.codes(), self.scale, zero, self.bits, self.group_size,
-                                             device, dtype))
-        return self._packed[1]
+            return "reference (dequantize + matmul, as asked)"
+        return f"reference (dequantize + matmul): {self.fallback_reason or 'not placed on a device yet'}"
 
     def _apply(self, fn, *args, **kwargs):
-        self._packed = None   # .to(device/dtype): the kernel layout is rebuilt on the next call
-        return super()._apply(fn, *args, **kwargs)
+        # A cast of the model (.to(bf16)) changes the activations, not the stored scales: keep their dtype.
+        kept = {n: self._buffers.pop(n) for n in ("scale", "minimum") if self._buffers.get(n) is not None}
+        try:
+            out = super()._apply(fn, *args, **kwargs)
+        finally:
+            for n, t in kept.items():
+                self._buffers[n] = t.to(fn(t[..., :0]).device)
+        if self.out_dtype is not None:                 # what dequantized_weight() returns follows the cast
+            self.out_dtype = fn(torch.empty(0, dtype=self.out_dtype)).dtype
+        self._choose_kernel()
+        return out
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None   # new codes or scales: rebuild the kernel layout
-        return super()._load_from_state_dict(*args, **kwargs)
+        out = super()._load_from_state_dict(*args, **kwargs)
+        self._choose_kernel(rebuild=True)   # new codes or scales: rebuild the kernel layout
+        return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
-        packed = self.packed_weight(x.device)
-        if packed is None:
+        packed = self._packed
+        if packed is None or x.numel() > PACKED_MAX_ROWS * self.in_features:   # reference, or prefill-sized
             return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
         y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        kind = "symmetric" if self.symmetric else "affine"
+        kind = "min-offset" if self.minimum is not None else "symmetric" if self.symmetric else "affine"
         return (f"in={self.in_features}, out={self.out_features}, int{self.bits} {kind}, "
                 f"group_size={self.group_size}, awq_scales={self.input_scale is not None}, "
                 f"kernel={getattr(self, 'kernel', 'auto')}")
@@ -174,6 +236,9 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
 
+    def kernel_summary(self) -> str:
+        return "reference (dequantize + matmul): no packed fp8 kernel, the fp8 weights are dequantized on every call"
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {fp8_dtype(self.fmt)}"
 
@@ -196,6 +261,10 @@ class LLMInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = llm_int8_matmul(x, threshold=self.threshold, w_q=self.w_q, w_scale=self.w_scale)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def kernel_summary(self) -> str:
+        return ("LLM.int8() decomposed matmul: a readable simulation of the int8 kernel, dequantized in "
+                "floating point on every call")
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 vector-wise, threshold={self.threshold}"

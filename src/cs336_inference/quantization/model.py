@@ -12,6 +12,7 @@ runs before anything is copied, and all work happens on a deep copy.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn as nn
@@ -20,7 +21,7 @@ from .. import _checks
 from .awq import awq_search_scales
 from .core import check_bits, quantize_tensor
 from .gptq import gptq_quantize
-from .kernels import check_kernel
+from .kernels import SlowKernelWarning, check_kernel, collect_fallbacks
 from .linear import QUANTIZED_LINEAR_TYPES, Fp8Linear, LLMInt8Linear, QuantizedLinear
 from .qat import qat_finetune
 
@@ -33,14 +34,25 @@ _FOLD_INTO = {"attn.q_proj": "ln1", "ffn.w1": "ln2", "ffn.w2": "ffn.w3", "lm_hea
 
 
 class QuantizedEmbedding(nn.Module):
-    """An embedding table stored like a `QuantizedLinear` weight (rows = tokens, groups along D)."""
+    """An embedding table stored like a `QuantizedLinear` weight (rows = tokens, groups along D). A
+    tied model's lm_head may be that very `table` (one copy of the codes, read as a matmul there)."""
 
-    def __init__(self, embedding: nn.Embedding, bits: int, group_size: int | None, symmetric: bool):
+    def __init__(self, embedding: nn.Embedding | QuantizedLinear, bits: int | None = None,
+                 group_size: int | None = None, symmetric: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
-        self.table = QuantizedLinear.from_linear(embedding, bits, group_size, symmetric)
+        self.table = (embedding if isinstance(embedding, QuantizedLinear)
+                      else QuantizedLinear.from_linear(embedding, bits, group_size, symmetric))
+        self.dtype = dtype or self.table.out_dtype or torch.float32    # of the rows handed to the model
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(token_ids, self.table.dequantized_weight())
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:   # (...,) -> (..., D)
+        return self.table.dequantized_weight(self.dtype, rows=token_ids)   # only the rows looked up
+
+    def _apply(self, fn, *args, **kwargs):
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype      # a cast of the model casts the rows
+        return super()._apply(fn, *args, **kwargs)
+
+    def kernel_summary(self) -> str:
+        return f"lookup: dequantize the rows read (int{self.table.bits}, group_size={self.table.group_size})"
 
 
 def _check_calibration(calibration, vocab_size: int) -> list[torch.Tensor]:
@@ -82,7 +94,7 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
         dims.add(model.token_embeddings.embedding_dim)
     if group_size is not None:
         _checks.optional_positive_int("group_size", group_size)
-        bad = sorted(d for d in dims if d % group_size)
+        bad = [] if method in ("fp8", "llm_int8") else sorted(d for d in dims if d % group_size)   # per channel
         if bad:
             raise ValueError(f"group_size {group_size} does not divide the input dimension(s) {bad} of the "
                              f"layers to quantize; choose a common divisor of {sorted(dims)} or None")
@@ -175,35 +187,57 @@ def quantize_model(model: nn.Module, method: str = "rtn", bits: int = 4, group_s
         model.config.require_handout_base("AWQ with fold_scales=True")   # folds into ln1/ln2/w3/ln_final
     names, batches = _check_args(model, method, bits, group_size, calibration, quantize_embedding,
                                  quantize_lm_head)
+    record = _record(method, bits, group_size, symmetric, calibration, quantize_embedding, quantize_lm_head,
+                     fp8_format, threshold)
     q = copy.deepcopy(model).eval()
-    if method in ("fp8", "llm_int8"):
-        for n in names:
-            lin = q.get_submodule(n)
-            _set(q, n, Fp8Linear(lin, fp8_format) if method == "fp8" else LLMInt8Linear(lin, threshold))
-    elif method in ("rtn", "qat"):
-        if method == "qat":
-            stream = torch.cat([b.reshape(-1) for b in batches])
-            q.qat_losses = qat_finetune(q, stream, names, bits, group_size, symmetric, steps=qat_steps, lr=qat_lr,
-                                        batch_size=qat_batch_size, seq_len=qat_seq_len,
-                                        teacher=model if qat_teacher else None)
-        for n in names:
-            _set(q, n, QuantizedLinear.from_linear(q.get_submodule(n), bits, group_size, symmetric,
-                                                   scale_dtype=scale_dtype))
-    else:
-        _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,
-                    awq_grid, fold_scales, scale_dtype)
-    if quantize_embedding:
-        q.token_embeddings = QuantizedEmbedding(q.token_embeddings, bits if method not in ("fp8", "llm_int8") else 8,
-                                                group_size, symmetric)
-    set_quantized_kernel(q, kernel)
-    q.quantization = dict(method=method, bits=bits, group_size=group_size, symmetric=symmetric,
-                          quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
-    return q
+    with collect_fallbacks():   # layers are announced together, once, by set_quantized_kernel below
+        if method in ("fp8", "llm_int8"):
+            for n in names:
+                lin = q.get_submodule(n)
+                _set(q, n, Fp8Linear(lin, fp8_format) if method == "fp8" else LLMInt8Linear(lin, threshold))
+        elif method in ("rtn", "qat"):
+            if method == "qat":
+                stream = torch.cat([b.reshape(-1) for b in batches])
+                q.qat_losses = qat_finetune(q, stream, names, bits, group_size, symmetric, steps=qat_steps,
+                                            lr=qat_lr, batch_size=qat_batch_size, seq_len=qat_seq_len,
+                                            teacher=model if qat_teacher else None)
+            for n in names:
+                _set(q, n, QuantizedLinear.from_linear(q.get_submodule(n), bits, group_size, symmetric,
+                                                       scale_dtype=scale_dtype))
+        else:
+            _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,
+                        awq_grid, fold_scales, scale_dtype)
+        if quantize_embedding:
+            q.token_embeddings = QuantizedEmbedding(q.token_embeddings, record["bits"], record["group_size"],
+                                                    record["symmetric"])
+    q.quantization = record
+    return set_quantized_kernel(q, kernel)
+
+
+def _record(method, bits, group_size, symmetric, calibration, quantize_embedding, quantize_lm_head, fp8_format,
+            threshold) -> dict:
+    """What the quantized model really uses (`model.quantization`); options the method ignores are listed
+    under "ignored", and a group size that fp8 / LLM.int8() cannot honour is said out loud."""
+    ignored = [] if calibration is None or method in NEEDS_CALIBRATION else ["calibration"]
+    record = dict(method=method, bits=bits, group_size=group_size, symmetric=symmetric,
+                  quantize_embedding=quantize_embedding, quantize_lm_head=quantize_lm_head)
+    if method in ("fp8", "llm_int8"):   # one scale per output channel, absmax (symmetric) by construction
+        if group_size is not None:
+            ignored.append(f"group_size={group_size}")
+            if group_size != 128:       # 128 is quantize_model's default, not a request
+                warnings.warn(f"method {method!r} scales each output channel; group_size={group_size} is not "
+                              f"used (pass group_size=None)", UserWarning, stacklevel=3)
+        if not symmetric:
+            ignored.append("symmetric=False")
+        record |= dict(group_size=None, symmetric=True)
+        record |= dict(fp8_format=fp8_format) if method == "fp8" else dict(threshold=threshold)
+    return record | dict(ignored=ignored)
 
 
 def set_quantized_kernel(model: nn.Module, kernel: str) -> nn.Module:
     """Run every `QuantizedLinear` of `model` with `kernel` ("auto", "reference" or "packed"); checks all
-    layers before changing any, so a refused "packed" leaves the model as it was."""
+    layers before changing any, so a refused "packed" leaves the model as it was. Layers that fall back
+    to dequantizing on every call are announced in one `SlowKernelWarning`."""
     check_kernel(kernel)
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if kernel == "packed":
@@ -211,9 +245,36 @@ def set_quantized_kernel(model: nn.Module, kernel: str) -> nn.Module:
             reason = m.packed_unsupported_reason(m.qweight.device)
             if reason is not None:
                 raise ValueError(f"kernel='packed' cannot run layer ({m.extra_repr()}): {reason}; use 'auto'")
-    for m in layers:
-        m.set_kernel(kernel)
+    with collect_fallbacks():
+        for m in layers:
+            m.set_kernel(kernel)
+    announce_slow_layers(model)
     return model
+
+
+def slow_layers(model: nn.Module) -> dict[str, list[str]]:
+    """reason -> names of the quantized layers that dequantize their weight on every call (not by request)."""
+    found: dict[str, list[str]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, QuantizedLinear) and m.fallback_reason is not None:
+            found.setdefault(m.fallback_reason, []).append(name)
+        elif isinstance(m, (Fp8Linear, LLMInt8Linear)):
+            found.setdefault(m.kernel_summary().split(": ", 1)[1], []).append(name)
+    return found
+
+
+def announce_slow_layers(model: nn.Module) -> None:
+    """One warning naming every layer that decodes slower than full precision, grouped by reason."""
+    found = slow_layers(model)
+    if not found:
+        return
+    total = sum(isinstance(m, QUANTIZED_LINEAR_TYPES) for m in model.modules())
+    slow = sum(len(v) for v in found.values())
+    parts = [f"{reason} ({', '.join(names[:2])}{f' and {len(names) - 2} more' if len(names) > 2 else ''})"
+             for reason, names in found.items()]
+    warnings.warn(f"{slow} of {total} quantized layers dequantize their weight on every call, so they run slower "
+                  f"than full precision: {'; '.join(parts)}. model.describe() lists each layer's kernel.",
+                  SlowKernelWarning, stacklevel=3)
 
 
 def _calibrated(q, method, names, batches, bits, group_size, symmetric, act_order, damp, block_size,

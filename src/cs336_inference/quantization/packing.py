@@ -27,7 +27,7 @@ def pack_int4(q: torch.Tensor, signed: bool = True) -> torch.Tensor:
     _check_codes(q, lo, hi)
     if q.dim() == 0 or q.shape[-1] % 2 != 0:
         raise ValueError(f"the last dim of q must be even to pack two values per byte, got shape {tuple(q.shape)}")
-    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)           # two's complement low 4 bits
+    nibbles = q if q.dtype == torch.uint8 else (q.to(torch.int16) & 0xF).to(torch.uint8)   # two's complement
     return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
 
 

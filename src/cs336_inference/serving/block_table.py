@@ -32,10 +32,6 @@ class BlockTable:
             raise ValueError(f"position must be in [0, {self.capacity}) for this table, got {position}")
         return self.blocks[position // self.block_size] * self.block_size + position % self.block_size
 
-    def slots(self, start: int, end: int) -> list[int]:
-        """Flat pool slots of positions [start, end)."""
-        return [self.slot(p) for p in range(start, end)]
-
     def copy(self) -> "BlockTable":
         return BlockTable(self.block_size, list(self.blocks), self.num_tokens, list(self.cached))
 

@@ -80,7 +80,6 @@ class PagedLayout:
     one decode's single query to a 100-token prompt would multiply its attention work by 100.
     """
 
-    query_lens: torch.Tensor    # (B,) T_b, on the CPU
     last_rows: torch.Tensor     # (B,) the row of each sequence's last query, on the device
     groups: list                # (query rows of the group or None for all, _PaddedGroup)
     block_size: int
@@ -103,7 +102,7 @@ class PagedLayout:
                 [r for i in m for r in range(starts[i], starts[i] + query_lens[i])], device=device)
             groups.append((rows, group))
         last_rows = torch.tensor([s + T - 1 for s, T in zip(starts, query_lens)], device=device)
-        return cls(torch.tensor(query_lens), last_rows, groups, block_size, sum(query_lens))
+        return cls(last_rows, groups, block_size, sum(query_lens))
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                scale: float | None = None, kernel: str = "reference") -> torch.Tensor:

@@ -306,15 +306,17 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
     """Serve until SIGINT/SIGTERM (uvicorn then drains the connections and the engine stops).
 
     switch_interval_s: how long the engine thread may hold the GIL while the event loop waits for it
-    (Python's default is 5 ms). Each request's intake and each step's token delivery is a wake-up of
-    the loop, so a shorter interval takes milliseconds off every TTFT and ITL of a busy server."""
+    (Python's default is 5 ms). Each request's intake and each step's token delivery wakes the loop,
+    which then waits up to this long for the GIL while the engine thread runs Python; shorter lets
+    it run sooner, at the price of more switches."""
     import sys
 
     import uvicorn
 
     sys.setswitchinterval(switch_interval_s)
 
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False)
+    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=5)   # open streams get 5 s, then are cut (and aborted)
     print(f"serving {server.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     uvicorn.Server(config).run()
 

@@ -1,0 +1,185 @@
+"""`python -m cs336_inference bench llamacpp`: our engine against llama.cpp on the very same GGUF file.
+
+Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="gguf-exact"` (torch's
+packed int4 kernel, the tied table as a grouped int8 head; a compiled decode step where torch can
+compile, the CPU tuning and thread policy), llama.cpp through `llama-cpp-python` (the `[peer]` extra,
+built from source on install). A/B alternated in one run, at 1 and 2 threads: batch-1 decode and
+prefill tokens/s, the bytes a decode step reads against the streaming bandwidth measured in the
+same run, and same-context next-token agreement on real text (each engine's argmax after the same
+prefix, also against our dequantized fp32 reference).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
+from ..accounting.roofline import measure_memory_bandwidth
+from ..cpu_tuning import decode_threads, tune_for_cpu
+from ..generation.compiled import compile_decode
+from ..model.checkpoints import load_pretrained
+from ..model.real_models import gguf_path, real_model_missing
+from ..timing import median_seconds, num_threads
+from .base import Benchmark
+from .generation import _real_text, kl_to_reference
+
+MODEL = "smollm2-135m"
+INSTALL = ('pip install -e ".[peer]" (builds llama-cpp-python from source, a few minutes; '
+           'CMAKE_ARGS="-DGGML_NATIVE=ON" for this CPU\'s instructions)')
+
+
+def llama_cpp_missing() -> str | None:
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return f"llama-cpp-python is not installed: {INSTALL}"
+    return real_model_missing(MODEL)
+
+
+def _llama(threads: int, context: int, logits_all: bool = False):
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(gguf_path(MODEL)), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                 n_batch=512, logits_all=logits_all, verbose=False)
+
+
+def _llama_decode_seconds(llm, prompt: list[int], steps: int) -> float:
+    llm.reset()
+    llm.eval(prompt)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        llm.eval([prompt[-1]])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:] or times)
+
+
+def _llama_prefill_tokens_per_s(llm, prompt: list[int], repeats: int) -> float:
+    def run():
+        llm.reset()
+        llm.eval(prompt)
+    return len(prompt) / median_seconds(run, torch.device("cpu"), repeats, warmup=1)
+
+
+def _agreement(ids: torch.Tensor, exact, reference) -> dict:
+    """Same-context next-token agreement over the positions of ids (T,): llama.cpp, ours, fp32."""
+    llm = _llama(torch.get_num_threads(), ids.numel() + 8, logits_all=True)
+    llm.reset()
+    llm.eval(ids.tolist())
+    peer = torch.from_numpy(llm.scores[: ids.numel()].copy()).argmax(-1)
+    with torch.inference_mode():
+        ref = reference(ids[None])[0].argmax(-1)
+        cache = exact.new_cache(1, ids.numel())
+        ours = torch.cat([exact(ids[None, t:t + 1], cache=cache)[0] for t in range(ids.numel())]).argmax(-1)
+    kl, top1 = kl_to_reference(exact, reference, ids[None])
+    n = ids.numel()
+    return dict(positions=n, ours_vs_llamacpp=int((ours == peer).sum()), fp32_vs_llamacpp=int((ref == peer).sum()),
+                ours_vs_fp32=int((ours == ref).sum()), kl_ours_to_fp32=kl, top1_ours_vs_fp32=top1)
+
+
+def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
+    missing = llama_cpp_missing()
+    if missing:
+        print(f"bench llamacpp skipped: {missing}")
+        return None
+    quick = run.quick
+    rounds, steps, prompt_len, context = (1, 8, 64, 64) if quick else (5, 24, 128, 256)
+    exact = tune_for_cpu(load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel("sdpa"))
+    reference = load_pretrained(MODEL)
+    text = _real_text(MODEL, 4 * prompt_len)
+    prompt = text[:prompt_len].tolist()
+    agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference)
+    del reference
+    compiled = compile_decode(exact)
+
+    def ours_step(m, token, cache):
+        with decode_threads():
+            return compiled(token, cache)
+
+    peers = {t: _llama(t, context + steps + 8) for t in threads}
+    t0 = time.perf_counter()
+    decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
+    compile_s = time.perf_counter() - t0
+    bandwidth = [measure_memory_bandwidth(run.device, repeats=5)]
+    samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode_s", "prefill_tok_s") for t in threads}
+    for _ in range(rounds):                                              # A/B, round after round
+        for t in threads:
+            with num_threads(t):
+                samples[("ours", "decode_s", t)].append(
+                    median_seconds(decode_step_fn(exact, 1, context, steps, ours_step), run.device, steps, warmup=2))
+                samples[("llama.cpp", "decode_s", t)].append(_llama_decode_seconds(peers[t], prompt[:context], steps))
+                samples[("ours", "prefill_tok_s", t)].append(prefill_tokens_per_second(exact, prompt_len, repeats=2))
+                samples[("llama.cpp", "prefill_tok_s", t)].append(_llama_prefill_tokens_per_s(peers[t], prompt, 2))
+    bandwidth.append(measure_memory_bandwidth(run.device, repeats=5))
+    gbps = statistics.median(bandwidth) / 1e9
+    kv = {"ours": exact.new_cache(1, 1).bytes_per_token * (context + 1),
+          "llama.cpp": 2 * 2 * exact.config.num_layers * exact.config.num_kv_heads * exact.config.head_dim
+          * (context + 1)}                                               # its default f16 K and V
+    weights = {"ours": weight_bytes_per_step(exact), "llama.cpp": _gguf_bytes_per_step()}
+    rows = []
+    for t in threads:
+        for engine in ("ours", "llama.cpp"):
+            decode = statistics.median(samples[(engine, "decode_s", t)])
+            step_bytes = weights[engine] + kv[engine]
+            rows.append(dict(engine=engine, threads=t, decode_tok_s=1 / decode, decode_ms=1e3 * decode,
+                             decode_ms_min=1e3 * min(samples[(engine, "decode_s", t)]),
+                             decode_ms_max=1e3 * max(samples[(engine, "decode_s", t)]),
+                             prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
+                             bytes_per_step=step_bytes, fraction_of_bandwidth=step_bytes / decode / 1e9 / gbps))
+    for t in threads:
+        ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
+        ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
+        ours["prefill_vs_llamacpp"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+    import llama_cpp
+
+    return dict(model=MODEL, llama_cpp_python=llama_cpp.__version__, prompt_len=prompt_len, context=context,
+                rounds=rounds, steps=steps, compile_seconds=compile_s, measured_bandwidth_GBps=gbps,
+                agreement=agreement, rows=rows, ours=exact.describe())
+
+
+def _gguf_bytes_per_step() -> int:
+    """llama.cpp reads every stored tensor once per decode step (the tied table as the output matmul)."""
+    from ..model.gguf import read_gguf
+
+    return sum(int(t.n_bytes) for t in read_gguf(gguf_path(MODEL)).tensors.values())
+
+
+def _table(result: dict) -> None:
+    a = result["agreement"]
+    print(f"\n{result['model']} on the same GGUF: ours (int4 exact, compiled) vs llama.cpp "
+          f"{result['llama_cpp_python']}; streaming bandwidth {result['measured_bandwidth_GBps']:.1f} GB/s")
+    print(f"{'engine':<10}{'threads':>8}{'decode tok/s':>14}{'ms (min-max)':>18}{'prefill tok/s':>15}"
+          f"{'MB/step':>9}{'% of bw':>9}{'x llama.cpp (dec / pre)':>26}")
+    for r in result["rows"]:
+        ratio = f"{r['decode_vs_llamacpp']:.2f} / {r['prefill_vs_llamacpp']:.2f}" if "decode_vs_llamacpp" in r else ""
+        print(f"{r['engine']:<10}{r['threads']:>8}{r['decode_tok_s']:>14.1f}"
+              f"{r['decode_ms']:>8.1f} ({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f})".ljust(18)
+              + f"{r['prefill_tok_s']:>15.0f}{r['bytes_per_step'] / 1e6:>9.1f}{100 * r['fraction_of_bandwidth']:>8.0f}%"
+              f"{ratio:>26}")
+    print(f"same-context next token over {a['positions']} positions: ours = llama.cpp {a['ours_vs_llamacpp']}, "
+          f"fp32 reference = llama.cpp {a['fp32_vs_llamacpp']}, ours = fp32 {a['ours_vs_fp32']}; "
+          f"KL(fp32 || ours) {a['kl_ours_to_fp32']:.4f} nats/token")
+
+
+def _plot(result: dict):
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, key, title in ((axes[0], "decode_tok_s", "batch-1 decode"), (axes[1], "prefill_tok_s", "prefill")):
+        for i, engine in enumerate(("ours", "llama.cpp")):
+            rows = [r for r in result["rows"] if r["engine"] == engine]
+            xs = [j + 0.4 * i for j in range(len(rows))]
+            ax.bar(xs, [r[key] for r in rows], 0.4, label=engine, color=("tab:blue", "tab:gray")[i])
+            for x, r in zip(xs, rows):
+                ax.text(x, r[key], f"{r[key]:.0f}", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['threads']} thread(s)" for r in rows])
+        ax.set(ylabel="tokens/s (higher is better)", title=f"{title}, {result['model']}, same GGUF")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+BENCHMARK = bench_llamacpp = Benchmark("llamacpp", measure, _table, parallel=True, plots={"llamacpp": _plot})

@@ -1,0 +1,56 @@
+"""Session fixtures for the slow lecture tests: the README's two ways of running the lecture (the CLI,
+and edtrace's trace), each run once per session. test_lecture.py and test_lecture_trace.py share
+them, and the determinism test compares the two runs' live numbers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class LectureRun:
+    returncode: int
+    stdout: str
+    stderr: str
+    tree_change: str          # what `git status --porcelain` shows after the run but not before ("" outside git)
+    trace_dir: Path | None    # where edtrace wrote lecture_10.json (None for the CLI run)
+
+    def failure(self) -> str:
+        return f"lecture failed:\n{self.stdout[-3000:]}\n{self.stderr[-5000:]}"
+
+
+def _git_status() -> str | None:
+    proc = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def _run(command: list[str], trace_dir: Path | None = None) -> LectureRun:
+    env = {k: v for k, v in os.environ.items() if k != "CS336_FIGURES"}   # the default output folders
+    env.update(MPLBACKEND="Agg", PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    before = _git_status()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
+    after = _git_status()
+    change = "" if before is None else "\n".join(sorted(set(after.splitlines()) ^ set(before.splitlines())))
+    return LectureRun(proc.returncode, proc.stdout, proc.stderr, change, trace_dir)
+
+
+@pytest.fixture(scope="session")
+def lecture_cli_run() -> LectureRun:
+    """`python -m cs336_inference lecture`, the README's main command."""
+    return _run([sys.executable, "-m", "cs336_inference", "lecture"])
+
+
+@pytest.fixture(scope="session")
+def lecture_trace_run(tmp_path_factory) -> LectureRun:
+    """`python -m edtrace.execute -m lecture_10 -o DIR` from the repository root (the venv has lecture/
+    on its path, see .ci/setup): the whole lecture again, under edtrace's line tracer."""
+    out = tmp_path_factory.mktemp("trace")
+    return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
