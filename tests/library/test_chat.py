@@ -117,7 +117,7 @@ def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
 
 
 def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
-    from cs336_inference.cli import load_for_inference
+    from cs336_inference.fast_path import load_for_inference
 
     model, _, banner = load_for_inference("target", precision="int8")
     assert banner.startswith("target: int8 weights") and "CPU tuning" in banner
