@@ -656,6 +656,30 @@ def run_load_gguf_weights(path, dtype=torch.float32, cache_as=None):
     return load_gguf_weights(path, dtype, cache_as=cache_as)
 
 
+def run_load_gguf_tensors(path, cache_as=None):
+    """(config, the file's tensors as stored: {"qtypes", "data"})."""
+    from cs336_inference.model.real_models import load_gguf_tensors
+    return load_gguf_tensors(path, cache_as=cache_as)
+
+
+def make_exact_linear(raw, qtype: str):
+    """A QuantizedLinear holding one stored GGUF tensor's blocks (raw: its bytes, (O, bytes per row))."""
+    from cs336_inference.model.gguf import gguf_blocks
+    from cs336_inference.quantization import exact_linear
+    return exact_linear(gguf_blocks(raw, qtype))
+
+
+def run_gguf_exact_model(config, stored, **kwargs):
+    from cs336_inference.quantization import gguf_exact_model
+    return gguf_exact_model(config, stored, **kwargs)
+
+
+def run_packed_matmul(x, layer):
+    """x @ W^T through the packed kernel layout `layer` chose (None: it has none)."""
+    from cs336_inference.quantization import packed_matmul
+    return packed_matmul(x, layer.packed_weight())
+
+
 def run_with_attention(model, **changes):
     from cs336_inference.model.convert import with_attention
     return with_attention(model, **changes)

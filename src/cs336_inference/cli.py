@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import cli_args as check  # argument types: one-line errors naming the option
+from .fast_path import PRECISIONS, compiled_decode_step, load_for_inference  # light: imports at call time
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -141,82 +142,6 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=check.positive_int, default=None)
     p.add_argument("--top-p", type=check.probability, default=None)
     p.add_argument("--seed", type=check.non_negative_int, default=0, help="sampling seed (temperature > 0)")
-
-
-PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
-
-
-def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
-    """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
-
-    precision: "int4-exact" (a real model's published Q4_1 / Q8_0 blocks on the packed kernels, no
-    re-quantization: the default for a real model), "int8" (per-channel RTN on the packed int8 kernel),
-    "bf16" or "fp32" (the toy models' default on a CPU; bf16 on CUDA). Then torch's fused attention
-    and, on a CPU, the opt-in CPU tuning (`cpu_tuning.tune_for_cpu`: few-row split, one thread per step
-    under contention). The thread policy is applied first (every core for a real model).
-    """
-    import torch
-
-    from .device import apply_thread_policy, default_dtype, get_device
-    from .model import REAL_MODELS, load_pretrained, load_tokenizer
-
-    apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
-    device = get_device(device)
-    if precision is None:
-        precision = "int4-exact" if name in REAL_MODELS else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "int4-exact":
-        if name not in REAL_MODELS:
-            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
-                             f"shipped toy model (use fp32, bf16 or int8)")
-        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
-    else:
-        base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
-        model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()
-        if precision == "int8":
-            from .quantization import quantize_model
-
-            model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
-    model.set_attention_kernel("sdpa")
-    tuning = ""
-    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
-        from .cpu_tuning import describe, tune_for_cpu
-
-        tuning = "; " + describe(tune_for_cpu(model))
-    banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
-              f"{torch.get_num_threads()} threads{tuning}")
-    return model, load_tokenizer(name), banner
-
-
-def compiled_decode_step(model):
-    """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
-    decode step where torch can compile here (CUDA, or a CPU with a C++ compiler). Its kernels are cached
-    on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
-    process pays the compile; later ones trace and reuse them. On a CPU each step runs under
-    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
-    import contextlib
-    import os
-    import shutil
-
-    from .model.disk_cache import cache_dir
-
-    if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
-    if model.device.type not in ("cpu", "cuda"):
-        return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
-    from .cpu_tuning import decode_threads
-    from .generation.compiled import compile_decode
-
-    step = compile_decode(model)
-    threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
-
-    def decode(token_ids, cache):
-        with threads():
-            return step(token_ids, cache)
-
-    return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
 
 
 def _load_model(args):
@@ -373,6 +298,9 @@ BENCHMARKS: dict[str, str] = {
 
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
+    p.add_argument("--model", default=None, type=check.text,
+                   help="also load this model as chat/generate/serve would and list what runs each layer")
+    p.add_argument("--precision", default=None, choices=PRECISIONS, help="with --model: the weights (as for chat)")
 
 
 def _run_info(args) -> int:
@@ -387,6 +315,10 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
+    if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())
+        model, _, banner = load_for_inference(args.model, precision=args.precision)
+        print(banner)
+        print(model.describe())
     return 0
 
 

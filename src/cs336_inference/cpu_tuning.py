@@ -73,8 +73,8 @@ def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (...,
 class CPULinear(nn.Linear):
     """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
 
-    Eagerly, in inference, a few rows on several threads: the output rows of W split into one block
-    per thread, streamed in parallel by `bmm`. Traced by the compiler, one row without autograd:
+    Eagerly, in inference, a few rows on several threads of an uncontended CPU: the output rows of W
+    split into one block per thread, streamed in parallel by `bmm`. Traced by the compiler, one row without autograd:
     `streaming_matmul`. Everything else: `F.linear`.
     """
 
@@ -88,7 +88,7 @@ class CPULinear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if (_SPLIT_ENABLED and P > 1 and 0 < rows <= SPLIT_MAX_ROWS and x.device.type == "cpu"
                 and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
-                and x.dtype == w.dtype):
+                and x.dtype == w.dtype and not cpu_contended()):   # a stalled thread would stall the split
             blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
             x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
             y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)

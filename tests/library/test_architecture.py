@@ -22,6 +22,7 @@ LAYERS = {
     "compression": 5, "serving": 5,
     "shipped_models": 6,             # how the shipped toy models are made (training + pruning)
     "benchmarks": 7,
+    "fast_path": 7,                  # the model chat/generate/serve run: weights, kernels, threads, compile
     "homework": 7,                   # the graded functions' reference solution and the student skeleton
     "cli": 8, "cli_args": 8, "__main__": 8, "__init__": 8,
 }

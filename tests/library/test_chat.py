@@ -116,13 +116,17 @@ def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
     assert out.count("TTFT") == 2 and "reused from the KV cache" in out
 
 
-def test_precision_chooses_the_weights_and_the_banner_says_so():
-    from cs336_inference.cli import load_for_inference
+def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
+    from cs336_inference.fast_path import load_for_inference
 
     model, _, banner = load_for_inference("target", precision="int8")
     assert banner.startswith("target: int8 weights") and "CPU tuning" in banner
     assert "int8pack" in model.describe()
     with pytest.raises(ValueError, match="int4-exact"):
         load_for_inference("target", precision="int4-exact")
+    from cs336_inference.cli import main
+
+    assert main(["info", "--model", "target", "--precision", "int8"]) == 0
+    assert "layers.*.ffn.w2 (x4): int8pack per channel" in capsys.readouterr().out
     with pytest.raises(ValueError, match="precision must be one of"):
         load_for_inference("target", precision="int3")

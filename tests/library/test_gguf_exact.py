@@ -14,11 +14,13 @@ import numpy as np
 import pytest
 import torch
 from gguf.quants import dequantize, quantize
+from smollm2_reference import requires_smollm2
 from test_gguf_loading import SIZES, Q, write_tiny_gguf
 
+from adapters import (make_exact_linear, run_gguf_exact_model, run_load_gguf_tensors, run_load_gguf_weights,
+                      run_packed_matmul)
+
 from cs336_inference.model.gguf import gguf_blocks
-from cs336_inference.model.real_models import load_gguf_tensors, load_gguf_weights
-from cs336_inference.quantization import exact_linear, gguf_exact_model, packed_matmul
 
 EPS = 2.0 ** -8   # bf16's unit roundoff: 8 significant bits, so rounding moves a value by at most 2^-8 of it
 
@@ -32,13 +34,13 @@ def _blocks(shape, qtype, seed=0):
 @pytest.mark.parametrize("qtype,layout", [(Q.Q4_1, "int4pack"), (Q.Q8_0, "int8 as two int4 planes")])
 def test_stored_blocks_become_a_layer_equal_to_ggufs_dequantization(qtype, layout):
     raw, expected = _blocks((48, 96), qtype)
-    layer = exact_linear(gguf_blocks(raw, qtype.name))
+    layer = make_exact_linear(raw, qtype.name)
     assert torch.equal(layer.dequantized_weight(torch.float32), expected)     # bit for bit
     packed = layer.packed_weight()
     assert packed is not None and packed.layout == layout
     # The kernel's effective weight: its output for the unit rows e_k is column k of W^T.
     eye = torch.eye(96, dtype=torch.bfloat16)
-    effective = packed_matmul(eye, packed).double().T                          # (O, I)
+    effective = run_packed_matmul(eye, layer).double().T                       # (O, I)
     blocks = gguf_blocks(raw, qtype.name)
     s = blocks.scale.double().repeat_interleave(32, 1)
     m = blocks.minimum.double().repeat_interleave(32, 1) if blocks.minimum is not None else 0 * s
@@ -53,12 +55,12 @@ def test_stored_blocks_become_a_layer_equal_to_ggufs_dequantization(qtype, layou
 
 def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf")
-    config, stored = load_gguf_tensors(tmp_path / "tiny.gguf")
-    ref_config, state = load_gguf_weights(tmp_path / "tiny.gguf")
+    config, stored = run_load_gguf_tensors(tmp_path / "tiny.gguf")
+    ref_config, state = run_load_gguf_weights(tmp_path / "tiny.gguf")
     assert config == ref_config
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # every layer has a packed kernel: nothing to announce
-        model = gguf_exact_model(config, stored, dtype=torch.float32)
+        model = run_gguf_exact_model(config, stored, dtype=torch.float32)
     assert model.lm_head is model.token_embeddings.table                # the tied table is stored once
     for i in range(SIZES["L"]):
         qkv = model.layers[i].attn.qkv_proj.proj.dequantized_weight(torch.float32)
@@ -71,9 +73,10 @@ def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):
     from cs336_inference.model.checkpoints import from_state_dict
 
     reference = from_state_dict(ref_config, state)
-    ids = torch.arange(30)[None] % SIZES["V"]
+    ids = torch.arange(150).view(5, 30) % SIZES["V"]           # 150 rows: above PACKED_MAX_ROWS
     with torch.no_grad():
         torch.testing.assert_close(model(ids), reference(ids), rtol=1e-5, atol=1e-5)
+        ids = ids[:1]
         # Decode rows go through the packed kernels (bf16 activations): close, not equal.
         cache = model.new_cache(1, 8)
         steps = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(8)], dim=1)
@@ -91,3 +94,27 @@ def test_weights_option_is_checked():
         run_load_pretrained("target", weights="gguf-exact")
     with pytest.raises(TypeError, match="weights"):
         run_load_pretrained("target", weights=1)
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_smollm2_exact_int4_is_within_001_nats_of_the_fp32_reference_on_real_text():
+    """The goal of the exact path: the published blocks, decoded through the packed kernels (bf16
+    activations), stay within 0.01 nats/token of the dequantized fp32 model on the real-text split."""
+    from adapters import run_load_pretrained
+
+    from cs336_inference.data.real_text import pydoc_documents, token_stream
+    from cs336_inference.model import load_tokenizer
+
+    reference, exact = run_load_pretrained("smollm2-135m"), run_load_pretrained("smollm2-135m", weights="gguf-exact")
+    w = exact.layers[3].ffn.w2.dequantized_weight(torch.float32)
+    assert torch.equal(w, reference.layers[3].ffn.w2.weight)          # the same weights, bit for bit
+    tok = load_tokenizer("smollm2-135m")
+    ids = token_stream(tok, pydoc_documents("eval"), tok.special_to_id.get("<|endoftext|>"))[:128][None]
+    with torch.inference_mode():
+        ref = reference(ids).float().log_softmax(-1)
+        cache = exact.new_cache(1, ids.shape[1])
+        out = torch.cat([exact(ids[:, t:t + 1], cache=cache) for t in range(ids.shape[1])], 1).float().log_softmax(-1)
+    kl = float((ref.exp() * (ref - out)).sum(-1).mean())
+    assert kl <= 0.01, f"KL(fp32 || exact int4) = {kl:.4f} nats/token"
+    assert int((ref.argmax(-1) == out.argmax(-1)).sum()) >= 120     # same-context next token, of 128

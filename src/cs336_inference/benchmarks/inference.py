@@ -29,6 +29,7 @@ import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .. import _checks
+from ..cpu_tuning import tune_for_cpu
 from ..data.evaluation import compare_on_text
 from ..data.real_text import bytes_per_token
 from ..device import default_dtype
@@ -64,7 +65,7 @@ def build_precision(model: nn.Module, precision: str, device: torch.device) -> n
     attention: fp32 / bf16 weights, or weight-only int8 (per channel) / int4 (groups) with torch's
     packed kernels, quantized from the device's default dtype (fp32 on a CPU, bf16 on a GPU)."""
     _checks.one_of("precision", precision, PRECISIONS)
-    fast = copy.deepcopy(model).to(device).fuse_projections().set_attention_kernel("sdpa").eval()
+    fast = tune_for_cpu(copy.deepcopy(model).to(device).fuse_projections().set_attention_kernel("sdpa").eval())
     if precision in ("fp32", "bf16"):
         return fast.to(torch.float32 if precision == "fp32" else torch.bfloat16)
     fast = fast.to(default_dtype(device))

@@ -27,6 +27,7 @@ import torch
 
 from ..accounting import kv_cache_bytes
 from ..data.passkey import passkey_trials
+from ..cpu_tuning import tune_for_cpu
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
@@ -177,7 +178,7 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
 def measure(run) -> dict:
     contexts, num_trials = (QUICK_CONTEXTS, QUICK_TRIALS) if run.quick else (CONTEXTS, TRIALS)
     dtype = torch.bfloat16  # the inference default; the CPU here has bf16 matmul instructions
-    model = load_pretrained(MODEL, device=run.device, dtype=dtype).set_attention_kernel("sdpa")  # long prompts
+    model = tune_for_cpu(load_pretrained(MODEL, device=run.device, dtype=dtype).set_attention_kernel("sdpa"))
     tokenizer = load_tokenizer(MODEL)
     specs = variants()
     print(f"{MODEL} ({dtype}, {run.device}, {torch.get_num_threads()} threads): "

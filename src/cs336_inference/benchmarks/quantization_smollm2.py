@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from ..data.evaluation import compare_on_text
 from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
+from ..cpu_tuning import tune_for_cpu
 from ..model import load_pretrained, load_tokenizer
 from ..model.gguf import gguf_round_trip
 from ..quantization.kv import quantize_kv_cache
@@ -110,7 +111,7 @@ def grid_comparison(model, requantized, rtn) -> dict:
 
 def measure(run) -> dict:
     quick, device = run.quick, run.device
-    reference = load_pretrained(MODEL, device=device, dtype=torch.float32).set_attention_kernel("sdpa")
+    reference = tune_for_cpu(load_pretrained(MODEL, device=device, dtype=torch.float32).set_attention_kernel("sdpa"))
     tokenizer = load_tokenizer(MODEL)
     eos = tokenizer.special_to_id["<|endoftext|>"]
     seq_len, n_eval, n_calib, calib_len, awq_grid = (256, 2, 4, 128, 5) if quick else (512, 8, 16, 256, 20)

@@ -15,6 +15,7 @@ import torch
 from ..accounting.model_roofline import matvec_bandwidth, measure_decode, measure_prefill
 from ..accounting.plots import plot_model, plot_roofline
 from ..accounting.roofline import RooflineSweep, measure_hardware, roofline_sweep
+from ..cpu_tuning import tune_for_cpu
 from ..device import default_dtype
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
@@ -29,7 +30,7 @@ def measure(run) -> dict:
     sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(9 if quick else 11)],
                            repeats=2 if quick else 5, hardware=hw)
     dtype = default_dtype(device)
-    model = TransformerLM(ModelConfig.from_name("bench-90m"), device=device, dtype=dtype).eval()
+    model = tune_for_cpu(TransformerLM(ModelConfig.from_name("bench-90m"), device=device, dtype=dtype).eval())
     # Re-measure the roofs right before the model runs: on a shared machine the load drifts, and the
     # prediction should use the bandwidth of the same minute.
     hw = measure_hardware(device, quick=quick)

@@ -41,9 +41,10 @@ import torch
 
 KERNELS = ("auto", "reference", "packed")
 INT4_GROUP_SIZES = (256, 128, 64, 32)   # what the int4pack kernels accept (largest first)
-# Above this many rows (tokens x batch) the layer dequantizes and runs a dense matmul instead: the
-# packed CPU kernels are tuned for matrix-vector work and fall far behind a dense bf16/fp32 matmul.
-PACKED_MAX_ROWS = 16
+# Above this many rows (tokens x batch) the layer dequantizes once and runs a dense matmul instead: the
+# packed CPU kernels are tuned for matrix-vector work, and on a long prefill a dense bf16 matmul wins
+# even after paying for the dequantization (on SmolLM2's exact weights the two cross near this size).
+PACKED_MAX_ROWS = 128
 
 
 class SlowKernelWarning(UserWarning):

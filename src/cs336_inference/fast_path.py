@@ -1,0 +1,94 @@
+"""The model that `chat`, `generate` and `serve` run, set up for speed in one place: which weights
+(`--precision`), the packed kernels they choose, the CPU tuning and thread policy, a compiled decode
+step where torch can compile, and a banner saying what runs.
+
+`load_for_inference` is the one loader the CLI's commands share (the HTTP server calls it too);
+`compiled_decode_step` wraps `generation.compile_decode` with the on-disk kernel cache, the CPU thread
+switch and an eager fallback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
+
+
+def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
+    """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
+
+    precision: "int4-exact" (a real model's published Q4_1 / Q8_0 blocks on the packed kernels, no
+    re-quantization: the default for a real model), "int8" (per-channel RTN on the packed int8 kernel),
+    "bf16" or "fp32" (the toy models' default on a CPU; bf16 on CUDA). Then torch's fused attention
+    and, on a CPU, the opt-in CPU tuning (`cpu_tuning.tune_for_cpu`: few-row split, one thread per step
+    under contention). The thread policy is applied first (every core for a real model).
+    """
+    import torch
+
+    from .device import apply_thread_policy, default_dtype, get_device
+    from .model import REAL_MODELS, load_pretrained, load_tokenizer
+
+    apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
+    device = get_device(device)
+    if precision is None:
+        precision = "int4-exact" if name in REAL_MODELS else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "int4-exact":
+        if name not in REAL_MODELS:
+            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
+                             f"shipped toy model (use fp32, bf16 or int8)")
+        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
+    else:
+        base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
+        model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()
+        if precision == "int8":
+            from .quantization import quantize_model
+
+            model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
+    model.set_attention_kernel("sdpa")
+    tuning = ""
+    if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
+        from .cpu_tuning import describe, tune_for_cpu
+
+        tuning = "; " + describe(tune_for_cpu(model))
+    banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
+              f"{torch.get_num_threads()} threads{tuning}")
+    return model, load_tokenizer(name), banner
+
+
+def compiled_decode_step(model):
+    """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
+    decode step where torch can compile here (CUDA, or a CPU with a C++ compiler). Its kernels are cached
+    on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
+    process pays the compile; later ones trace and reuse them. On a CPU each step runs under
+    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
+    import contextlib
+    import os
+    import shutil
+
+    from .model.disk_cache import cache_dir
+
+    if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
+    if model.device.type not in ("cpu", "cuda"):
+        return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    from .cpu_tuning import decode_threads
+    from .generation.compiled import compile_decode
+
+    step = compile_decode(model)
+    threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
+    failed = []
+
+    def decode(token_ids, cache):
+        with threads():
+            if not failed:
+                try:
+                    return step(token_ids, cache)
+                except Exception as error:   # a compiler failure: say so once, then decode eagerly
+                    failed.append(error)
+                    print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
+            return model(token_ids[:, None], cache=cache)[:, -1]
+
+    return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
