@@ -1,5 +1,7 @@
-"""The KV-variant experiment's set-up (the training itself runs in the benchmark, not here)."""
+"""The KV-variant experiment's set-up (the training itself runs in the benchmark, not here), and its
+accounting-only part at real scale (`accounting.kv_variants`)."""
 
+from cs336_inference.accounting.kv_variants import cache_bytes_vs_context
 from cs336_inference.benchmarks import kv_variants as bench
 from cs336_inference.model import TransformerLM
 
@@ -15,7 +17,7 @@ def test_every_variant_gets_the_same_parameter_budget():
 
 def test_cache_bytes_at_real_scale_by_hand():
     lengths = [1024, 8192, 131072]
-    scale = bench.cache_bytes_vs_context(lengths)
+    scale = cache_bytes_vs_context(lengths)
     llama, ds = scale["Llama-2-13B"], scale["DeepSeek-V2"]
     assert llama["MHA"] == [2 * 40 * 128 * 40 * 2 * S for S in lengths]           # 2 K H L bytes
     assert llama["GQA (K=8)"] == [v // 5 for v in llama["MHA"]]

@@ -1,6 +1,7 @@
 """The long-context benchmark's shortcuts are exact: a window covering the sequence scores like full
-attention, the KV formats quantize the very prefill they share, and teacher-forced scoring agrees
-with greedy decoding. Checked on the shipped toy model (fast); the real run is `bench long_context`."""
+attention, the KV formats quantize the very prefill they share, and teacher-forced scoring
+(`data.passkey.score_trial`) agrees with greedy decoding. Checked on the shipped toy model (fast); the
+real run is `bench long_context`."""
 
 import copy
 
@@ -9,6 +10,7 @@ import torch
 from adapters import get_tokenizer, run_generate, run_passkey_trials, run_quantize_kv_cache, run_with_attention
 
 from cs336_inference.benchmarks import long_context as bench
+from cs336_inference.data.passkey import prefill_trial, score_trial
 from cs336_inference.model import checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,15 +26,15 @@ def test_a_window_that_covers_the_sequence_scores_exactly_like_full_attention(se
     window = run_with_attention(model, sliding_window=400, attention_sinks=4)
     for trial in run_passkey_trials(tok, 400, 2):
         assert bench._window_covers(dict(changes=dict(sliding_window=400)), trial.context)
-        scores = [bench._score(m, *bench.prefill_trial(m, trial), trial) for m in (model, window)]
+        scores = [score_trial(m, *prefill_trial(m, trial), trial) for m in (model, window)]
         assert scores[0][0] == scores[1][0] and scores[0][1] == pytest.approx(scores[1][1], abs=1e-4)
 
 
 def test_teacher_forced_score_is_greedy_decoding(setup):
     model, tok = setup
     for trial in run_passkey_trials(tok, 300, 3):
-        cache, last = bench.prefill_trial(model, trial)
-        correct, logprob = bench._score(model, cache, last, trial)
+        cache, last = prefill_trial(model, trial)
+        correct, logprob = score_trial(model, cache, last, trial)
         greedy = run_generate(model, [trial.prompt_ids], len(trial.answer_ids)).tokens[0]
         assert correct == (greedy == trial.answer_ids)
         # the answer's log-probability, from a plain full forward of prompt + answer
@@ -45,10 +47,10 @@ def test_teacher_forced_score_is_greedy_decoding(setup):
 def test_kv_formats_share_the_full_prefill_without_touching_it(setup):
     model, tok = setup
     trial = run_passkey_trials(tok, 300, 1)[0]
-    cache, last = bench.prefill_trial(model, trial)
+    cache, last = prefill_trial(model, trial)
     before = [layer.k.clone() for layer in cache.layers]
     quantized = run_quantize_kv_cache(copy.copy(cache), "int4")
-    bench._score(model, quantized, last, trial)
+    score_trial(model, quantized, last, trial)
     assert cache.length == len(trial.prompt_ids) and quantized.length == cache.length + len(trial.answer_ids) - 1
     assert all(torch.equal(a, layer.k) for a, layer in zip(before, cache.layers))
     names = [v["name"] for v in bench.variants()]

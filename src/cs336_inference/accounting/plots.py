@@ -77,6 +77,24 @@ def plot_kv_memory(model="llama2-13b", hardware="H100", seq_len: int = 1024, kv_
     return fig
 
 
+def plot_cache_vs_context(lengths, curves: dict):
+    """KV-cache bytes of one sequence against context, one panel per model ({model: {variant: bytes}},
+    `kv_variants.cache_bytes_vs_context`). MHA is drawn wide underneath and windows dashed on top: a
+    window equals MHA until it fills, and either would otherwise hide the other."""
+    fig, axes = plt.subplots(1, len(curves), figsize=(6.5 * len(curves), 4.8), squeeze=False)
+    for ax, (model, by_variant) in zip(axes[0], curves.items()):
+        for i, (name, values) in enumerate(by_variant.items()):
+            style = dict(lw=4, alpha=0.6, zorder=1) if name == "MHA" else dict(lw=1.6, zorder=2)
+            ax.plot(lengths, [v / 1e9 for v in values], marker=".", color=f"C{i}",
+                    ls="--" if name.startswith("window") else "-", label=name, **style)
+        ax.set(yscale="log", xlabel="context length (tokens)", ylabel="KV cache of one sequence (GB, bf16)",
+               title=f"{model} attention shape (accounting only)")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
 def plot_roofline(sweep: RooflineSweep):
     """Achieved FLOP/s vs B (log-log) under the two roofs, with the ridge and the measured knee."""
     hw = sweep.hardware

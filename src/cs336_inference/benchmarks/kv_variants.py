@@ -6,7 +6,8 @@ context. Small models of each variant (MHA, GQA, MQA, MLA, sliding window, a loc
 CLA) train with the same parameter budget (d_ff absorbs the difference), data, steps and seed; decode
 is then timed for all of them side by side (rounds, median). Tiny models trained for minutes rarely
 recall a whole answer, so recall is also scored per digit, teacher-forced. An accounting-only part
-draws cache bytes against context length for each variant at Llama-2-13B and DeepSeek-V2 scale.
+(`accounting.kv_variants`) draws cache bytes against context length for each variant at Llama-2-13B
+and DeepSeek-V2 scale.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import formulas as accounting
-from ..accounting.model_shapes import REAL_MODELS, ModelShape
+from ..accounting.kv_variants import SCALE_MODELS, SCALE_VARIANTS, cache_bytes_vs_context
+from ..accounting.plots import plot_cache_vs_context
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
 from ..tables import kv_variants_table, ordered_variants
@@ -38,21 +40,6 @@ VARIANTS: dict[str, dict] = {
     "CLA (2 layers share)": dict(num_kv_heads=4, kv_share_group=2),
 }
 
-# At real scale (accounting only): each variant applied to the attention of Llama 2 13B (MHA, 40 layers)
-# and of DeepSeek-V2 (MLA, 60 layers of 128 heads x 128 dims), from `model_shapes.REAL_MODELS`.
-_GQA = dict(attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)   # undo DeepSeek-V2's MLA
-SCALE_VARIANTS = {
-    "MHA": _GQA,
-    "GQA (K=8)": dict(_GQA, num_kv_heads=8),
-    "MQA (K=1)": dict(_GQA, num_kv_heads=1),
-    "MLA (C=512, R=64)": dict(attention_type="mla", kv_lora_rank=512, rope_head_dim=64),
-    "window 4096": dict(_GQA, sliding_window=4096),
-    "hybrid (window 1024, 1 global in 6) + GQA (K=8)": dict(_GQA, num_kv_heads=8, sliding_window=1024, global_every=6),
-    "CLA (2 layers) + GQA (K=8)": dict(_GQA, num_kv_heads=8, kv_share_group=2),
-}
-SCALE_MODELS = {"Llama-2-13B": "llama2-13b", "DeepSeek-V2": "deepseek-v2"}
-
-
 def variant_config(overrides: dict, base: dict = BASE, budget: int | None = None) -> ModelConfig:
     """The base config with a variant's knobs; with `budget`, d_ff is set so the model's parameter
     count (embeddings included) is as close to `budget` as a whole d_ff allows."""
@@ -63,21 +50,6 @@ def variant_config(overrides: dict, base: dict = BASE, budget: int | None = None
     params = TransformerLM(config).num_parameters()
     d_ff = max(8, config.d_ff + round((budget - params) / per_ff))
     return config.replace(d_ff=d_ff)
-
-
-def scale_shapes(model: str) -> dict[str, ModelShape]:
-    """Each variant applied to a real model's attention shape (its heads, head dim and layers)."""
-    base = REAL_MODELS[model]
-    return {name: base.replace(name=f"{base.name} {name}", num_kv_heads=kw.get("num_kv_heads", base.num_heads),
-                               **{k: v for k, v in kw.items() if k != "num_kv_heads"})
-            for name, kw in SCALE_VARIANTS.items()}
-
-
-def cache_bytes_vs_context(lengths, bytes_per_element: int = 2) -> dict:
-    """Accounting only: KV-cache bytes of one sequence vs context length at both real scales (bf16)."""
-    return {title: {name: [accounting.kv_cache_bytes(shape, 1, int(S), bytes_per_element) for S in lengths]
-                    for name, shape in scale_shapes(model).items()}
-            for title, model in SCALE_MODELS.items()}
 
 
 def recall_distances(context: int, quick: bool) -> list[int]:
@@ -207,27 +179,8 @@ def plot_results(data: dict):
     return fig
 
 
-def plot_scale(data: dict):
-    """Cache bytes against context at real scale. MHA is drawn wide underneath and windows dashed on
-    top: a window equals MHA until it fills, and either would otherwise hide the other."""
-    scale = data["scale"]
-    lengths = scale["context_lengths"]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
-    for ax, model_name in zip(axes, SCALE_MODELS):
-        curves = scale["bytes"][model_name]
-        for i, name in enumerate(SCALE_VARIANTS):
-            style = dict(lw=4, alpha=0.6, zorder=1) if name == "MHA" else dict(lw=1.6, zorder=2)
-            ax.plot(lengths, [v / 1e9 for v in curves[name]], marker=".", color=f"C{i}",
-                    ls="--" if name.startswith("window") else "-", label=name, **style)
-        ax.set(xscale="log", yscale="log", xlabel="context length (tokens)",
-               ylabel="KV cache of one sequence (GB, bf16)",
-               title=f"{model_name} attention shape (accounting only)")
-        ax.set_xscale("log", base=2)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    return fig
-
-
 BENCHMARK = bench_kv_variants = Benchmark(
     "kv_variants", measure, lambda data: print(kv_variants_table(data)),
-    plots={"kv_variants": plot_results, "kv_variants_scale": plot_scale})
+    plots={"kv_variants": plot_results, "kv_variants_scale": lambda data: plot_cache_vs_context(
+        data["scale"]["context_lengths"], {m: {v: data["scale"]["bytes"][m][v] for v in SCALE_VARIANTS}
+                                           for m in SCALE_MODELS})})

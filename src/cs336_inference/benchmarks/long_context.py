@@ -12,8 +12,7 @@ turn, rounds interleaved). Work is shared only where that is exact:
 - the KV formats quantize the full-attention prefill of each trial (the prompt's own attention ran in
   bf16, each decode step reads the codes: what serving engines do);
 - a window covering the whole sequence changes nothing, so those cells reuse the full result;
-- prompts are prefilled in chunks of 256 (as vLLM/Sarathi do): the same math, but a windowed layer
-  attends over window + chunk keys instead of the whole prompt.
+- prompts are prefilled in chunks of 256 (`data.passkey.prefill_trial`, as vLLM/Sarathi do).
 """
 
 from __future__ import annotations
@@ -26,13 +25,13 @@ import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import kv_cache_bytes
-from ..data.passkey import passkey_trials
+from ..data.passkey import passkey_trials, prefill_trial, score_trial
 from ..cpu_tuning import tune_for_cpu
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
 from ..tables import long_context_table
-from ..timing import sync_device
+from ..timing import alternating_timings
 from .base import Benchmark
 
 MODEL = "smollm2-135m"
@@ -69,27 +68,6 @@ def _window_covers(spec, context: int) -> bool:
     return w is not None and context <= w
 
 
-@torch.inference_mode()
-def _score(model, cache, last_logits, trial) -> tuple[bool, float]:
-    """Teacher-forced answer after the prompt: (greedy would emit it, its log-probability in nats)."""
-    answer = torch.tensor(trial.answer_ids, device=model.device)
-    rest = model(answer[None, :-1], cache=cache, start_pos=cache.length)[0]            # (A-1, V)
-    logits = torch.cat([last_logits.reshape(1, -1), rest]).float()                     # (A, V)
-    correct = bool((logits.argmax(-1) == answer).all())
-    return correct, float(logits.log_softmax(-1).gather(1, answer[:, None]).sum())
-
-
-@torch.inference_mode()
-def prefill_trial(model, trial, extra: int = 0):
-    """Prefill `trial`'s prompt in chunks into a fresh cache with room for its answer and `extra` more
-    tokens; returns (cache, logits (V,) at the last prompt position)."""
-    prompt = torch.tensor([trial.prompt_ids], device=model.device)
-    cache = model.new_cache(1, prompt.shape[1] + len(trial.answer_ids) + extra)
-    for start in range(0, prompt.shape[1], PREFILL_CHUNK):
-        logits = model(prompt[:, start:start + PREFILL_CHUNK], cache=cache, start_pos=start, last_only=True)
-    return cache, logits[0, -1]
-
-
 def evaluate(model, tokenizer, specs, contexts, num_trials, log=print) -> tuple[dict, dict]:
     """Every variant on every trial -> per-trial records, and per variant (model, cache) of its first trial
     at the longest context, left with room for DECODE_STEPS more tokens (for `time_decode`)."""
@@ -108,12 +86,12 @@ def evaluate(model, tokenizer, specs, contexts, num_trials, log=print) -> tuple[
                     results[spec["name"]].append(dict(full[index - 1], copied_from_full=True))
                     continue
                 timed = context == longest and t == 0
-                cache, last = prefill_trial(built, trial, DECODE_STEPS if timed else 0)
+                cache, last = prefill_trial(built, trial, DECODE_STEPS if timed else 0, PREFILL_CHUNK)
                 targets = [(spec, cache)]
                 if spec["family"] == "full":  # the KV formats share this prefill (quantized copies)
                     targets += [(k, quantize_kv_cache(copy.copy(cache), k["kv"])) for k in kv_specs]
                 for target, c in targets:
-                    correct, logprob = _score(built, c, last, trial)
+                    correct, logprob = score_trial(built, c, last, trial)
                     results[target["name"]].append(dict(context=context, depth=trial.depth, distance=trial.distance,
                                                         key=trial.key, correct=correct, answer_logprob=logprob))
                     if timed:
@@ -127,16 +105,12 @@ def evaluate(model, tokenizer, specs, contexts, num_trials, log=print) -> tuple[
 @torch.inference_mode()
 def time_decode(timers: dict, steps: int = DECODE_STEPS) -> dict[str, list[float]]:
     """Seconds of single-token decode steps, one variant after another in each of `steps` rounds."""
-    seconds = {name: [] for name in timers}
-    for _ in range(steps):
-        for name, (model, cache) in timers.items():
-            token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-            sync_device(model.device)
-            t0 = time.perf_counter()
-            model(token, cache=cache, start_pos=cache.length)
-            sync_device(model.device)
-            seconds[name].append(time.perf_counter() - t0)
-    return seconds
+    def step(model, cache):
+        return lambda: model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=cache,
+                             start_pos=cache.length)
+    device = next(iter(timers.values()))[0].device if timers else None
+    times = alternating_timings({name: step(*mc) for name, mc in timers.items()}, steps, 0, device) if timers else {}
+    return {name: t["times"] for name, t in times.items()}
 
 
 def _kv_bytes(model, spec, longest: int) -> int:

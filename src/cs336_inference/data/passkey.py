@@ -5,12 +5,18 @@ al. 2024 (StreamingLLM) use it to test whether a model can still *see* a token n
 filler is repetitive, so only the key itself is information; the needle sits at a chosen depth
 (0 = right after the instructions, 1 = right before the question), and the prompt plus answer is
 exactly `context` tokens of the model's own tokenizer. Seeded: the same arguments give the same trials.
+
+Scoring a trial needs no generation loop: greedy decoding emits the key iff each answer token is the
+argmax given the ones before it, which one teacher-forced forward of the answer checks
+(`prefill_trial`, then `score_trial`).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+import torch
 
 # Pieces are tokenized separately and joined, so each starts with its space (" The") as running text would.
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -72,3 +78,27 @@ def passkey_trials(tokenizer, context: int, num_trials: int, depths=(0.0, 0.25, 
         raise ValueError("depths must be a non-empty list of numbers in [0, 1]")
     return [make_passkey_trial(tokenizer, context, depths[t % len(depths)], seed * 1_000_003 + context * 1009 + t)
             for t in range(num_trials)]
+
+
+@torch.inference_mode()
+def prefill_trial(model, trial: PasskeyTrial, extra: int = 0, chunk: int = 256):
+    """Prefill `trial`'s prompt in chunks of `chunk` tokens (as vLLM and Sarathi do: the same math, but
+    a windowed layer attends over window + chunk keys instead of the whole prompt) into a fresh cache
+    with room for its answer and `extra` more tokens; returns (cache, logits (V,) at the last prompt
+    position)."""
+    prompt = torch.tensor([trial.prompt_ids], device=model.device)
+    cache = model.new_cache(1, prompt.shape[1] + len(trial.answer_ids) + extra)
+    for start in range(0, prompt.shape[1], chunk):
+        logits = model(prompt[:, start:start + chunk], cache=cache, start_pos=start, last_only=True)
+    return cache, logits[0, -1]
+
+
+@torch.inference_mode()
+def score_trial(model, cache, last_logits: torch.Tensor, trial: PasskeyTrial) -> tuple[bool, float]:
+    """Teacher-forced answer after the prompt in `cache`: (greedy decoding would emit the key, the
+    answer's log-probability in nats)."""
+    answer = torch.tensor(trial.answer_ids, device=model.device)
+    rest = model(answer[None, :-1], cache=cache, start_pos=cache.length)[0]            # (A-1, V)
+    logits = torch.cat([last_logits.reshape(1, -1), rest]).float()                     # (A, V)
+    correct = bool((logits.argmax(-1) == answer).all())
+    return correct, float(logits.log_softmax(-1).gather(1, answer[:, None]).sum())
