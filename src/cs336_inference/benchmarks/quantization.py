@@ -12,26 +12,25 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
 
 from ..accounting.model_roofline import decode_step_seconds
+from ..data.corpus import load_corpus
+from ..data.evaluation import compare_on_text
+from ..model.checkpoints import load_pretrained
 from ..quantization.kv import quantize_kv_cache
 from ..quantization.linear import QuantizedLinear, model_nbytes
 from ..quantization.model import quantize_model
 from ..tables import print_table
-from .base import Benchmark
+from .base import Benchmark, alternate
 
 
-def _group_for(model, wanted: int | None) -> int | None:
-    """The largest divisor of every linear input dim that is <= wanted (None stays per channel)."""
-    if wanted is None:
-        return None
-    dims = [m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)]
-    common = 0
-    for d in dims:
-        common = math.gcd(common, d)
+def _group_for(model, wanted: int) -> int:
+    """The largest divisor of every linear input dim that is <= wanted."""
+    common = math.gcd(*(m.in_features for m in model.layers.modules() if isinstance(m, nn.Linear)))
     return max(g for g in range(1, min(wanted, common) + 1) if common % g == 0)
 
 
@@ -74,35 +73,22 @@ def variants(group: int | None, small_group: int | None) -> list[tuple[str, dict
 
 def measure(run) -> dict:
     """Every row of `variants` on the shipped target: bytes, quality against fp32, decode speed."""
-    from ..data.corpus import load_corpus
-    from ..data.evaluation import compare_to_reference, evaluate_lm
-    from ..model.checkpoints import load_pretrained
-
     quick = run.quick
     model = load_pretrained("target", device=run.device).eval()
     seq_len = min(512, model.config.context_length)   # the target records its val loss at 512
     val, train = load_corpus("val"), load_corpus("train")
-    n_calib, calib_len = (8, 128) if quick else (32, 256)
-    starts = torch.linspace(0, train.numel() - calib_len - 1, n_calib).long()
-    calibration = [torch.stack([train[s:s + calib_len] for s in starts.tolist()])]   # (n, T), evenly spaced
-    qat_tokens = train[: 400_000]                                                # fine-tune stream
-    eval_batches = 1 if quick else 4
-    qat_steps = 20 if quick else 50
+    n_calib, calib_len, n_eval, qat_steps = (8, 128, 8, 20) if quick else (32, 256, 32, 50)
+    starts = torch.linspace(0, train.numel() - calib_len - 1, n_calib).long().tolist()
+    calibration = [torch.stack([train[s:s + calib_len] for s in starts])]   # (n, T), evenly spaced
+    qat = dict(calibration=[train[: 400_000]], qat_steps=qat_steps, qat_seq_len=128, qat_lr=2e-4)  # fine-tune stream
     group, small_group = _group_for(model, 128), _group_for(model, 32)
-
     rows, models = [], {}
     for label, kwargs in variants(group, small_group):
         t0 = time.perf_counter()
-        if kwargs is None:
-            qm = model
-        else:
-            extra = dict(calibration=calibration)
-            if kwargs["method"] == "qat":
-                extra = dict(calibration=[qat_tokens], qat_steps=qat_steps, qat_seq_len=128, qat_lr=2e-4)
-            qm = quantize_model(model, **kwargs, **extra)
+        models[label] = qm = model if kwargs is None else quantize_model(
+            model, **kwargs, **(qat if kwargs["method"] == "qat" else dict(calibration=calibration)))
         seconds = time.perf_counter() - t0
         print(f"quantized {label:<22} in {seconds:6.1f} s", flush=True)
-        models[label] = qm
         kernels = sorted({"packed" if m.packed_weight(m.qweight.device) is not None else "reference"
                           for m in qm.modules() if isinstance(m, QuantizedLinear)})
         rows.append(dict(variant=label, kernel="+".join(kernels) or "-", method=(kwargs or {}).get("method", "none"),
@@ -111,36 +97,28 @@ def measure(run) -> dict:
     models["fp32 + int8 KV cache"] = WithQuantizedKV(model)
     rows.append(dict(variant="fp32 + int8 KV cache", method="kv_int8", bits=32, group_size=None,
                      model_bytes=model_nbytes(model), quantize_seconds=0.0))
-
+    # bits per byte (a byte per token) and agreement with fp32 on the first validation windows
+    windows = val[: n_eval * seq_len + 1].unfold(0, seq_len + 1, seq_len)           # (n_eval, seq_len + 1)
+    quality = compare_on_text(models, model, windows, torch.ones(model.config.vocab_size))
     for row in rows:
-        qm = models[row["variant"]]
-        row["val_bits_per_byte"] = evaluate_lm(qm, val, seq_len=seq_len, max_batches=eval_batches)["bits_per_byte"]
-        if qm is model:
-            row["kl_to_fp32"], row["top1_agreement"] = 0.0, 1.0
-        else:
-            cmp = compare_to_reference(qm, model, val, seq_len=seq_len, max_batches=eval_batches)
-            row["kl_to_fp32"], row["top1_agreement"] = cmp["kl"], cmp["top1_agreement"]
-    base = rows[0]
-    for row in rows:
-        row["delta_bits_per_byte"] = row["val_bits_per_byte"] - base["val_bits_per_byte"]
-        row["bytes_ratio_vs_fp32"] = base["model_bytes"] / row["model_bytes"]
-
-    # Decode speed: interleave variants over rounds so drifting machine load hits them alike.
+        q = quality[row["variant"]]
+        row.update(val_bits_per_byte=q["bits_per_byte"], kl_to_fp32=q["kl_to_reference"],
+                   top1_agreement=q["top1_agreement"],
+                   delta_bits_per_byte=q["bits_per_byte"] - quality["fp32"]["bits_per_byte"],
+                   bytes_ratio_vs_fp32=rows[0]["model_bytes"] / row["model_bytes"])
+    # decode speed: variants interleaved over rounds, so drifting machine load hits them alike
     rounds, steps = (2, 8) if quick else (3, 16)
     timed = [r for r in rows if r["method"] != "kv_int8"]
-    times = {r["variant"]: [] for r in timed}
-    for _ in range(rounds):
-        for r in timed:
-            times[r["variant"]].append(decode_step_seconds(models[r["variant"]], 1, context=32, steps=steps))
+    times = alternate({r["variant"]: partial(decode_step_seconds, models[r["variant"]], 1, 32, steps)
+                       for r in timed}, rounds)
     for r in timed:
         r["decode_tok_per_s"] = 1.0 / statistics.median(times[r["variant"]])
-        r["decode_speed_vs_fp32"] = r["decode_tok_per_s"] / (1.0 / statistics.median(times["fp32"]))
-
+        r["decode_speed_vs_fp32"] = statistics.median(times["fp32"]) / statistics.median(times[r["variant"]])
     kv = dict(fp32_bytes_per_token=model.new_cache(1, seq_len).bytes_per_token,
               int8_bytes_per_token=quantize_kv_cache(model.new_cache(1, seq_len)).bytes_per_token)
     return dict(model="target", device=str(run.device), threads=torch.get_num_threads(),
                 parameters=sum(p.numel() for p in model.parameters()), config=model.config.to_dict(), seq_len=seq_len,
-                eval_tokens=eval_batches * 8 * seq_len, calibration_tokens=n_calib * calib_len, qat_steps=qat_steps,
+                eval_tokens=int(windows[:, 1:].numel()), calibration_tokens=n_calib * calib_len, qat_steps=qat_steps,
                 group_size=group, small_group_size=small_group, kv_cache=kv, rows=rows,
                 note=("decode tok/s measured batch 1 on a shared CPU (medians of interleaved rounds) on a model "
                       "that fits in cache: per-op overhead, not bytes; see bench generation for the speed-up"))
