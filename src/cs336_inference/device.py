@@ -1,4 +1,5 @@
-"""Where the library runs: pick a device and dtype, choose CPU threads, and make runs reproducible.
+"""Where the library runs: pick a device and dtype, choose CPU threads, make runs reproducible, and
+describe the machine a number was measured on (`describe_machine`).
 
 CPU first (fp32: the CPUs we teach on have no fast bf16 matmul), CUDA when present (bf16).
 
@@ -12,8 +13,10 @@ else needs. CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for bot
 from __future__ import annotations
 
 import os
+import platform
 import random
-
+import re
+import sys
 import warnings
 
 import numpy as np
@@ -104,3 +107,33 @@ def thread_report() -> dict:
             "policy_large": thread_policy(True), "omp_wait_policy": _openmp.wait_policy(),
             "gomp_spincount": _openmp.spin_count(),
             **{var.lower(): os.environ.get(var) for var in THREAD_ENV_VARS}}
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_avg() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def describe_machine(device: torch.device) -> dict:
+    """What a reader needs to judge a number: the CPU, cores, threads, OpenMP's wait policy, the load
+    average, torch and the device (and the GPU's name and memory on CUDA)."""
+    d = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+         "omp_wait_policy": _openmp.wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
+         "python": sys.version.split()[0], "platform": platform.platform(), "device": str(device)}
+    if device.type == "cuda":
+        d["gpu"] = torch.cuda.get_device_name(device)
+        d["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
+    return d

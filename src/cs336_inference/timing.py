@@ -1,4 +1,5 @@
-"""Timing helpers every benchmark shares: device sync, medians, a thread-count context, a busy core.
+"""Timing helpers every benchmark shares: device sync, medians, a thread-count context, a busy core, and
+the peak memory of a run (`PeakMemory`).
 
 Wall-clock timings on a shared CPU are noisy: time the work alone (synchronise the device first),
 repeat it, and report the median; compare variants side by side in one run.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -103,3 +105,53 @@ def busy_cpu(processes: int = 1):
         for p in loops:
             p.kill()
             p.wait()
+
+
+class PeakMemory:
+    """`with PeakMemory(device) as peak: ...` then `peak.result()`: {"cuda_peak_bytes"} on a GPU;
+    on a CPU {"rss_start_bytes", "rss_peak_bytes", "rss_peak_is_per_run"} (None where the OS does
+    not tell): the resident set when the run started and Linux's peak resident set (VmHWM) during it,
+    reset at the start where /proc/self/clear_refs allows (else the process's peak so far)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.values = torch.device(device), {}
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self.values["rss_start_bytes"] = rss_bytes()
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")   # "5": reset the peak resident set to the current one
+                self.values["rss_peak_is_per_run"] = True
+            except OSError:
+                self.values["rss_peak_is_per_run"] = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.values["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self.values["rss_peak_bytes"] = _status_bytes("VmHWM")
+        return False
+
+    def result(self) -> dict:
+        return dict(self.values)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set now (Linux), in bytes; None where the OS does not tell."""
+    return _status_bytes("VmRSS")
+
+
+def _status_bytes(field: str) -> int | None:
+    """A memory line of /proc/self/status (VmHWM: peak resident set, VmRSS: now) in bytes."""
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(rf"^{field}:\s*(\d+)\s*kB", f.read(), re.M)
+        return int(match.group(1)) * 1024 if match else None
+    except OSError:
+        return None

@@ -1,9 +1,11 @@
 """`timing.alternating_timings`: the side-by-side timing the notebooks narrate from. A fake clock makes
-the arithmetic exact: the order of calls, the warm-up rounds left out, median/min/max per variant."""
+the arithmetic exact: the order of calls, the warm-up rounds left out, median/min/max per variant.
+Also what every benchmark records beside a time: the run's peak memory and the machine."""
 
 import statistics
 
 import pytest
+import torch
 
 from cs336_inference import timing
 
@@ -47,3 +49,27 @@ def test_cpu_clock_counts_this_process_only(monkeypatch):
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         timing.alternating_timings(**kwargs)
+
+
+def test_peak_memory_sees_what_a_run_allocates():
+    """On a CPU: the resident set at the start and Linux's peak during the run (reset at its start
+    where the OS allows), which a 64 MB buffer touched inside the run must raise."""
+    import sys
+
+    from cs336_inference.timing import PeakMemory, rss_bytes
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/status")
+    with PeakMemory(torch.device("cpu")) as peak:
+        buffer = torch.ones(16 * 2**20)   # 64 MB, written
+    values = peak.result()
+    assert values["rss_start_bytes"] > 0 and values["rss_peak_bytes"] >= values["rss_start_bytes"] + buffer.nbytes // 2
+    assert rss_bytes() > 0
+
+
+def test_describe_machine_says_where_a_number_was_measured():
+    from cs336_inference.device import describe_machine
+
+    d = describe_machine(torch.device("cpu"))
+    assert d["cpu"] and d["cpu_count"] >= 1 and d["torch_threads"] == torch.get_num_threads()
+    assert d["torch"] == torch.__version__ and d["device"] == "cpu" and "gpu" not in d

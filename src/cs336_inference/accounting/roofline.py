@@ -6,13 +6,12 @@ we teach on are shared and noisy.
 
 from __future__ import annotations
 
-import platform
 from dataclasses import asdict, dataclass
 
 import torch
 
 from .. import _checks
-from ..device import default_dtype, get_device
+from ..device import cpu_model, default_dtype, get_device
 from ..timing import median_seconds
 from .hardware import HardwareSpec
 
@@ -46,12 +45,7 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     if device.type == "cpu":
-        try:
-            with open("/proc/cpuinfo") as f:
-                model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-        except OSError:
-            model = platform.processor()
-        return f"cpu ({model or platform.machine()}, {torch.get_num_threads()} threads)"
+        return f"cpu ({cpu_model()}, {torch.get_num_threads()} threads)"
     return device.type
 
 

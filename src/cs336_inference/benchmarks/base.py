@@ -18,10 +18,6 @@ from __future__ import annotations
 import csv
 import inspect
 import math
-import os
-import platform
-import re
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,8 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .._openmp import wait_policy
-from ..device import get_device, seed_everything, thread_policy
+from ..device import describe_machine, get_device, load_avg, seed_everything, thread_policy
 from ..figures import load_result, result_path, save_figure, save_json
 from ..timing import num_threads
 
@@ -161,85 +156,4 @@ def save_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            match = re.search(r"^model name\s*:\s*(.+)$", f.read(), re.M)
-        if match:
-            return match.group(1).strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def load_avg() -> list[float] | None:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def describe_machine(device: torch.device) -> dict:
-    """What a reader needs to judge a number: the CPU, cores, threads, OpenMP's wait policy, the load
-    average, torch and the device (and the GPU's name and memory on CUDA)."""
-    d = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-         "omp_wait_policy": wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
-         "python": sys.version.split()[0], "platform": platform.platform(), "device": str(device)}
-    if device.type == "cuda":
-        d["gpu"] = torch.cuda.get_device_name(device)
-        d["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
-    return d
-
-
-class PeakMemory:
-    """`with PeakMemory(device) as peak: ...` then `peak.result()`: {"cuda_peak_bytes"} on a GPU;
-    on a CPU {"rss_start_bytes", "rss_peak_bytes", "rss_peak_is_per_run"} (None where the OS does
-    not tell): the resident set when the run started and Linux's peak resident set (VmHWM) during it,
-    reset at the start where /proc/self/clear_refs allows (else the process's peak so far)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.values = torch.device(device), {}
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self.values["rss_start_bytes"] = rss_bytes()
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")   # "5": reset the peak resident set to the current one
-                self.values["rss_peak_is_per_run"] = True
-            except OSError:
-                self.values["rss_peak_is_per_run"] = False
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.values["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self.values["rss_peak_bytes"] = _status_bytes("VmHWM")
-        return False
-
-    def result(self) -> dict:
-        return dict(self.values)
-
-
-def rss_bytes() -> int | None:
-    """This process's resident set now (Linux), in bytes; None where the OS does not tell."""
-    return _status_bytes("VmRSS")
-
-
-def _status_bytes(field: str) -> int | None:
-    """A memory line of /proc/self/status (VmHWM: peak resident set, VmRSS: now) in bytes."""
-    try:
-        with open("/proc/self/status") as f:
-            match = re.search(rf"^{field}:\s*(\d+)\s*kB", f.read(), re.M)
-        return int(match.group(1)) * 1024 if match else None
-    except OSError:
-        return None
-
-
-__all__ = ["Benchmark", "PeakMemory", "Run", "alternate", "describe_machine", "finite", "load_avg", "median_repeat",
-           "rss_bytes", "save_csv"]
+__all__ = ["Benchmark", "Run", "alternate", "finite", "median_repeat", "save_csv"]

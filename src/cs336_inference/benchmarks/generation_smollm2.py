@@ -22,7 +22,8 @@ from ..cpu_tuning import describe, tune_for_cpu
 from ..model import load_pretrained
 from ..model.real_models import gguf_path, load_gguf_weights
 from ..tables import print_table
-from .base import Benchmark, rss_bytes
+from ..timing import rss_bytes
+from .base import Benchmark
 from ..accounting.model_roofline import decode_step_seconds, prefill_tokens_per_second, weight_bytes_per_step
 
 MODEL = "smollm2-135m"

@@ -40,7 +40,9 @@ from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
 from ..serving import Engine, benchmark_metrics, flat_metrics, request_metrics, serve_one_at_a_time
 from ..serving.request import Request
-from .base import Benchmark, PeakMemory, load_avg, median_repeat
+from ..device import load_avg
+from ..timing import PeakMemory
+from .base import Benchmark, median_repeat
 from .inference_config import (PRECISIONS, RunSpec, SweepConfig, check_arguments, source_tokens, stop_tokens,
                                sweep_config, workload_row)
 from .inference_endpoint import ENDPOINT, endpoint_name, measure_endpoint

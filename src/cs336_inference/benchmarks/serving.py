@@ -46,7 +46,8 @@ from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
 from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..serving.workload import INSTRUCTION
 from ..tables import print_table
-from .base import Benchmark, alternate, load_avg
+from ..device import load_avg
+from .base import Benchmark, alternate
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line
 REAL_MODEL = "smollm2-135m"

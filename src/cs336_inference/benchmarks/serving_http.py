@@ -36,7 +36,8 @@ from ..serving.client import EndpointRequest, StreamResult, http_sender, open_se
 from ..serving.http.launch import running_server
 from ..serving.request import SamplingParams
 from ..tables import format_table
-from .base import Benchmark, alternate, load_avg, median_repeat
+from ..device import load_avg
+from .base import Benchmark, alternate, median_repeat
 
 NAME = "serving_http"
 MODES = ("engine", "async", "http")
