@@ -137,3 +137,20 @@ def describe_machine(device: torch.device) -> dict:
         d["gpu"] = torch.cuda.get_device_name(device)
         d["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return d
+
+
+def bf16_matmul_unit(device) -> str:
+    """What bf16 matmuls can use here: AMX tiles, AVX-512 BF16 dot products, or neither (a GPU: its name)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.cuda.get_device_name(device) if device.type == "cuda" else "n/a"
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return "unknown"
+    if "amx_bf16" in flags:
+        return "AMX (amx_bf16)"
+    if "avx512_bf16" in flags:
+        return "AVX-512 BF16 (avx512_bf16)"
+    return "none (bf16 is converted to fp32)"

@@ -63,6 +63,22 @@ def test_compare_to_reference_against_naive_kl():
     assert out["top1_agreement"] == pytest.approx(agree / n)
 
 
+def test_decode_kl_to_reference_steps_through_the_cache_like_a_full_forward():
+    """`decode_kl_to_reference` runs the model one position per step through its cache; the same KL
+    and agreement, in doubles, from one full forward of each model per sequence."""
+    from cs336_inference.data.evaluation import decode_kl_to_reference
+
+    a, b = make_model(make_config(**CFG), seed=0), make_model(make_config(**CFG), seed=1)
+    ids = _data(2 * 24).view(2, 24)
+    assert decode_kl_to_reference(a, a, ids) == (pytest.approx(0.0, abs=1e-5), 1.0)
+    kl, top1 = decode_kl_to_reference(a, b, ids)
+    with torch.no_grad():
+        p_ref, p_model = torch.softmax(b(ids).double(), -1), torch.softmax(a(ids).double(), -1)
+    expected = (p_ref * (p_ref.log() - p_model.log())).sum(-1).mean()
+    assert kl == pytest.approx(float(expected), rel=1e-3)
+    assert top1 == pytest.approx(float((p_ref.argmax(-1) == p_model.argmax(-1)).double().mean()))
+
+
 def test_evaluation_rejects_bad_inputs():
     model = make_model(make_config(**CFG))
     with pytest.raises(ValueError, match="context_length"):

@@ -18,6 +18,7 @@ import copy
 import math
 import statistics
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -26,6 +27,9 @@ from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_secon
 from ..accounting.roofline import measure_memory_bandwidth
 from .._openmp import spin_count, wait_policy
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
+from ..data.evaluation import decode_kl_to_reference
+from ..data.real_text import eval_text_tokens
+from ..device import bf16_matmul_unit
 from ..generation.compiled import compile_decode
 from ..generation.generate import generate
 from ..model.checkpoints import load_pretrained
@@ -34,7 +38,7 @@ from ..model.transformer import TransformerLM
 from ..quantization.model import quantize_model
 from ..timing import busy_cpu, load_average, median_seconds
 from ..model import hf_peer as peer
-from .base import Benchmark
+from .base import Benchmark, alternate
 from .generation_report import plot_generation, print_generation
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
@@ -65,26 +69,12 @@ def build_variants(model: TransformerLM) -> tuple[dict[str, nn.Module], dict[str
 SPLIT_OFF = {"fp32 plain": lambda: few_row_split(False), "fp32 F.linear": lambda: few_row_split(False)}
 
 
-@torch.inference_mode()
-def kl_to_reference(model, reference, ids: torch.Tensor) -> tuple[float, float]:
-    """Mean KL(reference || model) over next-token distributions, and top-1 agreement (the same-context
-    next token), on ids (B, T). The model runs as decode runs it, one position per step through its
-    cache (quantized layers take their packed few-row kernels there); the reference in one forward."""
-    ref = reference(ids).float().log_softmax(-1)
-    cache = model.new_cache(ids.shape[0], ids.shape[1])
-    out = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(ids.shape[1])], 1).float().log_softmax(-1)
-    kl = (ref.exp() * (ref - out)).sum(-1).mean()
-    return float(kl), float((ref.argmax(-1) == out.argmax(-1)).float().mean())
-
-
 def _time_rounds(fns: dict, contexts: dict, device, rounds: int, steps: int) -> dict[str, list[float]]:
     """Alternate: each round times every function once (median of `steps` calls), in the same order."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, make in fns.items():
-            with contexts.get(name.rsplit(" B=", 1)[0], contextlib.nullcontext)():
-                times[name].append(median_seconds(make(), device, steps, warmup=2))
-    return times
+    def timed(name, make):
+        with contexts.get(name.rsplit(" B=", 1)[0], contextlib.nullcontext)():
+            return median_seconds(make(), device, steps, warmup=2)
+    return alternate({name: partial(timed, name, make) for name, make in fns.items()}, rounds)
 
 
 def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
@@ -109,7 +99,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
               "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(),
               "gomp_spincount": spin_count(),
-              "parameters": model.num_parameters(), "cpu_bf16_matmul": _bf16_unit(device),
+              "parameters": model.num_parameters(), "cpu_bf16_matmul": bf16_matmul_unit(device),
               "load_average_start": load_average()}
 
     models, contexts = build_variants(model)
@@ -131,7 +121,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     # Tokens for the greedy check and the KL: random ids for a random-init model, real text for a real one.
     width = 64 if not quick else 32
     real = run.name != "generation"
-    text = _real_text(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
+    text = eval_text_tokens(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
     prompt = text[None, :16].to(device)
     n_check = 16 if quick else 32
     greedy = {name: generate(models[name], prompt.tolist(), n_check).tokens for name in ("fp32 plain", "fp32")}
@@ -140,7 +130,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         result["greedy_equals_peer"] = greedy["fp32"] == peer.hf_greedy(hf, prompt, n_check)
 
     ids = text.view(4, width).to(device)
-    quality = {name: kl_to_reference(m, model, ids) for name, m in models.items()}
+    quality = {name: decode_kl_to_reference(m, model, ids) for name, m in models.items()}
     quality |= {f"{name} compiled": quality[name] for name in compiled_variants}   # same graph, same numbers
 
     fns = {f"{name} B={B}": (lambda m=m, B=B: decode_step_fn(m, B, 32, steps + 4))
@@ -259,30 +249,6 @@ def goals(result: dict) -> dict:
     busy_goal["within_noise"] = tie
     busy_goal["met"] = bool(busy_goal["met"] or tie)
     return out
-
-
-def _real_text(model_name: str, n: int) -> torch.Tensor:
-    """The first n tokens of the real-text evaluation split (CPython's help text), in the model's tokenizer."""
-    from ..data.real_text import pydoc_documents, token_stream
-    from ..model import load_tokenizer
-
-    tokenizer = load_tokenizer(model_name)
-    return token_stream(tokenizer, pydoc_documents("eval"), tokenizer.special_to_id.get("<|endoftext|>"))[:n]
-
-
-def _bf16_unit(device) -> str:
-    """What bf16 matmuls can use here: AMX tiles, AVX-512 BF16 dot products, or neither."""
-    if torch.device(device).type != "cpu":
-        return torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "n/a"
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "unknown"
-    if "amx_bf16" in flags:
-        return "AMX (amx_bf16)"
-    if "avx512_bf16" in flags:
-        return "AVX-512 BF16 (avx512_bf16)"
-    return "none (bf16 is converted to fp32)"
 
 
 BENCHMARK = bench_generation = Benchmark("generation", measure, print_generation, parallel=True,

@@ -19,12 +19,13 @@ import torch
 from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
 from ..accounting.roofline import measure_memory_bandwidth
 from ..cpu_tuning import decode_threads, tune_for_cpu
+from ..data.evaluation import decode_kl_to_reference
+from ..data.real_text import eval_text_tokens
 from ..generation.compiled import compile_decode
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import gguf_path, real_model_missing
 from ..timing import median_seconds, num_threads
 from .base import Benchmark
-from .generation import _real_text, kl_to_reference
 
 MODEL = "smollm2-135m"
 INSTALL = ('pip install -e ".[peer]" (builds llama-cpp-python from source, a few minutes; '
@@ -74,7 +75,7 @@ def _agreement(ids: torch.Tensor, exact, reference) -> dict:
         ref = reference(ids[None])[0].argmax(-1)
         cache = exact.new_cache(1, ids.numel())
         ours = torch.cat([exact(ids[None, t:t + 1], cache=cache)[0] for t in range(ids.numel())]).argmax(-1)
-    kl, top1 = kl_to_reference(exact, reference, ids[None])
+    kl, top1 = decode_kl_to_reference(exact, reference, ids[None])
     n = ids.numel()
     return dict(positions=n, ours_vs_llamacpp=int((ours == peer).sum()), fp32_vs_llamacpp=int((ref == peer).sum()),
                 ours_vs_fp32=int((ours == ref).sum()), kl_ours_to_fp32=kl, top1_ours_vs_fp32=top1)
@@ -89,7 +90,7 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     rounds, steps, prompt_len, context = (1, 8, 64, 64) if quick else (5, 24, 128, 256)
     exact = tune_for_cpu(load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel("sdpa"))
     reference = load_pretrained(MODEL)
-    text = _real_text(MODEL, 4 * prompt_len)
+    text = eval_text_tokens(MODEL, 4 * prompt_len)
     prompt = text[:prompt_len].tolist()
     agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference)
     del reference

@@ -19,8 +19,9 @@ from .. import _checks
 from .corpus import make_recall_probe
 from ..generation.generate import generate, left_pad
 
-__all__ = ["bits_per_byte", "compare_on_text", "compare_to_reference", "evaluate_lm", "eval_windows",
-           "long_range_recall", "make_recall_probe", "recall_digit_scores", "recall_nll", "recall_probes"]
+__all__ = ["bits_per_byte", "compare_on_text", "compare_to_reference", "decode_kl_to_reference", "evaluate_lm",
+           "eval_windows", "long_range_recall", "make_recall_probe", "recall_digit_scores", "recall_nll",
+           "recall_probes"]
 
 
 def eval_windows(data: torch.Tensor, seq_len: int, batch_size: int = 8, max_batches: int | None = None):
@@ -204,3 +205,15 @@ def compare_on_text(models: dict, reference, windows: torch.Tensor, nbytes: torc
     return {name: dict(bits_per_byte=t["nll"] / math.log(2) / byte_count, nll_per_token=t["nll"] / count,
                        kl_to_reference=t["kl"] / count, top1_agreement=t["agree"] / count, tokens=count,
                        bytes=byte_count) for name, t in totals.items()}
+
+
+@torch.inference_mode()
+def decode_kl_to_reference(model, reference, ids: torch.Tensor) -> tuple[float, float]:
+    """Mean KL(reference || model) over next-token distributions, and top-1 agreement (the same-context
+    next token), on ids (B, T). The model runs as decode runs it, one position per step through its
+    cache (quantized layers take their packed few-row kernels there); the reference in one forward."""
+    ref = reference(ids).float().log_softmax(-1)
+    cache = model.new_cache(ids.shape[0], ids.shape[1])
+    out = torch.cat([model(ids[:, t:t + 1], cache=cache) for t in range(ids.shape[1])], 1).float().log_softmax(-1)
+    kl = (ref.exp() * (ref - out)).sum(-1).mean()
+    return float(kl), float((ref.argmax(-1) == out.argmax(-1)).float().mean())

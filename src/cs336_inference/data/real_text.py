@@ -53,3 +53,12 @@ def bytes_per_token(tokenizer) -> torch.Tensor:
         return torch.tensor([len(vocab[i]) for i in range(tokenizer.vocab_size)])
     return torch.tensor([1 if i < 256 else len(tokenizer.decode([i]).encode("utf-8"))   # bytes: one each
                          for i in range(tokenizer.vocab_size)])
+
+
+def eval_text_tokens(model_name: str, n: int) -> torch.Tensor:
+    """The first n tokens of the evaluation split (documents joined by <|endoftext|>), in the
+    tokenizer of model `name`."""
+    from ..model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_name)
+    return token_stream(tokenizer, pydoc_documents("eval"), tokenizer.special_to_id.get("<|endoftext|>"))[:n]
