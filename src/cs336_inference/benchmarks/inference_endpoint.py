@@ -18,7 +18,6 @@ flight.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 import re
@@ -30,7 +29,7 @@ from .. import _checks
 from ..model.checkpoints import available_pretrained
 from ..model.real_models import REAL_MODELS
 from ..model.tokenizer import ByteTokenizer, load_tokenizer
-from ..serving.client import base_url, count_tokens, http_sender, open_session, run_load, served_models, stream_metrics
+from ..serving.client import base_url, count_tokens, serve_over_http, served_models, stream_metrics
 from ..serving.metrics import flat_metrics
 from .base import Benchmark
 from .inference_config import (SPARSE_RATE, RunSpec, check_arguments, source_tokens, stop_tokens, sweep_config,
@@ -74,12 +73,7 @@ def one_endpoint_run(url: str, model: str, spec: RunSpec, source, tokenizer, sto
     sequential = w.rate == SPARSE_RATE          # one request at a time: sent back to back, not hours apart
     requests = w.text_requests(source, tokenizer, stop, arrivals, rate=math.inf if sequential else None)
     concurrency = 1 if sequential else w.concurrency
-
-    async def serve():
-        async with open_session(concurrency) as session:
-            return await run_load(http_sender(session, url, model), requests, concurrency)
-
-    results, duration = asyncio.run(serve())
+    results, duration = serve_over_http(url, model, requests, concurrency)
     failed = [r.error for r in results if not r.ok]
     if len(failed) == len(results):
         raise RuntimeError(f"every request of {w.name!r} failed, e.g. {failed[0]}")

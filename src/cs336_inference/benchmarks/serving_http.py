@@ -32,7 +32,7 @@ from ..model.checkpoints import load_pretrained
 from ..model.tokenizer import load_tokenizer
 from ..serving import Engine, Workload
 from ..serving.async_engine import AsyncEngine
-from ..serving.client import EndpointRequest, StreamResult, http_sender, open_session, run_load, stream_metrics
+from ..serving.client import EndpointRequest, StreamResult, run_load, serve_over_http, stream_metrics
 from ..serving.http.launch import running_server
 from ..serving.request import SamplingParams
 from ..tables import format_table
@@ -99,10 +99,7 @@ def async_sender(served: AsyncEngine, tokenizer):
 
 def one_run(mode: str, model, url: str, requests, concurrency: int, tokenizer) -> tuple[dict, list]:
     """Serve `requests` one way (MODES); vLLM's metrics of the run and the texts it returned."""
-    async def through():
-        if mode == "http":
-            async with open_session(concurrency) as session:
-                return await run_load(http_sender(session, url, "target"), requests, concurrency)
+    async def in_process():
         async with AsyncEngine(Engine(model, clock=time.monotonic, max_num_seqs=concurrency)) as served:
             return await run_load(async_sender(served, tokenizer), requests, concurrency)
 
@@ -110,7 +107,8 @@ def one_run(mode: str, model, url: str, requests, concurrency: int, tokenizer) -
         results, duration = drive_engine(Engine(model, clock=time.monotonic, max_num_seqs=concurrency), requests,
                                          concurrency, tokenizer)
     else:
-        results, duration = asyncio.run(through())
+        results, duration = (serve_over_http(url, "target", requests, concurrency) if mode == "http"
+                             else asyncio.run(in_process()))
     if failed := [r.error for r in results if not r.ok]:
         raise RuntimeError(f"{mode}: {len(failed)} requests failed, e.g. {failed[0]}")
     return stream_metrics(results, duration), [r.text.get(0, "") for r in results]

@@ -218,6 +218,17 @@ def http_sender(session, base_url: str, model: str):
     return send
 
 
+def serve_over_http(base_url: str, model: str, requests: list[EndpointRequest],
+                    concurrency: int) -> tuple[list[StreamResult], float]:
+    """`run_load` of `requests` against the server at `base_url` (its model `model`), at most
+    `concurrency` streams at once, on a fresh event loop: (results, duration s)."""
+    async def serve():
+        async with open_session(concurrency) as session:
+            return await run_load(http_sender(session, base_url, model), requests, concurrency)
+
+    return asyncio.run(serve())
+
+
 def count_tokens(results: list[StreamResult], requests: list[EndpointRequest], tokenizer) -> None:
     """Fill each result's counted tokens: its prompt and streamed text, tokenized with `tokenizer`."""
     for result, r in zip(results, requests):
@@ -244,4 +255,5 @@ def stream_metrics(results: list[StreamResult], duration: float) -> dict:
 
 
 __all__ = ["EndpointRequest", "StreamResult", "arrival_times", "base_url", "count_tokens", "http_sender",
-           "open_session", "request_payload", "run_load", "served_models", "stream_completion", "stream_metrics"]
+           "open_session", "request_payload", "run_load", "serve_over_http", "served_models", "stream_completion",
+           "stream_metrics"]
