@@ -171,6 +171,7 @@ class Grader:
     def pytest_runtest_call(self, item):
         if item.nodeid not in self.records:
             return (yield)
+        implementation.prepare()
         self.running = (item.nodeid, time.monotonic())
         self._start_watchdog()
         previous = self._arm()

@@ -54,3 +54,11 @@ def lecture_trace_run(tmp_path_factory) -> LectureRun:
     on its path, see .ci/setup): the whole lecture again, under edtrace's line tracer."""
     out = tmp_path_factory.mktemp("trace")
     return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
+
+
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (`.ci/run` runs the slow tests on two workers with --dist loadgroup), the tests
+    that read the lecture's runs share one worker, so each run of the whole lecture happens once."""
+    for item in items:
+        if {"lecture_cli_run", "lecture_trace_run"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("lecture"))

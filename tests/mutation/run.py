@@ -4,6 +4,7 @@
     python tests/mutation/run.py --only NAME ... # some mutants (names from mutants.py)
     python tests/mutation/run.py --json out.json
     python tests/mutation/run.py --all-failures  # every failing test per mutant, not only the first (slower)
+    python tests/mutation/run.py --shard 1/2     # every second mutant and stub from the second; controls in 0/2
 
 1. control: an unmodified copy of the package graded through --impl must score 100%; the generated
    skeleton must score 0 with every graded name reported "not implemented";
@@ -109,7 +110,13 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write every result to this file")
     parser.add_argument("--all-failures", action="store_true",
                         help="run every graded test on every mutant (lists all the tests that catch it; slower)")
+    parser.add_argument("--shard", default="0/1", metavar="K/N",
+                        help="run the K-th of N interleaved shards (the controls run in shard 0); the score is "
+                             "the shard's own: merge the shards' JSON for the whole check")
     args = parser.parse_args(argv)
+    shard, shards = (int(x) for x in args.shard.split("/"))
+    if not 0 <= shard < shards:
+        parser.error(f"--shard must be K/N with 0 <= K < N, got {args.shard}")
     selected = set(args.only or [])
     start = time.time()
     report: dict = {"mutants": [], "library_stubs": [], "controls": {}}
@@ -117,7 +124,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="cs336-mutants-") as tmp:
         tmp = Path(tmp)
         sys.path.insert(0, str(tmp))        # the mutant packages are imported from here
-        if not selected:
+        if not selected and shard == 0:
             copy_package(tmp / "mutant_control")
             control = grade("mutant_control.homework.reference", tmp)
             failed = failed_tests(control)
@@ -134,7 +141,7 @@ def main(argv=None) -> int:
                 problems.append("the skeleton scored above 0")
         print(f"\n{'mutant':45s} {'issue':>5s}  killed  by (first of the failing graded tests)")
         for i, mutant in enumerate(MUTANTS):
-            if selected and mutant.name not in selected:
+            if (selected and mutant.name not in selected) or i % shards != shard:
                 continue
             package = f"mutant_{i:02d}"
             copy_package(tmp / package, mutant)
@@ -150,8 +157,8 @@ def main(argv=None) -> int:
             if mutant.equivalent and killed:
                 problems.append(f"{mutant.name} is marked equivalent but {failed[0]} fails on it")
             shutil.rmtree(tmp / package)
-        for name, (what, test_file) in LIBRARY_STUBS.items():
-            if selected and name not in selected:
+        for j, (name, (what, test_file)) in enumerate(LIBRARY_STUBS.items()):
+            if (selected and name not in selected) or j % shards != shard:
                 continue
             failed = run_library_stub(name, test_file)
             report["library_stubs"].append({"name": name, "what": what, "tests": test_file, "killed": bool(failed),
@@ -167,7 +174,7 @@ def main(argv=None) -> int:
           f"{sum(1 for m in report['mutants'] if m['equivalent'])} equivalent; {report['seconds']} s")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
-    if score < GOAL and not selected:
+    if score < GOAL and not selected and shards == 1:
         problems.append(f"mutation score {100 * score:.1f}% < {100 * GOAL:.0f}%")
     for problem in problems:
         print(f"PROBLEM: {problem}")
