@@ -868,3 +868,34 @@ def run_benchmark_metrics(outputs, duration: float | None = None) -> dict:
     """A run's counts, throughputs and {mean, median, p99} of ttft, tpot, itl, e2el, queueing, prefill, decode."""
     from cs336_inference.serving import benchmark_metrics
     return benchmark_metrics(outputs, duration)
+
+
+# --- fixed-state layers (alternatives to the transformer) ---
+
+
+def run_gated_linear_attention(q, k, v, log_decay=None, state=None, normalizer=None, normalize=False):
+    """The parallel form: y_i = sum_{j<=i} (a_{j+1}..a_i) (q_i . k_j) v_j + (a_1..a_i) q_i^T S_0 [/ normaliser]."""
+    from cs336_inference.model.state_cache import parallel_form
+    return parallel_form(q, k, v, log_decay, state, normalizer, normalize=normalize)
+
+
+def run_taylor_feature_map(x):
+    """BASED's phi: x (..., d) -> (..., 1 + d + d^2)."""
+    from cs336_inference.model.linear_attention import taylor_feature_map
+    return taylor_feature_map(x)
+
+
+def run_state_bytes(config, batch_size: int = 1) -> int:
+    """Bytes of every fixed-state layer's state for `batch_size` sequences (accounting.fixed_state)."""
+    from cs336_inference.accounting.fixed_state import state_bytes
+    return state_bytes(config, batch_size)
+
+
+def make_mqar_task(**kwargs):
+    from cs336_inference.data.mqar import MQARTask
+    return MQARTask(**kwargs)
+
+
+def run_mqar_recall(model, task, num_pairs: int, **kwargs) -> float:
+    from cs336_inference.data.mqar import mqar_recall
+    return mqar_recall(model, task, num_pairs, **kwargs)

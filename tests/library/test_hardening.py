@@ -233,3 +233,17 @@ def test_non_finite_or_non_positive_scales_are_refused(scale):
         quantize(torch.randn(4, 8), scale, 0, 8)
     with pytest.raises(ValueError, match="scale"):
         quantize(torch.randn(4, 8), torch.tensor([[1.0], [scale], [1.0], [1.0]]), 0, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int8, torch.bool, "float32"])
+def test_a_cache_of_a_non_float_dtype_is_refused_by_name(dtype):
+    """An integer cache would round every key and value (a silently wrong decode): refused where it is built."""
+    from cs336_inference.serving import PagedKVCache
+
+    model = make_model(make_config(**{"vocab_size": 257, "context_length": 32, "d_model": 32, "num_layers": 2,
+                                      "num_heads": 4, "num_kv_heads": 2, "d_ff": 64}))
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        model.new_cache(1, dtype=dtype)
+    with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
+        PagedKVCache(model, num_blocks=4, block_size=4, dtype=dtype)
+    assert model.new_cache(1, dtype=torch.bfloat16).layers[0].k.dtype == torch.bfloat16

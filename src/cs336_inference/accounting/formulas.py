@@ -33,6 +33,8 @@ from .model_shapes import REAL_MODELS, ModelShape, get_model_shape  # noqa: F401
 
 def _is_local(config, layer: int) -> bool:
     """Layer uses the sliding window (hybrids keep every `global_every`-th layer global)."""
+    if isinstance(config, ModelConfig):
+        return config.layer_window(layer) is not None
     if config.sliding_window is None:
         return False
     return config.global_every is None or (layer + 1) % config.global_every != 0
@@ -46,8 +48,12 @@ def _layer_elements_per_token(config) -> int:
 
 
 def _cache_owning_layers(config) -> list[int]:
-    """Layers that own a cache: with CLA, the first layer of each group of `kv_share_group`."""
-    return list(range(0, config.num_layers, config.kv_share_group))
+    """Layers that own a KV cache: with CLA, the first layer of each group of `kv_share_group`; fixed-state
+    layers (`ModelConfig.mixer`) keep a state instead (`accounting.fixed_state`)."""
+    layers = range(0, config.num_layers, config.kv_share_group)
+    if isinstance(config, ModelConfig):
+        return [i for i in layers if config.layer_mixer(i) == "attention"]
+    return list(layers)
 
 
 def kv_cache_bytes_per_token(config: ModelConfig | ModelShape, bytes_per_element: int = 2) -> int:

@@ -79,6 +79,9 @@ class ModelShape:
     def from_config(cls, config: ModelConfig, name: str = "config") -> "ModelShape":
         """The shape of a buildable `ModelConfig` (H = D / N, dense SwiGLU MLPs)."""
         _checks.instance("config", config, ModelConfig, "a ModelConfig")
+        if config.mixer != "attention":
+            raise ValueError(f"the transformer accounting counts attention layers; mixer={config.mixer!r} has "
+                             f"fixed-state layers, whose state bytes `accounting.fixed_state` counts")
         return cls(name=name, vocab_size=config.vocab_size, d_model=config.d_model,
                    num_layers=config.num_layers, num_heads=config.num_heads,
                    num_kv_heads=config.num_kv_heads, head_dim=config.head_dim, d_ff=config.d_ff,

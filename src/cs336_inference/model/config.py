@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from .. import _checks
 
 ATTENTION_TYPES = ("gqa", "mla")  # gqa covers MHA (K = N) and MQA (K = 1)
+MIXERS = ("attention", "linear", "ssd")   # what mixes tokens: attention (a KV cache) or a fixed-state layer
 # The assignment-1 handout's ablations (its base model is the first value of each).
 NORM_POSITIONS = ("pre", "post")
 NORMS = ("rmsnorm", "none")
@@ -41,6 +42,13 @@ class ModelConfig:
     global_every: int | None = None   # with sliding_window: layer i is global iff (i+1) % n == 0
     attention_sinks: int = 0          # with sliding_window: the first positions every local layer keeps (StreamingLLM)
     kv_share_group: int = 1           # CLA: adjacent layers per shared KV cache
+    # --- fixed-state layers (alternatives to the transformer): a state of fixed size instead of a KV cache ---
+    mixer: str = "attention"          # "linear" (BASED linear attention) or "ssd" (Mamba-2) for every layer, except
+                                      # with global_every: layer i is attention iff (i+1) % global_every == 0 (Jamba 8),
+                                      # windowed by sliding_window if set (BASED's small local attention)
+    feature_dim: int = 16             # linear: d' dims of q and k per head (BASED); state rows 1 + d' + d'^2
+    state_dim: int = 16               # ssd: dims of B and C (Mamba-2's N); state head_dim x state_dim per head
+    conv_width: int = 4               # the short causal convolution in front of a fixed-state layer
     # --- output layer ---
     tie_embeddings: bool = False      # lm_head reuses token_embeddings.weight (SmolLM2, Gemma); assignment 1 unties
     # --- assignment-1 ablations (defaults: the handout's base model); each is chosen when the model is built ---
@@ -60,7 +68,7 @@ class ModelConfig:
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         for name in ("vocab_size", "context_length", "d_model", "num_layers", "num_heads",
-                     "num_kv_heads", "d_ff", "kv_share_group"):
+                     "num_kv_heads", "d_ff", "kv_share_group", "feature_dim", "state_dim", "conv_width"):
             _checks.positive_int(name, getattr(self, name))
         for name in ("kv_lora_rank", "q_lora_rank", "rope_head_dim", "sliding_window", "global_every"):
             _checks.optional_positive_int(name, getattr(self, name))
@@ -74,9 +82,28 @@ class ModelConfig:
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim = d_model / num_heads = {self.head_dim} must be even for RoPE")
         _checks.one_of("attention_type", self.attention_type, ATTENTION_TYPES)
+        _checks.one_of("mixer", self.mixer, MIXERS)
         _checks.boolean("tie_embeddings", self.tie_embeddings)
+        self._check_fixed_state()
         self._check_variant()
         self._check_ablations()
+
+    def _check_fixed_state(self) -> None:
+        """Refuse fixed-state settings that do not fit together (each message names the fix)."""
+        if self.mixer == "attention":
+            return
+        if self.attention_type != "gqa":
+            raise ValueError(f"mixer={self.mixer!r} builds fixed-state layers (and GQA attention layers with "
+                             f"global_every); attention_type={self.attention_type!r} does not apply, use 'gqa'")
+        if self.kv_share_group != 1:
+            raise ValueError(f"kv_share_group={self.kv_share_group} shares KV caches across layers, but "
+                             f"mixer={self.mixer!r} layers keep a state, not keys/values; use kv_share_group=1")
+        if self.global_every == 1:
+            raise ValueError(f"global_every=1 makes every layer attention; use mixer='attention' instead of "
+                             f"mixer={self.mixer!r}")
+        if self.sliding_window is not None and self.global_every is None:
+            raise ValueError(f"sliding_window applies to the attention layers that global_every places among "
+                             f"mixer={self.mixer!r} layers; set global_every too (or drop sliding_window)")
 
     def _check_variant(self) -> None:
         """Refuse attention-variant knobs that do not fit together (each message names the fix)."""
@@ -101,7 +128,7 @@ class ModelConfig:
         if self.attention_sinks and self.sliding_window is None:
             raise ValueError("attention_sinks needs sliding_window (sinks are the positions a local layer keeps "
                              "beyond its window)")
-        if self.global_every is not None:
+        if self.global_every is not None and self.mixer == "attention":
             if self.sliding_window is None:
                 raise ValueError("global_every needs sliding_window (it says which layers stay global)")
             if self.global_every == 1:
@@ -170,11 +197,21 @@ class ModelConfig:
             raise ValueError(f"{what} supports the handout's base block only (pre-norm RMSNorm, RoPE, SwiGLU, "
                              f"no QK-norm); this model's config has {changed}")
 
+    def layer_mixer(self, layer: int) -> str:
+        """What mixes tokens in layer `layer`: "attention", or the fixed-state `mixer` ("linear", "ssd").
+        Fixed-state hybrids make layer i attention iff (i + 1) % global_every == 0."""
+        if self.mixer == "attention" or (self.global_every is not None and (layer + 1) % self.global_every == 0):
+            return "attention"
+        return self.mixer
+
     def layer_window(self, layer: int) -> int | None:
-        """Sliding window of layer `layer` (None = global). Hybrids keep layer i global iff
-        (i + 1) % global_every == 0, i.e. one global layer closes every block of global_every."""
+        """Sliding window of layer `layer` (None = global, or not attention). Hybrids keep layer i global iff
+        (i + 1) % global_every == 0, i.e. one global layer closes every block of global_every. Among
+        fixed-state layers, those attention layers are the windowed ones (BASED)."""
         if self.sliding_window is None:
             return None
+        if self.mixer != "attention":
+            return self.sliding_window if self.layer_mixer(layer) == "attention" else None
         if self.global_every is not None and (layer + 1) % self.global_every == 0:
             return None
         return self.sliding_window

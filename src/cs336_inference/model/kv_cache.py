@@ -90,6 +90,13 @@ class CacheStep(ForwardStep):
         self.cache.length = self.start + self.num_new
 
 
+def check_cache_dtype(dtype) -> None:
+    """A cache stores keys and values (or a state): dtype must be a floating-point torch.dtype, or None."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (e.g. torch.bfloat16) or None for the model's "
+                        f"dtype, got {dtype!r} (an integer cache would silently round every key and value)")
+
+
 def check_pad(pad, batch_size: int, total_len: int) -> torch.Tensor | None:
     """A validated pad (B,) as int64, or None when it is None or all zero (reads its values: an edge check)."""
     check_pad_shape(pad, batch_size)

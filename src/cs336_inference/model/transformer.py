@@ -22,19 +22,25 @@ import torch.nn as nn
 from .. import _checks
 from .attention import attention_mask, check_attention_kernel
 from .gqa import GroupedQueryAttention
+from .linear_attention import LinearAttention
 from .mla import MultiHeadLatentAttention
+from .ssd import StateSpaceLayer
 from .window import SlidingWindowAttention
 from .config import ModelConfig
 from .describe import describe
-from .kv_cache import ForwardStep, KVCache, check_pad, rope_positions
+from .kv_cache import ForwardStep, KVCache, check_cache_dtype, check_pad, rope_positions
 from .layers import RMSNorm, RotaryEmbedding
+from .state_cache import valid_positions
 from .variants import build_ffn, build_norm
 
 __all__ = ["ModelConfig", "PostNormBlock", "TransformerBlock", "TransformerLM"]
 
 
 def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
-    """The attention module of layer `layer_idx` for the configured variant."""
+    """The token mixer of layer `layer_idx`: the configured attention variant, or a fixed-state layer."""
+    fixed_state = {"linear": LinearAttention, "ssd": StateSpaceLayer}.get(config.layer_mixer(layer_idx))
+    if fixed_state is not None:
+        return fixed_state(config, layer_idx, device=device, dtype=dtype)
     if config.attention_type == "mla":
         return MultiHeadLatentAttention(config, layer_idx, device=device, dtype=dtype)
     if config.layer_window(layer_idx) is not None:
@@ -85,6 +91,7 @@ class TransformerLM(nn.Module):
         # per layer, from the config once: the layer whose keys/values it uses (CLA) and its window
         self.kv_sources = tuple(config.kv_source_layer(i) for i in range(config.num_layers))
         self.windows = tuple(config.layer_window(i) for i in range(config.num_layers))
+        self.fixed_state = tuple(config.layer_mixer(i) != "attention" for i in range(config.num_layers))
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -169,6 +176,7 @@ class TransformerLM(nn.Module):
                         allowed=f"an int in [1, context_length={self.config.context_length}]")
         _checks.positive_int("batch_size", batch_size)
         _checks.positive_int("max_rollback", max_rollback)
+        check_cache_dtype(dtype)
         layers = []
         for i, block in enumerate(self.layers):
             source = self.kv_sources[i]
@@ -218,7 +226,11 @@ class TransformerLM(nn.Module):
         kv = None   # the keys/values of the current CLA group's first layer
         masks = {}  # without a cache: one causal mask per distinct window (None = global)
         for i, block in enumerate(self.layers):
-            if step is None:
+            if step is None and self.fixed_state[i]:   # a fixed-state layer needs only which tokens are real
+                if "valid" not in masks:
+                    masks["valid"] = valid_positions(start, T, pad, self.device)
+                x, kv = block(x, rope, masks["valid"], None, None, None)
+            elif step is None:
                 window = self.windows[i]
                 if window not in masks:
                     sinks = self.config.attention_sinks if window is not None else 0

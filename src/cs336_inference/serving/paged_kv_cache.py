@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 
 from .. import _checks
-from ..model.kv_cache import ForwardStep, KVBuffers, LayerCaches
+from ..model.kv_cache import ForwardStep, KVBuffers, LayerCaches, check_cache_dtype
 from .paged_attention import PagedLayout
 
 
@@ -71,10 +71,14 @@ class PagedKVCache(LayerCaches):
 
     def __init__(self, model, num_blocks: int, block_size: int, dtype: torch.dtype | None = None):
         config = model.config
+        if config.mixer != "attention":
+            raise ValueError(f"PagedKVCache pages keys and values; mixer={config.mixer!r} layers keep a fixed-size "
+                             "state per sequence instead (nothing to page): serve this model with generate()")
         if config.attention_type != "gqa" or any(config.layer_window(i) is not None for i in range(config.num_layers)):
             raise ValueError("PagedKVCache supports global GQA/MHA/MQA layers (attention_type='gqa', no "
                              f"sliding_window), got attention_type={config.attention_type!r}, "
                              f"sliding_window={config.sliding_window!r}")
+        check_cache_dtype(dtype)
         self.num_blocks = _checks.positive_int("num_blocks", num_blocks)
         self.block_size = _checks.positive_int("block_size", block_size)
         self.layers = []
