@@ -35,7 +35,7 @@ CASES = {   # argv -> what the one line must contain
     "empty system": (["chat", "--system", ""], "--system: must not be empty"),
     "unknown model": (["generate", "--prompt", "hi", "--model", "gpt-17"], "unknown pretrained model 'gpt-17'"),
     "bench unknown": (["bench", "nope"], "argument which: invalid choice"),
-    "bench inference unknown model": (["bench", "inference", "--model", "gpt-17"], "gpt-17"),
+    "bench inference unknown model": (["bench", "inference", "--model", "gpt-17"], "unknown model 'gpt-17'"),
     "bench option not taken": (["bench", "roofline", "--preset", "chat"], "does not take --preset"),
     "bench concurrency": (["bench", "inference", "--concurrency", "0"], "--concurrency: must be a positive"),
     "bench output len": (["bench", "inference", "--output-len", "x"], "--output-len: must be an integer"),

@@ -108,3 +108,43 @@ def test_the_serving_model_runner_step_reads_nothing_back(monkeypatch):
     adapters.run_engine(_model(), requests, block_size=4)
     assert len(steps) >= 6 and max(steps) > 1, steps
     assert seen == [], seen
+
+
+def test_a_whole_engine_step_with_sampled_requests_reads_back_only_its_one_copy():
+    """Schedule -> run -> sample -> postprocess, greedy and sampled requests mixed: the logits' check and
+    every draw stay on the device until the step's one `.tolist()`. On a CPU that copy reads host memory
+    directly and is not counted, so the count must be 0 (on a GPU it is the step's one device->host copy)."""
+    from cs336_inference.serving import Engine, SamplingParams
+
+    engine = Engine(_model(), block_size=4)
+    for i in range(4):
+        params = SamplingParams(max_tokens=5, temperature=0.0 if i % 2 else 0.8, seed=i, n=2 if i == 2 else 1)
+        engine.add_request(list(range(1, 6 + i)), params)
+    steps = 0
+    while engine.has_unfinished():
+        with HostSyncCounter() as syncs:
+            engine.step()
+        steps += 1
+        assert syncs.count == 0, syncs.seen
+    assert steps >= 5
+
+
+def test_the_engine_refuses_nan_logits_naming_the_requests_and_keeps_serving():
+    """A model whose logits turn NaN for one sequence: the step raises, naming the request; its batch ends in
+    an error (the engine stays consistent) and a later request is served."""
+    from cs336_inference.serving import Engine, SamplingParams
+
+    model = _model()
+    engine = Engine(model, block_size=4)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.7, seed=0), request_id="poisoned")
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: out.fill_(float("nan")))
+    with pytest.raises(ValueError, match="NaN or \\+inf .*poisoned"):
+        engine.step()
+    handle.remove()
+    errors = [o for o in engine.step() if o.finish_reason == "error"]
+    assert [o.request_id for o in errors] == ["poisoned"]
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3), request_id="after")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "after") == 3

@@ -153,6 +153,9 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
                                 progress)
     if tokenizer is not None or arrivals is not None:
         raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
+    if model != "target" and model not in REAL_MODELS:
+        raise ValueError(f"unknown model {model!r} for the in-process benchmark: use 'target' or one of "
+                         f"{sorted(REAL_MODELS)} (any served model name works with endpoint=URL)")
     if sweep is not None:
         _checks.instance("sweep", sweep, SweepConfig)
     device, real = run.device, model in REAL_MODELS

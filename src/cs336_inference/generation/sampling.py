@@ -27,12 +27,17 @@ def _check_logits(logits) -> None:
                         f"{logits.dtype if isinstance(logits, torch.Tensor) else type(logits).__name__}")
     if logits.dim() == 0 or logits.shape[-1] == 0:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
-    bad = torch.isnan(logits) | torch.isposinf(logits)
-    if bool(bad.any() | torch.isneginf(logits).all(-1).any()):
+    # `invalid_rows`, written out: one call fewer on the token path (tests/library/test_token_path.py counts them)
+    if bool((torch.isnan(logits) | torch.isposinf(logits)).any() | torch.isneginf(logits).all(-1).any()):
         what = ("NaN" if bool(torch.isnan(logits).any()) else "+inf" if bool(torch.isposinf(logits).any())
                 else "a row where every logit is -inf (no token allowed)")
         raise ValueError(f"logits must be finite or -inf (a forbidden token), with at least one token allowed per "
                          f"row; got {what} (a diverged model, or NaN weights?)")
+
+
+def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
+    """(...,) bool on the device: rows with a NaN or +inf, or with every logit -inf (nothing to sample)."""
+    return (torch.isnan(logits) | torch.isposinf(logits)).any(-1) | torch.isneginf(logits).all(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
@@ -68,6 +73,13 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     _check_logits(logits)
     _check_sampling_args(temperature, top_k, top_p)
     _checks.generator("generator", generator)
+    return draw_next_token(logits, temperature, top_k, top_p, generator)
+
+
+def draw_next_token(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None,
+                    generator: torch.Generator | None) -> torch.Tensor:
+    """`sample_next_token` on arguments already checked, reading nothing back from the device (the serving
+    sampler checks a whole step's logits at once, folded into its one host copy: `invalid_rows`)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = _probs(logits.float(), temperature, top_k, top_p)
