@@ -59,7 +59,7 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
 
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
-    decode step where torch can compile here (CUDA, or a CPU with a C++ compiler). Its kernels are cached
+    decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler). Its kernels are cached
     on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
     process pays the compile; later ones trace and reuse them. On a CPU each step runs under
     `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
@@ -77,8 +77,9 @@ def compiled_decode_step(model):
     from .cpu_tuning import decode_threads
     from .generation.compiled import compile_decode
 
-    step = compile_decode(model)
-    threads = decode_threads if model.device.type == "cpu" else contextlib.nullcontext
+    cuda = model.device.type == "cuda"
+    step = compile_decode(model, mode="reduce-overhead") if cuda else compile_decode(model)   # CUDA graphs on a GPU
+    threads = contextlib.nullcontext if cuda else decode_threads
     failed = []
 
     def decode(token_ids, cache):
@@ -91,4 +92,5 @@ def compiled_decode_step(model):
                     print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
             return model(token_ids[:, None], cache=cache)[:, -1]
 
-    return decode, f"compiled decode (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
+    what = "compiled decode, CUDA graphs" if cuda else "compiled decode"
+    return decode, f"{what} (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
