@@ -42,7 +42,10 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
                                                  decode_throughput, generation_flops, matmul_cost,
                                                  matmul_intensity_limit, mlp_cost, mlp_intensity_limit,
                                                  parameter_count)
-from cs336_inference.tables import kv_variants_table, long_context_table, quantization_smollm2_table  # noqa: E402
+from cs336_inference.tables import (alternatives_table, kv_variants_table, long_context_table,  # noqa: E402
+                                    quantization_smollm2_table)
+from cs336_inference.accounting.fixed_state import HYBRIDS, state_bytes  # noqa: E402
+from cs336_inference.accounting.formulas import num_parameters as shape_parameters  # noqa: E402
 from cs336_inference.tables import format_table  # noqa: E402
 
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
@@ -87,6 +90,7 @@ def main():
 
     part("2. Taking shortcuts (lossy)")
     reduce_kv_cache_size()
+    alternatives_to_the_transformer()
     quantization()
     model_pruning()
     text("Summary of part 2: make inference cheaper without hurting accuracy (measured on what you care about).")
@@ -611,7 +615,7 @@ def reduce_kv_cache_size():
     text("- fewer dimensions per token: GQA, MLA, CLA;")
     text("- fewer tokens: local attention on some layers (truncates the cache), compression;")
     text("- fewer bits: a quantized cache (below);")
-    text("- other ideas: linear attention / state-space models (Mamba 2, Gated DeltaNet), diffusion models.")
+    text("- change what is kept: a fixed-size state instead of a cache (next section), or diffusion.")
 
 
 def kv_experiment_summary():
@@ -716,6 +720,170 @@ def kv_cuts_on_a_real_model():
     text(f"The int8 cache is even slower here ({ms_int8:.0f} ms): plain PyTorch dequantizes the whole cache every step.")
     text("A fused kernel would read the codes directly.")
     link(streaming_llm)
+
+
+cs229s_ssm = Reference(title="State-space models (presentation from CS229S)",
+                       url="https://docs.google.com/presentation/d/1wrQO4uzwWr73SGj7aFxeVR9Cz0PY-mzJipn12enM39k/edit#slide=id.p")
+s4_paper = Reference(title="Efficiently Modeling Long Sequences with Structured State Spaces",
+                     authors=["Albert Gu", "Karan Goel", "Christopher Ré"], date="2021-10-31",
+                     url="https://arxiv.org/abs/2111.00396")
+zoology = Reference(title="Zoology: Measuring and Improving Recall in Efficient Language Models",
+                    authors=["Simran Arora", "Sabri Eyuboglu", "Aman Timalsina"], date="2023-12-08",
+                    url="https://arxiv.org/abs/2312.04927")
+mamba = Reference(title="Mamba: Linear-Time Sequence Modeling with Selective State Spaces",
+                  authors=["Albert Gu", "Tri Dao"], date="2023-12-01", url="https://arxiv.org/abs/2312.00752")
+mamba2 = Reference(title="Transformers are SSMs: Generalized Models and Efficient Algorithms Through Structured "
+                         "State Space Duality", authors=["Tri Dao", "Albert Gu"], date="2024-05-31",
+                   url="https://arxiv.org/abs/2405.21060")
+jamba = Reference(title="Jamba: A Hybrid Transformer-Mamba Language Model", authors=["Opher Lieber", "Barak Lenz"],
+                  date="2024-03-28", url="https://arxiv.org/abs/2403.19887")
+based = Reference(title="Simple linear attention language models balance the recall-throughput tradeoff",
+                  authors=["Simran Arora", "Sabri Eyuboglu", "Michael Zhang"], date="2024-02-28",
+                  url="https://arxiv.org/abs/2402.18668")
+linear_attention = Reference(title="Transformers are RNNs: Fast Autoregressive Transformers with Linear Attention",
+                             authors=["Angelos Katharopoulos", "Apoorv Vyas", "Nikolaos Pappas", "François Fleuret"],
+                             date="2020-06-29", url="https://arxiv.org/abs/2006.16236")
+minimax01 = Reference(title="MiniMax-01: Scaling Foundation Models with Lightning Attention", authors=["MiniMax"],
+                      date="2025-01-14", url="https://arxiv.org/abs/2501.08313")
+diffusion_lm = Reference(title="Diffusion-LM Improves Controllable Text Generation",
+                         authors=["Xiang Lisa Li", "John Thickstun", "Ishaan Gulrajani", "Percy Liang",
+                                  "Tatsunori B. Hashimoto"], date="2022-05-27", url="https://arxiv.org/abs/2205.14217")
+inception_news = Reference(title="Inception Labs news (Mercury, diffusion language models)",
+                           organization="Inception Labs", url="https://www.inceptionlabs.ai/news")
+inception_demo = Reference(title="Inception Labs demo video", url="https://x.com/i/status/1894847919624462794")
+
+
+def alternatives_to_the_transformer():
+    section("alternatives_to_the_transformer")
+    text("Tweaking attention shrank the KV cache, but it still grows with every token.")
+    text("Attention + autoregression is memory-bound by design: the Transformer was not built for inference.")
+    text("Going beyond it, two directions: state-space models, and diffusion models.")
+
+    text("## State-space models")
+    link(cs229s_ssm)
+    text("Idea from signal processing: model long sequences in sub-quadratic time, through a state.")
+    text("S4: classic state-space models, structured; strong on synthetic long-range tasks.")
+    link(s4_paper)
+    figure("S4: a summary of the structured state-space model", "https://arxiv.org/abs/2111.00396")
+    text("Weakness: associative recall (look up what was said earlier), which language needs.")
+    text("Transformers do it well. Multi-query associative recall (MQAR) measures it:")
+    link(zoology)
+    figure("BASED paper: MQAR accuracy against state size for attention and fixed-state models",
+           "https://arxiv.org/abs/2402.18668")
+    text("Mamba: the SSM's parameters depend on the input; matches Transformers at 1B parameters.")
+    link(mamba)
+    text("Jamba: Transformer and Mamba layers interleaved 1:7, in a 52B-parameter MoE.")
+    link(jamba)
+    figure("Jamba, Figure 1: a Jamba block (attention and Mamba layers, MoE)", "https://arxiv.org/abs/2403.19887")
+    text("BASED: linear attention plus small local (sliding-window) attention.")
+    link(based)
+    figure("BASED, Figure 1: linear attention beside sliding-window attention", "https://arxiv.org/abs/2402.18668")
+    text("MiniMax-01: linear ('lightning') attention plus full attention, in a 456B-parameter MoE.")
+    link(minimax01)
+
+    text("One family underneath: gated linear attention. Per head, a state S of F x H numbers:")
+    text("S_t = a_t S_{t-1} + k_t v_t^T and y_t = q_t^T S_t.")
+    text("Linear attention: a_t = 1, k = phi(key), q = phi(query), normalised.")
+    link(linear_attention)
+    text("Mamba-2 (SSD): a_t = exp(-exp(A) dt_t), with a step dt_t chosen by each token.")
+    link(mamba2)
+    text("Both run here: ModelConfig(mixer='linear') (BASED's Taylor map) and mixer='ssd'.")
+    tiny = ModelConfig.from_name("tiny", num_layers=2, num_heads=4, num_kv_heads=4)  # @inspect tiny
+    for mixer in ("linear", "ssd"):
+        seed_everything(0)
+        model = TransformerLM(tiny.replace(mixer=mixer, feature_dim=4, state_dim=8)).eval()
+        ids = torch.randint(0, tiny.vocab_size, (1, 48))
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(ids[:, :16], cache=cache)
+            held = cache.nbytes  # after 16 tokens @inspect held
+            steps = [model(ids[:, t:t + 1], cache=cache) for t in range(16, 48)]  # @stepover
+            full = model(ids)[:, 16:]  # the parallel form, all 48 tokens at once
+        gap = (torch.cat(steps, 1) - full).abs().max().item()  # recurrent vs parallel @inspect gap
+        assert gap < 1e-5 and cache.nbytes == held == state_bytes(model.config) and cache.bytes_per_token == 0
+        text(f"- {mixer}: {held:,} bytes of state after 16 tokens, and after 48; 0 bytes per token.")
+        text(f"  Decoding token by token (recurrent) = all tokens at once (parallel), up to {gap:.0e}.")
+    text("O(T) KV cache -> O(1) state: what that buys at real scale (per sequence, bf16):")
+    for name in ("jamba-52b", "minimax-01"):
+        shape = HYBRIDS[name]
+        mem = shape.memory(256 * 1024)  # a 256K-token context @inspect mem
+        assert mem["all_attention_kv_bytes"] == shape.attention_every * mem["kv_bytes"]
+        assert mem["state_bytes"] < mem["kv_bytes"] / 10
+        text(f"- {name} at 256K tokens: KV {mem['kv_bytes'] / 2**30:.0f} GiB + state {mem['state_bytes'] / 2**20:.0f} MiB.")
+        text(f"  All-attention, the same stack would cache {mem['all_attention_kv_bytes'] / 2**30:.0f} GiB.")
+    text("(Jamba's paper: 4 GB of KV cache at 256K tokens, against 32 GB for Mixtral.)")
+    mqar_experiment()
+    text("Takeaways:")
+    text("- Linear + local attention, with a few full attention layers, make serious state-of-the-art models.")
+    text("- Replacing the O(T) KV cache by an O(1) state makes inference much cheaper.")
+    text("- The price is recall: keep some attention, or a big enough state.")
+
+    text("## Diffusion models")
+    text("Popular for images, harder to make work for text.")
+    link(diffusion_lm)
+    figure("Diffusion-LM, Figure 1: denoising a sequence of word vectors step by step", "https://arxiv.org/abs/2205.14217")
+    text("Idea: generate every token in parallel (not left to right), refined over several steps.")
+    text("Start from noise over the whole sequence; each step denoises all of it.")
+    text("Results from Inception Labs (Mercury):")
+    link(inception_news)
+    link(inception_demo)
+    text("Much faster on coding benchmarks:")
+    figure("Inception Labs: output tokens/s of Mercury Coder against autoregressive models",
+           "https://framerusercontent.com/images/K2zvhtaTsz5ehDFoWx6KQHOqCyk.jpg")
+    text("Why it can be faster, from the roofline: one pass reads all weights, whatever it computes.")
+    diffusion_costs()
+    text("Overall: more radical architecture changes still hold big gains for inference.")
+
+
+def mqar_experiment():
+    """`bench alternatives`' trained models (shipped), recall measured live; the committed table beside it."""
+    from cs336_inference.data.mqar import MQARTask, mqar_recall
+
+    results = load_result("alternatives")
+    text("MQAR on a CPU: `bench alternatives` trained 2-layer models of each kind, same parameters and data.")
+    text("A sequence lists key-value pairs, then asks for each key again; recall = answers right.")
+    task = MQARTask(**results["task"]) if results else MQARTask(num_keys=32, num_values=32, seq_len=64)  # @inspect task
+    recall = {}
+    for name in ("attention", "window", "linear", "ssd", "hybrid"):
+        model = load_pretrained(f"mqar-{name}")
+        recall[name] = [mqar_recall(model, task, p, num_sequences=256) for p in (4, 20)]  # @stepover
+        state = model.new_cache(1, task.seq_len).nbytes  # bytes one sequence keeps (fp32) @inspect state
+        text(f"- {name}: recall {recall[name][0]:.2f} (4 pairs), {recall[name][1]:.2f} (20 pairs), {state / 1024:.1f} KiB kept.")
+    assert min(recall["attention"]) > 0.9  # attention looks every pair up
+    assert recall["ssd"][1] < recall["ssd"][0] - 0.2 and recall["linear"][1] < recall["attention"][1]
+    assert recall["hybrid"][1] > recall["ssd"][1] + 0.3  # one attention layer brings recall back
+    text("Attention recalls every pair; a small state recalls fewer as the pairs outgrow it.")
+    text("One attention layer (the hybrid) brings most of it back, at the cost of a growing cache.")
+    if results is None:
+        text("Run `python -m cs336_inference bench alternatives` for the whole sweep (about 20 minutes).")
+        return
+    table = alternatives_table(results, pairs=(2, 8, 20), contexts=results["latency"]["contexts"][-2:])  # @inspect table
+    text("The whole sweep (committed run; decode timed on untrained copies, B = 4):")
+    text(table, verbatim=True)
+    image("figures/alternatives.png", width=900)
+    longest = str(results["latency"]["contexts"][-1])
+    ms = {n: r["decode_ms"][longest] for n, r in results["variants"].items() if "decode_ms" in r}  # @inspect ms @stepover
+    assert ms["attention"] > ms["SSD n=16"] and ms["attention"] > ms["linear d'=8"]
+    text(f"At T = {longest} attention reads its whole cache each step: {ms['attention']:.1f} ms vs SSD's {ms['SSD n=16']:.1f} ms.")
+
+
+def diffusion_costs():
+    """Autoregressive decode of T tokens = T weight-bound passes; diffusion = K passes over all T at once."""
+    shape, gpu = REAL_MODELS["llama2-13b"], HARDWARE["H100"]
+    T = 256  # tokens of one answer
+    weight_bytes = 2 * shape_parameters(shape)  # bf16 @inspect weight_bytes
+
+    def pass_seconds(tokens):
+        """One forward of `tokens` positions at batch 1: the slower of reading the weights and the FLOPs."""
+        return max(weight_bytes / gpu.memory_bandwidth, 2 * shape_parameters(shape) * tokens / gpu.peak_flops)
+    autoregressive = T * pass_seconds(1)  # @inspect autoregressive @stepover
+    text(f"Llama 2 13B on an H100, {T} tokens left to right: {autoregressive:.2f} s (KV reads left out).")
+    for K in (16, 64, 256):  # denoising steps
+        diffusion = K * pass_seconds(T)  # @inspect diffusion @stepover
+        text(f"- {K} denoising steps: {diffusion:.2f} s ({autoregressive / diffusion:.1f}x faster).")
+    assert pass_seconds(T) < 1.2 * pass_seconds(1)  # 256 tokens per pass are still (nearly) free
+    text("A pass over 256 tokens costs about as much as over 1: the weights dominate, as in decode.")
+    text("So fewer passes than tokens is a speed-up; the question is quality per step.")
 
 
 llm_int8_paper = Reference(title="LLM.int8(): 8-bit Matrix Multiplication for Transformers at Scale",

@@ -293,6 +293,7 @@ BENCHMARKS: dict[str, str] = {
     "thread_policy": "OpenMP wait policies, idle vs busy",
     "serving_http": "the engine in process vs behind `serve` (HTTP)",
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
+    "alternatives": "trains attention/window/linear attention/SSD/hybrid on MQAR: recall, state bytes, decode time",
 }
 
 

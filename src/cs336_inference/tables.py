@@ -101,3 +101,24 @@ def quantization_smollm2_table(data: dict) -> str:
                ("bits_per_byte", "bits/byte", "{:.4f}"), ("kl_to_reference", "KL", "{:.4f}"),
                ("top1_agreement", "top-1", "{:.3f}")]
     return format_table(data["rows"], columns)
+
+
+def alternatives_table(data: dict, pairs=None, contexts=None) -> str:
+    """`bench alternatives`: MQAR recall per number of pairs; bytes kept per sequence and decode ms/step per context."""
+    pairs = data["pairs"] if pairs is None else pairs
+    contexts = data["latency"]["contexts"] if contexts is None else contexts
+    rows = []
+    for name in data["variant_order"]:
+        r = data["variants"][name]
+        row = {"variant": name, "params": r.get("params")}
+        row |= {f"recall {p}": r["recall"][str(p)] for p in pairs} if "recall" in r else {}
+        row |= {f"KiB {T}": r["bytes"][str(T)] / 1024 for T in contexts}
+        row |= {f"ms {T}": r["decode_ms"][str(T)] for T in contexts} if "decode_ms" in r else {}
+        rows.append(row)
+    columns = [("variant", "variant", None), ("params", "params", None)]
+    columns += [(f"recall {p}", f"recall@{p}", "{:.2f}") for p in pairs]
+    columns += [(f"KiB {T}", f"KiB@T={T}", "{:.1f}") for T in contexts]
+    columns += [(f"ms {T}", f"ms@T={T}", "{:.2f}") for T in contexts]
+    return format_table(rows, columns, title=f"MQAR recall by key-value pairs (sequences of {data['task']['seq_len']} "
+                                            f"tokens); KiB one sequence keeps (fp32) and decode ms/step "
+                                            f"(B={data['latency']['batch_size']}) at context T")

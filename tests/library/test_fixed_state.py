@@ -290,3 +290,12 @@ def test_mqar_recall_is_1_for_a_model_that_looks_pairs_up_and_chance_for_a_blind
 
     assert run_mqar_recall(LookUp(), task, 6) == 1.0
     assert 0.05 < run_mqar_recall(LookUp(blind=True), task, 6) < 0.25      # 1 of 8 values
+
+
+def test_the_shipped_mqar_models_load_and_have_no_text_tokenizer():
+    from cs336_inference.model import load_pretrained, load_tokenizer
+
+    model = load_pretrained("mqar-hybrid")
+    assert [type(b.attn).__name__ for b in model.layers] == ["StateSpaceLayer", "GroupedQueryAttention"]
+    with pytest.raises(ValueError, match="no tokenizer"):
+        load_tokenizer("mqar-ssd")

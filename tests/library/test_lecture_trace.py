@@ -30,8 +30,7 @@ ARXIV, SCALING_BOOK = "https://arxiv.org/abs/", "https://jax-ml.github.io/scalin
 HF_INT8 = "https://huggingface.co/blog/assets/96_hf_bitsandbytes_integration/"
 # Each figure the official lecture (2025 and 2026 files) shows, by section: the source `figure()` must link
 # (the image itself where it is on the web, else the paper or post it comes from). Not listed: 2026's
-# opening images/inference-schema.png (the course's own drawing, no source to link), and
-# alternatives_to_the_transformer's figures (that section is checked with its own code).
+# opening images/inference-schema.png (the course's own drawing, no source to link).
 OFFICIAL_FIGURES = {
     "landscape": ["https://x.com/sama/status/1756089361609981993",            # openai-100b-tokens.png
                   "https://x.com/amanrsanger/status/1916968123535880684"],    # cursor-1b-lines.png
@@ -45,6 +44,12 @@ OFFICIAL_FIGURES = {
                              ARXIV + "2004.05150",                             # longformer-attention
                              "https://research.character.ai/content/images/2024/06/figure1-2-1.png",
                              "https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf"],
+    "alternatives_to_the_transformer": [ARXIV + "2111.00396",                  # s4-summary.png
+                                        ARXIV + "2402.18668",                  # based-associative-recall.png
+                                        ARXIV + "2403.19887",                  # jamba-architecture.png
+                                        ARXIV + "2402.18668",                  # based-attention.png
+                                        ARXIV + "2205.14217",                  # diffusion-lm.png
+                                        "https://framerusercontent.com/images/K2zvhtaTsz5ehDFoWx6KQHOqCyk.jpg"],
     "quantization": ["https://www.datocms-assets.com/104802/1709770809-twitter-post-20.png",
                      HF_INT8 + "quant-freeze.png", HF_INT8 + "Mixed-int8.gif",
                      "https://huggingface.co/blog/hf-bitsandbytes-integration",   # llm-int8-bloom.png
@@ -65,6 +70,11 @@ OFFICIAL_LINKS = {
                   "https://huggingface.co/docs/text-generation-inference/en/index",   # TGI
                   "https://nvidia.github.io/TensorRT-LLM/overview.html"],
     "reduce_kv_cache_size": [ARXIV + "1904.10509"],                                   # sparse transformer
+    "alternatives_to_the_transformer": [
+        "https://docs.google.com/presentation/d/1wrQO4uzwWr73SGj7aFxeVR9Cz0PY-mzJipn12enM39k/edit#slide=id.p",
+        ARXIV + "2111.00396", ARXIV + "2312.00752", ARXIV + "2403.19887", ARXIV + "2402.18668",
+        ARXIV + "2501.08313", ARXIV + "2205.14217", "https://www.inceptionlabs.ai/news",
+        "https://x.com/i/status/1894847919624462794"],
     "quantization": ["https://apxml.com/posts/llm-quantization-techniques-explained",  # overview of approaches
                      ARXIV + "2310.18313", ARXIV + "2303.17951", ARXIV + "2208.07339", ARXIV + "2210.17323"],
     "speculative_sampling": ["https://storage.googleapis.com/gweb-research2023-media/media/"
@@ -79,6 +89,8 @@ OFFICIAL_FACTS = {
                   "Together, Fireworks, Baseten, DeepInfra, Groq, Cerebras"],
     "quantization": ["15-23% slower than fp16", "if you dare", "cheaper than fp8", "maximum is 448"],
     "model_pruning": ["1024 samples"],
+    "alternatives_to_the_transformer": ["S4", "associative recall", "1B", "1:7", "52B", "456B", "O(T) KV cache",
+                                        "O(1) state", "Inception Labs"],
 }
 
 
@@ -207,10 +219,7 @@ def _narrating_functions(tree: ast.Module) -> set[str]:
 def test_sections_are_the_official_ones_in_the_official_order():
     tree = _tree()
     sections = _sections(tree)
-    # alternatives_to_the_transformer is being written (issue 21, the "alt" helper): checked once it exists.
-    # TODO(coordinator): drop this exemption when it has landed.
-    expected = [s for s in OFFICIAL_SECTIONS if s != "alternatives_to_the_transformer" or s in _functions(tree)]
-    assert [s for s in sections if s in OFFICIAL_SECTIONS] == expected, sections
+    assert [s for s in sections if s in OFFICIAL_SECTIONS] == list(OFFICIAL_SECTIONS), sections
 
 
 def test_every_official_figure_is_linked_where_the_official_lecture_shows_it():

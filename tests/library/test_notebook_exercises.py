@@ -236,3 +236,27 @@ def test_07_exercise_3_three_requests_behind_one_system_prompt():
     ns = answers("07_paged_attention")
     assert ns["cached_prompt_tokens"] == [0, 64, 64]
     assert ns["shared_blocks_total"] == 4 + 3             # shared prefix + one tail each
+
+
+# --- 08 alternatives ------------------------------------------------------------------------------
+
+def test_08_exercise_1_linear_attention_state_by_hand():
+    ns = answers("08_alternatives")
+    N, H, d, L = 2, 32, 4, 2
+    per_layer = N * (1 + d + d * d) * H + N * (1 + d + d * d) + 3 * (2 * N * d + N * H)   # state, z, conv
+    assert ns["by_hand"] == ns["measured"] == L * per_layer * 4
+    kv_at_64 = 2 * 2 * 32 * 64 * L * 4                                                    # K, V x heads x H x T x L
+    assert ns["attention_kv_at_64"] == kv_at_64
+    state = {dd: L * 4 * (N * (1 + dd + dd * dd) * (H + 1) + 3 * (2 * N * dd + N * H)) for dd in range(1, 33)}
+    assert ns["smallest_d"] == min(dd for dd, b in state.items() if b > kv_at_64)
+
+
+def test_08_exercise_2_jamba_crossover_from_the_paper_numbers():
+    mamba_layers, attention_layers = 28, 4
+    state = mamba_layers * (8192 * 16 + 3 * 8192) * 2       # d_inner = 2 x 4096, d_state 16, conv 4; bf16
+    kv_per_token = attention_layers * 2 * 8 * 128 * 2       # K and V, 8 KV heads of 128
+    assert answers("08_alternatives")["crossover"] == pytest.approx(state / kv_per_token)
+
+
+def test_08_exercise_3_tokens_per_pass_before_compute_binds():
+    assert answers("08_alternatives")["free_tokens"] == int(989e12 / 3.35e12) == 295

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = ROOT / "notebooks"
 SOURCES = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.py"))
 ANSWERS = sorted((NOTEBOOKS / "answers").glob("[0-9][0-9]_*.py"))   # worked answers to the exercises
-WITH_ANSWERS = [s for s in SOURCES if int(s.name[:2]) <= 7]   # notebooks 00-07 must have an answers notebook
+WITH_ANSWERS = SOURCES   # every notebook has an answers notebook
 ALL, ALL_IDS = SOURCES + ANSWERS, [s.stem for s in SOURCES] + [f"answers/{s.stem}" for s in ANSWERS]
 
 

@@ -105,6 +105,9 @@ def load_tokenizer(name: str):
 
     if name in REAL_MODELS:
         return load_real_tokenizer(name)
+    if name.startswith("mqar-") and name in available_pretrained():
+        raise ValueError(f"{name!r} reads multi-query associative recall token ids, not text: it has no "
+                         f"tokenizer (make its inputs with cs336_inference.data.mqar.MQARTask)")
     if name in available_pretrained():
         return ByteTokenizer()
     raise ValueError(f"unknown model {name!r}; shipped: {available_pretrained()}, real: {sorted(REAL_MODELS)}")
