@@ -60,8 +60,8 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
     decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler).
-    Its kernels are cached on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so only the first
-    process pays the compile; later ones trace and reuse them. On a CPU each step runs under
+    Its kernels are cached on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so
+    only the first process pays the compile; later ones trace and reuse them. On a CPU each step runs under
     `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
     import contextlib
     import os
