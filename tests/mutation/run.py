@@ -39,10 +39,19 @@ from mutants import LIBRARY_STUBS, MUTANTS, Mutant  # noqa: E402
 
 GOAL = 0.95
 
-# Which graded test file exercises each part of the package (first match wins). A mutant's grade runs that
-# file first and stops at the first failure, so a killed mutant costs a fraction of the whole suite; a
-# surviving one still runs every graded test.
+# Which graded test file exercises each part of the package (first match wins). A mutant is graded on that
+# file alone first, stopping at the first failure, so a killed mutant costs one file's collection and run;
+# one that survives it is then graded on the whole suite.
 FIRST_TESTS = [("generation/sampling", "test_sampling_rules.py"),
+               ("generation/generate", "test_generation_loop.py"),
+               ("model/kv_cache", "test_kv_cache_buffer.py"),
+               ("model/layers", "test_norm_and_ffn.py"),
+               ("compression/", "test_compression.py"),
+               ("data/evaluation", "test_bits_per_byte.py"),
+               ("quantization/awq", "test_awq_and_qat.py"),
+               ("quantization/qat", "test_awq_and_qat.py"),
+               ("serving/kv_cache_manager", "test_block_manager.py"),
+               ("serving/scheduler", "test_block_manager.py"),
                ("generation/speculative_rule", "test_speculative_accept.py"),
                ("accounting/", "test_accounting_formulas.py"),
                ("quantization/", "test_quantization_kernels.py"),
@@ -80,9 +89,19 @@ def grade(impl: str, workdir: Path, first: Path | None = None, stop_at_first_fai
     """pytest tests/graded --impl impl -> the results.json dict. Runs in this process (pytest.main): the
     mutant packages have distinct names and the adapters resolve the implementation at call time, so one
     torch import serves every mutant (~2 s each instead of ~8 s in a fresh process). `first`: a test file
-    to run before the rest (pytest drops the duplicate); `stop_at_first_failure`: pytest -x."""
+    to grade on alone before the whole suite (only if nothing failed in it, with `stop_at_first_failure`;
+    otherwise it runs first within the suite); `stop_at_first_failure`: pytest -x."""
+    if first is not None and stop_at_first_failure:
+        alone = grade_paths(impl, workdir, [str(first)], True)
+        if failed_tests(alone):
+            return alone
+    return grade_paths(impl, workdir, ([str(first)] if first is not None else []) + [str(ROOT / "tests" / "graded")],
+                       stop_at_first_failure)
+
+
+def grade_paths(impl: str, workdir: Path, paths: list[str], stop_at_first_failure: bool) -> dict:
     out = workdir / f"{impl.replace('/', '_').replace('.', '_')}.json"
-    paths = ([str(first)] if first is not None else []) + [str(ROOT / "tests" / "graded")]
+    out.unlink(missing_ok=True)          # never read back an earlier run's results
     with contextlib.redirect_stdout(io.StringIO()):
         pytest.main([*paths, "-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                      "--impl", impl, "--grade-json", str(out),

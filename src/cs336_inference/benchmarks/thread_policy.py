@@ -19,6 +19,7 @@ import time
 
 import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
 
+from .. import _checks
 from .._openmp import SHORT_SPIN
 from ..tables import print_table
 from ..timing import load_average
@@ -33,12 +34,17 @@ POLICIES = {
 PATHS = ("eager", "compiled")
 
 
-def measure(run) -> dict:
+def measure(run, policies: tuple[str, ...] | None = None) -> dict:
+    """Each of `policies` (default: all of POLICIES) in its own process."""
     if run.device.type != "cpu":
         raise ValueError("bench thread_policy measures CPU threading; run it with --device cpu")
+    for name in policies or ():
+        _checks.one_of("policies[i]", name, POLICIES)
     quick, threads = run.quick, torch.get_num_threads()   # the parallel policy's count
     result = {"threads": threads, "quick": quick, "load_average_start": load_average(), "policies": {}}
     for name, policy in POLICIES.items():
+        if policies is not None and name not in policies:
+            continue
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         env |= policy["env"] | {"CS336_NUM_THREADS": str(threads)}
         args = [sys.executable, "-m", "cs336_inference.benchmarks.thread_policy", "--child",
