@@ -26,6 +26,7 @@ from ..model.transformer import TransformerLM
 from ..tables import alternatives_table
 from ..timing import median_seconds
 from .base import Benchmark, alternate
+from .kv_variants import variant_config as budgeted_config
 
 TASK = MQARTask(num_keys=32, num_values=32, seq_len=64)
 BASE = dict(vocab_size=TASK.vocab_size, context_length=TASK.seq_len, d_model=64, num_layers=2, num_heads=2, d_ff=128)
@@ -47,14 +48,8 @@ LATENCY_VARIANTS = ("attention", "window 16", "linear d'=8", "SSD n=16", "hybrid
 
 
 def variant_config(overrides: dict, budget: int | None = None) -> ModelConfig:
-    """BASE with a variant's knobs; with `budget`, d_ff is set so the parameter count is as close to it as a
-    whole d_ff allows (w1, w2, w3 grow by 3 D L per unit of d_ff)."""
-    config = ModelConfig(**{**BASE, **overrides})
-    if budget is None:
-        return config
-    params = TransformerLM(config).num_parameters()
-    per_unit = 3 * config.d_model * config.num_layers
-    return config.replace(d_ff=max(8, config.d_ff + round((budget - params) / per_unit)))
+    """BASE with a variant's knobs, d_ff set to meet `budget` parameters (as `bench kv_variants` does)."""
+    return budgeted_config(overrides, BASE, budget)
 
 
 def memory_bytes(config: ModelConfig, context: int) -> int:
