@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from einops import rearrange
 
 # "reference": the hand-written softmax(q k^T) v below, the definition; "sdpa": torch's fused
 # F.scaled_dot_product_attention (one kernel, no (T, S) score tensor in Python), checked against it.
@@ -78,17 +77,17 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kernel: "reference" (`scaled_dot_product_attention` above) or "sdpa" (torch's fused kernel)."""
     B, N, T, H = q.shape
     G = N // k.shape[1]
-    q = rearrange(q, "B (K G) T H -> B K (G T) H", G=G)
-    if mask is not None:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S)
-        mask = rearrange(mask.expand(-1, -1, T, -1).unsqueeze(2).expand(-1, -1, G, -1, -1),
-                         "B one G T S -> B one (G T) S")
+    q = q.reshape(B, N // G, G * T, H)                                     # (B, K, G*T, H): a group's rows
+    if mask is not None:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S): every query of a group sees its row's keys
+        m = mask.expand(-1, -1, T, -1)
+        mask = m.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(m.shape[0], 1, G * T, m.shape[-1])
     if kernel == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     elif kernel == "reference":
         out = scaled_dot_product_attention(q, k, v, mask, scale)
     else:   # a misspelt kernel must not silently run the reference one
         raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
-    return rearrange(out, "B K (G T) H -> B (K G) T H", G=G)
+    return out.reshape(B, N, T, out.shape[-1])                              # (B, N, T, Hv)
 
 
 def require_shared_kv(shared_kv, layer_idx: int, kv_source: int):

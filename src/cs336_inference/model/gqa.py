@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from einops import rearrange
 
 from .attention import grouped_attention, require_shared_kv
 from .config import ModelConfig
@@ -78,10 +77,13 @@ class GroupedQueryAttention(nn.Module):
             q, k, v = self.qkv_proj(x)
         else:
             q, k, v = self.q_proj(x), *((self.k_proj(x), self.v_proj(x)) if self.owns_kv else (None, None))
-        q = self.rotate_q(rearrange(q, "B T (N H) -> B N T H", H=self.head_dim), cos, sin)
+        # Heads split with view/transpose, not einops: torch.compile re-traces einops' pattern parsing
+        # on every call (it is cached only when eager), which tripled the compile of a decode step.
+        B, T, H = x.shape[0], x.shape[1], self.head_dim
+        q = self.rotate_q(q.view(B, T, -1, H).transpose(1, 2), cos, sin)          # (B, N, T, H)
         if self.owns_kv:
-            k = self.rotate_k(rearrange(k, "B T (K H) -> B K T H", H=self.head_dim), cos, sin)
-            kv = (k, rearrange(v, "B T (K H) -> B K T H", H=self.head_dim))
+            k = self.rotate_k(k.view(B, T, -1, H).transpose(1, 2), cos, sin)      # (B, K, T, H)
+            kv = (k, v.view(B, T, -1, H).transpose(1, 2))
             if cache is not None:
                 kv = cache.update(*kv, step)  # every key the new queries may see
         else:
@@ -90,4 +92,4 @@ class GroupedQueryAttention(nn.Module):
             out = grouped_attention(q, *kv, mask, kernel=self.attention_kernel)
         else:
             out = cache.attend(q, kv, step, kernel=self.attention_kernel)
-        return self.output_proj(rearrange(out, "B N T H -> B T (N H)")), kv
+        return self.output_proj(out.transpose(1, 2).reshape(B, T, -1)), kv             # (B, T, N*H)
