@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import inspect
 import math
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,6 +138,11 @@ def median_repeat(repeats: list[dict], key: str, ranged=()) -> dict:
     return out
 
 
+def spread(values: list[float], scale: float = 1.0) -> tuple[float, float, float]:
+    """(median, min, max) of `values`, each times `scale` (1e3: seconds -> ms)."""
+    return scale * statistics.median(values), scale * min(values), scale * max(values)
+
+
 def finite(value):
     """NaN and inf -> None, recursively: strict JSON has no NaN, and "no value" is what they mean here."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -156,4 +162,4 @@ def save_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-__all__ = ["Benchmark", "Run", "alternate", "finite", "median_repeat", "save_csv"]
+__all__ = ["Benchmark", "Run", "alternate", "finite", "median_repeat", "save_csv", "spread"]

@@ -1,21 +1,16 @@
-"""`bench inference`: the complete inference benchmark the lecture's last section asks for.
+"""`bench inference`: the complete inference benchmark of the lecture's last section.
 
-For one model on one device it serves request traces with the serving `Engine` (continuous batching,
-paged KV cache) and sweeps what an operator chooses: the lecture's three operating points (interactive
-chat, offline batch, RL rollouts), then concurrency, prompt length and output length, each at every
-precision (fp32, bf16, weight-only int8 and int4), the paged vs contiguous KV cache on the chat point,
-and speculative decoding (plain, prompt lookup, the shipped draft model) on the chat point served one
-request at a time (`serving.serve_one_at_a_time`). Per run it records vLLM's serving metrics
-(`serving.metrics`: TTFT, ITL pooled over every request's gaps, TPOT, E2E, throughput), each request's
-queueing / prefill / decode split (communication is 0: one device), peak memory, and quality against
-fp32 (bits per byte of held-out text, KL per token).
+In process, the serving `Engine` (continuous batching, paged KV cache) serves the three operating
+points (interactive chat, offline batch, RL rollouts), then sweeps concurrency, prompt length and
+output length, each at every precision; on the chat point also paged vs contiguous KV and
+speculative decoding (one request at a time). Per run: vLLM's serving metrics (`serving.metrics`),
+each request's queueing / prefill / decode split, peak memory, and quality against fp32. Unlike
+`vllm bench serve`, the clock is the engine's (idle gaps between arrivals are skipped) and no HTTP or
+detokenization is timed. Runs repeat in interleaved rounds; the median-duration repeat is kept.
 
-Where ours differ from `vllm bench serve`: the clock is the engine's (measured compute time per step;
-idle gaps between arrivals are skipped, not slept through), there is no HTTP, network or
-detokenization in any latency, and a request asking for n > 1 samples is timed from its first token of
-any sample to its last. Each run is repeated `repeats` times in interleaved rounds and the
-median-duration repeat is kept (min and max of the main metrics beside it). `endpoint=URL` measures
-an OpenAI-compatible server instead, as its client (`inference_endpoint`).
+`endpoint=URL` sends the same workloads as streamed `/v1/completions` to any OpenAI-compatible server
+(ours, vLLM, SGLang, llama.cpp) and times them as its client (`serving/client.py`); precision, KV
+layout and speculation are the server's business there, and a client cannot see the time split.
 """
 
 from __future__ import annotations
@@ -23,37 +18,228 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
 
+import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
 from .. import _checks
 from ..cpu_tuning import tune_for_cpu
+from ..data.corpus import load_corpus
 from ..data.evaluation import compare_on_text
-from ..data.real_text import bytes_per_token
-from ..device import default_dtype
-from ..model.checkpoints import load_pretrained
+from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
+from ..device import default_dtype, load_avg
+from ..model.checkpoints import available_pretrained, load_pretrained
 from ..model.real_models import REAL_MODELS
-from ..model.tokenizer import load_tokenizer
+from ..model.tokenizer import ByteTokenizer, load_tokenizer
 from ..quantization.linear import model_nbytes
 from ..quantization.model import quantize_model
 from ..serving import Engine, benchmark_metrics, flat_metrics, request_metrics, serve_one_at_a_time
+from ..serving.client import base_url, count_tokens, serve_over_http, served_models, stream_metrics
 from ..serving.request import Request
-from ..device import load_avg
+from ..serving.workload import Workload
+from ..tables import print_table
 from ..timing import PeakMemory
 from .base import Benchmark, median_repeat
-from .inference_config import (PRECISIONS, RunSpec, SweepConfig, check_arguments, source_tokens, stop_tokens,
-                               sweep_config, workload_row)
-from .inference_endpoint import ENDPOINT, endpoint_name, measure_endpoint
-from .inference_report import plot_operating_points, plot_ttft, print_inference
 
 NAME = "inference"
+PRECISIONS = ("fp32", "bf16", "int8", "int4")
+KV_LAYOUTS = ("paged", "contiguous")
+SPECULATIVE = ("off", "prompt_lookup", "draft")   # plain decoding, prompt lookup, the shipped draft model
+SERVERS = ("engine", "one_at_a_time")
+NEWLINE = 10   # the byte tokenizer's stop token for the toy model: an answer ends with its line
+SPARSE_RATE = 1e-4   # arrivals far apart: each request runs alone (TTFT = prefill, no queueing); the
+                     # engine jumps over idle gaps, so they cost no time (throughput means nothing there)
 RANGED = ("output_throughput", "ttft_median_s", "tpot_median_s", "itl_median_s", "e2el_median_s")
 BLOCK_SIZE = 16
 GAMMA = 4      # drafts per target pass: near the best `bench speculative` measures on both models
-SERVERS = ("engine", "one_at_a_time")
+ENDPOINT_AXES = ("preset", "concurrency", "prompt_len", "output_len")
+DEFAULT_TOKENIZER = "smollm2-135m"   # a real BPE, for a server whose model is not one of ours
 
+
+# --- what is swept ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One point of the sweep: a `serving.Workload` at a precision, KV layout and speculative setting."""
+
+    axis: str                          # which sweep it belongs to ("concurrency", "prompt_len", ...)
+    workload: Workload
+    precision: str = "fp32"
+    kv_layout: str = "paged"
+    speculative: str = "off"
+
+    def __post_init__(self):
+        _checks.one_of("precision", self.precision, PRECISIONS)
+        _checks.one_of("kv_layout", self.kv_layout, KV_LAYOUTS)
+        _checks.one_of("speculative", self.speculative, SPECULATIVE)
+
+
+def workload_row(spec: RunSpec) -> dict:
+    """The columns that say what a run served (the in-process and the endpoint benchmark's rows)."""
+    w = spec.workload
+    return {"axis": spec.axis, "workload": w.name, "precision": spec.precision, "concurrency": w.concurrency,
+            "prompt_len_lo": w.prompt_len[0], "prompt_len_hi": w.prompt_len[1], "output_len": w.output_len,
+            "num_requests": w.num_requests, "samples": w.samples, "workload_spec": dataclasses.asdict(w)}
+
+
+def source_and_stop(tokenizer, real_model: bool) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """Held-out text as one token stream (the toy corpus's validation split, or CPython's help text)
+    and the tokens an answer stops at."""
+    if real_model:
+        return token_stream(tokenizer, pydoc_documents("eval"), tokenizer.eos_id), tuple(tokenizer.stop_ids)
+    return load_corpus("val"), (NEWLINE,)
+
+
+def _toy_points() -> dict[str, Workload]:
+    """Operating points for the shipped target (byte tokens, context 512)."""
+    return {
+        # A person waits for every token: requests trickle in, small batches, answers end naturally.
+        "chat": Workload("chat", prompt_len=(32, 128), output_len=128, concurrency=8, num_requests=32, rate=40.0,
+                         stop_at_eos=True, system_prompt_len=64, system_prompt_fraction=0.5, chat=True),
+        # Nobody waits: every document is queued at once, long prompts, the biggest batch that fits.
+        "batch": Workload("batch", prompt_len=(192, 320), output_len=64, concurrency=32, num_requests=64),
+        # RL: many samples per prompt at temperature 1, long generations, the whole batch at once.
+        "rollouts": Workload("rollouts", prompt_len=(32, 64), output_len=192, concurrency=32, num_requests=8,
+                             samples=8, temperature=1.0, stop_at_eos=True),
+    }
+
+
+def _real_points() -> dict[str, Workload]:
+    """The same three points sized for a ~135M-parameter model on a shared 2-core CPU."""
+    return {
+        "chat": Workload("chat", prompt_len=(16, 48), output_len=32, concurrency=4, num_requests=6, rate=2.0,
+                         stop_at_eos=True, system_prompt_fraction=0.5, chat=True),
+        "batch": Workload("batch", prompt_len=(128, 256), output_len=16, concurrency=8, num_requests=8),
+        "rollouts": Workload("rollouts", prompt_len=(24, 48), output_len=32, concurrency=8, num_requests=2,
+                             samples=4, temperature=1.0, stop_at_eos=True),
+    }
+
+
+OPERATING_POINTS = tuple(_toy_points())
+
+
+def operating_points(real_model: bool, quick: bool = False) -> dict[str, Workload]:
+    """The three presets for the toy target or a real model; quick: an eighth of the requests and tokens."""
+    points = _real_points() if real_model else _toy_points()
+    if quick:
+        points = {k: w.replace(num_requests=max(2, w.num_requests // 8), output_len=max(4, w.output_len // 8))
+                  for k, w in points.items()}
+    return points
+
+
+def check_preset(preset) -> str:
+    return _checks.one_of("preset (one of the operating points)", preset, OPERATING_POINTS)
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """The axes of one `bench inference` run. Each axis varies one knob around a base workload and is
+    crossed with every precision; the concurrency axis is the operating-point picture (throughput vs
+    latency), the prompt-length axis serves one request at a time (TTFT = prefill)."""
+
+    precisions: tuple[str, ...] = PRECISIONS
+    concurrencies: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    concurrency_base: Workload = Workload("concurrency", prompt_len=(128, 128), output_len=64, concurrency=1,
+                                          num_requests=16)
+    requests_per_slot: int = 2          # concurrency axis: num_requests = max(base, this x concurrency)
+    prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 448)
+    prompt_base: Workload = Workload("prompt_len", prompt_len=(16, 16), output_len=4, concurrency=1, num_requests=4,
+                                     rate=SPARSE_RATE)
+    output_lens: tuple[int, ...] = (1, 16, 64, 192)
+    output_base: Workload = Workload("output_len", prompt_len=(64, 64), output_len=1, concurrency=8, num_requests=16)
+    kv_layouts: tuple[str, ...] = KV_LAYOUTS   # compared on the chat operating point
+    speculative: tuple[str, ...] = SPECULATIVE  # compared on the chat point, one request at a time (if > 1 mode)
+    speculative_requests: int = 8       # chat requests served per speculative mode
+    presets: dict = field(default_factory=_toy_points)
+    warmup: Workload = Workload("warmup", prompt_len=(32, 64), output_len=8, concurrency=4, num_requests=4)
+    quality_windows: tuple[int, int] = (256, 8)   # held-out windows for bits/byte and KL: (tokens, count)
+    repeats: int = 3                    # each run this many times, rounds interleaved; the median run is kept
+
+    def __post_init__(self):
+        if not self.precisions:
+            raise ValueError(f"precisions must name at least one of {PRECISIONS}, got {self.precisions!r}")
+        for name, allowed in (("precisions", PRECISIONS), ("kv_layouts", KV_LAYOUTS), ("speculative", SPECULATIVE)):
+            for value in getattr(self, name):
+                _checks.one_of(f"{name}: each", value, allowed)
+        for name in ("concurrencies", "output_lens", "prompt_lens"):
+            for value in getattr(self, name):
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{name}: each must be an int >= 1, got {value!r}")
+        for k in self.presets:
+            check_preset(k)
+        _checks.positive_int("repeats", self.repeats)
+
+    def with_precisions(self, precisions: tuple[str, ...]) -> SweepConfig:
+        """The same sweep over `precisions` (kept in the given order where this sweep has them)."""
+        return dataclasses.replace(self, precisions=tuple(p for p in precisions if p in self.precisions))
+
+    def runs(self, only_preset: str | None = None) -> list[RunSpec]:
+        """Every run, in order: operating points x precisions, the chat point with the other KV layouts
+        and speculative modes (base precision), then the concurrency, prompt-length and output-length
+        axes x precisions. `only_preset`: just that operating point at every precision."""
+        if only_preset is not None:
+            return [RunSpec("preset", self.presets[check_preset(only_preset)], p) for p in self.precisions]
+        base = self.precisions[0]
+        out = [RunSpec("preset", w, p) for w in self.presets.values() for p in self.precisions]
+        if (chat := self.presets.get("chat")) is not None:
+            out += [RunSpec("kv_layout", chat, base, layout) for layout in self.kv_layouts if layout != "paged"]
+            if len(self.speculative) > 1:   # one sequence at a time on the model's own (contiguous) cache
+                alone = chat.replace(concurrency=1, rate=SPARSE_RATE,
+                                     num_requests=min(chat.num_requests, self.speculative_requests))
+                out += [RunSpec("speculative", alone, base, "contiguous", mode) for mode in self.speculative]
+        c_base = self.concurrency_base
+        for axis, workloads in (
+                ("concurrency", [c_base.replace(concurrency=c, num_requests=max(
+                    c_base.num_requests, self.requests_per_slot * c)) for c in self.concurrencies]),
+                ("prompt_len", [self.prompt_base.replace(prompt_len=(n, n)) for n in self.prompt_lens]),
+                ("output_len", [self.output_base.replace(output_len=n) for n in self.output_lens])):
+            out += [RunSpec(axis, w, p) for p in self.precisions for w in workloads]
+        return out
+
+
+def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
+    """The sweep for the toy target or a real model (smaller: a 2-core CPU decodes a 135M model at tens
+    of tokens/s); quick: a smoke run of every axis in seconds."""
+    if quick:
+        return SweepConfig(precisions=("fp32", "bf16", "int4"), concurrencies=(1, 4),
+                           concurrency_base=Workload("concurrency", (32, 32), 8, 1, 4), prompt_lens=(16, 64),
+                           prompt_base=Workload("prompt_len", (16, 16), 2, 1, 2, rate=SPARSE_RATE),
+                           output_lens=(1, 8), output_base=Workload("output_len", (32, 32), 1, 2, 4),
+                           presets=operating_points(real_model, quick=True),
+                           warmup=Workload("warmup", (16, 16), 2, 2, 2), quality_windows=(64, 2), repeats=1,
+                           speculative=("off", "prompt_lookup") if real_model else SPECULATIVE,
+                           speculative_requests=2)
+    if real_model:
+        return SweepConfig(concurrencies=(1, 2, 4, 8, 16), requests_per_slot=1,
+                           concurrency_base=Workload("concurrency", (64, 64), 16, 1, 4),
+                           prompt_lens=(32, 128, 512, 1024),
+                           prompt_base=Workload("prompt_len", (32, 32), 2, 1, 2, rate=SPARSE_RATE),
+                           output_lens=(1, 16), output_base=Workload("output_len", (64, 64), 1, 4, 4),
+                           presets=operating_points(True), warmup=Workload("warmup", (16, 16), 2, 2, 2),
+                           quality_windows=(256, 4), repeats=1, speculative=("off", "prompt_lookup"))
+    return SweepConfig()
+
+
+def check_arguments(model: str, preset, concurrency, output_len) -> None:
+    """Refuse bad arguments before anything loads (each error names the argument and what is allowed)."""
+    _checks.instance("model", model, str)
+    if preset is not None:
+        check_preset(preset)
+    for name, value, why in (("concurrency", concurrency, "at least one sequence must run"),
+                             ("output_len", output_len, "a request generates at least one token")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be an int >= 1 ({why}), got {value!r}")
+    if (concurrency is not None or output_len is not None) and preset is None:
+        raise ValueError(f"concurrency / output_len override one operating point: give preset too "
+                         f"(one of {list(OPERATING_POINTS)})")
+
+
+# --- in process ------------------------------------------------------------------------------------
 
 def precision_order(device: torch.device) -> tuple[str, ...]:
     """Every precision, the device's full-precision default first (fp32 on a CPU, bf16 on a GPU): the
@@ -63,9 +249,9 @@ def precision_order(device: torch.device) -> tuple[str, ...]:
 
 
 def build_precision(model: nn.Module, precision: str, device: torch.device) -> nn.Module:
-    """A copy of `model` (fp32) that runs at `precision`, with fused projections and torch's fused
-    attention: fp32 / bf16 weights, or weight-only int8 (per channel) / int4 (groups) with torch's
-    packed kernels, quantized from the device's default dtype (fp32 on a CPU, bf16 on a GPU)."""
+    """A copy of `model` (fp32) at `precision`, with fused projections and torch's fused attention:
+    fp32 / bf16 weights, or weight-only int8 (per channel) / int4 (groups) on torch's packed kernels,
+    quantized from the device's default dtype (fp32 on a CPU, bf16 on a GPU)."""
     _checks.one_of("precision", precision, PRECISIONS)
     fast = tune_for_cpu(copy.deepcopy(model).to(device).fuse_projections().set_attention_kernel("sdpa").eval())
     if precision in ("fp32", "bf16"):
@@ -73,16 +259,19 @@ def build_precision(model: nn.Module, precision: str, device: torch.device) -> n
     fast = fast.to(default_dtype(device))
     if precision == "int8":
         return quantize_model(fast, "rtn", bits=8, group_size=None, symmetric=True, kernel="packed")
-    c = fast.config   # the largest int4 kernel group dividing every quantized layer's input dimension
-    group = next(g for g in (128, 64, 32) if c.d_model % g == 0 and c.d_ff % g == 0)
-    return quantize_model(fast, "rtn", bits=4, group_size=group, kernel="packed")
+    return quantize_model(fast, "rtn", bits=4, group_size=int4_group(fast.config), kernel="packed")
+
+
+def int4_group(config, wanted: int = 128) -> int:
+    """The largest int4 kernel group (128, 64 or 32) dividing every quantized layer's input dimension."""
+    return next(g for g in (wanted, 64, 32) if config.d_model % g == 0 and config.d_ff % g == 0)
 
 
 def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, kv_layout: str = "paged",
                   device: torch.device | None = None, server: str = "engine", draft=None) -> tuple[dict, list]:
     """Serve `requests` on `server` ("engine": at most `concurrency` sequences in `kv_layout` memory;
     "one_at_a_time": `serve_one_at_a_time`, speculative with `draft`) and measure the run: vLLM's
-    metrics, the queueing/prefill/decode split, KV and weight bytes, the peak memory. Returns (one flat
+    metrics, the queueing/prefill/decode split, KV and weight bytes, peak memory. Returns (one flat
     row, the RequestRecords)."""
     _checks.positive_int("concurrency", concurrency)
     _checks.one_of("server", server, SERVERS)
@@ -115,8 +304,8 @@ def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, k
 
 
 def one_run(spec: RunSpec, model, source, tokenizer, stop, device, drafts: dict | None = None) -> dict:
-    """Serve one run of the sweep and return its row (and the per-request split for operating points;
-    each request's output tokens on the speculative axis, to check greedy outputs against plain decoding)."""
+    """Serve one run of the sweep and return its row (with the per-request split on operating points;
+    each request's tokens on the speculative axis, to check greedy outputs against plain decoding)."""
     w, draft = spec.workload, (drafts or {}).get(spec.speculative) if spec.speculative != "off" else None
     if spec.speculative != "off" and draft is None:
         raise ValueError(f"speculative mode {spec.speculative!r} has no drafter here "
@@ -138,13 +327,9 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
             output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None,
             endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
-    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed). Results:
-    figures/inference[_MODEL].json / .csv / _operating_points.png / _ttft.png. `sweep`: another
-    SweepConfig than the model's. A `preset` or a custom `sweep` is a partial run (figures/scratch).
-    `endpoint`: measure the OpenAI-compatible server at that URL instead, as its streaming client
-    (`inference_endpoint`; `tokenizer` cuts the prompts and re-counts, `arrivals` poisson or fixed):
-    figures/scratch/inference_endpoint_MODEL.*. Each precision is built and its quality measured,
-    everything is warmed up, then every run is served `repeats` times in interleaved rounds."""
+    `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); `sweep`:
+    another SweepConfig. A `preset` or a custom `sweep` is a partial run (figures/scratch). `endpoint`:
+    measure that server instead (`tokenizer` cuts the prompts, `arrivals` poisson or fixed)."""
     check_arguments(model, preset, concurrency, output_len)
     changes = {k: v for k, v in (("concurrency", concurrency), ("output_len", output_len)) if v is not None}
     if endpoint is not None:
@@ -168,7 +353,7 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
     run.committed = preset is None and sweep is None
 
     load_before, reference, tok = load_avg(), load_pretrained(model, device=device).eval(), load_tokenizer(model)
-    text, stop = source_tokens(tok, real), stop_tokens(tok, real)
+    text, stop = source_and_stop(tok, real)
     source, base = text.tolist(), config.precisions[0]
     models = {p: build_precision(reference, p, device) for p in config.precisions}
     seq_len, count = config.quality_windows   # held-out windows from the end (prompts come from anywhere)
@@ -198,7 +383,7 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
             "precisions": list(config.precisions), "weight_bytes": {p: model_nbytes(m) for p, m in models.items()},
             "quality": quality, "quality_tokens": int(windows[:, 1:].numel()),
             "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
-            "sweep": config.describe(), "rows": rows, "preset": preset}
+            "sweep": dataclasses.asdict(config), "rows": rows, "preset": preset}
 
 
 def match_plain_greedy(rows: list[dict]) -> None:
@@ -212,18 +397,267 @@ def match_plain_greedy(rows: list[dict]) -> None:
             r["same_tokens_as_plain"] = sum(a == b for a, b in zip(t, plain)) / len(t)
 
 
+# --- against a server ------------------------------------------------------------------------------
+
+class FileTokenizer:
+    """A Hugging Face `tokenizer.json` (e.g. from a vLLM model's snapshot), with our encode/decode."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self._tok, self.name, self.stop_ids, self.eos_id = Tokenizer.from_file(path), path, [], None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def resolve_tokenizer(model: str, tokenizer: str | None):
+    """(tokenizer, its name): `tokenizer` (one of ours, or a tokenizer.json path), else `model`'s own
+    when it is one of ours, else DEFAULT_TOKENIZER (approximate counts for another vocabulary)."""
+    ours = set(available_pretrained()) | set(REAL_MODELS)
+    name = tokenizer or (model if model in ours else DEFAULT_TOKENIZER)
+    if name in ours:
+        return load_tokenizer(name), name
+    if Path(name).is_file():
+        return FileTokenizer(name), name
+    raise ValueError(f"tokenizer must be one of ours {sorted(ours)} or a tokenizer.json file, got {name!r}")
+
+
+def one_endpoint_run(url: str, model: str, spec: RunSpec, source, tokenizer, stop, arrivals: str) -> dict:
+    """Send one workload's requests as text (at most its concurrency in flight; exactly `output_len`
+    tokens unless it stops at the end token) and return its row: output tokens are the server's
+    `usage`, our re-count beside it."""
+    w = spec.workload
+    sequential = w.rate == SPARSE_RATE          # one request at a time: sent back to back, not hours apart
+    requests = w.text_requests(source, tokenizer, stop, arrivals, rate=math.inf if sequential else None)
+    concurrency = 1 if sequential else w.concurrency
+    results, duration = serve_over_http(url, model, requests, concurrency)
+    failed = [r.error for r in results if not r.ok]
+    if len(failed) == len(results):
+        raise RuntimeError(f"every request of {w.name!r} failed, e.g. {failed[0]}")
+    count_tokens(results, requests, tokenizer)
+    per_request = [{"prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
+                    "counted_prompt_tokens": r.counted_prompt_tokens,
+                    "counted_output_tokens": r.counted_output_tokens, "usage_reported": r.usage is not None,
+                    "ttft_s": r.ttft if r.ok else None, "e2el_s": r.e2el if r.ok else None,
+                    "tpot_s": r.tpot if r.ok else None, "error": r.error} for r in results]
+    return {**workload_row(spec), "precision": "server", "concurrency": concurrency, "arrivals": arrivals,
+            **flat_metrics(stream_metrics(results, duration)), "requests": per_request}
+
+
+def measure_endpoint(endpoint: str, model: str, quick: bool = False, preset: str | None = None,
+                     changes: dict | None = None, tokenizer: str | None = None, arrivals: str = "poisson",
+                     progress: bool = True) -> dict:
+    """The sweep's workloads on ENDPOINT_AXES (or one operating point, with `changes` such as
+    {"concurrency": 16}) against `endpoint`: rows like the in-process benchmark's, precision "server"."""
+    changes = changes or {}
+    check_arguments(model, preset, changes.get("concurrency"), changes.get("output_len"))
+    _checks.one_of("arrivals", arrivals, ("poisson", "fixed"))
+    url = base_url(endpoint)
+    cards = served_models(url)
+    if model not in [c.get("id") for c in cards]:
+        raise ValueError(f"{url} does not serve {model!r}; it serves {[c.get('id') for c in cards]}")
+    tok, tok_name = resolve_tokenizer(model, tokenizer)
+    real = not isinstance(tok, ByteTokenizer)
+    config = sweep_config(real, quick)
+    runs = {(s.axis, s.workload): s for s in config.runs(only_preset=preset) if s.axis in ENDPOINT_AXES}
+    runs = [dataclasses.replace(s, workload=s.workload.replace(**changes)) for s in runs.values()]  # one a workload
+    text, stop = source_and_stop(tok, real)
+    source = text.tolist()
+    one_endpoint_run(url, model, RunSpec("warmup", config.warmup), source, tok, stop, arrivals)
+    rows = [one_endpoint_run(url, model, spec, source, tok, stop, arrivals)
+            for spec in tqdm(runs, desc=f"bench inference --endpoint {url}", disable=not progress, unit="run")]
+    return {"benchmark": "inference", "mode": "endpoint", "endpoint": url, "model": model, "server_models": cards,
+            "tokenizer": tok_name, "arrivals": arrivals, "preset": preset, "device": "endpoint",
+            "sweep": dataclasses.asdict(config), "rows": rows}
+
+
+def endpoint_name(model: str, preset: str | None) -> str:
+    """The result's name: inference_endpoint_MODEL[_PRESET] (the model's served name, made a file name)."""
+    return "inference_endpoint_" + re.sub(r"[^A-Za-z0-9]+", "_", model).strip("_") + (f"_{preset}" if preset else "")
+
+
 def csv_rows(result: dict) -> list[dict]:
-    """One flat row per run (scalars only), each with the machine it ran on."""
-    m = result["machine"]
-    machine = {"model": result["model"], "device": result["device"], "cpu": m["cpu"],
-               "torch_threads": m["torch_threads"], "torch": m["torch"], "gpu": m.get("gpu"),
-               "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
-    return [{**machine, **{k: v for k, v in r.items() if not isinstance(v, (dict, list))}} for r in result["rows"]]
+    """One flat row per run (scalars only), each with where it ran."""
+    if result.get("mode") == "endpoint":
+        where = {"endpoint": result["endpoint"], "model": result["model"]}
+    else:
+        m = result["machine"]
+        where = {"model": result["model"], "device": result["device"], "cpu": m["cpu"],
+                 "torch_threads": m["torch_threads"], "torch": m["torch"], "gpu": m.get("gpu"),
+                 "load_avg_1m_before": (result["load_avg_before"] or [None])[0]}
+    return [{**where, **{k: v for k, v in r.items() if not isinstance(v, (dict, list))}} for r in result["rows"]]
 
 
+# --- tables and figures ----------------------------------------------------------------------------
+
+def _ms(key: str, header: str):
+    return (key, header, lambda v: f"{1e3 * v:.1f}")
+
+
+LATENCY = [_ms("ttft_median_s", "TTFT p50 ms"), _ms("ttft_p99_s", "TTFT p99 ms"), _ms("tpot_median_s", "TPOT p50 ms"),
+           _ms("itl_median_s", "ITL p50 ms"), _ms("itl_p99_s", "ITL p99 ms"), ("e2el_median_s", "E2E p50 s", "{:.2f}"),
+           ("output_throughput", "out tok/s", "{:,.0f}"), ("total_token_throughput", "total tok/s", "{:,.0f}")]
+# one request at a time: throughput means nothing, the TTFT and its parts do
+PROMPT = [_ms("ttft_median_s", "TTFT p50 ms"), _ms("ttft_p99_s", "TTFT p99 ms"),
+          _ms("prefill_median_s", "prefill p50 ms"), _ms("queueing_median_s", "queueing p50 ms"),
+          _ms("tpot_median_s", "TPOT p50 ms")]
+SPLIT = ("split", "queue/prefill/decode %", None)
+FAILED = ("failed", "failed", None)
+AXES = {"concurrency": ("concurrency", "C", "concurrency (all requests at t = 0: TTFT includes queueing)"),
+        "prompt_len": ("prompt_len_lo", "prompt", "prompt length (one request at a time: TTFT = prefill)"),
+        "output_len": ("output_len", "output", "output length")}
+
+
+def _rows(result: dict, axis: str) -> list[dict]:
+    """The rows of one axis, with the time split and memory as cells (where the run measured them)."""
+    out = []
+    for r in (r for r in result["rows"] if r["axis"] == axis):
+        total, parts = r["e2el_mean_s"], [r.get(f"{k}_mean_s") for k in ("queueing", "prefill", "decode")]
+        memory = f"{r.get('weight_bytes', 0) / 1e6:,.1f} + {r.get('kv_pool_bytes', 0) / 1e6:,.1f}"
+        rss, start = r.get("rss_peak_bytes"), r.get("rss_start_bytes")
+        if rss and start:
+            memory += f" (RSS {rss / 1e6:,.0f}, run +{max(rss - start, 0) / 1e6:,.0f})"
+        if r.get("cuda_peak_bytes") is not None:
+            memory = f"{r['cuda_peak_bytes'] / 1e6:,.0f} (CUDA)"
+        split = " / ".join(f"{100 * p / total:.0f}" for p in parts) if total and None not in parts else "-"
+        load = f"{r['num_requests']}x{r['samples']}" if r["samples"] > 1 else str(r["num_requests"])
+        out.append({**r, "memory": memory, "split": split, "load": load})
+    return out
+
+
+def _print_axes(result: dict, extra) -> None:
+    for axis, (key, header, title) in AXES.items():
+        if rows := _rows(result, axis):
+            print_table(rows, [("precision", "precision", None), (key, header, None),
+                               *(PROMPT if axis == "prompt_len" else LATENCY), extra], title=f"\nSweep over {title}")
+
+
+def print_inference(result: dict) -> None:
+    m, base = result["machine"], result["base_precision"]
+    print(f"\nbench inference: {result['model']} on {result['device']} ({m['cpu']}, {m['torch_threads']} thread(s), "
+          f"torch {m['torch']}); load average {result['load_avg_before']} -> {result['load_avg_after']}")
+    memory = "MB weights + KV pool (peak RSS, run's own)" if result["device"] == "cpu" else "peak MB"
+    print_table(_rows(result, "preset"), [("workload", "operating point", None), ("precision", "precision", None),
+                                          ("load", "requests", None), ("concurrency", "C", None), *LATENCY,
+                                          ("memory", memory, None), SPLIT],
+                title="\nOperating points (median/p99 over requests; C = sequences at once; split = mean queueing / "
+                      "prefill / decode share of the mean end-to-end latency)")
+    q, fp32 = result["quality"], result["quality"].get("fp32", {}).get("bits_per_byte")
+    print_table([{"precision": p, **v, "weight_mb": result["weight_bytes"][p] / 1e6,
+                  "delta": v["bits_per_byte"] - fp32 if fp32 is not None else None} for p, v in q.items()],
+                [("precision", "precision", None), ("weight_mb", "weights MB", "{:,.1f}"),
+                 ("bits_per_byte", "bits/byte", "{:.4f}"), ("delta", "vs fp32", "{:+.4f}"),
+                 ("kl_to_fp32", "KL(fp32||p) nats/tok", lambda v: f"{max(v, 0.0):.5f}"),
+                 ("top1_agreement", "top-1 agree", "{:.3f}")],
+                title=f"\nQuality against fp32 ({result['quality_tokens']:,} held-out tokens)")
+    if layouts := _rows(result, "kv_layout"):
+        chat = [r for r in _rows(result, "preset") if r["workload"] == "chat" and r["precision"] == base]
+        print_table(chat + layouts, [
+            ("kv_layout", "KV layout", None),
+            ("kv_peak_reserved_bytes", "peak reserved KV MB", lambda b: f"{b / 1e6:.2f}"),
+            ("kv_waste_fraction", "waste % of reserved", lambda f: f"{100 * f:.1f}"),
+            ("max_running", "most running", None), ("output_throughput", "out tok/s", "{:,.0f}"), LATENCY[1]],
+            title="\nKV layout on the chat workload (paged blocks of 16 vs contiguous prompt + max_new_tokens)")
+    _print_axes(result, SPLIT)
+    if spec := _rows(result, "speculative"):
+        plain = next((r for r in spec if r["speculative"] == "off"), {})
+        for r in spec:
+            if plain.get("tpot_median_s") and r["tpot_median_s"]:
+                r["speedup"] = plain["tpot_median_s"] / r["tpot_median_s"]
+        print_table(spec, [("speculative", "drafter", None), LATENCY[0], LATENCY[2],
+                           ("speedup", "decode speed-up", "{:.2f}x"), LATENCY[3], LATENCY[4], LATENCY[5],
+                           ("spec_tokens_per_pass", "tokens / target pass", "{:.2f}"),
+                           ("spec_draft_acceptance_rate", "drafts accepted", "{:.2f}"),
+                           ("same_tokens_as_plain", "same tokens as plain", "{:.2f}")],
+                    title=f"\nSpeculative decoding on the chat workload, one request at a time (batch 1, contiguous "
+                          f"cache, {base}, gamma {result['speculative']['gamma']})")
+
+
+def print_endpoint(result: dict) -> None:
+    print(f"\nbench inference --endpoint {result['endpoint']} --model {result['model']} (tokens counted by the "
+          f"server's usage; prompts cut with the {result['tokenizer']} tokenizer; {result['arrivals']} arrivals)")
+    print_table(_rows(result, "preset"), [("workload", "operating point", None), ("load", "requests", None),
+                                          ("concurrency", "C", None), *LATENCY, FAILED])
+    _print_axes(result, FAILED)
+
+
+def plot_operating_points(result: dict):
+    """Left: output throughput (all users) against the time per output token one user sees, as
+    concurrency grows, one curve per precision (the lecture's throughput/latency trade-off). Right:
+    where each operating point's requests spend their time (an endpoint's client sees only E2E)."""
+    rows, points = _rows(result, "concurrency"), _rows(result, "preset")
+    if not rows and not points:
+        return None
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    repeated = any(r.get("repeats", 1) > 1 for r in rows)
+    for i, precision in enumerate(dict.fromkeys(r["precision"] for r in rows)):
+        pts = sorted((r for r in rows if r["precision"] == precision and r["tpot_median_s"] is not None),
+                     key=lambda r: r["concurrency"])
+        xs, ys = [1e3 * r["tpot_median_s"] for r in pts], [r["output_throughput"] for r in pts]
+        ax1.plot(xs, ys, "o-", color=f"C{i}", label=precision)
+        if repeated and all(r.get("output_throughput_min") is not None for r in pts):
+            ax1.errorbar(xs, ys, yerr=[[y - r["output_throughput_min"] for y, r in zip(ys, pts)],
+                                       [r["output_throughput_max"] - y for y, r in zip(ys, pts)]],
+                         fmt="none", ecolor=f"C{i}", alpha=0.4, capsize=2)
+    # C labels: a point whose label would sit on the same label of a nearby point gets none
+    labelled, placed = [r for r in rows if r["tpot_median_s"] is not None], []
+    if labelled:
+        xs, ys = [1e3 * r["tpot_median_s"] for r in labelled], [r["output_throughput"] for r in labelled]
+        span_x, span_y = (max(xs) - min(xs)) or 1, (max(ys) - min(ys)) or 1
+        for x, y, r in zip(xs, ys, labelled):
+            if not any(c == r["concurrency"] and abs(x - px) < 0.06 * span_x and abs(y - py) < 0.06 * span_y
+                       for c, px, py in placed):
+                placed.append((r["concurrency"], x, y))
+                ax1.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax1.set(xlabel="time per output token, median (ms): the latency one user sees",
+            ylabel="output tokens / s (all users" + ("; bars: min..max of repeats)" if repeated else ")"),
+            title="concurrency buys throughput with latency (C = sequences at once)")
+    ax1.grid(alpha=0.3)
+    if rows:
+        ax1.legend(title="precision", fontsize=8)
+    base = result.get("base_precision", "server")
+    points = [r for r in points if r["precision"] == base]
+    split = all(r.get("queueing_mean_s") is not None for r in points)
+    bottom = [0.0] * len(points)
+    for key, color in (("queueing", "C7"), ("prefill", "C1"), ("decode", "C0")) if split else (("e2el", "C0"),):
+        values = [r[f"{key}_mean_s"] for r in points]
+        ax2.bar([r["workload"] for r in points], values, bottom=bottom, color=color, label=key)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for j, r in enumerate(points):
+        ax2.annotate(f"{r['output_throughput']:,.0f} tok/s", (j, bottom[j]), textcoords="offset points",
+                     xytext=(0, 3), ha="center", fontsize=8)
+    ax2.set(ylabel="mean seconds per request", title=f"operating points ({base}): where a request's time goes")
+    ax2.legend(fontsize=8)
+    fig.suptitle(f"bench inference: {result['model']} on {result['device']}")
+    fig.tight_layout()
+    return fig
+
+
+def plot_ttft(result: dict):
+    """TTFT against prompt length (one request at a time: the prefill, plus a server's overhead)."""
+    rows = _rows(result, "prompt_len")
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for i, precision in enumerate(dict.fromkeys(r["precision"] for r in rows)):
+        pts = sorted((r for r in rows if r["precision"] == precision), key=lambda r: r["prompt_len_lo"])
+        ax.plot([r["prompt_len_lo"] for r in pts], [1e3 * r["ttft_median_s"] for r in pts], "o-", color=f"C{i}",
+                label=precision)
+    ax.set(xlabel="prompt length (tokens)", ylabel="TTFT, median (ms)",
+           title=f"{result['model']} on {result['device']}: time to first token = prefill")
+    ax.grid(alpha=0.3)
+    ax.legend(title="precision")
+    fig.tight_layout()
+    return fig
+
+
+PLOTS = {"{name}_operating_points": plot_operating_points, "{name}_ttft": plot_ttft}
 BENCHMARK = bench_inference = Benchmark(
     NAME, measure, print_inference, csv=csv_rows, parallel=lambda options: options.get("model") in REAL_MODELS,
-    results=(NAME, f"{NAME}_smollm2_135m"),
-    plots={"{name}_operating_points": plot_operating_points, "{name}_ttft": plot_ttft})
-
-__all__ = ["bench_inference", "build_precision", "csv_rows", "one_run", "precision_order", "run_benchmark"]
+    results=(NAME, f"{NAME}_smollm2_135m"), plots=PLOTS)
+# the Benchmark whose table, CSV and plots present an --endpoint result (`bench inference` measures it)
+ENDPOINT = Benchmark("inference_endpoint", measure_endpoint, print_endpoint, csv=csv_rows, plots=PLOTS)

@@ -1,34 +1,12 @@
 """`bench serving`: continuous vs static batching, and paged vs contiguous KV memory, on one trace.
 
-The trace (`serving.make_trace`): 64 requests with Poisson arrivals at 60 per second (faster than
-either scheduler serves them on this CPU, so throughput measures capacity, not the arrival rate),
-user prompts of 64 to 256 tokens cut from the validation text, half of them behind a shared 64-token
-system prompt, answers that end with their line (or after max_new_tokens = 192), one request in ten
-asking for 4 samples. Every run serves the whole trace with a real model (the shipped target: 2M
-parameters, context 512).
-
-1. Scheduling: the same engine, KV pool and batch limit (16 sequences), static (request-level: a
-   batch runs until its longest answer is done) vs continuous (iteration-level) batching, alternated
-   `repeats` times: throughput, TTFT / ITL / queueing percentiles (median over repeats, min..max).
-2. Memory: continuous batching in a tight KV budget (2048 token slots), paged (blocks of 16 and 8)
-   vs contiguous (prompt + max_new_tokens reserved per sequence): waste of the reserved bytes, most
-   sequences at once, throughput.
-3. Sharing: the trace with every prompt behind a 128-token system prompt, prefix caching on vs off;
-   and with every request asking for 4 samples: the share of the sequences' tokens that need no KV
-   slot of their own.
-4. The real model (full runs only, when its package is installed): SmolLM2-135M-Instruct serving
-   24 chat requests at 8 per second (explain a 16-64-token slice of CPython's documentation in a
-   short paragraph; half behind a shared system prompt, the others behind the template's default
-   one; answers end at <|im_end|> or after 128 tokens): static vs continuous batching, and paged vs
-   contiguous memory in a tight budget (1536 token slots).
-5. Chunked prefill (Sarathi-Serve, Agrawal et al. 2024) on a trace with long prompts: without
-   chunking a step runs every admitted prompt whole, so the decodes sharing that step wait for it
-   and their inter-token latency spikes to a prefill's cost; with `chunked_prefill` a step holds at
-   most `max_num_batched_tokens` tokens, decodes first. 24 requests at 30 per second (`--quick`: 8
-   at 8), prompts of 256 to 384 tokens, 64 new tokens each, 16 sequences at once, served whole
-   (token budget 2048) and in chunks of 64, 128 and 256 tokens, alternated: p99 ITL whole vs chunked.
-One CPU thread throughout (a shared machine stalls spinning OpenMP threads); the load average
-before and after is recorded.
+One Poisson trace (`serving.make_trace`, the shipped target, prompts cut from the validation text,
+half behind a shared system prompt, some requests asking for several samples) served: 1. static
+(request-level) vs continuous (iteration-level) batching, alternated; 2. paged (blocks of 16 and 8) vs
+contiguous KV reservation in a tight budget; 3. prefix caching and forked samples (the share of tokens
+stored once); 4. the same on SmolLM2-135M-Instruct chat requests (full runs, where installed); 5.
+chunked prefill (Sarathi-Serve, Agrawal et al. 2024): long prompts whole vs in chunks, so the decodes
+sharing a step stop waiting for a whole prefill. One CPU thread throughout.
 """
 
 from __future__ import annotations

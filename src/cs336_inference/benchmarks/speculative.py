@@ -1,16 +1,13 @@
-"""`bench speculative`: plain target decoding vs speculative decoding, measured and predicted.
+"""`bench speculative`: plain vs speculative decoding, measured and predicted; `bench speculative_draft`.
 
-For each workload (a target, its drafters, prompts), temperature (0 and 1) and gamma (1..8): decode
-tokens/s of plain `generate` and of `speculative_generate`, run alternately (plain before each
-drafter's sweep, every repeat), so the speed-up is a ratio measured side by side; decode time is a
-run's time minus its prefill (timed alone). With one CPU thread the clock is the process's CPU time,
-which a busy shared machine does not inflate (wall-clock beside it). Next to it, the speed-up the
-theory predicts from the *measured* alpha and the costs c and v measured in the same run
-(`generation.speculative_costs`); `paper` is Leviathan et al.'s formula, which assumes v = 1.
-
-Workloads: the shipped toy pair on stories (free generation) and echo drills (lines that repeat
-earlier lines: input-grounded, where prompt lookup shines); SmolLM2-135M-Instruct with prompt lookup
-on chat tasks whose answer copies a given passage, and on free writing for contrast (where installed).
+For each workload (a target, its drafters, prompts), temperature and gamma: decode tokens/s of plain
+`generate` and of `speculative_generate`, alternated, so the speed-up is a ratio measured side by
+side (prefill subtracted; with one CPU thread on the process's CPU clock, which a busy shared machine
+does not inflate). Beside it, the speed-up the theory predicts from the measured alpha and costs
+(`generation.speculative_costs`; `paper` is Leviathan et al.'s formula, which assumes v = 1).
+Workloads: the shipped toy pair on stories and on echo drills (where prompt lookup shines), and
+SmolLM2-135M-Instruct with prompt lookup on chat tasks that copy a passage, and on free writing.
+`bench speculative_draft` prunes and distils a SmolLM2 draft (Minitron-style) on a CPU time budget.
 """
 
 from __future__ import annotations
@@ -26,11 +23,14 @@ import torch
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
+from ..compression import distill, importance_scores, prune_model
 from ..data.corpus import corpus_documents
 from ..data.real_text import prose_paragraphs
+from ..data.training import TrainConfig
 from ..generation.generate import generate
 from ..generation.speculative import SpeculativeResult, speculative_generate
 from ..generation.speculative_costs import CLOCKS, measure_costs, predicted_speedup, timed
+from ..generation.speculative_theory import expected_speedup, optimal_gamma
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import real_model_missing
 from ..model.tokenizer import load_tokenizer
@@ -173,10 +173,8 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
 
 
 def measure(run, workloads=None) -> dict:
-    """Every workload (default: the toy pair's, and SmolLM2's where it is installed). Batch-1 decoding
-    is latency work, so one thread (the package's policy; CS336_NUM_THREADS overrides); with one CPU
-    thread the process's CPU time is the run's time on an idle core, however busy the shared machine
-    is (wall-clock is reported beside it); with more threads wall-clock is the measure."""
+    """Every workload (default: the toy pair's, and SmolLM2's where installed). Batch-1 decoding is
+    latency work: one thread (CS336_NUM_THREADS overrides), timed on the CPU clock; with more, the wall."""
     device, quick = run.device, run.quick
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     gammas, repeats, t0 = ((1, 4) if quick else tuple(range(1, 9))), 1 if quick else 3, time.perf_counter()
@@ -283,3 +281,86 @@ def plot_acceptance(result: dict):
 BENCHMARK = bench_speculative = Benchmark(
     "speculative", measure, print_speculative,
     plots={"speculative": plot_speculative, "speculative_acceptance": plot_acceptance})
+
+
+# --- bench speculative_draft -----------------------------------------------------------------------
+
+DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_model and heads kept
+DRAFT_GAMMA = 4
+
+
+def _training_text(tok, held_out: set[str]) -> torch.Tensor:
+    """One token stream: every help-page paragraph as plain text, and each prose paragraph as a chat
+    task answered by copying it (what the target does); the benchmark's prompts are held out."""
+    from pydoc_data.topics import topics
+
+    pieces = [tok.encode(par) + tok.stop_ids[-1:] for name in sorted(topics) for par in topics[name].split("\n\n")
+              if par.strip() and " ".join(par.split()) not in held_out]
+    for i, par in enumerate(prose_paragraphs()):
+        if par not in held_out:
+            chat = tok.apply_chat_template([{"role": "user", "content": REAL_TASKS[i % 2] + par}])
+            pieces.append(tok.encode(chat + par) + tok.stop_ids[:1])
+    return torch.tensor([t for p in pieces for t in p])
+
+
+@torch.inference_mode()
+def _acceptance(target, draft, prompts, stop, new: int = 64):
+    """Pooled acceptance over `prompts` (greedy, gamma DRAFT_GAMMA)."""
+    return pooled([speculative_generate(target, draft, p, DRAFT_GAMMA, max_new_tokens=new, stop_tokens=stop)
+                   for p in prompts], DRAFT_GAMMA)
+
+
+def measure_draft(run, minutes: float = 30.0) -> dict | None:
+    """Prune SmolLM2 to DRAFT_SHAPE (`compression.prune_model`), distil it for `minutes` of CPU training
+    on offline text (CPython's help pages, plain and as the chat tasks above); alpha on the grounded
+    prompts before and after, the measured cost ratio c and the predicted speed-up."""
+    device, quick = run.device, run.quick
+    workloads = [w for w in real_workloads(device, quick) if w.name == "smollm2-grounded"]
+    if not workloads:
+        print("bench speculative_draft needs the real model (SmolLM2-135M); nothing to do")
+        return None
+    w, tok = workloads[0], load_tokenizer("smollm2-135m")
+    target, prompts, minutes = w.target, w.prompts, 1.0 if quick else minutes
+    stream = _training_text(tok, {par for par in prose_paragraphs() if any(par in tok.decode(p) for p in prompts)})
+    split = int(0.95 * len(stream))
+    train, val = stream[:split], stream[split:]
+    calibration = train[: 8 * 257].view(8, 257)
+    scores = importance_scores(target, calibration)
+    draft = prune_model(target, calibration, scores=scores, **DRAFT_SHAPE)
+    alpha_pruned = _acceptance(target, draft, prompts, w.stop_tokens).alpha
+    print(f"pruned to {DRAFT_SHAPE} ({draft.num_parameters():,} parameters): alpha {alpha_pruned:.2f} before "
+          "distillation", flush=True)
+    cfg = TrainConfig(steps=2, batch_size=2, seq_len=256, lr=5e-4, warmup_steps=1, eval_every=2, eval_batches=1,
+                      progress=False, device=str(device))
+    t0 = time.perf_counter()   # two steps on a throwaway copy: how many fit in the budget
+    distill(prune_model(target, calibration, scores=scores, **DRAFT_SHAPE), target, cfg, train_data=train,
+            val_data=val)
+    step_s = (time.perf_counter() - t0) / 2
+    steps = max(2, int(minutes * 60 / step_s))
+    print(f"distillation: {step_s:.1f} s per step -> {steps} steps in {minutes:g} minutes", flush=True)
+    t0 = time.perf_counter()
+    _, history = distill(draft, target, cfg.replace(steps=steps, warmup_steps=min(20, steps // 10 + 1),
+                                                    eval_every=max(1, steps // 4), eval_batches=2),
+                         train_data=train, val_data=val)
+    train_minutes = (time.perf_counter() - t0) / 60
+    passes = _acceptance(target, draft.eval(), prompts, w.stop_tokens)
+    alpha = passes.alpha
+    c = measure_costs(target, {"draft": draft}, prompts[0], (DRAFT_GAMMA,), repeats=10)["draft"][DRAFT_GAMMA]
+    c = c["draft"]["wall"]   # draft cost per token / target's, on the wall clock
+    best = optimal_gamma(alpha, c, max_gamma=16)
+    return dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
+                draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
+                train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
+                history={k: v for k, v in history.items() if isinstance(v, list)},
+                alpha_pruned=alpha_pruned, alpha_distilled=alpha, acceptance_by_position=passes.acceptance_by_position,
+                cost_ratio=c, best_gamma=best, predicted_speedup=expected_speedup(alpha, best, c),
+                used_in_bench_speculative=alpha >= 0.5)
+
+
+def print_draft(r: dict) -> None:
+    print(f"alpha: pruned {r['alpha_pruned']:.2f} -> distilled {r['alpha_distilled']:.2f} after {r['steps']} steps "
+          f"({r['train_minutes']:.0f} min); c = {r['cost_ratio']:.2f}; best gamma {r['best_gamma']}: predicted "
+          f"speed-up {r['predicted_speedup']:.2f}x")
+
+
+bench_speculative_draft = Benchmark("speculative_draft", measure_draft, print_draft, parallel=True)
