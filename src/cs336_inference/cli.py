@@ -210,13 +210,28 @@ def _run_generate(args) -> int:
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
+    p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
+                   "where torch can compile, compiled before the first message)")
 
 
 def _run_chat(args) -> int:
-    from .serving import ChatSession  # on the serving engine: prefix caching reuses earlier turns
+    from .generation import ConversationCache
+    from .serving import ChatSession
 
     model, tokenizer, _ = _load_model(args)
-    session = ChatSession(model, tokenizer, system=args.system)
+    # One user: one contiguous cache kept between turns (each turn prefills only what is new) and a
+    # compiled decode step; `serve` is the one that batches conversations on the paged engine.
+    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
+    max_seq_len = min(model.config.context_length, 2048)
+    conversation = ConversationCache(model, max_seq_len, decode)
+    if decode is not None:
+        import time
+
+        print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
+        t0 = time.perf_counter()
+        conversation.warm_up()
+        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    session = ChatSession(model, tokenizer, system=args.system, max_seq_len=max_seq_len, streams=conversation)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p)
     print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")

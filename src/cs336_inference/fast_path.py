@@ -60,20 +60,17 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
     decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler).
-    Its kernels are cached on disk (TORCHINDUCTOR_CACHE_DIR, default inside the package's cache folder), so
-    only the first process pays the compile; later ones trace and reuse them. On a CPU each step runs under
+    Its kernels are cached on disk (torch's TORCHINDUCTOR_CACHE_DIR), so only the first process pays the
+    kernel compile; later ones trace the model again (seconds) and reuse them. On a CPU each step runs under
     `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
     import contextlib
     import os
     import shutil
 
-    from .model.disk_cache import cache_dir
-
     if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
     if model.device.type not in ("cpu", "cuda"):
         return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     from .cpu_tuning import decode_threads
     from .generation.compiled import compile_decode
 
@@ -93,4 +90,5 @@ def compiled_decode_step(model):
             return model(token_ids[:, None], cache=cache)[:, -1]
 
     what = "compiled decode, CUDA graphs" if cuda else "compiled decode"
-    return decode, f"{what} (kernels cached in {os.environ['TORCHINDUCTOR_CACHE_DIR']})"
+    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's inductor cache folder")
+    return decode, f"{what} (kernels cached in {where})"

@@ -94,6 +94,51 @@ def test_chat_sessions_share_one_engine_and_stream_side_by_side(target):
     assert streams.engine.stats()["kv_blocks_used"] == 0
 
 
+def test_a_session_on_a_conversation_cache_answers_as_generate_and_reuses_every_cached_token(target):
+    """The chat command's fast path: one contiguous cache kept between turns. Each turn answers what
+    `generate` gives for the whole conversation from scratch, and prefills only the tokens after the
+    longest prefix already cached (the previous turn's tokens, to the token, not to a block)."""
+    from cs336_inference.generation import ConversationCache
+
+    tok = ChatMLBytes()
+    conversation = ConversationCache(target, 400)
+    session = make_chat_session(target, tok, max_seq_len=400, streams=conversation)
+    for turn, text in enumerate(["Tell me a story.", "And then?"]):
+        computed = list(session.ids)                       # the previous turn's tokens with K/V
+        answer = "".join(session.send(text, max_new_tokens=30))
+        prompt = tok.encode(tok.apply_chat_template(session.messages[:-1]))
+        want = run_generate(target, [prompt], 30, stop_tokens=tok.stop_ids).tokens[0]
+        assert answer == tok.decode([t for t in want if t not in tok.stop_ids])
+        common = next((i for i, (a, b) in enumerate(zip(computed, prompt)) if a != b), min(len(computed), len(prompt)))
+        stats = session.history[turn]
+        assert stats.reused_tokens == min(common, len(prompt) - 1) and (turn == 0) == (stats.reused_tokens == 0)
+        assert stats.prompt_tokens == len(prompt) - stats.reused_tokens
+        assert conversation.tokens == session.ids and conversation.cache.length == len(session.ids)
+    # An edited history (reset, then a new first message) rolls the cache back to the common prefix.
+    session.reset()
+    answer = "".join(session.send("Tell me a joke.", max_new_tokens=20))
+    prompt = tok.encode(tok.apply_chat_template(session.messages[:-1]))
+    want = run_generate(target, [prompt], 20, stop_tokens=tok.stop_ids).tokens[0]
+    assert answer == tok.decode([t for t in want if t not in tok.stop_ids])
+    assert session.history[-1].reused_tokens == len(tok.encode("[user] Tell me a "))   # up to "story" vs "joke"
+
+
+def test_an_answer_cut_short_leaves_the_conversation_cache_consistent(target):
+    from cs336_inference.generation import ConversationCache, SamplingParams
+
+    conversation = ConversationCache(target, 128)
+    prompt = list(b"Once upon a time")
+    stream = conversation.generate(prompt, SamplingParams(max_tokens=20))
+    taken = [next(stream)[0][0] for _ in range(5)]
+    stream.close()                                      # the user stopped reading after 5 tokens
+    assert conversation.cache.length == len(conversation.tokens) and conversation.tokens[:len(prompt)] == prompt
+    assert conversation.tokens[len(prompt):] == taken[:len(conversation.tokens) - len(prompt)]
+    again = [t[0] for t, _ in conversation.generate(prompt, SamplingParams(max_tokens=5))]
+    assert again == taken                               # the same prompt, the same greedy answer
+    with pytest.raises(ValueError, match="max_seq_len"):
+        make_chat_session(target, ChatMLBytes(), max_seq_len=256, streams=conversation)
+
+
 def test_text_stream_holds_back_a_split_utf8_character():
     tok = get_tokenizer()
     stream = TextStream(tok)
@@ -111,7 +156,7 @@ def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
     assert "target: fp32 weights" in out.err and "eager decode (--no-compile)" in out.err   # the banner says what runs
     lines = iter(["Hello there", "/reset", "Again", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert main(["chat", "--model", "target", "--max-new-tokens", "10"]) == 0
+    assert main(["chat", "--model", "target", "--max-new-tokens", "10", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert out.count("TTFT") == 2 and "reused from the KV cache" in out
 
@@ -130,3 +175,20 @@ def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
     assert "layers.*.ffn.w2 (x4): int8pack per channel" in capsys.readouterr().out
     with pytest.raises(ValueError, match="precision must be one of"):
         load_for_inference("target", precision="int3")
+
+
+@pytest.mark.slow
+def test_the_chat_command_compiles_its_decode_step_first_and_answers_as_eager(capsys, monkeypatch):
+    """`chat` by default compiles the decode step before the first message (not inside the first
+    answer's timing) and decodes with it: the same greedy answers as --no-compile, turn after turn."""
+    from cs336_inference.cli import main
+
+    answers = {}
+    for flags in ([], ["--no-compile"]):
+        lines = iter(["Hello there", "And then?", "/quit"])
+        monkeypatch.setattr("builtins.input", lambda prompt="", lines=lines: next(lines))
+        assert main(["chat", "--model", "target", "--max-new-tokens", "12", *flags]) == 0
+        out = capsys.readouterr()
+        answers[bool(flags)] = [line for line in out.out.splitlines() if "model>" in line]
+        assert ("compiling... done" in out.err) != bool(flags) and out.out.count("TTFT") == 2
+    assert answers[False] == answers[True] and len(answers[True]) == 2

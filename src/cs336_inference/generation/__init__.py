@@ -1,15 +1,15 @@
 """Generation: sampling a token from logits, prefill + decode with a KV cache, speculative decoding.
 
 `sampling` (temperature, top-k, top-p), `generate` (`prefill`, `decode_one_token`, `generate`),
-`chat` (streaming into a cache that persists across calls: `extend`, `stream`, `TextStream`; the chat
-session runs on the serving engine: `serving.ChatSession`),
+`chat` (streaming into a cache that persists across calls: `extend`, `stream`, `TextStream`,
+`ConversationCache`; the chat session is `serving.ChatSession`),
 `compiled` (`compile_decode`: a torch.compile'd decode step without graph breaks),
 `speculative_rule` (the exact accept/resample rule, `speculative_accept`), `drafters` and
 `prompt_lookup` (who proposes), `speculative` (the draft-verify-rollback loop),
 `speculative_theory` (expected gains, the exact proof).
 """
 
-from .chat import TextStream, TurnStats, extend, stream
+from .chat import ConversationCache, TextStream, TurnStats, extend, stream
 from .compiled import compile_decode
 from .drafters import Drafter, ModelDrafter
 from .sampling_params import SamplingParams
@@ -22,9 +22,10 @@ from .speculative_rule import (Acceptance, acceptance_probability, greedy_accept
 from .speculative_theory import (OutputDistribution, acceptance_rate, expected_speedup, expected_tokens_per_pass,
                                  optimal_gamma, speculative_output_distribution)
 
-__all__ = ["Acceptance", "Drafter", "GenerationResult", "ModelDrafter", "OutputDistribution", "PromptLookupDrafter",
-           "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream", "TurnStats",
-           "acceptance_probability", "acceptance_rate", "compile_decode", "decode_one_token", "expected_speedup",
-           "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad", "logits_to_probs",
-           "optimal_gamma", "prefill", "prompt_lookup_propose", "residual_distribution", "sample_next_token",
-           "speculative_accept", "speculative_generate", "speculative_output_distribution", "stream"]
+__all__ = ["Acceptance", "ConversationCache", "Drafter", "GenerationResult", "ModelDrafter", "OutputDistribution",
+           "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
+           "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "decode_one_token",
+           "expected_speedup", "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad",
+           "logits_to_probs", "optimal_gamma", "prefill", "prompt_lookup_propose", "residual_distribution",
+           "sample_next_token", "speculative_accept", "speculative_generate", "speculative_output_distribution",
+           "stream"]

@@ -3,17 +3,21 @@
 `extend(model, cache, ids)` appends tokens to whatever the cache already holds (a prompt, or a new
 turn of a conversation) and returns the next-token logits; `stream(...)` then yields tokens one at a
 time as they are decoded, so a user sees the answer grow. `TextStream` detokenizes incrementally;
-`TurnStats` times one turn (TTFT, decode tokens/s). The chat session itself runs on the serving
-engine, so several conversations share one paged KV cache: `serving.ChatSession`.
+`TurnStats` times one turn (TTFT, decode tokens/s). `ConversationCache` keeps one conversation's
+contiguous cache between turns and decodes with a compiled step: what the `chat` command runs. The
+chat session (`serving.ChatSession`) runs its turns either there or on the serving engine, where
+several conversations share one paged KV cache.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from .sampling import _check_sampling_args, sample_next_token
+from .sampling_params import SamplingParams
 
 
 @torch.inference_mode()
@@ -47,6 +51,54 @@ def stream(model, cache, logits: torch.Tensor, max_new_tokens: int, temperature:
             logits = decode(torch.tensor([token], device=model.device), cache)[0]
         else:
             logits = model(torch.tensor([[token]], device=model.device), cache=cache, start_pos=cache.length)[0, -1]
+
+
+class ConversationCache:
+    """One conversation's KV cache, kept between turns: the fast path for a single user.
+
+    Each turn's prompt is the whole conversation so far (re-rendered), so its start is usually in the
+    cache already: `generate` keeps the longest cached prefix, rolls back the rest (the cache's
+    `truncate`), prefills only the new tokens and streams the answer through `decode` (a compiled step
+    from `compile_decode`, or None for the model's forward). A contiguous cache and one sequence: no
+    scheduler or block table in the token's path, unlike the serving engine.
+    """
+
+    def __init__(self, model, max_seq_len: int, decode=None):
+        self.model, self.decode = model, decode
+        self.cache = model.new_cache(1, max_seq_len)
+        self.tokens: list[int] = []    # the ids whose keys/values the cache holds, in order
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cache.max_seq_len
+
+    def warm_up(self) -> None:
+        """Run one prefill and one decode step (the compile, if `decode` compiles), then forget them."""
+        for _ in stream(self.model, self.cache, extend(self.model, self.cache, [0]), 2, decode=self.decode):
+            pass
+        self.cache.truncate(0)
+        self.tokens = []
+
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> Iterator[tuple[list[int], int]]:
+        """Yield ([token], prompt tokens reused from the cache) for each answer token, as it is decoded."""
+        ids = list(prompt_token_ids)
+        keep = 0   # the prompt's last token is always recomputed: its logits start the answer
+        while keep < min(len(self.tokens), len(ids) - 1) and self.tokens[keep] == ids[keep]:
+            keep += 1
+        self.cache.truncate(keep)
+        self.tokens = ids[:keep]
+        logits = extend(self.model, self.cache, ids[keep:])
+        self.tokens, generated = ids, []
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.model.device).manual_seed(params.seed)
+        try:
+            for token in stream(self.model, self.cache, logits, params.max_tokens, params.temperature, params.top_k,
+                                params.top_p, params.stop_token_ids, generator, self.decode):
+                generated.append(token)
+                yield [token], keep
+        finally:   # an answer cut short keeps what reached the cache
+            self.tokens = (ids + generated)[:self.cache.length]
 
 
 class TextStream:
