@@ -1,8 +1,5 @@
-"""`bench accounting`: the lecture's latency / throughput / memory trade-offs of real models.
-
-Nothing is measured: every number comes from `accounting` (the formulas of CS336 lecture 10) for the
-named real models on the datasheet accelerators. Figures: Llama 2 13B on an H100 (memory and
-latency/throughput against B, with the 80 GB line) and memory against B for MHA, GQA and MQA.
+"""`bench accounting`: the lecture's latency / throughput / memory trade-offs of real models on datasheet
+accelerators. Nothing is measured: every number comes from the `accounting` formulas.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """`bench alternatives`: fixed-state layers against attention on associative recall, bytes and latency.
 
-"Supports long context" needs three numbers (lecture section `alternatives_to_the_transformer`):
-- recall: 2-layer models of each kind train on MQAR (Zoology, Arora et al. 2023) with the same
-  parameter budget (d_ff absorbs the difference), data, steps and seed; recall is then measured per
-  number of key-value pairs. Attention, a sliding window, BASED linear attention and Mamba-2's SSD at
-  several state sizes, and a hybrid (one SSD layer, one attention layer);
-- bytes: what one sequence keeps at context T (a KV cache grows with T, a window and a state do not);
-- decode latency against T, timed side by side (rounds, median) on untrained copies with a longer
-  context (speed does not depend on the weights).
-A full run ships five of the trained models (`assets/mqar-*.pt`, `load_pretrained("mqar-ssd")`) for the
-lecture and notebook 08.
+2-layer models of each kind (attention, a sliding window, BASED linear attention and Mamba-2's SSD at
+several state sizes, an SSD + attention hybrid) train on MQAR (Zoology, Arora et al. 2023) with one
+parameter budget; then recall per number of key-value pairs, the bytes one sequence keeps at context T,
+and decode latency against T (untrained copies, timed side by side). A full run ships five of the
+trained models (`assets/mqar-*.pt`) for the lecture and notebook 08.
 """
 
 from __future__ import annotations
@@ -88,8 +83,7 @@ def decode_latency(configs: dict[str, ModelConfig], contexts: list[int], batch_s
 
 def measure(run) -> dict:
     """Train every variant on MQAR with one budget; recall per pairs, bytes and decode latency per context.
-    A full run (not --quick) replaces the shipped assets/mqar-*.pt with the models it trained, so the lecture
-    and notebook 08 load the very models the committed result measured."""
+    A full run replaces the shipped assets/mqar-*.pt, so the lecture loads the very models measured here."""
     quick, device = run.quick, run.device
     training = MQARTraining(steps=30 if quick else 1500, batch_size=32, lr=3e-3, warmup_steps=100 if not quick else 5,
                             pairs=(2, 4, 8, 16))
@@ -97,17 +91,19 @@ def measure(run) -> dict:
     budget = TransformerLM(variant_config(VARIANTS["attention"])).num_parameters()
     contexts = [256, 1024] if quick else [256, 1024, 4096, 8192]
     results, configs = {}, {}
+
+    def shape(config) -> dict:
+        return {"config": config.to_dict(), "fixed_state": config.mixer != "attention",
+                "bytes": {str(T): memory_bytes(config, T) for T in [TASK.seq_len, *contexts]}}
+
     for name in names:
         configs[name] = config = variant_config(VARIANTS[name], budget)
         torch.manual_seed(training.seed)
         model = TransformerLM(config, device=device)
         history = train_mqar(model, TASK, training)
         recall = {str(p): mqar_recall(model, TASK, p, num_sequences=64 if quick else 512) for p in PAIRS}
-        results[name] = {"config": config.to_dict(), "params": model.num_parameters(),
-                         "train_seconds": history["seconds"], "final_loss": statistics.mean(history["loss"][-50:]),
-                         "recall": recall,
-                         "bytes": {str(T): memory_bytes(config, T) for T in [TASK.seq_len, *contexts]},
-                         "fixed_state": config.mixer != "attention"}
+        results[name] = {**shape(config), "params": model.num_parameters(), "train_seconds": history["seconds"],
+                         "final_loss": statistics.mean(history["loss"][-50:]), "recall": recall}
         print(f"  {name:<30} params {results[name]['params']:>6,}  recall {[round(r, 2) for r in recall.values()]}",
               flush=True)
         if name in SHIPPED and not quick:
@@ -118,8 +114,7 @@ def measure(run) -> dict:
     latency = dict(batch_size=4, steps=8 if quick else 16, rounds=1 if quick else 3, contexts=contexts)
     ms = decode_latency(configs, contexts, latency["batch_size"], latency["steps"], latency["rounds"], device)
     for name, per_context in ms.items():
-        results.setdefault(name, {"config": configs[name].to_dict(), "fixed_state": configs[name].mixer != "attention",
-                                  "bytes": {str(T): memory_bytes(configs[name], T) for T in [TASK.seq_len, *contexts]}})
+        results.setdefault(name, shape(configs[name]))
         results[name]["decode_ms"] = per_context
     return {"device": str(device), "task": TASK.__dict__, "training": training.__dict__, "base": BASE,
             "budget_params": budget, "pairs": list(PAIRS), "latency": latency, "variants": results,

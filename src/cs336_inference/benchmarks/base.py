@@ -143,6 +143,16 @@ def spread(values: list[float], scale: float = 1.0) -> tuple[float, float, float
     return scale * statistics.median(values), scale * min(values), scale * max(values)
 
 
+def grouped_bars(ax, groups: list[str], series: dict[str, list[float]], colors=None) -> list:
+    """Bars of every series side by side within each group (x tick labels: the groups); the bar
+    containers, for `ax.bar_label`."""
+    width = 0.8 / len(series)
+    bars = [ax.bar([j + (k - (len(series) - 1) / 2) * width for j in range(len(groups))], values, width, label=label,
+                   color=colors[k] if colors else f"C{k}") for k, (label, values) in enumerate(series.items())]
+    ax.set_xticks(range(len(groups)), groups)
+    return bars
+
+
 def finite(value):
     """NaN and inf -> None, recursively: strict JSON has no NaN, and "no value" is what they mean here."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -162,4 +172,4 @@ def save_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-__all__ = ["Benchmark", "Run", "alternate", "finite", "median_repeat", "save_csv", "spread"]
+__all__ = ["Benchmark", "Run", "alternate", "finite", "grouped_bars", "median_repeat", "save_csv", "spread"]

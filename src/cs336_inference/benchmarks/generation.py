@@ -89,14 +89,29 @@ def naive_vs_cached(model, new_tokens: int):
     return cached, naive
 
 
+def bench_config(preset: str = "bench-90m", quick: bool = False) -> ModelConfig:
+    """The preset, or (quick) a smaller model of its kind for a smoke run."""
+    config = ModelConfig.from_name(preset)
+    return config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768) if quick else config
+
+
+def compiled_decode_step(model, switch: bool = True):
+    """A `decode` for `decode_step_fn` through `compile_decode(model)`; the tuned model's thread switch
+    (`decode_threads`, unless `switch` is False) stays outside the compiled graph."""
+    compiled = compile_decode(model)
+
+    def decode(m, token, cache):
+        with decode_threads() if switch else contextlib.nullcontext():
+            return compiled(token, cache)
+    return decode
+
+
 def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
     (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
     device, quick = run.device, run.quick
     if model is None:
-        config = ModelConfig.from_name(preset)
-        if quick:
-            config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
+        config = bench_config(preset, quick)
         model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
     else:
         from ..model.real_models import real_model_missing
@@ -140,11 +155,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     result["compile_seconds"] = {}   # one graph for all positions and batch sizes, compiled once here
     for name in compiled_variants if not quick else ():   # a smoke run skips the minutes of compiling
         t0 = time.perf_counter()
-        compiled = compile_decode(models[name])
-
-        def decode(m, token, cache, compiled=compiled):
-            with decode_threads():   # the tuned model's thread switch, outside the compiled graph
-                return compiled(token, cache)
+        decode = compiled_decode_step(models[name])
         decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
         result["compile_seconds"][name] = time.perf_counter() - t0
         models[f"{name} compiled"] = models[name]

@@ -1,13 +1,10 @@
 """`bench kv_variants`: does a variant that shrinks the KV cache still "support long context"?
 
-Three numbers per variant (lecture section `reduce_kv_cache_size`): quality (validation loss and
-long-range recall against distance), KV-cache bytes per token, and decode latency at a long
-context. Small models of each variant (MHA, GQA, MQA, MLA, sliding window, a local/global hybrid,
-CLA) train with the same parameter budget (d_ff absorbs the difference), data, steps and seed; decode
-is then timed for all of them side by side (rounds, median). Tiny models trained for minutes rarely
-recall a whole answer, so recall is also scored per digit, teacher-forced. An accounting-only part
-(`accounting.kv_variants`) draws cache bytes against context length for each variant at Llama-2-13B
-and DeepSeek-V2 scale.
+Small models of each variant (MHA, GQA, MQA, MLA, sliding window, local/global hybrid, CLA) train with
+the same parameter budget (d_ff absorbs the difference), data, steps and seed; then quality (validation
+loss, long-range recall against distance, also per digit), KV bytes per token and decode latency at a
+long context, timed side by side. An accounting-only part (`accounting.kv_variants`) draws cache bytes
+against context at Llama-2-13B and DeepSeek-V2 scale.
 """
 
 from __future__ import annotations
@@ -20,12 +17,12 @@ import torch
 
 from ..accounting import formulas as accounting
 from ..accounting.kv_variants import SCALE_MODELS, SCALE_VARIANTS, cache_bytes_vs_context
+from ..accounting.model_roofline import decode_step_seconds
 from ..accounting.plots import plot_cache_vs_context
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
 from ..tables import kv_variants_table, ordered_variants
 from .base import Benchmark
-from ..accounting.model_roofline import decode_step_seconds
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
 BASE = dict(vocab_size=257, context_length=256, d_model=64, num_layers=4, num_heads=4, d_ff=176)
@@ -40,6 +37,7 @@ VARIANTS: dict[str, dict] = {
     "CLA (2 layers share)": dict(num_kv_heads=4, kv_share_group=2),
 }
 
+
 def variant_config(overrides: dict, base: dict = BASE, budget: int | None = None) -> ModelConfig:
     """The base config with a variant's knobs; with `budget`, d_ff is set so the model's parameter
     count (embeddings included) is as close to `budget` as a whole d_ff allows."""
@@ -50,11 +48,6 @@ def variant_config(overrides: dict, base: dict = BASE, budget: int | None = None
     params = TransformerLM(config).num_parameters()
     d_ff = max(8, config.d_ff + round((budget - params) / per_ff))
     return config.replace(d_ff=d_ff)
-
-
-def recall_distances(context: int, quick: bool) -> list[int]:
-    """Distances from inside the window (a 2-fact probe needs >= ~50) to near the end of the context."""
-    return [56, 96, 160, 224] if quick else [56, 80, 96, 128, 160, 192, 224]
 
 
 def _train_and_measure(name: str, config: ModelConfig, train_config, train_data, val_data, distances,
@@ -70,26 +63,18 @@ def _train_and_measure(name: str, config: ModelConfig, train_config, train_data,
     digits = recall_digit_scores(model, distances, num_trials, num_items=2)
     cache = model.new_cache(1, config.context_length, dtype=torch.float32)
     assert cache.bytes_per_token == accounting.kv_cache_bytes_per_token(config, 4)
-    return {
-        "config": config.to_dict(),
-        "params": model.num_parameters(),
-        "train_seconds": train_s,
-        "val_loss": val["loss"],
-        "val_bits_per_byte": val["bits_per_byte"],
-        "train_loss_last": history["train_loss"][-1],
-        "recall": {str(d): acc for d, acc in recall.items()},
-        "recall_digits": digits,
-        "kv_bytes_per_token_fp32": cache.bytes_per_token,
-        "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(config, 2),
-        "kv_cache_bytes_at_context": cache.nbytes,          # one sequence of context_length tokens, fp32
-    }
+    return {"config": config.to_dict(), "params": model.num_parameters(), "train_seconds": train_s,
+            "val_loss": val["loss"], "val_bits_per_byte": val["bits_per_byte"],
+            "train_loss_last": history["train_loss"][-1], "recall": {str(d): acc for d, acc in recall.items()},
+            "recall_digits": digits, "kv_bytes_per_token_fp32": cache.bytes_per_token,
+            "kv_bytes_per_token_bf16": accounting.kv_cache_bytes_per_token(config, 2),
+            "kv_cache_bytes_at_context": cache.nbytes}          # one sequence of context_length tokens, fp32
 
 
 def measure_decode_latency(configs: dict[str, ModelConfig], latency: dict, device, rounds: int = 3) -> dict:
-    """Median decode step time of each variant at a long context, side by side: every round times every
-    variant once, so load on a shared machine hits all alike. Untrained copies with a longer RoPE table
-    (speed does not depend on the weights); B sequences, S cached tokens, fp32. MLA is also timed
-    through its naive (up-projecting) path."""
+    """Median decode step time of each variant at a long context, every variant once per round (load
+    on a shared machine hits all alike), on untrained copies (speed does not depend on the weights);
+    B sequences, S cached tokens, fp32. MLA also through its naive (up-projecting) path."""
     B, S, steps = latency["batch_size"], latency["context"], latency["steps"]
     models = {name: TransformerLM(cfg.replace(context_length=S + steps + 8), device=device).eval()
               for name, cfg in configs.items()}
@@ -128,7 +113,8 @@ def measure(run) -> dict:
     num_trials = 8 if quick else 32
     budget = TransformerLM(variant_config(VARIANTS["MHA"])).num_parameters()
     train_data, val_data = load_corpus("train"), load_corpus("val")
-    distances = recall_distances(BASE["context_length"], quick)
+    # from inside the window (a 2-fact probe needs >= ~50) to near the end of the context
+    distances = [56, 96, 160, 224] if quick else [56, 80, 96, 128, 160, 192, 224]
     results, configs = {}, {}
     for name, overrides in VARIANTS.items():
         configs[name] = variant_config(overrides, budget=budget)

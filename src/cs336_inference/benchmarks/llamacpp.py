@@ -1,12 +1,10 @@
-"""`python -m cs336_inference bench llamacpp`: our engine against llama.cpp on the very same GGUF file.
+"""`bench llamacpp`: our engine against llama.cpp on the very same GGUF file.
 
 Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="gguf-exact"` (torch's
-packed int4 kernel, the tied table as a grouped int8 head; a compiled decode step where torch can
-compile, the CPU tuning and thread policy), llama.cpp through `llama-cpp-python` (the `[peer]` extra,
-built from source on install). A/B alternated in one run, at 1 and 2 threads: batch-1 decode and
-prefill tokens/s, the bytes a decode step reads against the streaming bandwidth measured in the
-same run, and same-context next-token agreement on real text (each engine's argmax after the same
-prefix, also against our dequantized fp32 reference).
+packed int4 kernel, a compiled decode step, the CPU tuning), llama.cpp through `llama-cpp-python` (the
+`[peer]` extra). A/B alternated at 1 and 2 threads: batch-1 decode and prefill tokens/s, the bytes a
+decode step reads against the bandwidth measured in the same run, and same-context next-token
+agreement on real text (each engine's argmax after the same prefix, and our fp32 reference's).
 """
 
 from __future__ import annotations
@@ -18,14 +16,15 @@ import torch
 
 from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
 from ..accounting.roofline import measure_memory_bandwidth
-from ..cpu_tuning import decode_threads, tune_for_cpu
+from ..cpu_tuning import tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
-from ..generation.compiled import compile_decode
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import gguf_path, real_model_missing
+from ..tables import print_table
 from ..timing import median_seconds, num_threads
-from .base import Benchmark
+from .base import Benchmark, grouped_bars, spread
+from .generation import compiled_decode_step
 
 MODEL = "smollm2-135m"
 INSTALL = ('pip install -e ".[peer]" (builds llama-cpp-python from source, a few minutes; '
@@ -94,17 +93,12 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     prompt = text[:prompt_len].tolist()
     agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference)
     del reference
-    compiled = compile_decode(exact)
-
-    def ours_step(m, token, cache):
-        with decode_threads():
-            return compiled(token, cache)
-
+    ours_step = compiled_decode_step(exact)
     peers = {t: _llama(t, context + steps + 8) for t in threads}
     t0 = time.perf_counter()
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
     compile_s = time.perf_counter() - t0
-    bandwidth = [measure_memory_bandwidth(run.device, repeats=5)]
+    bandwidth = [measure_memory_bandwidth(run.device, repeats=5)]   # before and after: the load drifts
     samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode_s", "prefill_tok_s") for t in threads}
     for _ in range(rounds):                                              # A/B, round after round
         for t in threads:
@@ -123,13 +117,11 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     rows = []
     for t in threads:
         for engine in ("ours", "llama.cpp"):
-            decode = statistics.median(samples[(engine, "decode_s", t)])
-            step_bytes = weights[engine] + kv[engine]
-            rows.append(dict(engine=engine, threads=t, decode_tok_s=1 / decode, decode_ms=1e3 * decode,
-                             decode_ms_min=1e3 * min(samples[(engine, "decode_s", t)]),
-                             decode_ms_max=1e3 * max(samples[(engine, "decode_s", t)]),
+            ts, step_bytes = samples[(engine, "decode_s", t)], weights[engine] + kv[engine]
+            rows.append(dict(zip(("decode_ms", "decode_ms_min", "decode_ms_max"), spread(ts, 1e3)), engine=engine,
+                             threads=t, decode_tok_s=1 / statistics.median(ts), bytes_per_step=step_bytes,
                              prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
-                             bytes_per_step=step_bytes, fraction_of_bandwidth=step_bytes / decode / 1e9 / gbps))
+                             fraction_of_bandwidth=step_bytes / statistics.median(ts) / 1e9 / gbps))
     for t in threads:
         ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
         ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
@@ -150,16 +142,16 @@ def _gguf_bytes_per_step() -> int:
 
 def _table(result: dict) -> None:
     a = result["agreement"]
-    print(f"\n{result['model']} on the same GGUF: ours (int4 exact, compiled) vs llama.cpp "
-          f"{result['llama_cpp_python']}; streaming bandwidth {result['measured_bandwidth_GBps']:.1f} GB/s")
-    print(f"{'engine':<10}{'threads':>8}{'decode tok/s':>14}{'ms (min-max)':>18}{'prefill tok/s':>15}"
-          f"{'MB/step':>9}{'% of bw':>9}{'x llama.cpp (dec / pre)':>26}")
-    for r in result["rows"]:
-        ratio = f"{r['decode_vs_llamacpp']:.2f} / {r['prefill_vs_llamacpp']:.2f}" if "decode_vs_llamacpp" in r else ""
-        print(f"{r['engine']:<10}{r['threads']:>8}{r['decode_tok_s']:>14.1f}"
-              f"{r['decode_ms']:>8.1f} ({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f})".ljust(18)
-              + f"{r['prefill_tok_s']:>15.0f}{r['bytes_per_step'] / 1e6:>9.1f}{100 * r['fraction_of_bandwidth']:>8.0f}%"
-              f"{ratio:>26}")
+    rows = [dict(r, spread=f"{r['decode_ms']:.1f} ({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f})",
+                 ratio=f"{r['decode_vs_llamacpp']:.2f} / {r['prefill_vs_llamacpp']:.2f}" if "decode_vs_llamacpp" in r
+                 else "") for r in result["rows"]]
+    print_table(rows, [("engine", "engine", None), ("threads", "threads", None),
+                       ("decode_tok_s", "decode tok/s", "{:.1f}"), ("spread", "ms (min-max)", None),
+                       ("prefill_tok_s", "prefill tok/s", "{:.0f}"),
+                       ("bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"),
+                       ("fraction_of_bandwidth", "% of bw", "{:.0%}"), ("ratio", "x llama.cpp (dec / pre)", None)],
+                title=f"\n{result['model']} on the same GGUF: ours (int4 exact, compiled) vs llama.cpp "
+                      f"{result['llama_cpp_python']}; streaming bandwidth {result['measured_bandwidth_GBps']:.1f} GB/s")
     print(f"same-context next token over {a['positions']} positions: ours = llama.cpp {a['ours_vs_llamacpp']}, "
           f"fp32 reference = llama.cpp {a['fp32_vs_llamacpp']}, ours = fp32 {a['ours_vs_fp32']}; "
           f"KL(fp32 || ours) {a['kl_ours_to_fp32']:.4f} nats/token")
@@ -170,13 +162,10 @@ def _plot(result: dict):
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, key, title in ((axes[0], "decode_tok_s", "batch-1 decode"), (axes[1], "prefill_tok_s", "prefill")):
-        for i, engine in enumerate(("ours", "llama.cpp")):
-            rows = [r for r in result["rows"] if r["engine"] == engine]
-            xs = [j + 0.4 * i for j in range(len(rows))]
-            ax.bar(xs, [r[key] for r in rows], 0.4, label=engine, color=("tab:blue", "tab:gray")[i])
-            for x, r in zip(xs, rows):
-                ax.text(x, r[key], f"{r[key]:.0f}", ha="center", va="bottom", fontsize=8)
-        ax.set_xticks([j + 0.2 for j in range(len(rows))], [f"{r['threads']} thread(s)" for r in rows])
+        by = {e: [r for r in result["rows"] if r["engine"] == e] for e in ("ours", "llama.cpp")}
+        for bars in grouped_bars(ax, [f"{r['threads']} thread(s)" for r in by["ours"]],
+                                 {e: [r[key] for r in rows] for e, rows in by.items()}, ("tab:blue", "tab:gray")):
+            ax.bar_label(bars, fmt="%.0f", fontsize=8)
         ax.set(ylabel="tokens/s (higher is better)", title=f"{title}, {result['model']}, same GGUF")
         ax.legend(fontsize=8)
     fig.tight_layout()

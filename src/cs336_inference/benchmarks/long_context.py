@@ -1,18 +1,12 @@
 """`bench long_context`: what each way of shrinking the KV cache costs a real model trained without it.
 
-SmolLM2-135M-Instruct (full attention, trained to 8k tokens) retrieves a passkey (`data.passkey`) at
-contexts of 256 .. 2048 tokens, the needle at depths 0 .. 1. Each variant is applied post hoc: a
-sliding window (Longformer, Mistral), the window keeping 4 attention sinks (StreamingLLM), local/global
-hybrids (Gemma 2, Character.AI), MQA by mean-pooling the KV heads (GQA's conversion without its
-uptraining), and int8 / fp8 / int4 KV caches. Per variant: accuracy per context, the cache's bytes at
-the longest context (measured on the cache object) and decode latency there (one step per variant in
-turn, rounds interleaved). Work is shared only where that is exact:
-- a trial is one prefill plus one forward of its answer: greedy decoding emits the key iff each answer
-  token is the argmax given the ones before it, which teacher forcing checks;
-- the KV formats quantize the full-attention prefill of each trial (the prompt's own attention ran in
-  bf16, each decode step reads the codes: what serving engines do);
-- a window covering the whole sequence changes nothing, so those cells reuse the full result;
-- prompts are prefilled in chunks of 256 (`data.passkey.prefill_trial`, as vLLM/Sarathi do).
+SmolLM2-135M-Instruct (full attention) retrieves a passkey (`data.passkey`) at several contexts and
+depths, under variants applied post hoc: sliding windows, windows keeping attention sinks
+(StreamingLLM), local/global hybrids, MQA by mean-pooling the KV heads, int8 / fp8 / int4 KV caches.
+Per variant: accuracy, the cache's measured bytes and decode latency at the longest context. Work is
+shared only where exact: a trial is one prefill plus one teacher-forced forward of its answer (greedy
+decoding emits the key iff each answer token is the argmax); the KV formats quantize the full
+prefill's cache; a window covering the whole sequence reuses the full-attention result.
 """
 
 from __future__ import annotations
@@ -25,14 +19,14 @@ import matplotlib.pyplot as plt
 import torch
 
 from ..accounting import kv_cache_bytes
-from ..data.passkey import passkey_trials, prefill_trial, score_trial
 from ..cpu_tuning import tune_for_cpu
+from ..data.passkey import passkey_trials, prefill_trial, score_trial
 from ..model import load_pretrained, load_tokenizer
 from ..model.convert import mean_pool_kv_heads, with_attention
 from ..quantization.kv import quantize_kv_cache
 from ..tables import long_context_table
 from ..timing import alternating_timings
-from .base import Benchmark
+from .base import Benchmark, spread
 
 MODEL = "smollm2-135m"
 CONTEXTS, QUICK_CONTEXTS = (256, 512, 1024, 2048), (256, 512)
@@ -108,9 +102,11 @@ def time_decode(timers: dict, steps: int = DECODE_STEPS) -> dict[str, list[float
     def step(model, cache):
         return lambda: model(torch.zeros(1, 1, dtype=torch.long, device=model.device), cache=cache,
                              start_pos=cache.length)
-    device = next(iter(timers.values()))[0].device if timers else None
-    times = alternating_timings({name: step(*mc) for name, mc in timers.items()}, steps, 0, device) if timers else {}
-    return {name: t["times"] for name, t in times.items()}
+    if not timers:
+        return {}
+    device = next(iter(timers.values()))[0].device
+    return {name: t["times"] for name, t in alternating_timings(
+        {name: step(*mc) for name, mc in timers.items()}, steps, 0, device).items()}
 
 
 def _kv_bytes(model, spec, longest: int) -> int:
@@ -124,28 +120,23 @@ def summarize(model, specs, results, decode_seconds, contexts) -> list[dict]:
     longest = max(contexts)
     rows = []
     for spec in specs:
-        trials = results[spec["name"]]
-        per_context = {}
+        trials, per_context = results[spec["name"]], {}
         for context in contexts:
             cell = [r for r in trials if r["context"] == context]
             per_context[str(context)] = dict(
                 accuracy=sum(r["correct"] for r in cell) / len(cell), trials=len(cell),
                 mean_answer_logprob=statistics.fmean(r["answer_logprob"] for r in cell),
                 copied_from_full=all(r.get("copied_from_full", False) for r in cell))
-        by_depth = {}
-        for d in DEPTHS:
-            at_depth = [r["correct"] for r in trials if r["depth"] == d]
-            by_depth[str(d)] = sum(at_depth) / max(1, len(at_depth))
-        nbytes = _kv_bytes(model, spec, longest)
-        decode = decode_seconds.get(spec["name"], [])
+        at_depth = {str(d): [r["correct"] for r in trials if r["depth"] == d] for d in DEPTHS}
+        nbytes, decode = _kv_bytes(model, spec, longest), decode_seconds.get(spec["name"], [])
         rows.append(dict(
             variant=spec["name"], family=spec["family"], changes=spec.get("changes", {}), kv_format=spec.get("kv"),
             kv_heads=spec.get("kv_heads", model.config.num_kv_heads), kv_bytes_at_longest=nbytes,
-            kv_bytes_per_context_token=nbytes / longest, accuracy=per_context, accuracy_by_depth=by_depth,
+            kv_bytes_per_context_token=nbytes / longest, accuracy=per_context,
+            accuracy_by_depth={d: sum(c) / max(1, len(c)) for d, c in at_depth.items()},
             overall_accuracy=sum(r["correct"] for r in trials) / len(trials),
-            decode_ms_at_longest=dict(median=1e3 * statistics.median(decode), min=1e3 * min(decode),
-                                      max=1e3 * max(decode), steps=len(decode)) if decode else None,
-            trials=trials))
+            decode_ms_at_longest=dict(zip(("median", "min", "max"), spread(decode, 1e3)), steps=len(decode))
+            if decode else None, trials=trials))
     return rows
 
 
@@ -198,7 +189,7 @@ def plot_long_context(data: dict):
         tick.set_color(COLORS[r["family"]])
     ax1.set_xlabel("context (tokens: prompt + answer)")
     ax1.set_title(f"passkey accuracy, {data['trials_per_context']} trials per cell\n(= : window covers the "
-                  f"sequence, same as full attention)", fontsize=10)
+                  "sequence, same as full attention)", fontsize=10)
     longest = str(max(contexts))
     mb = [r["kv_bytes_at_longest"] / 1e6 for r in rows]
     ax2.barh(range(len(rows)), mb, color=[COLORS[r["family"]] for r in rows], alpha=0.75)
@@ -208,8 +199,8 @@ def plot_long_context(data: dict):
         ax2.text(mb[i], i, label, va="center", fontsize=8)
     ax2.set_yticks(range(len(rows)), [""] * len(rows))
     ax2.invert_yaxis()
-    ax2.set_xlim(0, max(mb) * 1.45)
-    ax2.set_xlabel(f"KV cache MB for one {longest}-token sequence (measured on the cache, {data['dtype']})")
+    ax2.set(xlim=(0, max(mb) * 1.45),
+            xlabel=f"KV cache MB for one {longest}-token sequence (measured on the cache, {data['dtype']})")
     ax2.set_title(f"{data['model']}, post hoc (no retraining): cache size, accuracy and B=1 decode at {longest}",
                   fontsize=10)
     ax1.set_ylim(len(rows) - 0.5, -0.5)

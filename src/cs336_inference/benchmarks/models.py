@@ -1,8 +1,5 @@
-"""`bench models`: the shipped models side by side.
-
-Size, validation bits per byte, KL and top-1 agreement to the target, long-range recall against
-distance, training time. Figures: the training curves (read from the checkpoints' records) and
-recall accuracy against distance.
+"""`bench models`: the shipped models side by side: size, validation bits per byte, agreement with the
+target, long-range recall against distance, training time (and curves, from the checkpoints' records).
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
-"""`bench roofline`: this machine's roofline, measured, and a real model on it.
-
-1. `measure_hardware`: peak matmul FLOP/s and streaming bandwidth -> accelerator intensity.
-2. `roofline_sweep`: Y = X @ W (W larger than the caches) for B = 1 ... 1024: achieved FLOP/s
-   against min(peak, intensity * bandwidth); where the knee falls.
-3. The "bench-90m" TransformerLM: prefill vs decode time per token, and decode latency/throughput
-   against B next to `accounting`'s prediction from the measured roofs.
-Results: figures/roofline_<device>.json, roofline_matmul_<device>.png, roofline_model_<device>.png.
+"""`bench roofline`: this machine's roofline, measured (`measure_hardware`, `roofline_sweep` of
+Y = X @ W), and the bench-90m model's prefill and decode on it next to `accounting`'s prediction.
 """
 
 from __future__ import annotations

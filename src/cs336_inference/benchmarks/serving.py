@@ -25,7 +25,7 @@ from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
 from ..serving.workload import INSTRUCTION
 from ..tables import print_table
 from ..device import load_avg
-from .base import Benchmark, alternate
+from .base import Benchmark, alternate, grouped_bars
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line
 REAL_MODEL = "smollm2-135m"
@@ -287,11 +287,9 @@ def plot_chunking(result: dict):
     ax1.set(xlabel="time (s)", ylabel="step duration (ms)", title="every step: a whole prompt stalls the decodes "
                                                                    "beside it")
     ax1.legend()
-    names = list(c["configs"])
-    for offset, key, label in ((-0.2, "itl_p50_s", "ITL p50"), (0.2, "itl_p99_s", "ITL p99")):
-        ax2.bar([i + offset for i in range(len(names))], [1e3 * c["configs"][n][key] for n in names], width=0.4,
-                label=label)
-    ax2.set_xticks(range(len(names)), names, fontsize=8)
+    grouped_bars(ax2, list(c["configs"]), {label: [1e3 * v[key] for v in c["configs"].values()]
+                                           for key, label in (("itl_p50_s", "ITL p50"), ("itl_p99_s", "ITL p99"))})
+    ax2.tick_params(axis="x", labelsize=8)
     ax2.set(ylabel="inter-token latency (ms)",
             title=f"p99 ITL {c['itl_p99_ratio']:.1f}x lower with {c['compared']} (median of {c['repeats']})")
     ax2.legend()

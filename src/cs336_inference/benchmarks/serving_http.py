@@ -1,19 +1,10 @@
 """`bench serving_http`: what the HTTP server costs, measured against the same engine in process.
 
-One trace (the toy target, prompts cut from held-out text, `ignore_eos` so every answer is exactly
-`output_len` tokens) is served three ways at the same load, each timed the way `bench inference
---endpoint` times a remote server (`serving/client.py`: a request's clock starts when it is sent,
-TTFT at its first token, TPOT, ITL, E2E), with at most `concurrency` requests in flight:
-
-  engine  the `Engine` stepped in a plain loop in this process; a token counts when `step` returns it
-  async   the same behind `AsyncEngine` (its thread, the asyncio hand-off); a token counts when the
-          consumer coroutine receives it
-  http    the same behind `serve` in another process (FastAPI + uvicorn, SSE chunks, JSON, detokenized
-          text), read by the streaming client here; a token counts when its chunk is parsed
-
-Two loads: closed loop (every request queued at t = 0, `concurrency` in flight at all times) and
-Poisson arrivals at a rate under the engine's capacity. Runs are interleaved over `repeats` rounds and
-the median-duration run of each is kept. The greedy texts of all three modes must be identical.
+One trace of the toy target (`ignore_eos`: exact output lengths), served three ways at the same load
+and timed as `bench inference --endpoint` times a server (`serving/client.py`): "engine" steps the
+`Engine` in a plain loop here, "async" goes through `AsyncEngine`, "http" through `serve` in another
+process (FastAPI + uvicorn, SSE chunks, detokenized text). Closed loop and Poisson arrivals, runs
+interleaved over `repeats` rounds (the median-duration run kept); all greedy texts must match.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from ..serving.http.launch import running_server
 from ..serving.request import SamplingParams
 from ..tables import format_table
 from ..device import load_avg
-from .base import Benchmark, alternate, median_repeat
+from .base import Benchmark, alternate, grouped_bars, median_repeat
 
 NAME = "serving_http"
 MODES = ("engine", "async", "http")
@@ -176,15 +167,11 @@ def plot_serving_http(result: dict):
     fig, axes = plt.subplots(1, len(loads), figsize=(6.5 * len(loads), 4.5), squeeze=False)
     for ax, load in zip(axes[0], loads):
         rows = {r["mode"]: r for r in result["rows"] if r["load"] == load}
-        width = 0.8 / len(MODES)
-        for k, mode in enumerate(MODES):
-            values = [1e3 * rows[mode][m][s] for m, s, _ in metrics]
-            ax.bar([j + (k - 1) * width for j in range(len(metrics))], values, width, label=mode, color=f"C{k}")
-        ax.set_xticks(range(len(metrics)), [label for _, _, label in metrics])
-        ax.set_ylabel("ms")
-        r = rows["engine"]
-        rate = f", {r['rate']:.1f} req/s" if r["rate"] else ""
-        ax.set_title(f"{load}{rate}: p99 TTFT x{result['p99_ttft_ratio_http_to_engine'][load]:.2f} over HTTP")
+        grouped_bars(ax, [label for _, _, label in metrics],
+                     {mode: [1e3 * rows[mode][m][s] for m, s, _ in metrics] for mode in MODES})
+        rate = f", {rows['engine']['rate']:.1f} req/s" if rows["engine"]["rate"] else ""
+        ax.set(ylabel="ms", title=f"{load}{rate}: p99 TTFT x{result['p99_ttft_ratio_http_to_engine'][load]:.2f} "
+                                  "over HTTP")
         ax.legend(title="served by", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
     fig.suptitle(f"the engine in process vs behind HTTP: toy target, {result['rows'][0]['concurrency']} in flight")

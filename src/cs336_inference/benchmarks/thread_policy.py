@@ -1,18 +1,15 @@
 """`bench thread_policy`: how OpenMP's waiting and our thread count shape batch-1 decode.
 
 OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
-module as a script) that builds the same ~90M model (fused projections, SDPA), compiles its decode
-step and times it, eager and compiled, idle and while a busy loop holds a core, in alternating rounds.
-Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin" (the package's default: PASSIVE with
-`_openmp.SHORT_SPIN`), the same without `cpu_tuning`'s drop to one thread under contention
-(`tune_for_cpu(threads=False)`), and "spin" (ACTIVE).
+module as a script) that times the ~90M model's decode step, eager and compiled, idle and while a busy
+loop holds a core, in alternating rounds. Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin"
+(the package's default), the same without `cpu_tuning`'s drop to one thread under contention, "spin".
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -23,7 +20,7 @@ from .. import _checks
 from .._openmp import SHORT_SPIN
 from ..tables import print_table
 from ..timing import load_average
-from .base import Benchmark
+from .base import Benchmark, grouped_bars, spread
 
 POLICIES = {
     "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
@@ -60,41 +57,33 @@ def _child(quick: bool, switch: bool) -> dict:
     """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
     import contextlib
 
-    from .. import timing
-    from ..cpu_tuning import decode_threads, tune_for_cpu
-    from ..device import apply_thread_policy
-    from ..generation.compiled import compile_decode
-    from ..model.config import ModelConfig
-    from ..model.transformer import TransformerLM
+    from .._openmp import spin_count, wait_policy
     from ..accounting.model_roofline import decode_step_fn
+    from ..cpu_tuning import tune_for_cpu
+    from ..device import apply_thread_policy
+    from ..model.transformer import TransformerLM
+    from ..timing import busy_cpu, median_seconds
+    from .generation import bench_config, compiled_decode_step
 
     apply_thread_policy(parallel=True)
     torch.manual_seed(0)
-    config = ModelConfig.from_name("bench-90m")
-    if quick:
-        config = config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768)
-    model = tune_for_cpu(TransformerLM(config).eval().fuse_projections().set_attention_kernel("sdpa"), threads=switch)
-    compiled = compile_decode(model)
-
-    def compiled_step(m, token, cache):
-        with decode_threads() if switch else contextlib.nullcontext():
-            return compiled(token, cache)
+    model = tune_for_cpu(TransformerLM(bench_config(quick=quick)).eval().fuse_projections()
+                         .set_attention_kernel("sdpa"), threads=switch)
+    compiled = compiled_decode_step(model, switch)
     makers = {"eager": lambda: decode_step_fn(model, 1, 32, 40),
-              "compiled": lambda: decode_step_fn(model, 1, 32, 40, compiled_step)}
+              "compiled": lambda: decode_step_fn(model, 1, 32, 40, compiled)}
     makers["compiled"]()()   # compile outside the timing
     rounds, steps = (1, 5) if quick else (3, 25)
     times = {(cond, path): [] for cond in ("idle", "busy") for path in PATHS}
     for _ in range(rounds):
         for cond in ("idle", "busy"):
-            with timing.busy_cpu(1) if cond == "busy" else contextlib.nullcontext():
+            with busy_cpu(1) if cond == "busy" else contextlib.nullcontext():
                 time.sleep(0.5)   # the contention meter (re-read every 0.25 s) sees the new state
                 for path in PATHS:
-                    times[(cond, path)].append(timing.median_seconds(makers[path](), torch.device("cpu"), steps))
-    from .._openmp import spin_count, wait_policy
-
+                    times[(cond, path)].append(median_seconds(makers[path](), torch.device("cpu"), steps))
     return {"omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(), "switch": switch,
             "threads": torch.get_num_threads(),
-            **{f"{cond} {path}": dict(ms=statistics.median(t) * 1e3, ms_min=min(t) * 1e3, ms_max=max(t) * 1e3)
+            **{f"{cond} {path}": dict(zip(("ms", "ms_min", "ms_max"), spread(t, 1e3)))
                for (cond, path), t in times.items()}}
 
 
@@ -111,16 +100,11 @@ def _print(result: dict) -> None:
 def _plot(result: dict):
     import matplotlib.pyplot as plt
 
-    names = list(result["policies"])
     columns = [f"{c} {p}" for c in ("idle", "busy") for p in PATHS]
     fig, ax = plt.subplots(figsize=(10, 4.5))
-    width = 0.8 / len(names)
-    for i, name in enumerate(names):
-        r = result["policies"][name]
-        ax.bar([j + i * width for j in range(len(columns))], [r[c]["ms"] for c in columns], width, label=name)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(columns))], columns)
-    ax.set_ylabel("ms per decode step (lower is better)")
-    ax.set_title(f"OpenMP wait policy and decode threads, batch 1, {result['threads']} threads")
+    grouped_bars(ax, columns, {name: [r[c]["ms"] for c in columns] for name, r in result["policies"].items()})
+    ax.set(ylabel="ms per decode step (lower is better)",
+           title=f"OpenMP wait policy and decode threads, batch 1, {result['threads']} threads")
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
