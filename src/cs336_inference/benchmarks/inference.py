@@ -203,8 +203,8 @@ class SweepConfig:
 
 
 def sweep_config(real_model: bool, quick: bool = False) -> SweepConfig:
-    """The sweep for the toy target or a real model (smaller: a 2-core CPU decodes a 135M model at tens
-    of tokens/s); quick: a smoke run of every axis in seconds."""
+    """The sweep for the toy target or a real model (smaller: it decodes far slower on a CPU); quick: a
+    smoke run of every axis."""
     if quick:
         return SweepConfig(precisions=("fp32", "bf16", "int4"), concurrencies=(1, 4),
                            concurrency_base=Workload("concurrency", (32, 32), 8, 1, 4), prompt_lens=(16, 64),
