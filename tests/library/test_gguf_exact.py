@@ -53,6 +53,30 @@ def test_stored_blocks_become_a_layer_equal_to_ggufs_dequantization(qtype, layou
     assert (err <= bound).all(), f"worst error {float((err - bound).max()):.3g} beyond the bf16 rounding bound"
 
 
+def test_the_rescored_head_ranks_with_the_stored_weights_not_with_bf16_rounding():
+    """The packed head's bf16 logits (about 30 here, 0.125 apart) swap close candidates; RescoredHead
+    recomputes the kernel's top k in fp32 from the codes: those k equal x W_hat^T computed here in
+    float64 from gguf's dequantization, the others are the kernel's, and every argmax is the exact one."""
+    from cs336_inference.quantization.model import RescoredHead
+
+    raw, expected = _blocks((64, 96), Q.Q8_0, seed=1)
+    layer = make_exact_linear(raw, "Q8_0")
+    head = RescoredHead(layer, k=4)
+    x = (torch.randn(2000, 96, generator=torch.Generator().manual_seed(0)) * 30).to(torch.bfloat16)
+    with torch.no_grad():
+        fast, out = layer(x).float(), head(x)
+    exact = x.double() @ expected.double().T                                   # (2000, 64)
+    top = fast.topk(4, dim=-1).indices
+    torch.testing.assert_close(out.gather(-1, top).double(), exact.gather(-1, top), rtol=1e-6, atol=1e-4)
+    rest = torch.ones_like(out, dtype=torch.bool).scatter(-1, top, False)
+    assert out.dtype == torch.float32 and torch.equal(out[rest], fast[rest])
+    assert int((fast.argmax(-1) != exact.argmax(-1)).sum()) > 0              # bf16 alone gets some wrong
+    assert torch.equal(out.argmax(-1), exact.argmax(-1))
+    assert "top 4 logits rescored in fp32" in head.kernel_summary()
+    with pytest.raises(ValueError, match="k must be"):
+        RescoredHead(layer, k=0)
+
+
 def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):
     write_tiny_gguf(tmp_path / "tiny.gguf")
     config, stored = run_load_gguf_tensors(tmp_path / "tiny.gguf")
@@ -61,7 +85,7 @@ def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")          # every layer has a packed kernel: nothing to announce
         model = run_gguf_exact_model(config, stored, dtype=torch.float32)
-    assert model.lm_head is model.token_embeddings.table                # the tied table is stored once
+    assert model.lm_head.head is model.token_embeddings.table           # the tied table is stored once
     for i in range(SIZES["L"]):
         qkv = model.layers[i].attn.qkv_proj.proj.dequantized_weight(torch.float32)
         fused = torch.cat([state[f"layers.{i}.attn.{p}_proj.weight"] for p in "qkv"])
@@ -117,4 +141,4 @@ def test_smollm2_exact_int4_is_within_001_nats_of_the_fp32_reference_on_real_tex
         out = torch.cat([exact(ids[:, t:t + 1], cache=cache) for t in range(ids.shape[1])], 1).float().log_softmax(-1)
     kl = float((ref.exp() * (ref - out)).sum(-1).mean())
     assert kl <= 0.01, f"KL(fp32 || exact int4) = {kl:.4f} nats/token"
-    assert int((ref.argmax(-1) == out.argmax(-1)).sum()) >= 120     # same-context next token, of 128
+    assert int((ref.argmax(-1) == out.argmax(-1)).sum()) >= 124     # same-context next token, of 128

@@ -5,7 +5,8 @@
 torch's int4pack kernel with scale = d and zero = m + 8 d (`kernels`): no new rounding except that the
 kernel keeps its scale and zero in the bf16 activation dtype. The Q8_0 embedding table (w = q d, int8
 codes) is one `QuantizedLinear` too: a row lookup for the embedding, and, tied, the lm_head, an exact
-grouped int8 matmul run as two int4 planes. Norms stay fp32 in the file and take the model's dtype.
+grouped int8 matmul run as two int4 planes, whose top logits are then rescored in fp32 (`RescoredHead`:
+bf16 logits are too coarse to rank close candidates). Norms stay fp32 in the file and take the model's dtype.
 The plain `load_pretrained(name)` instead dequantizes everything once to fp32 (the reference).
 """
 
@@ -22,7 +23,7 @@ from ..model.transformer import TransformerLM
 from .core import QuantizedTensor
 from .kernels import collect_fallbacks
 from .linear import QuantizedLinear
-from .model import QuantizedEmbedding, _set, set_quantized_kernel
+from .model import QuantizedEmbedding, RescoredHead, _set, set_quantized_kernel
 
 WEIGHTS_NAME = "gguf-exact"
 
@@ -83,7 +84,8 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
     with collect_fallbacks():   # announced once for the whole model by set_quantized_kernel
         table = exact_linear(blocks("token_embeddings.weight"), device)
         model.token_embeddings = QuantizedEmbedding(table, dtype=dtype)
-        model.lm_head = table if config.tie_embeddings else exact_linear(blocks("lm_head.weight"), device)
+        head = table if config.tie_embeddings else exact_linear(blocks("lm_head.weight"), device)
+        model.lm_head = RescoredHead(head)    # the bf16 kernel ranks the vocabulary, fp32 picks among the top
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
                 _set(model, name, exact_linear(_stack([blocks(k) for k in _linear_parts(model, name)]), device))
@@ -95,7 +97,7 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
     if left:
         raise ValueError(f"no stored tensor for {left[:4]}")
-    model.quantization = dict(method=WEIGHTS_NAME, bits=4, group_size=32, lm_head="Q8_0: grouped int8",
+    model.quantization = dict(method=WEIGHTS_NAME, bits=4, group_size=32, lm_head="Q8_0: grouped int8, top rescored",
                               embedding="Q8_0: row lookup")
     return set_quantized_kernel(model.eval(), "auto")
 

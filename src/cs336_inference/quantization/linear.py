@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from einops import rearrange
 
 from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
@@ -111,13 +110,13 @@ class QuantizedLinear(nn.Module):
         rows (token ids (...,) -> (..., I): an embedding lookup that dequantizes what it reads)."""
         dtype = dtype or self.out_dtype or torch.float32
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-        q = rearrange(self.codes(rows), "... (G g) -> ... G g", g=self.group_size).to(dtype)
+        q = self.codes(rows).unflatten(-1, (-1, self.group_size)).to(dtype)      # (..., G, g)
         if self.zero_point is not None:
             q = q - pick(self.zero_point).to(dtype)[..., None]
         w = q * pick(self.scale).to(dtype)[..., None]
         if self.minimum is not None:
             w = w + pick(self.minimum).to(dtype)[..., None]
-        return rearrange(w, "... G g -> ... (G g)")
+        return w.flatten(-2)                                                     # (..., I)
 
     def unsigned_form(self, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u, s, c): unsigned codes (O, I) and fp32 scale and offset (O, G) with W_hat = u * s + c

@@ -55,6 +55,34 @@ class QuantizedEmbedding(nn.Module):
         return f"lookup: dequantize the rows read (int{self.table.bits}, group_size={self.table.group_size})"
 
 
+class RescoredHead(nn.Module):
+    """A quantized lm_head whose k highest logits are recomputed in fp32 from the same codes.
+
+    The packed kernels compute in bf16 and return bf16 logits. Near a logit of 20, bf16 values are
+    0.125 apart, so two candidates closer than that tie or swap, and greedy decoding follows the
+    rounding, not the weights (the bf16 scales round too). This head runs the fast kernel over the
+    whole vocabulary, then dequantizes the k rows it ranked highest (k x D values, a few KB) and
+    rescores them in fp32: the argmax and the head of the distribution are those of the stored
+    weights, the rest of the vocabulary keeps bf16 precision. Returns fp32 logits.
+    """
+
+    def __init__(self, head: QuantizedLinear, k: int = 16):
+        super().__init__()
+        if head.input_scale is not None or head.bias is not None:
+            raise ValueError("RescoredHead rescores W_hat x; a head with input scales or a bias is not supported")
+        self.head, self.k = head, _checks.positive_int("k", k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:               # (..., D) -> (..., V)
+        logits = self.head(x).float()
+        top = logits.topk(min(self.k, logits.shape[-1]), dim=-1).indices          # (..., k)
+        rows = self.head.dequantized_weight(torch.float32, rows=top)               # (..., k, D)
+        exact = (rows @ x.float().unsqueeze(-1)).squeeze(-1)                       # (..., k)
+        return logits.scatter(-1, top, exact)
+
+    def kernel_summary(self) -> str:
+        return f"{self.head.kernel_summary()}; its top {self.k} logits rescored in fp32"
+
+
 def _check_calibration(calibration, vocab_size: int) -> list[torch.Tensor]:
     """Token ids (B, T) / (T,) or a list of such -> list of (B, T) long batches; refuse empty data."""
     if calibration is None:
