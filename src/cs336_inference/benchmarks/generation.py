@@ -51,8 +51,8 @@ SMOLLM2 = "smollm2-135m"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _group_size(config: ModelConfig, wanted: int = 128) -> int:
-    """The largest of 128/64/32 (int4 kernel groups) dividing d_model and d_ff."""
+def int4_group(config: ModelConfig, wanted: int = 128) -> int:
+    """The largest int4 kernel group (128, 64 or 32) dividing every quantized layer's input dimension."""
     return next(g for g in (wanted, 64, 32) if config.d_model % g == 0 and config.d_ff % g == 0)
 
 
@@ -63,7 +63,7 @@ def build_variants(model: TransformerLM) -> dict[str, nn.Module]:
     return {"fp32 plain": model, "fp32": fast, "fp32 F.linear": fast,
             "bf16": copy.deepcopy(fast).to(torch.bfloat16),
             "int8": quantize_model(fast, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True),
-            "int4": quantize_model(fast, "rtn", bits=4, group_size=_group_size(model.config), quantize_lm_head=True)}
+            "int4": quantize_model(fast, "rtn", bits=4, group_size=int4_group(model.config), quantize_lm_head=True)}
 
 
 def _time_rounds(fns: dict, device, rounds: int, steps: int) -> dict[str, list[float]]:

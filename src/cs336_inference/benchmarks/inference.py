@@ -45,6 +45,7 @@ from ..serving.workload import Workload
 from ..tables import print_table
 from ..timing import PeakMemory
 from .base import Benchmark, median_repeat
+from .generation import int4_group
 
 NAME = "inference"
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
@@ -260,11 +261,6 @@ def build_precision(model: nn.Module, precision: str, device: torch.device) -> n
     if precision == "int8":
         return quantize_model(fast, "rtn", bits=8, group_size=None, symmetric=True, kernel="packed")
     return quantize_model(fast, "rtn", bits=4, group_size=int4_group(fast.config), kernel="packed")
-
-
-def int4_group(config, wanted: int = 128) -> int:
-    """The largest int4 kernel group (128, 64 or 32) dividing every quantized layer's input dimension."""
-    return next(g for g in (wanted, 64, 32) if config.d_model % g == 0 and config.d_ff % g == 0)
 
 
 def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, kv_layout: str = "paged",
