@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
+CPU_COMPILE = {"cpp_wrapper": True}   # inductor options of the CPU fast path (see compiled_decode_step)
 
 
 def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
@@ -75,7 +76,9 @@ def compiled_decode_step(model):
     from .generation.compiled import compile_decode
 
     cuda = model.device.type == "cuda"
-    step = compile_decode(model, mode="reduce-overhead") if cuda else compile_decode(model)   # CUDA graphs on a GPU
+    # CUDA graphs on a GPU. On a CPU, inductor's wrapper in C++: the generated Python that calls the step's
+    # ~150 kernels and allocates their outputs costs a few ms per step (most of a small model's overhead).
+    step = compile_decode(model, mode="reduce-overhead") if cuda else compile_decode(model, options=CPU_COMPILE)
     threads = contextlib.nullcontext if cuda else decode_threads
     failed = []
 

@@ -96,9 +96,11 @@ def bench_config(preset: str = "bench-90m", quick: bool = False) -> ModelConfig:
 
 
 def compiled_decode_step(model, switch: bool = True):
-    """A `decode` for `decode_step_fn` through `compile_decode(model)`; the tuned model's thread switch
+    """A `decode` for `decode_step_fn` compiled as the CLI's fast path compiles; the tuned model's thread switch
     (`decode_threads`, unless `switch` is False) stays outside the compiled graph."""
-    compiled = compile_decode(model)
+    from ..fast_path import CPU_COMPILE
+
+    compiled = compile_decode(model, **({"options": CPU_COMPILE} if model.device.type == "cpu" else {}))
 
     def decode(m, token, cache):
         with decode_threads() if switch else contextlib.nullcontext():

@@ -82,7 +82,8 @@ def compile_decode(model, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
     compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
-    options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring).
+    options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring); an
+    `options` dict given here adds to that one (the CLI's fast path adds {"cpp_wrapper": True}).
     mode="reduce-overhead" (CUDA graphs) runs each step as a `StaticDecodeStep` (dynamic=False: one
     recording per batch size). A cache's first forward (its prefill) runs eagerly, where the model
     checks the cache.
@@ -91,7 +92,8 @@ def compile_decode(model, **compile_options):
     options = dict(fullgraph=True, dynamic=not static)
     if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
         options["options"] = {"guard_filter_fn": _without_global_state}   # (older: a thread switch recompiles)
-    options |= compile_options
+    inductor = options.get("options", {}) | compile_options.pop("options", {})
+    options |= compile_options | ({"options": inductor} if inductor else {})
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     else:
