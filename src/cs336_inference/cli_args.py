@@ -42,27 +42,6 @@ def _int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
-def _positive(text: str) -> int:
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer (>= 1), got {value}")
-    return value
-
-
-def _non_negative(text: str) -> int:
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in [0, 65535], got {value}")
-    return value
-
-
 def _float(text: str) -> float:
     try:
         value = float(text)
@@ -73,18 +52,21 @@ def _float(text: str) -> float:
     return value
 
 
-def _temperature(text: str) -> float:
-    value = _float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0 = greedy), got {value}")
-    return value
+def _within(parse, ok, allowed: str):
+    """A check that parses with `parse` and refuses values outside `ok`, saying what is `allowed`."""
+    def check(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+    return check
 
 
-def _probability(text: str) -> float:
-    value = _float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
-    return value
+_positive = _within(_int, lambda v: v >= 1, "a positive integer (>= 1)")
+_non_negative = _within(_int, lambda v: v >= 0, "an integer >= 0")
+_port = _within(_int, lambda v: 0 <= v <= 65535, "a port number in [0, 65535]")
+_temperature = _within(_float, lambda v: v >= 0, ">= 0 (0 = greedy)")
+_probability = _within(_float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
 def _text(text: str) -> str:
