@@ -669,6 +669,12 @@ def make_exact_linear(raw, qtype: str):
     return exact_linear(gguf_blocks(raw, qtype))
 
 
+def make_rescored_head(head, k: int = 16):
+    """A quantized lm_head whose top k logits are recomputed in fp32 from its codes."""
+    from cs336_inference.quantization.model import RescoredHead
+    return RescoredHead(head, k)
+
+
 def run_gguf_exact_model(config, stored, **kwargs):
     from cs336_inference.quantization import gguf_exact_model
     return gguf_exact_model(config, stored, **kwargs)
@@ -698,6 +704,12 @@ def run_passkey_trials(tokenizer, context, num_trials, depths=(0.0, 0.25, 0.5, 0
 def make_chat_session(model, tokenizer, **kwargs):
     from cs336_inference.serving import ChatSession
     return ChatSession(model, tokenizer, **kwargs)
+
+
+def make_conversation_cache(model, max_seq_len: int, decode=None):
+    """One conversation's KV cache kept between turns (what a ChatSession's `streams` may be)."""
+    from cs336_inference.generation import ConversationCache
+    return ConversationCache(model, max_seq_len, decode)
 
 
 def run_count_activation_outliers(model, batches, threshold=6.0):

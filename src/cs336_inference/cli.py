@@ -215,6 +215,8 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
+    import time
+
     from .generation import ConversationCache
     from .serving import ChatSession
 
@@ -225,8 +227,6 @@ def _run_chat(args) -> int:
     max_seq_len = min(model.config.context_length, 2048)
     conversation = ConversationCache(model, max_seq_len, decode)
     if decode is not None:
-        import time
-
         print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
         t0 = time.perf_counter()
         conversation.warm_up()

@@ -3,8 +3,8 @@
 step where torch can compile, and a banner saying what runs.
 
 `load_for_inference` is the one loader the CLI's commands share (the HTTP server calls it too);
-`compiled_decode_step` wraps `generation.compile_decode` with the on-disk kernel cache, the CPU thread
-switch and an eager fallback.
+`compile_fast` is how this path compiles a decode step (the benchmarks time it too);
+`compiled_decode_step` adds the CPU thread switch and an eager fallback.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import sys
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
-CPU_COMPILE = {"cpp_wrapper": True}   # inductor options of the CPU fast path (see compiled_decode_step)
 
 
 def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
@@ -58,6 +57,17 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
     return model, load_tokenizer(name), banner
 
 
+def compile_fast(model):
+    """`generation.compile_decode(model)` as the fast path compiles it (the benchmarks time this too):
+    CUDA graphs on a GPU; on a CPU, inductor's wrapper in C++, because the generated Python that calls
+    the step's ~150 kernels and allocates their outputs costs a few ms per step."""
+    from .generation.compiled import compile_decode
+
+    if model.device.type == "cuda":
+        return compile_decode(model, mode="reduce-overhead")
+    return compile_decode(model, options={"cpp_wrapper": True})
+
+
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
     decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler).
@@ -73,12 +83,9 @@ def compiled_decode_step(model):
     if model.device.type not in ("cpu", "cuda"):
         return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
     from .cpu_tuning import decode_threads
-    from .generation.compiled import compile_decode
 
     cuda = model.device.type == "cuda"
-    # CUDA graphs on a GPU. On a CPU, inductor's wrapper in C++: the generated Python that calls the step's
-    # ~150 kernels and allocates their outputs costs a few ms per step (most of a small model's overhead).
-    step = compile_decode(model, mode="reduce-overhead") if cuda else compile_decode(model, options=CPU_COMPILE)
+    step = compile_fast(model)
     threads = contextlib.nullcontext if cuda else decode_threads
     failed = []
 

@@ -3,7 +3,7 @@ turns (only new tokens prefilled) with answers equal to a fresh re-prefill, spli
 and the `generate`/`chat` commands on a shipped toy model."""
 
 import pytest
-from adapters import get_tokenizer, make_chat_session, run_generate
+from adapters import get_tokenizer, make_chat_session, make_conversation_cache, run_generate
 
 from cs336_inference.generation import TextStream
 from cs336_inference.model import checkpoints
@@ -98,10 +98,8 @@ def test_a_session_on_a_conversation_cache_answers_as_generate_and_reuses_every_
     """The chat command's fast path: one contiguous cache kept between turns. Each turn answers what
     `generate` gives for the whole conversation from scratch, and prefills only the tokens after the
     longest prefix already cached (the previous turn's tokens, to the token, not to a block)."""
-    from cs336_inference.generation import ConversationCache
-
     tok = ChatMLBytes()
-    conversation = ConversationCache(target, 400)
+    conversation = make_conversation_cache(target, 400)
     session = make_chat_session(target, tok, max_seq_len=400, streams=conversation)
     for turn, text in enumerate(["Tell me a story.", "And then?"]):
         computed = list(session.ids)                       # the previous turn's tokens with K/V
@@ -124,9 +122,9 @@ def test_a_session_on_a_conversation_cache_answers_as_generate_and_reuses_every_
 
 
 def test_an_answer_cut_short_leaves_the_conversation_cache_consistent(target):
-    from cs336_inference.generation import ConversationCache, SamplingParams
+    from cs336_inference.generation import SamplingParams
 
-    conversation = ConversationCache(target, 128)
+    conversation = make_conversation_cache(target, 128)
     prompt = list(b"Once upon a time")
     stream = conversation.generate(prompt, SamplingParams(max_tokens=20))
     taken = [next(stream)[0][0] for _ in range(5)]

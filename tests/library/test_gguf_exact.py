@@ -17,8 +17,8 @@ from gguf.quants import dequantize, quantize
 from smollm2_reference import requires_smollm2
 from test_gguf_loading import SIZES, Q, write_tiny_gguf
 
-from adapters import (make_exact_linear, run_gguf_exact_model, run_load_gguf_tensors, run_load_gguf_weights,
-                      run_packed_matmul)
+from adapters import (make_exact_linear, make_rescored_head, run_gguf_exact_model, run_load_gguf_tensors,
+                      run_load_gguf_weights, run_packed_matmul)
 
 from cs336_inference.model.gguf import gguf_blocks
 
@@ -57,11 +57,9 @@ def test_the_rescored_head_ranks_with_the_stored_weights_not_with_bf16_rounding(
     """The packed head's bf16 logits (about 30 here, 0.125 apart) swap close candidates; RescoredHead
     recomputes the kernel's top k in fp32 from the codes: those k equal x W_hat^T computed here in
     float64 from gguf's dequantization, the others are the kernel's, and every argmax is the exact one."""
-    from cs336_inference.quantization.model import RescoredHead
-
     raw, expected = _blocks((64, 96), Q.Q8_0, seed=1)
     layer = make_exact_linear(raw, "Q8_0")
-    head = RescoredHead(layer, k=4)
+    head = make_rescored_head(layer, k=4)
     x = (torch.randn(2000, 96, generator=torch.Generator().manual_seed(0)) * 30).to(torch.bfloat16)
     with torch.no_grad():
         fast, out = layer(x).float(), head(x)
@@ -74,7 +72,7 @@ def test_the_rescored_head_ranks_with_the_stored_weights_not_with_bf16_rounding(
     assert torch.equal(out.argmax(-1), exact.argmax(-1))
     assert "top 4 logits rescored in fp32" in head.kernel_summary()
     with pytest.raises(ValueError, match="k must be"):
-        RescoredHead(layer, k=0)
+        make_rescored_head(layer, k=0)
 
 
 def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):

@@ -31,7 +31,6 @@ from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
 from ..device import bf16_matmul_unit
-from ..generation.compiled import compile_decode
 from ..generation.generate import generate
 from ..model import hf_peer as peer
 from ..model.checkpoints import load_pretrained
@@ -44,7 +43,7 @@ from ..timing import busy_cpu, load_average, median_seconds, rss_bytes
 from .base import Benchmark, alternate, spread
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
-COMPILED = ("fp32", "bf16", "int4")   # also timed through `compile_decode`
+COMPILED = ("fp32", "bf16", "int4")   # also timed compiled, as the fast path compiles (`compile_fast`)
 # the plain model and the F.linear row run with the few-row split off: what the split itself gains
 SPLIT_OFF = {"fp32 plain": lambda: few_row_split(False), "fp32 F.linear": lambda: few_row_split(False)}
 SMOLLM2 = "smollm2-135m"
@@ -95,12 +94,13 @@ def bench_config(preset: str = "bench-90m", quick: bool = False) -> ModelConfig:
     return config.replace(d_model=256, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=768) if quick else config
 
 
-def compiled_decode_step(model, switch: bool = True):
-    """A `decode` for `decode_step_fn` compiled as the CLI's fast path compiles; the tuned model's thread switch
+def timed_compiled_step(model, switch: bool = True):
+    """A `decode` for `decode_step_fn`, compiled as the CLI's fast path compiles (`fast_path.compile_fast`,
+    without its eager fallback: a benchmark must fail loudly); the tuned model's thread switch
     (`decode_threads`, unless `switch` is False) stays outside the compiled graph."""
-    from ..fast_path import CPU_COMPILE
+    from ..fast_path import compile_fast
 
-    compiled = compile_decode(model, **({"options": CPU_COMPILE} if model.device.type == "cpu" else {}))
+    compiled = compile_fast(model)
 
     def decode(m, token, cache):
         with decode_threads() if switch else contextlib.nullcontext():
@@ -157,7 +157,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     result["compile_seconds"] = {}   # one graph for all positions and batch sizes, compiled once here
     for name in compiled_variants if not quick else ():   # a smoke run skips the minutes of compiling
         t0 = time.perf_counter()
-        decode = compiled_decode_step(models[name])
+        decode = timed_compiled_step(models[name])
         decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
         result["compile_seconds"][name] = time.perf_counter() - t0
         models[f"{name} compiled"] = models[name]

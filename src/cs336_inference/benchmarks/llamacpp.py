@@ -24,7 +24,7 @@ from ..model.real_models import gguf_path, real_model_missing
 from ..tables import print_table
 from ..timing import median_seconds, num_threads
 from .base import Benchmark, grouped_bars, spread
-from .generation import compiled_decode_step
+from .generation import timed_compiled_step
 
 MODEL = "smollm2-135m"
 INSTALL = ('pip install -e ".[peer]" (builds llama-cpp-python from source, a few minutes; '
@@ -93,7 +93,7 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     prompt = text[:prompt_len].tolist()
     agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference)
     del reference
-    ours_step = compiled_decode_step(exact)
+    ours_step = timed_compiled_step(exact)
     peers = {t: _llama(t, context + steps + 8) for t in threads}
     t0 = time.perf_counter()
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)

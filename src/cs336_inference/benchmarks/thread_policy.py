@@ -63,13 +63,13 @@ def _child(quick: bool, switch: bool) -> dict:
     from ..device import apply_thread_policy
     from ..model.transformer import TransformerLM
     from ..timing import busy_cpu, median_seconds
-    from .generation import bench_config, compiled_decode_step
+    from .generation import bench_config, timed_compiled_step
 
     apply_thread_policy(parallel=True)
     torch.manual_seed(0)
     model = tune_for_cpu(TransformerLM(bench_config(quick=quick)).eval().fuse_projections()
                          .set_attention_kernel("sdpa"), threads=switch)
-    compiled = compiled_decode_step(model, switch)
+    compiled = timed_compiled_step(model, switch)
     makers = {"eager": lambda: decode_step_fn(model, 1, 32, 40),
               "compiled": lambda: decode_step_fn(model, 1, 32, 40, compiled)}
     makers["compiled"]()()   # compile outside the timing

@@ -90,9 +90,9 @@ def compile_decode(model, **compile_options):
     """
     static = compile_options.get("mode") == "reduce-overhead"
     options = dict(fullgraph=True, dynamic=not static)
+    inductor = compile_options.pop("options", {})
     if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
-        options["options"] = {"guard_filter_fn": _without_global_state}   # (older: a thread switch recompiles)
-    inductor = options.get("options", {}) | compile_options.pop("options", {})
+        inductor = {"guard_filter_fn": _without_global_state} | inductor   # (older: a thread switch recompiles)
     options |= compile_options | ({"options": inductor} if inductor else {})
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
