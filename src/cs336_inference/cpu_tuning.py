@@ -2,11 +2,15 @@
 
 The model itself is plain PyTorch (`nn.Linear`, one code path on every device). On a CPU, batch-1
 decode multiplies a handful of rows by every weight matrix: memory-bound matrix-vector work, which
-MKL runs on one thread, leaving half the bandwidth of a 2-core machine unused. Three remedies, all
-host-side facts (thread count, machine load) that the model must not read:
+some BLAS builds run on one thread (MKL did on the AMD machines here), leaving half the bandwidth of a
+2-core machine unused, and others spread over every thread (MKL on the Intel Xeon here). Three
+remedies, all host-side facts (thread count, machine load, this BLAS) that the model must not read:
 
 - few-row split: each full-precision linear splits W's output rows into one block per thread (a free
-  view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode);
+  view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode). Whether it helps
+  depends on the BLAS, so by default `tune_for_cpu` measures it on the model's own weights (one
+  batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
+  it wins (`calibrate_split`): on the Xeon here it lost in fp32 and won in bf16;
 - streaming matmul: inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
@@ -28,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -74,26 +79,37 @@ class CPULinear(nn.Linear):
     """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
 
     Eagerly, in inference, a few rows on several threads of an uncontended CPU: the output rows of W
-    split into one block per thread, streamed in parallel by `bmm`. Traced by the compiler, one row without autograd:
-    `streaming_matmul`. Everything else: `F.linear`.
+    split into one block per thread, streamed in parallel by `bmm` (where `split`, which `tune_for_cpu`
+    sets from its calibration). Traced by the compiler, one row without autograd: `streaming_matmul`
+    where `split`, and always in bf16, where a dense matmul re-lays out the weight for its bf16 kernel
+    on every call. Everything else: `F.linear`.
     """
+
+    split = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
         if torch.compiler.is_compiling():   # a graph must not bake in the thread count
-            if x.device.type == "cpu" and math.prod(x.shape[:-1]) == 1 and not torch.is_grad_enabled():
+            if ((self.split or w.dtype == torch.bfloat16) and x.device.type == "cpu"
+                    and math.prod(x.shape[:-1]) == 1 and not torch.is_grad_enabled()):
                 return streaming_matmul(x, w)
             return F.linear(x, w)
-        P = torch.get_num_threads()
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (_SPLIT_ENABLED and P > 1 and 0 < rows <= SPLIT_MAX_ROWS and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
-                and x.dtype == w.dtype and not cpu_contended()):   # a stalled thread would stall the split
-            blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
-            x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
-            y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
-            return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
-        return F.linear(x, w)
+        return few_row_matmul(x, w) if self.split and _SPLIT_ENABLED else F.linear(x, w)
+
+
+def few_row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (..., d_in), (d_out, d_in) -> (..., d_out)
+    """x W^T with W's output rows split into one block per thread, streamed in parallel by `bmm`, where
+    that applies (a few rows, inference, several threads, an uncontended CPU); `F.linear` elsewhere."""
+    P = torch.get_num_threads()
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (P > 1 and 0 < rows <= SPLIT_MAX_ROWS and x.device.type == "cpu"
+            and not torch.is_grad_enabled() and w.shape[0] % P == 0 and w.is_contiguous()
+            and x.dtype == w.dtype and not cpu_contended()):   # a stalled thread would stall the split
+        blocks = w.view(P, w.shape[0] // P, w.shape[1])                       # (P, d_out/P, d_in), free
+        x2 = x.reshape(1, rows, x.shape[-1]).expand(P, -1, -1)                # (P, M, d_in)
+        y = torch.bmm(x2, blocks.transpose(1, 2))                              # (P, M, d_out/P)
+        return rearrange(y, "P M O -> M (P O)").reshape(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
 
 
 class _OtherLoad:
@@ -167,19 +183,44 @@ def decode_threads():
     return contextlib.nullcontext()
 
 
+def calibrate_split(linears: list[nn.Linear], rounds: int = 5) -> dict[str, float]:
+    """Seconds for one batch-1 pass over `linears` (every weight read once, as a decode step reads them)
+    with plain `F.linear` ("gemm") and with the few-row split ("split"): the median of `rounds` rounds
+    that alternate the two, so load drifting on a shared machine hits both alike."""
+    x = {(lin.in_features, lin.weight.dtype): torch.randn(1, lin.in_features, dtype=lin.weight.dtype)
+         for lin in linears}
+    times = {"gemm": [], "split": []}
+    with torch.no_grad():
+        for i in range(rounds + 1):   # round 0 warms up (a BLAS sets up its kernels on first use)
+            for kernel, matmul in (("gemm", F.linear), ("split", few_row_matmul)):
+                t0 = time.perf_counter()
+                for lin in linears:
+                    matmul(x[lin.in_features, lin.weight.dtype], lin.weight)
+                if i:
+                    times[kernel].append(time.perf_counter() - t0)
+    return {kernel: statistics.median(ts) for kernel, ts in times.items()}
+
+
 @dataclass
 class CPUTuning:
     """What `tune_for_cpu` applied to a model (kept on it as `model.cpu_tuning`)."""
 
     split_linears: int = 0      # full-precision linears made `CPULinear`
     threads: bool = False       # decode steps drop to one thread under contention
+    calibration: dict | None = None   # split="auto": seconds per batch-1 pass over the weights, per kernel
     previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
 
     def describe(self) -> str:
         parts = []
+        measured = ""
+        if self.calibration:
+            measured = (f" (measured here: {1e3 * self.calibration['split']:.1f} ms split vs "
+                        f"{1e3 * self.calibration['gemm']:.1f} ms F.linear per pass over the weights)")
         if self.split_linears:
             parts.append(f"{self.split_linears} linears split across threads for <= {SPLIT_MAX_ROWS} rows "
-                         f"(streamed in a compiled batch-1 step)")
+                         f"(streamed in a compiled batch-1 step){measured}")
+        elif self.calibration:
+            parts.append(f"no few-row split (F.linear is faster with this BLAS){measured}")
         if self.threads:
             parts.append("decode steps and prefills on one thread while another process holds a core")
         return "CPU tuning: " + ("; ".join(parts) if parts else "nothing (not a CPU model)")
@@ -211,23 +252,32 @@ def _restore_threads(model, args, kwargs, output=None):
         torch.set_num_threads(previous)
 
 
-def tune_for_cpu(model: nn.Module, split: bool = True, threads: bool = True) -> nn.Module:
+def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = True) -> nn.Module:
     """Apply the CPU decode speed-ups to `model` in place and return it (idempotent; a second call
     with other options replaces the first). split: full-precision bias-free linears become `CPULinear`
-    (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); threads: a decode step
-    runs on one thread while another process holds a core. A model off the CPU is left as it is.
-    Apply it after `fuse_projections` (fusing builds new linears) and before or after quantizing
-    (quantized layers keep their own kernels)."""
-    for name, flag in (("split", split), ("threads", threads)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be True or False, got {type(flag).__name__} {flag!r}")
+    (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); "auto" (the default) times
+    the split against `F.linear` on these weights with the current thread count (`calibrate_split`, a
+    fraction of a second) and splits only if it is faster; threads: a decode step runs on one thread
+    while another process holds a core. A model off the CPU is left as it is. Apply it after
+    `fuse_projections` (fusing builds new linears) and after any dtype change (the timing depends on
+    it), before or after quantizing (quantized layers keep their own kernels)."""
+    if not isinstance(split, bool) and split != "auto":
+        raise TypeError(f"split must be True, False or 'auto', got {type(split).__name__} {split!r}")
+    if not isinstance(threads, bool):
+        raise TypeError(f"threads must be True or False, got {type(threads).__name__} {threads!r}")
     untune_cpu(model)
     record = CPUTuning()
     if next(model.parameters()).device.type == "cpu":
-        for module in model.modules():
-            if type(module) is nn.Linear and module.bias is None and split:
-                module.__class__ = CPULinear
-                record.split_linears += 1
+        linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None]
+        if split == "auto":
+            split = torch.get_num_threads() > 1 and bool(linears)   # one thread: nothing to split
+            if split:
+                record.calibration = calibrate_split(linears)
+                split = record.calibration["split"] < record.calibration["gemm"]
+        for module in linears:   # CPULinear either way: a compiled bf16 row streams (see there)
+            module.__class__ = CPULinear
+            module.split = split
+        record.split_linears = len(linears) if split else 0
         if threads:
             model.register_forward_pre_hook(_one_thread_if_contended, with_kwargs=True)
             model.register_forward_hook(_restore_threads, with_kwargs=True, always_call=True)
@@ -241,6 +291,7 @@ def untune_cpu(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if type(module) is CPULinear:
             module.__class__ = nn.Linear
+            module.__dict__.pop("split", None)
     for hooks, hook in ((model._forward_pre_hooks, _one_thread_if_contended), (model._forward_hooks, _restore_threads)):
         for key in [k for k, h in hooks.items() if h is hook]:
             del hooks[key]
@@ -257,6 +308,6 @@ def describe(model: nn.Module) -> str:
     return record.describe() if record is not None else "CPU tuning: none (plain model)"
 
 
-__all__ = ["CPULinear", "CPUTuning", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "cpu_contended", "decode_threads",
-           "describe", "prefill_threads",
-           "few_row_split", "other_cpu_load", "streaming_matmul", "tune_for_cpu", "untune_cpu"]
+__all__ = ["CPULinear", "CPUTuning", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "calibrate_split", "cpu_contended",
+           "decode_threads", "describe", "few_row_matmul", "few_row_split", "other_cpu_load", "prefill_threads",
+           "streaming_matmul", "tune_for_cpu", "untune_cpu"]

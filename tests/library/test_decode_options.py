@@ -236,7 +236,60 @@ def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_mat
             for shape in ((1, 1, 8), (8,), (3, 1, 8)):
                 assert lin(torch.randn(shape)).shape == (*shape[:-1], 6)
         lin(torch.randn(1, 8))                     # grad enabled: a training graph keeps F.linear
-    assert seen == [(1, 1, 8), (8,)]
+        assert seen == [(1, 1, 8), (8,)]
+        lin.split = False                          # calibrated off: fp32 rows go to F.linear, bf16 rows stream
+        with torch.no_grad():
+            lin(torch.randn(1, 8))
+            assert seen == [(1, 1, 8), (8,)]
+            lin.to(torch.bfloat16)(torch.randn(1, 8, dtype=torch.bfloat16))
+    assert seen == [(1, 1, 8), (8,), (1, 8)]
+
+
+@pytest.mark.parametrize("split_ms, gemm_ms, threads, splits", [(1.0, 2.0, 2, True), (2.0, 1.0, 2, False),
+                                                                (1.0, 2.0, 1, False)])
+def test_tune_for_cpu_keeps_the_few_row_split_only_where_it_measured_faster(monkeypatch, split_ms, gemm_ms, threads,
+                                                                              splits):
+    """split="auto" (the default) follows `calibrate_split`'s timing on the model's own linears (one
+    thread: nothing to split, nothing timed); either way every linear is a `CPULinear` computing x W^T,
+    and describe() says what was measured and chosen."""
+    from cs336_inference import cpu_tuning
+    from cs336_inference.timing import num_threads
+
+    plain = _model()
+    timed = []
+    monkeypatch.setattr(cpu_tuning, "calibrate_split", lambda linears, rounds=5: timed.append(len(linears)) or
+                        {"split": split_ms / 1e3, "gemm": gemm_ms / 1e3})
+    monkeypatch.setattr(cpu_tuning, "cpu_contended", lambda threshold=0.5: False)
+    with num_threads(threads):
+        tuned = cpu_tuning.tune_for_cpu(copy.deepcopy(plain))
+        linears = [m for m in tuned.modules() if isinstance(m, torch.nn.Linear)]
+        assert {type(m) for m in linears} == {cpu_tuning.CPULinear} and {m.split for m in linears} == {splits}
+        assert timed == ([len(linears)] if threads > 1 else [])
+        text = cpu_tuning.describe(tuned)
+        assert ("linears split" in text) == splits and ("no few-row split" in text) == (threads > 1 and not splits)
+        if threads > 1:
+            assert f"{split_ms:.1f} ms split vs {gemm_ms:.1f} ms F.linear" in text
+        calls = []
+        monkeypatch.setattr(torch, "bmm", lambda *a: calls.append(1) or torch.ops.aten.bmm(*a))
+        x = torch.randn(1, 1, 64)
+        with torch.no_grad():
+            for m in linears[:3]:
+                torch.testing.assert_close(m(x), x @ m.weight.T, rtol=0, atol=1e-5)
+        assert bool(calls) == splits           # the split runs through bmm; F.linear does not
+
+
+def test_calibrate_split_times_both_kernels_over_every_linear(monkeypatch):
+    """Both kernels are timed on every weight, once per round after a warm-up round, alternating."""
+    from cs336_inference import cpu_tuning
+
+    linears = [torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 24, bias=False).to(torch.bfloat16)]
+    seen = []
+    monkeypatch.setattr(cpu_tuning.F, "linear", lambda x, w: seen.append(("gemm", x.dtype, w.shape)) or x @ w.T)
+    monkeypatch.setattr(cpu_tuning, "few_row_matmul", lambda x, w: seen.append(("split", x.dtype, w.shape)) or x @ w.T)
+    times = cpu_tuning.calibrate_split(linears, rounds=3)
+    assert set(times) == {"gemm", "split"} and all(t >= 0 for t in times.values())
+    one_round = [(k, lin.weight.dtype, lin.weight.shape) for k in ("gemm", "split") for lin in linears]
+    assert seen == one_round * 4
 
 
 def test_decode_threads_drops_to_one_thread_only_under_contention(monkeypatch):
@@ -263,7 +316,7 @@ def test_tune_for_cpu_is_opt_in_reversible_and_changes_no_result(monkeypatch):
 
     plain = _model()
     assert {type(m) for m in plain.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
-    tuned = cpu_tuning.tune_for_cpu(cpu_tuning.tune_for_cpu(copy.deepcopy(plain)))   # twice: idempotent
+    tuned = cpu_tuning.tune_for_cpu(cpu_tuning.tune_for_cpu(copy.deepcopy(plain)), split=True)   # twice: idempotent
     assert {type(m) for m in tuned.modules() if isinstance(m, torch.nn.Linear)} == {cpu_tuning.CPULinear}
     assert len(tuned._forward_pre_hooks) == 1 and len(tuned._forward_hooks) == 1
     assert "linears split" in cpu_tuning.describe(tuned) and "one thread" in cpu_tuning.describe(tuned)
