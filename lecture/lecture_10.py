@@ -1077,7 +1077,7 @@ def quantization():
     text(f"Batch-1 decode: {fp32_ms:.1f} ms per token in fp32, {int8_ms:.1f} ms in int8 ({int8_speedup:.1f}x faster).")
     text(f"int4: {int4_ms:.1f} ms ({int4_speedup:.1f}x faster; KL to fp32 {int4_kl:.4f} nats/token on this random-init model).")
     text("Not the full 8x of the bytes: unpacking int4 costs compute, and the rest of the step does not shrink.")
-    compiled = speed[("fp32 compiled", 1)]  # torch.compile'd step: one graph, the linears as streaming loops
+    compiled = speed[("fp32 compiled", 1)]  # torch.compile'd step: one graph, no Python between the kernels
     compiled_ms, compiled_roof = compiled["ms_per_step"], compiled["fraction_of_bandwidth"]  # @inspect compiled_ms compiled_roof
     text(f"Compiling the step removes most of the rest: fp32 {compiled_ms:.1f} ms, {compiled_roof:.0%} of the streaming bandwidth.")
     text(f"(Measured in the same run: {gen['measured_bandwidth_GBps']:.0f} GB/s.) int4 compiled: {speed[('int4 compiled', 1)]['ms_per_step']:.1f} ms.")
