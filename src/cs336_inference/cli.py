@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from . import cli_args as check  # argument types: one-line errors naming the option
-from .fast_path import PRECISIONS, compiled_decode_step, load_for_inference  # light: imports at call time
+# light: the fast path imports torch and the model at call time
+from .fast_path import PRECISIONS, compiled_decode_step, compiled_engine_decode, load_for_inference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -269,6 +270,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "max-num-seqs sequences of min(context, 2048) tokens)")
     p.add_argument("--served-model-name", default=None, type=check.text,
                    help="the name clients send as 'model' (default: --model)")
+    p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: steps that only decode "
+                   "run a torch.compile'd forward where torch can compile, compiled before the server starts)")
     p.set_defaults(seed=0)
 
 
@@ -284,7 +287,15 @@ def _run_serve(args) -> int:
     from .serving.async_engine import AsyncEngine
 
     model, tokenizer, _ = _load_model(args)
-    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks)
+    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                    decode=decode)
+    print(how + (": compiling..." if decode is not None else ""), end="" if decode is not None else "\n",
+          flush=True, file=sys.stderr)
+    if decode is not None:   # before the first client: a batch of one and of several, each its own graph
+        t0 = time.perf_counter()
+        engine.warm_up()
+        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0
@@ -307,6 +318,7 @@ BENCHMARKS: dict[str, str] = {
     "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
     "thread_policy": "OpenMP wait policies, idle vs busy",
     "serving_http": "the engine in process vs behind `serve` (HTTP)",
+    "engine_decode": "SmolLM2 on the serving engine: decode steps eager vs compiled (what `serve` runs)",
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
     "alternatives": "trains attention/window/linear attention/SSD/hybrid on MQAR: recall, state bytes, decode time",
 }

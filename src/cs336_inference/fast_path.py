@@ -4,7 +4,8 @@ step where torch can compile, and a banner saying what runs.
 
 `load_for_inference` is the one loader the CLI's commands share (the HTTP server calls it too);
 `compile_fast` is how this path compiles a decode step (the benchmarks time it too);
-`compiled_decode_step` adds the CPU thread switch and an eager fallback.
+`compiled_decode_step` adds the CPU thread switch and an eager fallback; `compiled_engine_decode`
+does the same for the serving engine's decode-only steps.
 """
 
 from __future__ import annotations
@@ -74,31 +75,73 @@ def compiled_decode_step(model):
     Its kernels are cached on disk (torch's TORCHINDUCTOR_CACHE_DIR), so only the first process pays the
     kernel compile; later ones trace the model again (seconds) and reuse them. On a CPU each step runs under
     `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
-    import contextlib
-    import os
+    if why_not := _cannot_compile(model):
+        return None, why_not
+    step = _with_fallback(model, compile_fast(model), lambda ids, cache: model(ids[:, None], cache=cache)[:, -1])
+    what = "compiled decode, CUDA graphs" if model.device.type == "cuda" else "compiled decode"
+    return step, f"{what} (kernels cached in {_kernel_cache()})"
+
+
+def compiled_engine_decode(model):
+    """(decode(token_ids (1, B), step) -> logits (B, V), what it is) for `serving.Engine(decode=...)`, or
+    (None, why not): the engine's decode-only steps (one new token per sequence, over the paged cache)
+    through one `torch.compile`d forward with dynamic shapes, so the batch size and the context length
+    are symbols. No CUDA graphs: the shapes change from step to step. Same thread switch, fallback and
+    kernel cache as `compiled_decode_step`."""
+    import torch
+
+    from .generation.compiled import compile_settings
+
+    if why_not := _cannot_compile(model):
+        return None, why_not
+    from torch.fx.experimental import _config as shapes
+
+    options = {} if model.device.type == "cuda" else {"options": {"cpp_wrapper": True}}
+    compiled = torch.compile(model, **compile_settings(**options))
+
+    def run(ids, step):
+        # No "duck sizing": sizes that happen to be equal while tracing (the blocks in a table and the KV
+        # heads, say) would become one symbol, and a later step where they differ would compile again.
+        with shapes.patch(use_duck_shape=False):
+            return compiled(ids, step=step, last_only=True)[0]
+
+    decode = _with_fallback(model, run, lambda ids, step: model(ids, step=step, last_only=True)[0])
+    return decode, f"compiled decode steps (kernels cached in {_kernel_cache()})"
+
+
+def _cannot_compile(model) -> str | None:
+    """Why torch.compile cannot run `model` here, or None."""
     import shutil
 
     if model.device.type == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
-        return None, "eager decode (torch.compile needs a C++ compiler on a CPU)"
+        return "eager decode (torch.compile needs a C++ compiler on a CPU)"
     if model.device.type not in ("cpu", "cuda"):
-        return None, f"eager decode (no torch.compile backend set up for {model.device.type})"
+        return f"eager decode (no torch.compile backend set up for {model.device.type})"
+    return None
+
+
+def _kernel_cache() -> str:
+    import os
+
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's inductor cache folder")
+
+
+def _with_fallback(model, compiled, eager):
+    """`compiled(*args)` under the CPU thread switch; after a compiler failure (said once) `eager(*args)`."""
+    import contextlib
+
     from .cpu_tuning import decode_threads
 
-    cuda = model.device.type == "cuda"
-    step = compile_fast(model)
-    threads = contextlib.nullcontext if cuda else decode_threads
+    threads = contextlib.nullcontext if model.device.type == "cuda" else decode_threads
     failed = []
 
-    def decode(token_ids, cache):
+    def run(*args):
         with threads():
             if not failed:
                 try:
-                    return step(token_ids, cache)
-                except Exception as error:   # a compiler failure: say so once, then decode eagerly
+                    return compiled(*args)
+                except Exception as error:   # a compiler failure: say so once, then run eagerly
                     failed.append(error)
                     print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
-            return model(token_ids[:, None], cache=cache)[:, -1]
-
-    what = "compiled decode, CUDA graphs" if cuda else "compiled decode"
-    where = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's inductor cache folder")
-    return decode, f"{what} (kernels cached in {where})"
+            return eager(*args)
+    return run

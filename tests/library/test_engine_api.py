@@ -245,3 +245,77 @@ def test_a_forward_that_raises_leaves_the_engine_consistent(model, text):
     assert not engine.has_unfinished() and engine.stats()["kv_blocks_used"] == 0
     rid = engine.add_request(prompt, SamplingParams(max_tokens=8))
     assert _drain(engine)[(rid, 0)][0] == _generate(model, prompt, 8)
+
+
+def _staggered(engine, text) -> dict:
+    """Three greedy requests, the later ones joining while the first decodes: decode-only steps of one
+    sequence and of several, and steps that mix a prefill with decodes."""
+    params = SamplingParams(max_tokens=12)
+    engine.add_request(text[100:123], params, request_id="a")
+    for _ in range(4):
+        engine.step()
+    engine.add_request(text[500:505], params, request_id="b")   # a prompt inside one block
+    engine.add_request(text[900:940], params, request_id="c")
+    return {key: tokens for key, (tokens, _) in _drain(engine).items()}
+
+
+def test_a_decode_callable_runs_exactly_the_decode_only_steps_past_one_block(model, text):
+    """Engine(decode=...) hands the steps that only decode, once the tables span more than one block, to
+    `decode(token_ids (1, B), step)`; every other step runs the model. With the model's own forward as
+    `decode`, every token equals a plain engine's."""
+    seen = []
+
+    def decode(token_ids, step):
+        seen.append((token_ids.shape[1], step.layout.num_queries))
+        return model(token_ids, step=step, last_only=True)[0]
+
+    plain = Engine(model, block_size=8, max_num_seqs=4)
+    routed = Engine(model, block_size=8, max_num_seqs=4, decode=decode)
+    want = _staggered(plain, text)
+    steps = []
+    runner_execute = routed.runner.execute
+
+    def execute(batch, manager):
+        before = len(seen)
+        out = runner_execute(batch, manager)
+        contexts = [manager.table(s.seq_id).num_tokens for s in batch.decodes]
+        steps.append((len(batch.prefills), contexts, len(seen) > before))
+        return out
+
+    routed.runner.execute = execute
+    assert _staggered(routed, text) == want
+    for prefills, contexts, used in steps:
+        assert used == (prefills == 0 and max(contexts) > 8), (prefills, contexts, used)
+    batch_sizes = {B for B, _ in seen}
+    assert 1 in batch_sizes and max(batch_sizes) > 1            # alone, and beside others
+    assert all(B == queries for B, queries in seen)             # one token per sequence
+    with pytest.raises(TypeError, match="decode must be None or a callable"):
+        Engine(model, decode="compiled")
+
+
+def test_warm_up_leaves_an_idle_empty_engine(model, text):
+    engine = Engine(model, block_size=8, max_num_seqs=4)
+    free = engine.manager.num_free_blocks
+    engine.warm_up()
+    assert not engine.has_unfinished() and engine.manager.num_free_blocks == free and engine.stats()["running"] == 0
+    assert _staggered(engine, text) == _staggered(Engine(model, block_size=8, max_num_seqs=4), text)
+    engine.add_request(text[:10], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.warm_up()
+
+
+@pytest.mark.slow
+def test_compiled_engine_decode_matches_the_eager_engine(model, text):
+    """The fast path's compiled decode (`serve`'s default): the same greedy tokens as the eager engine,
+    after a warm-up that compiled both graphs (one sequence, several), with no recompilation after it."""
+    from cs336_inference.fast_path import compiled_engine_decode
+
+    torch._dynamo.reset()
+    decode, how = compiled_engine_decode(model)
+    if decode is None:
+        pytest.skip(how)
+    compiled = Engine(model, block_size=8, max_num_seqs=4, decode=decode)
+    compiled.warm_up()
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert _staggered(compiled, text) == _staggered(Engine(model, block_size=8, max_num_seqs=4), text)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames   # no new graph after the warm-up

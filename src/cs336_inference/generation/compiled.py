@@ -78,6 +78,18 @@ def static_decode(model, token_ids: torch.Tensor, position: torch.Tensor, cache:
     return model(token_ids, step=StaticDecodeStep(cache, position))
 
 
+def compile_settings(**compile_options) -> dict:
+    """`torch.compile`'s keyword arguments for a decode step: fullgraph=True, dynamic=True (False for
+    mode="reduce-overhead": a CUDA graph replays fixed shapes) and, where torch can filter guards, no
+    guard on the global state; `options` given here add to inductor's options, the rest override."""
+    static = compile_options.get("mode") == "reduce-overhead"
+    options = dict(fullgraph=True, dynamic=not static)
+    inductor = compile_options.pop("options", {})
+    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
+        inductor = {"guard_filter_fn": _without_global_state} | inductor   # (older: a thread switch recompiles)
+    return options | compile_options | ({"options": inductor} if inductor else {})
+
+
 def compile_decode(model, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
@@ -89,11 +101,7 @@ def compile_decode(model, **compile_options):
     checks the cache.
     """
     static = compile_options.get("mode") == "reduce-overhead"
-    options = dict(fullgraph=True, dynamic=not static)
-    inductor = compile_options.pop("options", {})
-    if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
-        inductor = {"guard_filter_fn": _without_global_state} | inductor   # (older: a thread switch recompiles)
-    options |= compile_options | ({"options": inductor} if inductor else {})
+    options = compile_settings(**compile_options)
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     else:

@@ -51,11 +51,13 @@ from .sequence import Sequence, SequenceStatus
 
 
 class Engine:
-    """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields."""
+    """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields;
+    `decode` runs the steps that only decode (see `ModelRunner`; the CLI's `serve` passes a compiled one)."""
 
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
                  clock: Callable[[], float] | None = None,
-                 step_time: Callable[[ScheduledBatch], float] | None = None, **overrides):
+                 step_time: Callable[[ScheduledBatch], float] | None = None, decode: Callable | None = None,
+                 **overrides):
         _checks.instance("model", model, TransformerLM, "a TransformerLM (e.g. load_pretrained('target'))")
         if config is not None:
             _checks.instance("config", config, EngineConfig)
@@ -76,9 +78,9 @@ class Engine:
                                                 kv_budget_bytes=c.kv_budget_bytes,
                                                 default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
         if c.kv_layout == "contiguous":  # the same token slots, one slot per "block"
-            self.runner = ModelRunner(model, num_blocks * c.block_size, block_size=1)
+            self.runner = ModelRunner(model, num_blocks * c.block_size, block_size=1, decode=decode)
         else:
-            self.runner = ModelRunner(model, num_blocks, c.block_size)
+            self.runner = ModelRunner(model, num_blocks, c.block_size, decode=decode)
         self._clock = clock
         self._step_time = step_time
         self._request_ids = itertools.count()
@@ -198,6 +200,22 @@ class Engine:
                     del self._live[seq.request.request_id]
         self.last_step = self._record(batch, start, end, padding)
         return outputs
+
+    def warm_up(self) -> None:
+        """Serve two short requests, the second joining while the first decodes, then empty the engine
+        (queues, KV memory, prefix cache): a compiled `decode` compiles its graphs now, for one sequence
+        and for several (torch compiles a batch of one apart), not under the first clients."""
+        if self.scheduler.has_unfinished() or self._live:
+            raise RuntimeError("warm_up() needs an idle engine: finish or abort the requests added with add_request")
+        prompt_len = self.manager.block_size + 2      # past one block: the steps `decode` runs
+        params = SamplingParams(max_tokens=6)
+        self.add_request([0] * prompt_len, params)
+        for _ in range(3):                             # its prefill, then decode steps alone
+            self.step()
+        self.add_request([1] * prompt_len, params)
+        while self.has_unfinished():
+            self.step()
+        self._reset()
 
     def stats(self) -> dict:
         """What a /metrics endpoint shows: requests running and waiting, KV blocks used and total."""

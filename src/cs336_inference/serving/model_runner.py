@@ -16,9 +16,17 @@ from .scheduler import ScheduledBatch
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int):
+    """decode: None, or `decode(token_ids (1, B), step) -> logits (B, V)` to run the steps that only decode
+    (a compiled forward: `fast_path.compiled_engine_decode`) once the step's block tables span more than
+    one block (torch would compile a graph of its own for tables of one block: it specializes sizes of
+    1). Steps with a prefill run the model eagerly: their shapes vary most."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, decode=None):
+        if decode is not None and not callable(decode):
+            raise TypeError(f"decode must be None or a callable (token_ids, step) -> logits, got {decode!r}")
         self.model = model
         self.cache = PagedKVCache(model, num_blocks, block_size)
+        self.decode = decode
 
     @staticmethod
     def num_blocks_for(model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
@@ -64,6 +72,8 @@ class ModelRunner:
         self.check_step(ids, context_lens)
         step = self.cache.step(tables, context_lens, query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
+        if self.decode is not None and not batch.prefills and max(context_lens) > self.cache.block_size:
+            return self.decode(token_ids, step)                               # (B, V)
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
 
     def check_step(self, ids: list[int], context_lens: list[int]) -> None:
