@@ -109,6 +109,9 @@ def timed_compiled_step(model, switch: bool = True):
     return decode
 
 
+# Each compiled variant is another graph of TransformerLM.forward (two: batch 1 is compiled apart), more
+# than dynamo's default limit of 8 per function allows with the real model's five.
+@torch._dynamo.config.patch(recompile_limit=4 * len(COMPILED))
 def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
     (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
