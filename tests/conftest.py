@@ -60,9 +60,7 @@ def git_tree_unchanged():
 
 # `serve --model target`, launched as soon as collection shows a test needs it, so it boots (torch,
 # the model, the engine: a few seconds of one core) while the tests before that run.
-# Eager decode: these tests check the HTTP semantics; the compiled decode is checked on the engine itself
-# (test_engine_api), where a test waits for the compiler instead of a server's readiness deadline.
-TOY_SERVER_ARGS = ("target", "--max-num-seqs", "64", "--no-compile")
+TOY_SERVER_ARGS = ("target", "--max-num-seqs", "64")
 _early_servers: dict = {}
 
 

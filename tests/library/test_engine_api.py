@@ -306,7 +306,7 @@ def test_warm_up_leaves_an_idle_empty_engine(model, text):
 
 @pytest.mark.slow
 def test_compiled_engine_decode_matches_the_eager_engine(model, text):
-    """The fast path's compiled decode (`serve`'s default): the same greedy tokens as the eager engine,
+    """The fast path's compiled decode (`serve --compile`): the same greedy tokens as the eager engine,
     after a warm-up that compiled both graphs (one sequence, several), with no recompilation after it."""
     from cs336_inference.fast_path import compiled_engine_decode
 

@@ -206,7 +206,7 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
         pytest.skip(real_model_missing("smollm2-135m"))
     model, tokenizer = load_pretrained("smollm2-135m").eval(), load_tokenizer("smollm2-135m")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    with running_server("smollm2-135m", "--max-num-seqs", "4", "--no-compile", server_class=Server) as server:
+    with running_server("smollm2-135m", "--max-num-seqs", "4", server_class=Server) as server:
         client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
                                                 temperature=0, stream=True)

@@ -2,8 +2,8 @@
 
 SmolLM2-135M loaded the way `serve` loads it (`fast_path.load_for_inference`: the published int4 blocks,
 the CPU tuning, every core). B greedy requests on real prompts, admitted together, each decoding
-`new_tokens` tokens: the engine eagerly (`serve --no-compile`) and with `compiled_engine_decode`
-(`serve`'s default), alternated round by round. A step's time is its `StepRecord` span (schedule, run,
+`new_tokens` tokens: the engine eagerly (`serve`'s default) and with `compiled_engine_decode`
+(`serve --compile`), alternated round by round. A step's time is its `StepRecord` span (schedule, run,
 sample, postprocess) over the steps that only decode; tokens/s = B / that time. Both give the same tokens.
 """
 

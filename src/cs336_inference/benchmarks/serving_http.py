@@ -114,7 +114,7 @@ def measure(run, concurrency: int = 32, repeats: int | None = None) -> dict:
     model, tokenizer, source = load_pretrained("target").eval(), load_tokenizer("target"), load_corpus("val").tolist()
     load = Workload(NAME, (32, 96), output_len, concurrency, num_requests, seed=1)   # ignore_eos: exact lengths
     load_before, rows = load_avg(), []
-    with running_server("target", "--max-num-seqs", str(concurrency), "--no-compile") as server:   # as in process
+    with running_server("target", "--max-num-seqs", str(concurrency)) as server:
         def modes(requests):
             return {m: partial(one_run, m, model, server.v1, requests, concurrency, tokenizer) for m in MODES}
 
