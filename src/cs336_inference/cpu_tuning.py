@@ -10,7 +10,7 @@ remedies, all host-side facts (thread count, machine load, this BLAS) that the m
   view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode). Whether it helps
   depends on the BLAS, so by default `tune_for_cpu` measures it on the model's own weights (one
   batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
-  it wins (`calibrate_split`): on the Xeon here it lost in fp32 and won in bf16;
+  it wins (`calibrate_split`): on the Xeon here it lost in fp32 and in bf16;
 - streaming matmul: inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
@@ -205,7 +205,7 @@ def calibrate_split(linears: list[nn.Linear], rounds: int = 5) -> dict[str, floa
 class CPUTuning:
     """What `tune_for_cpu` applied to a model (kept on it as `model.cpu_tuning`)."""
 
-    split_linears: int = 0      # full-precision linears made `CPULinear`
+    split_linears: int = 0      # `CPULinear`s that split (every full-precision linear is one)
     threads: bool = False       # decode steps drop to one thread under contention
     calibration: dict | None = None   # split="auto": seconds per batch-1 pass over the weights, per kernel
     previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
