@@ -287,7 +287,8 @@ def _run_serve(args) -> int:
     from .serving.async_engine import AsyncEngine
 
     model, tokenizer, _ = _load_model(args)
-    # Opt in: compiling the paged forward (two graphs, dynamic shapes) took ~8 minutes for SmolLM2 here.
+    # Opt in: compiling the paged forward (two graphs, dynamic shapes) takes minutes for SmolLM2 on a CPU
+    # (`bench engine_decode` records how long).
     decode, how = compiled_engine_decode(model) if args.compile else (None, "eager decode (--compile to compile)")
     engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                     decode=decode)

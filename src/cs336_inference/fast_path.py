@@ -89,13 +89,12 @@ def compiled_engine_decode(model):
     are symbols. No CUDA graphs: the shapes change from step to step. Same thread switch, fallback and
     kernel cache as `compiled_decode_step`."""
     import torch
+    from torch.fx.experimental import _config as shapes
 
     from .generation.compiled import compile_settings
 
     if why_not := _cannot_compile(model):
         return None, why_not
-    from torch.fx.experimental import _config as shapes
-
     options = {} if model.device.type == "cuda" else {"options": {"cpp_wrapper": True}}
     compiled = torch.compile(model, **compile_settings(**options))
 

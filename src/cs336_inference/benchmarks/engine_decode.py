@@ -4,7 +4,8 @@ SmolLM2-135M loaded the way `serve` loads it (`fast_path.load_for_inference`: th
 the CPU tuning, every core). B greedy requests on real prompts, admitted together, each decoding
 `new_tokens` tokens: the engine eagerly (`serve`'s default) and with `compiled_engine_decode`
 (`serve --compile`), alternated round by round. A step's time is its `StepRecord` span (schedule, run,
-sample, postprocess) over the steps that only decode; tokens/s = B / that time. Both give the same tokens.
+sample, postprocess) over the steps that only decode; tokens/s = B / that time. `same_tokens` records
+whether the two gave the same greedy tokens (both compute in bf16 and round differently, so they can part).
 """
 
 from __future__ import annotations
