@@ -270,8 +270,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "max-num-seqs sequences of min(context, 2048) tokens)")
     p.add_argument("--served-model-name", default=None, type=check.text,
                    help="the name clients send as 'model' (default: --model)")
-    p.add_argument("--compile", action="store_true", help="run the steps that only decode through a "
-                   "torch.compile'd forward, compiled before the server starts (minutes on a CPU; default: eager)")
+    p.add_argument("--no-compile", action="store_true", help="run every step eagerly (default: the steps that "
+                   "only decode run torch.compile'd blocks, compiled before the server starts)")
     p.set_defaults(seed=0)
 
 
@@ -287,9 +287,7 @@ def _run_serve(args) -> int:
     from .serving.async_engine import AsyncEngine
 
     model, tokenizer, _ = _load_model(args)
-    # Opt in: compiling the paged forward (two graphs, dynamic shapes) takes minutes for SmolLM2 on a CPU
-    # (`bench engine_decode` records how long).
-    decode, how = compiled_engine_decode(model) if args.compile else (None, "eager decode (--compile to compile)")
+    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
     engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                     decode=decode)
     print(how + (": compiling..." if decode is not None else ""), end="" if decode is not None else "\n",

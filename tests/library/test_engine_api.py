@@ -306,8 +306,9 @@ def test_warm_up_leaves_an_idle_empty_engine(model, text):
 
 @pytest.mark.slow
 def test_compiled_engine_decode_matches_the_eager_engine(model, text):
-    """The fast path's compiled decode (`serve --compile`): the same greedy tokens as the eager engine,
-    after a warm-up that compiled both graphs (one sequence, several), with no recompilation after it."""
+    """The fast path's compiled decode (`serve`'s default): the same greedy tokens as the eager engine,
+    after a warm-up that compiled one graph for a single sequence and one for several, shared by every
+    block (not one per layer), with no recompilation after it and the model's blocks left eager."""
     from cs336_inference.fast_path import compiled_engine_decode
 
     torch._dynamo.reset()
@@ -315,7 +316,34 @@ def test_compiled_engine_decode_matches_the_eager_engine(model, text):
     if decode is None:
         pytest.skip(how)
     compiled = Engine(model, block_size=8, max_num_seqs=4, decode=decode)
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     compiled.warm_up()
     frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert len(model.layers) > 2 and frames - before == 2      # every layer runs the same two graphs
     assert _staggered(compiled, text) == _staggered(Engine(model, block_size=8, max_num_seqs=4), text)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames   # no new graph after the warm-up
+    assert not any("forward" in vars(block) for block in model.layers)
+
+
+def test_compiled_engine_decode_falls_back_to_eager_and_restores_the_blocks(model, text, monkeypatch, capsys):
+    """A compiler failure inside a decode step: said once, the step and the rest run eagerly with the same
+    tokens, and no block keeps the compiled forward (the model is the user's)."""
+    from cs336_inference import fast_path
+
+    calls = []
+
+    def broken_compile(fn, **options):
+        def run(*args):
+            calls.append(args[0])
+            raise RuntimeError("inductor failed")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    decode, how = fast_path.compiled_engine_decode(model)
+    if decode is None:
+        pytest.skip(how)
+    got = _staggered(Engine(model, block_size=8, max_num_seqs=4, decode=decode), text)
+    assert len(calls) == 1 and calls[0] is model.layers[0]   # the first block, then eagerly from there
+    assert "torch.compile failed (RuntimeError)" in capsys.readouterr().err
+    assert got == _staggered(Engine(model, block_size=8, max_num_seqs=4), text)
+    assert not any("forward" in vars(block) for block in model.layers)

@@ -52,7 +52,7 @@ from .sequence import Sequence, SequenceStatus
 
 class Engine:
     """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields;
-    `decode` runs the steps that only decode (see `ModelRunner`; `serve --compile` passes a compiled one)."""
+    `decode` runs the steps that only decode (see `ModelRunner`; `serve` passes a compiled one)."""
 
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
                  clock: Callable[[], float] | None = None,
