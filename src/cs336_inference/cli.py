@@ -179,7 +179,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
 def _run_generate(args) -> int:
     import time
 
-    from .generation import TextStream, extend, stream
+    from .generation import ConversationCache, TextStream, extend, stream
     from .generation.chat import TurnStats
 
     model, tokenizer, generator = _load_model(args)
@@ -193,9 +193,10 @@ def _run_generate(args) -> int:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
-    print(how, file=sys.stderr)
+    conversation = ConversationCache(model, room, decode)
+    _compile_first(how, decode, conversation.warm_up)   # before the clock starts: the stats are decode speed
     t0 = time.perf_counter()
-    cache = model.new_cache(1, room)
+    cache = conversation.cache
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
     sampling = _sampling(args, generator)
     sampling["max_new_tokens"] = room - len(ids)
@@ -208,6 +209,19 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _compile_first(how: str, decode, warm_up) -> None:
+    """Say how the model decodes; with a compiled `decode`, compile it now (`warm_up()`), timed."""
+    import time
+
+    if decode is None:
+        print(how, file=sys.stderr)
+        return
+    print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
+    t0 = time.perf_counter()
+    warm_up()
+    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+
+
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
@@ -216,7 +230,6 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
-    import time
 
     from .generation import ConversationCache
     from .serving import ChatSession
@@ -227,11 +240,7 @@ def _run_chat(args) -> int:
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
     max_seq_len = min(model.config.context_length, 2048)
     conversation = ConversationCache(model, max_seq_len, decode)
-    if decode is not None:
-        print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
-        t0 = time.perf_counter()
-        conversation.warm_up()
-        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    _compile_first(how, decode, conversation.warm_up)
     session = ChatSession(model, tokenizer, system=args.system, max_seq_len=max_seq_len, streams=conversation)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p)
@@ -290,12 +299,7 @@ def _run_serve(args) -> int:
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
     engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                     decode=decode)
-    print(how + (": compiling..." if decode is not None else ""), end="" if decode is not None else "\n",
-          flush=True, file=sys.stderr)
-    if decode is not None:   # before the first client: a batch of one and of several, each its own graph
-        t0 = time.perf_counter()
-        engine.warm_up()
-        print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    _compile_first(how, decode, engine.warm_up)   # before the first client: one sequence and several
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0

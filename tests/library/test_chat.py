@@ -159,6 +159,26 @@ def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
     assert out.count("TTFT") == 2 and "reused from the KV cache" in out
 
 
+def test_generate_compiles_before_the_clock_starts(capsys, monkeypatch):
+    """`generate` runs its compiled step once on a throwaway token before it prefills the prompt and starts
+    the clock, as `chat` does, so the compile does not count as decode time (the stats line is decode speed)."""
+    from cs336_inference import cli
+
+    first_calls = []
+
+    def fake_compiled(model):
+        def decode(token_ids, cache):
+            first_calls.append(cache.length)
+            return model(token_ids[:, None], cache=cache)[:, -1]
+        return decode, "fake compiled decode"
+
+    monkeypatch.setattr(cli, "compiled_decode_step", fake_compiled)
+    assert cli.main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", "5"]) == 0
+    err = capsys.readouterr().err
+    assert "fake compiled decode: compiling... done in" in err and "5 tokens" in err
+    assert first_calls[0] == 1 and len(first_calls) == 1 + 4   # the warm-up's step on one token, then the answer's
+
+
 def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
     from cs336_inference.fast_path import load_for_inference
 
