@@ -230,7 +230,6 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_chat(args) -> int:
-
     from .generation import ConversationCache
     from .serving import ChatSession
 

@@ -88,11 +88,10 @@ def compiled_engine_decode(model):
     (None, why not): the engine's decode-only steps (one new token per sequence, over the paged cache)
     with every transformer block `torch.compile`d ("regional" compilation). The blocks share one code
     path and the same shapes, so all of them run one compiled graph (one for a single sequence, one for
-    several): compiling costs one block's worth (~20 s for SmolLM2 here), where compiling the whole
-    paged forward took many minutes. Dynamic shapes: the batch size and the context length are symbols;
-    no CUDA graphs, since the shapes change from step to step. The embedding, the final norm and the
-    head stay eager (one kernel each). Same thread switch, fallback and kernel cache as
-    `compiled_decode_step`."""
+    several): compiling costs one block's worth, not the whole paged forward's (`bench engine_decode`
+    records how long). Dynamic shapes: the batch size and the context length are symbols; no CUDA
+    graphs, since the shapes change from step to step. The embedding, the final norm and the head stay
+    eager. Same thread switch, fallback and kernel cache as `compiled_decode_step`."""
     import contextlib
 
     import torch
