@@ -10,7 +10,7 @@ remedies, all host-side facts (thread count, machine load, this BLAS) that the m
   view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode). Whether it helps
   depends on the BLAS, so by default `tune_for_cpu` measures it on the model's own weights (one
   batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
-  it wins (`calibrate_split`): on the Xeon here it lost in fp32 and in bf16;
+  it wins (`calibrate_split`; `describe` prints what it measured);
 - streaming matmul: inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
@@ -65,7 +65,7 @@ def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (...,
 
     Eagerly this would materialise a (d_out, M, d_in) product; under `torch.compile` the multiply and
     the sum fuse into one vectorised loop over W's rows, split across all threads, that reads each
-    weight once, where MKL's matrix-vector kernel runs on one thread. Used for one row only: with a
+    weight once, where some BLAS builds run a matrix-vector product on one thread. Used for one row only: with a
     batch size that the graph keeps symbolic, the generated loop over M is not vectorised and runs far
     slower than a gemm. Accumulates in fp32 (bf16 weights are upcast inside the loop); the summation
     order differs from a gemm's, so results equal `F.linear`'s to rounding, not bit for bit.
