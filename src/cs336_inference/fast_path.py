@@ -62,12 +62,13 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
 def compile_fast(model):
     """`generation.compile_decode(model)` as the fast path compiles it (the benchmarks time this too):
     CUDA graphs on a GPU; on a CPU, inductor's wrapper in C++, because the generated Python that calls
-    the step's ~150 kernels and allocates their outputs costs a few ms per step."""
+    the step's ~150 kernels and allocates their outputs costs a few ms per step, and `frozen=True`:
+    the fast path never changes its model once loaded, so the step guards on its inputs only."""
     from .generation.compiled import compile_decode
 
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
-    return compile_decode(model, options={"cpp_wrapper": True})
+    return compile_decode(model, frozen=True, options={"cpp_wrapper": True})
 
 
 def compiled_decode_step(model):

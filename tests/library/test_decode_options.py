@@ -130,6 +130,49 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
 
 
+@pytest.mark.slow
+def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
+    """`fast_path.compile_fast` (CPU) drops the guards on the model and keeps those on the ids and the
+    cache: the guards it keeps name no module of the model, and the cache's tensors are among them.
+    Each step still equals eager decoding, compiles a new graph for a new batch size (a cache guard
+    fails) rather than running the batch-1 graph on it, and two models compiled in one process (one
+    of them int8, with other modules) never run each other's graphs."""
+    from cs336_inference import fast_path
+    from cs336_inference.generation import compiled
+
+    decided = []
+
+    def recording(entries):
+        keep = compiled_filter(entries)
+        decided.extend((entry.name, kept) for entry, kept in zip(entries, keep))
+        return keep
+
+    compiled_filter = compiled.without_model_guards
+    monkeypatch.setattr(compiled, "without_model_guards", recording)
+    torch._dynamo.reset()
+    plain = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
+    int8 = adapters.run_quantize_model(_model(), "rtn", bits=8, group_size=None, symmetric=True)
+    steps = {model: fast_path.compile_fast(model) for model in (plain, int8)}
+    # the int8 kernel takes bf16 activations, which inductor rounds at other points than eager does
+    tolerance = {plain: 1e-5, int8: 3e-2}
+    for B in (1, 3):
+        for model, step in steps.items():
+            ids = torch.randint(0, 97, (B, 12))
+            eager_cache, cache = adapters.make_kv_cache(model, B, 16), adapters.make_kv_cache(model, B, 16)
+            with torch.no_grad():
+                adapters.run_model(model, ids[:, :8], eager_cache)
+                adapters.run_model(model, ids[:, :8], cache)
+                for t in range(8, 12):
+                    expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
+                    torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=tolerance[model])
+    kept = [name for name, keep in decided if keep]
+    dropped = [name for name, keep in decided if not keep]
+    on_model = [name for name in kept if "._modules[" in name or "._parameters[" in name]
+    assert not on_model, f"guards on the model were kept: {on_model[:3]}"
+    assert any("._modules[" in name for name in dropped)
+    assert any(name.startswith("cache.layers[0].k") for name in kept) and "ids" in kept
+
+
 @pytest.mark.parametrize("variant", ["gqa", "cla"])
 def test_the_static_decode_step_of_cuda_graphs_equals_the_plain_step(variant):
     """What `compile_decode(mode="reduce-overhead")` records, run eagerly: the position as a device tensor,

@@ -10,6 +10,9 @@ torch's global state flags (`GLOBAL_STATE`: the thread count, autocast, TF32 swi
 that runs some steps on one thread (`cpu_tuning.decode_threads`) does not recompile the graph, tens
 of seconds on a CPU. The compiled kernels read the thread count when they run. Grad mode, dtypes
 and shapes still guard. The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
+Before each call dynamo checks the graph's guards, hundreds of them on a real model's modules; a
+caller whose model stays as it is once compiled (the CLI's fast path) passes `frozen=True`, and only
+the step's inputs (the ids and the cache) are checked.
 
 `mode="reduce-overhead"` adds CUDA graphs: the GPU replays the step's recorded kernels in one launch.
 A recording replays fixed kernels on fixed addresses, so that step must not change shape or read a
@@ -20,6 +23,7 @@ marked as static addresses); the host-side length advances after the graph has r
 
 from __future__ import annotations
 
+import types
 import weakref
 
 import torch
@@ -31,6 +35,20 @@ from ..model.kv_cache import ContiguousKVCache, ForwardStep, KVCache, unique_lay
 def _without_global_state(entries) -> list[bool]:
     """Keep every guard but the one on torch's global flags (it includes the thread count)."""
     return [entry.guard_type != "GLOBAL_STATE" for entry in entries]
+
+
+def without_model_guards(entries) -> list[bool]:
+    """Keep only the guards on the step's inputs (the ids and the cache): drop the global-state guard
+    and every guard on the model's modules, for a model that nobody changes once it is compiled. A
+    guard is a check that dynamo runs before every call to see whether the graph still applies; on a
+    real model there are hundreds on its modules (each weight's shape, dtype and identity, each
+    attribute the forward read), checked at every decode step. Weights changed in place are read at
+    each call, but a model changed otherwise after compiling (weights of another shape or dtype,
+    another attention kernel) would silently run the old graph: compile it again."""
+    keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+    # also: whether someone marked a cache tensor's dims dynamic by hand (five checks per tensor; nobody does)
+    dropped = ("GLOBAL_STATE", "DIMENSION_DYNAMIC_MARKING_GUARD")
+    return [kept and entry.guard_type not in dropped for entry, kept in zip(entries, keep)]
 
 
 class _StaticLayer:
@@ -78,32 +96,46 @@ def static_decode(model, token_ids: torch.Tensor, position: torch.Tensor, cache:
     return model(token_ids, step=StaticDecodeStep(cache, position))
 
 
-def compile_settings(**compile_options) -> dict:
+def compile_settings(frozen: bool = False, **compile_options) -> dict:
     """`torch.compile`'s keyword arguments for a decode step: fullgraph=True, dynamic=True (False for
     mode="reduce-overhead": a CUDA graph replays fixed shapes) and, where torch can filter guards, no
-    guard on the global state; `options` given here add to inductor's options, the rest override."""
+    guard on the global state (`frozen`: none on the model either, `without_model_guards`); `options`
+    given here add to inductor's options, the rest override."""
     static = compile_options.get("mode") == "reduce-overhead"
     options = dict(fullgraph=True, dynamic=not static)
     inductor = compile_options.pop("options", {})
     if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe") and not static:   # torch >= 2.7
-        inductor = {"guard_filter_fn": _without_global_state} | inductor   # (older: a thread switch recompiles)
+        keep = without_model_guards if frozen else _without_global_state   # (older: a thread switch recompiles)
+        inductor = {"guard_filter_fn": keep} | inductor
     return options | compile_options | ({"options": inductor} if inductor else {})
 
 
-def compile_decode(model, **compile_options):
+def _own_code(fn):
+    """`fn` with a copy of its code object. Dynamo keeps compiled graphs per code object and picks one
+    by its guards; without guards on the model, two models compiled from the same code would share
+    (and run) each other's graphs. A copy per model keeps them apart."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def compile_decode(model, frozen: bool = False, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
     compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
     options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring); an
     `options` dict given here adds to that one (the CLI's fast path adds {"cpp_wrapper": True}).
+    frozen=True promises that `model` does not change once compiled: the step then checks guards on
+    its inputs only (`without_model_guards`), which saves checking hundreds of guards on the model
+    before every step (the CLI's fast path does this).
     mode="reduce-overhead" (CUDA graphs) runs each step as a `StaticDecodeStep` (dynamic=False: one
     recording per batch size). A cache's first forward (its prefill) runs eagerly, where the model
     checks the cache.
     """
     static = compile_options.get("mode") == "reduce-overhead"
-    options = compile_settings(**compile_options)
+    options = compile_settings(frozen, **compile_options)
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
+    elif frozen:
+        compiled = torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options)
     else:
         compiled = torch.compile(model, **options)
     marked = weakref.WeakSet()   # caches whose buffers are marked as static addresses
