@@ -210,3 +210,19 @@ def test_the_chat_command_compiles_its_decode_step_first_and_answers_as_eager(ca
         answers[bool(flags)] = [line for line in out.out.splitlines() if "model>" in line]
         assert ("compiling... done" in out.err) != bool(flags) and out.out.count("TTFT") == 2
     assert answers[False] == answers[True] and len(answers[True]) == 2
+
+
+def test_compiling_first_hides_only_inductors_remark_on_mixed_low_precision(capsys, recwarn):
+    """The warm-up's "compiling... done in" line stays whole: inductor's note that a kernel mixes fp16
+    scales with bf16 activations is dropped, any other warning still reaches the user."""
+    import warnings
+
+    from cs336_inference import cli
+
+    def warm_up():
+        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning)
+        warnings.warn("the cache folder is read-only", UserWarning)
+
+    cli._compile_first("compiled decode", decode=object(), warm_up=warm_up)
+    assert [str(w.message) for w in recwarn] == ["the cache folder is read-only"]
+    assert "compiled decode: compiling... done in" in capsys.readouterr().err
