@@ -220,8 +220,8 @@ def test_compiling_first_hides_only_inductors_remark_on_mixed_low_precision(caps
     from cs336_inference import cli
 
     def warm_up():
-        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning)
-        warnings.warn("the cache folder is read-only", UserWarning)
+        warnings.warn("bf16 and fp16 are mixed in the scheduler node.", UserWarning, stacklevel=1)
+        warnings.warn("the cache folder is read-only", UserWarning, stacklevel=1)
 
     cli._compile_first("compiled decode", decode=object(), warm_up=warm_up)
     assert [str(w.message) for w in recwarn] == ["the cache folder is read-only"]
