@@ -387,3 +387,11 @@ def test_tune_for_cpu_is_opt_in_reversible_and_changes_no_result(monkeypatch):
     back = cpu_tuning.untune_cpu(tuned)
     assert {type(m) for m in back.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
     assert not back._forward_pre_hooks and not back._forward_hooks and not hasattr(back, "cpu_tuning")
+
+
+def test_compile_decode_refuses_a_frozen_flag_that_is_not_a_bool():
+    """`frozen` drops the guards on the model: a truthy string must not switch that on by accident."""
+    from cs336_inference.generation import compile_decode
+
+    with pytest.raises(TypeError, match="frozen"):
+        compile_decode(_model(), frozen="yes")

@@ -28,6 +28,7 @@ import weakref
 
 import torch
 
+from .. import _checks
 from ..model.attention import grouped_attention
 from ..model.kv_cache import ContiguousKVCache, ForwardStep, KVCache, unique_layers
 
@@ -131,7 +132,7 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     checks the cache.
     """
     static = compile_options.get("mode") == "reduce-overhead"
-    options = compile_settings(frozen, **compile_options)
+    options = compile_settings(_checks.boolean("frozen", frozen), **compile_options)
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     elif frozen:
