@@ -121,7 +121,9 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._stopping
+        # a failed step sets `error` before its thread winds down: a caller that has seen the error may
+        # find the thread still alive for a moment, and the engine is dead all the same
+        return self._thread is not None and self._thread.is_alive() and not self._stopping and self.error is None
 
     def stats(self) -> dict:
         """The engine's `stats()` as of its last step (or abort), plus the streams open here."""
