@@ -194,7 +194,7 @@ def _run_generate(args) -> int:
         return 2
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
     conversation = ConversationCache(model, room, decode)
-    _compile_first(how, decode, conversation.warm_up)   # before the clock starts: the stats are decode speed
+    _compile_first(how, decode, conversation.warm_up, model)   # before the clock starts: the stats are decode speed
     t0 = time.perf_counter()
     cache = conversation.cache
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
@@ -209,10 +209,13 @@ def _run_generate(args) -> int:
     return 0
 
 
-def _compile_first(how: str, decode, warm_up) -> None:
-    """Say how the model decodes; with a compiled `decode`, compile it now (`warm_up()`), timed."""
+def _compile_first(how: str, decode, warm_up, model=None) -> None:
+    """Say how the model decodes; with a compiled `decode`, compile it now (`warm_up()`, and the
+    model's compiled prefill dequantization, `warm_dense_prefill`), timed."""
     import time
     import warnings
+
+    from .quantization.dense_prefill import warm_dense_prefill
 
     if decode is None:
         print(how, file=sys.stderr)
@@ -224,6 +227,8 @@ def _compile_first(how: str, decode, warm_up) -> None:
         # remark on its code generation, nothing to act on, and it would break the line above
         warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
         warm_up()
+        if model is not None:
+            warm_dense_prefill(model)
     print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
 
 
@@ -244,7 +249,7 @@ def _run_chat(args) -> int:
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
     max_seq_len = min(model.config.context_length, 2048)
     conversation = ConversationCache(model, max_seq_len, decode)
-    _compile_first(how, decode, conversation.warm_up)
+    _compile_first(how, decode, conversation.warm_up, model)
     session = ChatSession(model, tokenizer, system=args.system, max_seq_len=max_seq_len, streams=conversation)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p)
@@ -303,7 +308,7 @@ def _run_serve(args) -> int:
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
     engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
                     decode=decode)
-    _compile_first(how, decode, engine.warm_up)   # before the first client: one sequence and several
+    _compile_first(how, decode, engine.warm_up, model)   # before the first client: one sequence and several
     name = args.served_model_name or args.model
     run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
     return 0

@@ -1,6 +1,7 @@
 """The model that `chat`, `generate` and `serve` run, set up for speed in one place: which weights
 (`--precision`), the packed kernels they choose, the CPU tuning and thread policy, a compiled decode
-step where torch can compile, and a banner saying what runs.
+step where torch can compile (on a CPU, with an int4 model's prefill dequantization compiled too),
+and a banner saying what runs.
 
 `load_for_inference` is the one loader the CLI's commands share (the HTTP server calls it too);
 `compile_fast` is how this path compiles a decode step (the benchmarks time it too);
@@ -81,7 +82,7 @@ def compiled_decode_step(model):
         return None, why_not
     step = _with_fallback(model, compile_fast(model), lambda ids, cache: model(ids[:, None], cache=cache)[:, -1])
     what = "compiled decode, CUDA graphs" if model.device.type == "cuda" else "compiled decode"
-    return step, f"{what} (kernels cached in {_kernel_cache()})"
+    return step, f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
 
 
 def compiled_engine_decode(model):
@@ -126,7 +127,20 @@ def compiled_engine_decode(model):
             return model(ids, step=step, last_only=True)[0]
 
     decode = _with_fallback(model, run, lambda ids, step: model(ids, step=step, last_only=True)[0])
-    return decode, f"compiled decode steps, one graph for every block (kernels cached in {_kernel_cache()})"
+    return decode, (f"compiled decode steps, one graph for every block{_dense_prefill(model)} "
+                    f"(kernels cached in {_kernel_cache()})")
+
+
+def _dense_prefill(model) -> str:
+    """On a CPU, an int4 model's prefill goes through a compiled dequantization + a dense matmul above
+    `DENSE_ROWS` rows (`quantization.compile_dense_prefill`; `warm_dense_prefill` compiles it): what
+    that adds to the description, or "" where it does not apply."""
+    from .quantization.dense_prefill import DENSE_ROWS, compile_dense_prefill, int4pack_layers
+
+    if model.device.type != "cpu" or not int4pack_layers(model):
+        return ""
+    compile_dense_prefill(model, warm=False)
+    return f", prefill above {DENSE_ROWS} rows: compiled int4 dequantization + dense matmul"
 
 
 def _cannot_compile(model) -> str | None:

@@ -29,6 +29,8 @@ the int4 CPU kernel needs out_features % 16 == 0; `packed_layout` refuses what w
 A packed layout is built once, when a layer is built or moved (`QuantizedLinear`), never per call.
 It serves the few-row matmuls of decode; prefill's many-row matmuls are compute-bound, where these
 kernels are slower than dequantizing once and calling the dtype's dense matmul (`PACKED_MAX_ROWS`).
+An int4pack layer dequantizes to exactly the matrix its kernel multiplies by (`int4pack_dense`), so
+a prompt and the tokens decoded after it see the same weights.
 """
 
 from __future__ import annotations
@@ -196,6 +198,22 @@ def pack_weight(unsigned: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     scales = torch.cat([_int4_scales(16 * s, 128 * s, repeat, dtype),       # 16 s h = (h - 8) 16 s + 128 s
                         _int4_scales(s, c + 8 * s, repeat, dtype)])         # l s + c = (l - 8) s + c + 8 s
     return PackedWeight(layout, weight, scales, g, None)
+
+
+def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int, signed: bool) -> torch.Tensor:
+    """The matrix an int4pack kernel multiplies by, dense: (O, I) in the scales' dtype.
+
+    nibbles (O, I/2) uint8: our two-per-byte codes (`pack_int4`: input 2k in the low nibble, 2k+1 in
+    the high one; two's complement when `signed`, whose unsigned code u = q + 8 flips the top bit).
+    scales (I/group_size, O, 2): the kernel's (scale, zero) pairs, w = (u - 8) * scale + zero. Computed
+    in fp32 and rounded once, as the kernel does: equal to its weights to the bit.
+    """
+    O = nibbles.shape[0]
+    if signed:
+        nibbles = nibbles ^ 0x88
+    u = torch.stack((nibbles & 15, nibbles >> 4), dim=-1).view(O, -1, group_size)   # (O, G, g)
+    scale, zero = (scales[..., i].t().float()[..., None] for i in (0, 1))           # (O, G, 1) each
+    return torch.addcmul(zero - 8 * scale, u.float(), scale).to(scales.dtype).reshape(O, -1)
 
 
 def packed_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:

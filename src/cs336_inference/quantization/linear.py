@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
 from .kernels import (PACKED_MAX_ROWS, PackedWeight, announce_fallback, check_kernel, default_compute_dtype,
-                      pack_weight, packed_layout, packed_matmul)
+                      int4pack_dense, pack_weight, packed_layout, packed_matmul)
 from .fp8 import fp8_dtype, quantize_fp8
 from .llm_int8 import absmax_int8, llm_int8_matmul
 from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
@@ -68,6 +68,9 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("input_scale", None if input_scale is None else input_scale.detach().to(scale_dtype))
         self.register_buffer("bias", _bias(bias, self.out_features))
         self.compute_dtype = compute_dtype
+        # Above `dense_rows` rows (a prefill) the layer dequantizes once and runs a dense matmul, through
+        # `dense_fn` for an int4pack layout (`compile_dense_prefill` swaps in a compiled one and a lower bar)
+        self.dense_rows, self.dense_fn = PACKED_MAX_ROWS, int4pack_dense
         self.kernel = check_kernel(kernel)
         self._packed: PackedWeight | None = None
         self.fallback_reason: str | None = None
@@ -117,6 +120,15 @@ class QuantizedLinear(nn.Module):
         if self.minimum is not None:
             w = w + pick(self.minimum).to(dtype)[..., None]
         return w.flatten(-2)                                                     # (..., I)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """W (O, I) in `dtype` for the dense route. In the kernel's activation dtype (bf16) an int4pack
+        layer returns its kernel's weights to the bit (`int4pack_dense`), so prefill and decode multiply
+        by the same matrix; otherwise (fp32 activations, other layouts) `dequantized_weight`, exact."""
+        packed = self._packed
+        if packed is None or packed.layout != "int4pack" or dtype != packed.scales.dtype:
+            return self.dequantized_weight(dtype)
+        return self.dense_fn(self.qweight, packed.scales, packed.group_size, self.symmetric).to(dtype)
 
     def unsigned_form(self, codes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u, s, c): unsigned codes (O, I) and fp32 scale and offset (O, G) with W_hat = u * s + c
@@ -177,8 +189,9 @@ class QuantizedLinear(nn.Module):
         if self._packed is not None:
             dtype = str(self.compute_dtype or default_compute_dtype(self.qweight.device)).removeprefix("torch.")
             grid = "per channel" if self._packed.layout == "int8pack" else f"g{self._packed.group_size}"
-            return (f"{self._packed.layout} {grid} ({dtype} activations; above {PACKED_MAX_ROWS} rows: "
-                    f"dequantize + dense matmul)")
+            compiled = "compiled " if self.dense_fn is not int4pack_dense else ""
+            return (f"{self._packed.layout} {grid} ({dtype} activations; above {self.dense_rows} rows: "
+                    f"{compiled}dequantize + dense matmul)")
         if self.kernel == "reference":
             return "reference (dequantize + matmul, as asked)"
         return f"reference (dequantize + matmul): {self.fallback_reason or 'not placed on a device yet'}"
@@ -205,8 +218,8 @@ class QuantizedLinear(nn.Module):
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
         packed = self._packed
-        if packed is None or x.numel() > PACKED_MAX_ROWS * self.in_features:   # reference, or prefill-sized
-            return F.linear(x, self.dequantized_weight(x.dtype), _cast(self.bias, x.dtype))
+        if packed is None or x.numel() > self.dense_rows * self.in_features:   # reference, or prefill-sized
+            return F.linear(x, self.dense_weight(x.dtype), _cast(self.bias, x.dtype))
         y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 

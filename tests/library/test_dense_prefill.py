@@ -1,0 +1,167 @@
+"""An int4 layer's dense (prefill) route multiplies by its kernel's own matrix, and the opt-in compiled
+dequantization (`compile_dense_prefill`) changes where that route starts, not what it computes.
+
+Reference: torch's int4pack kernel itself, applied to the identity matrix (row k of I @ W^T is column
+k of W as the kernel sees it, rounded once to bf16 like its output), and the packed matmul on few rows.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from adapters import make_config, make_model, run_quantize_model
+
+from cs336_inference.quantization import QuantizedLinear, SlowKernelWarning, packed_matmul, quantize_tensor
+from cs336_inference.quantization import dense_prefill
+from cs336_inference.quantization.kernels import PACKED_MAX_ROWS, int4pack_dense
+
+CFG = dict(vocab_size=257, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
+
+
+def _layer(kind: str, out_features=48, in_features=192, group_size=32, seed=0) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g)
+    if kind == "min-offset":   # GGUF's Q4_1: w = q * scale + minimum
+        qt = quantize_tensor(w, 4, False, "group", group_size)
+        minimum = -torch.rand(qt.scale.shape, generator=g)
+        return QuantizedLinear(qt, minimum=minimum, out_dtype=torch.float32)
+    granularity = "channel" if group_size is None else "group"
+    return QuantizedLinear(quantize_tensor(w, 4, kind == "symmetric", granularity, group_size), out_dtype=torch.float32)
+
+
+LAYERS = [("symmetric", 32), ("affine", 64), ("min-offset", 32), ("symmetric", None), ("affine", 192)]
+
+
+@pytest.mark.parametrize("kind,group_size", LAYERS)
+def test_int4pack_dense_is_the_kernels_own_matrix(kind, group_size):
+    layer = _layer(kind, group_size=group_size)
+    packed = layer.packed_weight()
+    assert packed.layout == "int4pack"
+    eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
+    kernel_matrix = packed_matmul(eye, packed).T                                   # (O, I)
+    dense = int4pack_dense(layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+    assert dense.dtype == torch.bfloat16 and dense.shape == (layer.out_features, layer.in_features)
+    assert torch.equal(dense, kernel_matrix)
+    # and both are the layer's exact dequantization up to bf16 rounding: of the scale and the zero
+    # (w = (u - 8) * scale + zero, |u - 8| <= 8) and of the result, each relative 2^-8 (bf16)
+    exact = layer.dequantized_weight(torch.float32)
+    _, scale, offset = layer.unsigned_form()
+    per_input = lambda t: t.repeat_interleave(layer.in_features // t.shape[1], dim=1)   # noqa: E731
+    bound = 2 ** -8 * (8 * per_input(scale).abs() + per_input(offset + 8 * scale).abs() + exact.abs())
+    assert bool(((dense.float() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("kind,group_size", LAYERS[:3])
+def test_rows_above_the_bar_take_the_dense_route_below_it_the_kernel(kind, group_size):
+    layer = _layer(kind, group_size=group_size)
+    packed = layer.packed_weight()
+    dense = int4pack_dense(layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+        x = torch.randn(rows, layer.in_features, generator=g).to(torch.bfloat16)
+        expected = F.linear(x, dense) if rows > PACKED_MAX_ROWS else packed_matmul(x, packed)
+        assert torch.equal(layer(x), expected), rows
+    layer.dense_rows = 4                                      # what compile_dense_prefill lowers
+    x = torch.randn(2, 5, layer.in_features, generator=g).to(torch.bfloat16)    # 10 rows
+    assert torch.equal(layer(x), F.linear(x, dense))
+    # fp32 activations above the bar: the exact dequantization, not the kernel's bf16 matrix
+    x = torch.randn(PACKED_MAX_ROWS + 1, layer.in_features, generator=g)
+    assert torch.equal(layer(x), F.linear(x, layer.dequantized_weight(torch.float32)))
+
+
+class _Compiles:
+    """Stands in for torch.compile: counts the functions compiled; `fail` makes each one raise."""
+
+    def __init__(self, fail=False):
+        self.calls, self.fail = 0, fail
+
+    def __call__(self, fn, **options):
+        self.calls += 1
+        assert options == {"fullgraph": True, "dynamic": False}
+
+        def run(*args):
+            if self.fail:
+                raise RuntimeError("no C++ compiler")
+            return fn(*args)
+        return run
+
+
+def _int4_model():
+    model = make_model(make_config(**CFG), seed=0)
+    return run_quantize_model(model, "rtn", 4, 32, symmetric=True).to(torch.bfloat16)
+
+
+def test_compile_dense_prefill_moves_the_bar_and_undo_restores_it(monkeypatch):
+    compiles = _Compiles()
+    monkeypatch.setattr(torch, "compile", compiles)
+    model, plain = _int4_model(), _int4_model()
+    layers = dense_prefill.int4pack_layers(model)
+    assert len(layers) == 2 * 7 and not dense_prefill.int4pack_layers(nn.Linear(4, 4))   # q k v o w1 w2 w3
+    assert dense_prefill.compile_dense_prefill(model, rows=8) is model
+    shapes = {tuple(layer.qweight.shape) for layer in layers}
+    assert compiles.calls == len(shapes)                                        # warmed: one per weight shape
+    assert all(layer.dense_rows == 8 and isinstance(layer.dense_fn, dense_prefill.CompiledDense) for layer in layers)
+    assert "above 8 rows: compiled dequantize + dense matmul" in model.describe()
+    ids = torch.randint(0, CFG["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(2))
+    for layer in dense_prefill.int4pack_layers(plain):
+        layer.dense_rows = 8                                                    # same route, eager dequantization
+    with torch.no_grad():
+        assert torch.equal(model(ids), plain(ids))
+    assert compiles.calls == len(shapes)                                        # nothing compiled twice
+    dense_prefill.undo_dense_prefill(model)
+    assert all(layer.dense_rows == PACKED_MAX_ROWS and layer.dense_fn is int4pack_dense for layer in layers)
+    assert "compiled" not in model.describe()
+
+
+def test_compile_dense_prefill_refuses_bad_options_and_leaves_the_model_alone():
+    model = _int4_model()
+    for bad, error in (({"rows": 0}, ValueError), ({"rows": "64"}, TypeError), ({"rows": True}, TypeError),
+                       ({"warm": "yes"}, TypeError)):
+        with pytest.raises(error, match=next(iter(bad))):
+            dense_prefill.compile_dense_prefill(model, **bad)
+    assert all(layer.dense_fn is int4pack_dense and layer.dense_rows == PACKED_MAX_ROWS
+               for layer in dense_prefill.int4pack_layers(model))
+
+
+def test_a_shape_that_fails_to_compile_is_announced_once_and_dequantized_eagerly(monkeypatch):
+    compiles = _Compiles(fail=True)
+    monkeypatch.setattr(torch, "compile", compiles)
+    layer = _layer("symmetric").to(torch.bfloat16)
+    packed, dense = layer.packed_weight(), dense_prefill.CompiledDense()
+    args = (layer.qweight, packed.scales, packed.group_size, True)
+    with pytest.warns(SlowKernelWarning, match="dequantizing eagerly.*RuntimeError: no C\\+\\+ compiler"):
+        out = dense(*args)
+    assert torch.equal(out, int4pack_dense(*args))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(dense(*args), out)                                   # no second try, no second warning
+    assert compiles.calls == 1
+
+
+@pytest.mark.slow
+def test_the_compiled_dequantization_equals_the_eager_one_bit_for_bit():
+    dense = dense_prefill.CompiledDense()
+    for kind, group_size in LAYERS[:3]:
+        layer = _layer(kind, group_size=group_size)
+        packed = layer.packed_weight()
+        args = (layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+        assert torch.equal(dense(*args), int4pack_dense(*args)), kind
+    assert all(fn is not int4pack_dense for fn in dense.compiled.values())     # each shape compiled for real
+
+
+def test_the_fast_path_applies_it_to_an_int4_model_and_compiles_it_in_the_warm_up(monkeypatch, capsys):
+    from cs336_inference import cli, fast_path
+
+    compiles = _Compiles()
+    monkeypatch.setattr(torch, "compile", compiles)
+    model = _int4_model()
+    how = fast_path._dense_prefill(model)
+    assert how == f", prefill above {dense_prefill.DENSE_ROWS} rows: compiled int4 dequantization + dense matmul"
+    assert compiles.calls == 0                                                  # compiled in the warm-up, not here
+    assert all(layer.dense_rows == dense_prefill.DENSE_ROWS for layer in dense_prefill.int4pack_layers(model))
+    cli._compile_first("compiled decode" + how, decode=object(), warm_up=lambda: None, model=model)
+    assert compiles.calls == len({tuple(layer.qweight.shape) for layer in dense_prefill.int4pack_layers(model)})
+    assert "prefill above" in capsys.readouterr().err
+    assert fast_path._dense_prefill(make_model(make_config(**CFG), seed=0)) == ""   # no int4 layers: nothing
