@@ -27,3 +27,26 @@ def test_quick_run_compares_both_engines_on_the_same_file():
     assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and 0 < r["bytes_per_step"] for r in result["rows"])
     a = result["agreement"]
     assert a["ours_vs_llamacpp"] >= 0.9 * a["positions"]   # the same weights: the same next token nearly always
+    # where llama.cpp's repacking crashes (AMX, ggml-org/llama.cpp#20824) it ran the weights as stored
+    assert result["llama_cpp_repacking"] is llamacpp.repacking_works()
+
+
+@pytest.mark.skipif(not HAVE_LLAMA_CPP or llamacpp.real_model_missing(llamacpp.MODEL) is not None,
+                    reason="needs llama-cpp-python (the [peer] extra) and SmolLM2's package")
+def test_loading_without_repacking_sets_only_that_model_parameter():
+    import llama_cpp.llama as llama_module
+
+    defaults = llama_module.llama_cpp.llama_model_default_params
+    seen = []
+
+    def recording():
+        seen.append(defaults())
+        return seen[-1]
+    llama_module.llama_cpp.llama_model_default_params = recording
+    try:
+        llamacpp._llama(1, 32, repack=False)
+        restored = llama_module.llama_cpp.llama_model_default_params
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
+    assert len(seen) == 1 and seen[0].use_extra_bufts is False
+    assert restored is recording                                    # _llama put back what it found

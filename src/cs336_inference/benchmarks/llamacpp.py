@@ -1,7 +1,8 @@
 """`bench llamacpp`: our engine against llama.cpp on the very same GGUF file.
 
 Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="gguf-exact"` (torch's
-packed int4 kernel, a compiled decode step, the CPU tuning), llama.cpp through `llama-cpp-python` (the
+packed int4 kernel, a compiled decode step, the CPU tuning, a prefill through a compiled dequantization
+and a dense matmul), llama.cpp through `llama-cpp-python` (the
 `[peer]` extra). A/B alternated at 1 and 2 threads: batch-1 decode and prefill tokens/s, the bytes a
 decode step reads against the bandwidth measured in the same run, and same-context next-token
 agreement on real text (each engine's argmax after the same prefix, and our fp32 reference's).
@@ -10,6 +11,8 @@ agreement on real text (each engine's argmax after the same prefix, and our fp32
 from __future__ import annotations
 
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -21,6 +24,7 @@ from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import gguf_path, real_model_missing
+from ..quantization.dense_prefill import compile_dense_prefill
 from ..tables import print_table
 from ..timing import median_seconds, num_threads
 from .base import Benchmark, grouped_bars, spread
@@ -39,11 +43,33 @@ def llama_cpp_missing() -> str | None:
     return real_model_missing(MODEL)
 
 
-def _llama(threads: int, context: int, logits_all: bool = False):
+def repacking_works() -> bool:
+    """Whether llama.cpp survives its default weight repacking here. On some AMX CPUs the AMX buffer it
+    repacks Q4_1 into segfaults in the first matmul (ggml-org/llama.cpp#20824), which would take this
+    process down with it, so a child process tries one evaluation first."""
+    code = (f"import llama_cpp; llama_cpp.Llama(model_path={str(gguf_path(MODEL))!r}, n_ctx=64, n_threads=1, "
+            f"verbose=False).eval([1, 2, 3])")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=300).returncode == 0
+
+
+def _llama(threads: int, context: int, logits_all: bool = False, repack: bool = True):
+    """llama.cpp on the GGUF; repack=False loads the weights as stored (no extra buffer types: no AMX or
+    CPU repacking), a model parameter llama-cpp-python's constructor does not expose."""
+    import llama_cpp.llama as llama_module
     from llama_cpp import Llama
 
-    return Llama(model_path=str(gguf_path(MODEL)), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                 n_batch=512, logits_all=logits_all, verbose=False)
+    defaults = llama_module.llama_cpp.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = repack
+        return p
+    llama_module.llama_cpp.llama_model_default_params = params
+    try:
+        return Llama(model_path=str(gguf_path(MODEL)), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                     n_batch=512, logits_all=logits_all, verbose=False)
+    finally:
+        llama_module.llama_cpp.llama_model_default_params = defaults
 
 
 def _llama_decode_seconds(llm, prompt: list[int], steps: int) -> float:
@@ -64,9 +90,9 @@ def _llama_prefill_tokens_per_s(llm, prompt: list[int], repeats: int) -> float:
     return len(prompt) / median_seconds(run, torch.device("cpu"), repeats, warmup=1)
 
 
-def _agreement(ids: torch.Tensor, exact, reference) -> dict:
+def _agreement(ids: torch.Tensor, exact, reference, repack: bool) -> dict:
     """Same-context next-token agreement over the positions of ids (T,): llama.cpp, ours, fp32."""
-    llm = _llama(torch.get_num_threads(), ids.numel() + 8, logits_all=True)
+    llm = _llama(torch.get_num_threads(), ids.numel() + 8, logits_all=True, repack=repack)
     llm.reset()
     llm.eval(ids.tolist())
     peer = torch.from_numpy(llm.scores[: ids.numel()].copy()).argmax(-1)
@@ -87,14 +113,19 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
         return None
     quick = run.quick
     rounds, steps, prompt_len, context = (1, 8, 64, 64) if quick else (5, 24, 128, 256)
-    exact = tune_for_cpu(load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel("sdpa"))
+    # the fast path `chat` runs: CPU tuning, and prefill above DENSE_ROWS rows through a compiled dequantization
+    exact = load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel("sdpa")
+    exact = compile_dense_prefill(tune_for_cpu(exact))
     reference = load_pretrained(MODEL)
     text = eval_text_tokens(MODEL, 4 * prompt_len)
     prompt = text[:prompt_len].tolist()
-    agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference)
+    repack = repacking_works()
+    if not repack:
+        print("llama.cpp's weight repacking (its AMX buffer) crashes on this CPU: llama.cpp runs the weights as stored")
+    agreement = _agreement(text[prompt_len:2 * prompt_len], exact, reference, repack)
     del reference
     ours_step = timed_compiled_step(exact)
-    peers = {t: _llama(t, context + steps + 8) for t in threads}
+    peers = {t: _llama(t, context + steps + 8, repack=repack) for t in threads}
     t0 = time.perf_counter()
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
     compile_s = time.perf_counter() - t0
@@ -128,7 +159,8 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
         ours["prefill_vs_llamacpp"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
     import llama_cpp
 
-    return dict(model=MODEL, llama_cpp_python=llama_cpp.__version__, prompt_len=prompt_len, context=context,
+    return dict(model=MODEL, llama_cpp_python=llama_cpp.__version__, llama_cpp_repacking=repack,
+                prompt_len=prompt_len, context=context,
                 rounds=rounds, steps=steps, compile_seconds=compile_s, measured_bandwidth_GBps=gbps,
                 agreement=agreement, rows=rows, ours=exact.describe())
 
@@ -145,13 +177,14 @@ def _table(result: dict) -> None:
     rows = [dict(r, spread=f"{r['decode_ms']:.1f} ({r['decode_ms_min']:.1f}-{r['decode_ms_max']:.1f})",
                  ratio=f"{r['decode_vs_llamacpp']:.2f} / {r['prefill_vs_llamacpp']:.2f}" if "decode_vs_llamacpp" in r
                  else "") for r in result["rows"]]
+    peer = result["llama_cpp_python"] + ("" if result.get("llama_cpp_repacking", True) else ", no repacking")
     print_table(rows, [("engine", "engine", None), ("threads", "threads", None),
                        ("decode_tok_s", "decode tok/s", "{:.1f}"), ("spread", "ms (min-max)", None),
                        ("prefill_tok_s", "prefill tok/s", "{:.0f}"),
                        ("bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"),
                        ("fraction_of_bandwidth", "% of bw", "{:.0%}"), ("ratio", "x llama.cpp (dec / pre)", None)],
                 title=f"\n{result['model']} on the same GGUF: ours (int4 exact, compiled) vs llama.cpp "
-                      f"{result['llama_cpp_python']}; streaming bandwidth {result['measured_bandwidth_GBps']:.1f} GB/s")
+                      f"{peer}; streaming bandwidth {result['measured_bandwidth_GBps']:.1f} GB/s")
     print(f"same-context next token over {a['positions']} positions: ours = llama.cpp {a['ours_vs_llamacpp']}, "
           f"fp32 reference = llama.cpp {a['fp32_vs_llamacpp']}, ours = fp32 {a['ours_vs_fp32']}; "
           f"KL(fp32 || ours) {a['kl_ours_to_fp32']:.4f} nats/token")
