@@ -79,7 +79,7 @@ class _Compiles:
 
     def __call__(self, fn, **options):
         self.calls += 1
-        assert options == {"fullgraph": True, "dynamic": False}
+        assert options["fullgraph"] is True and options["dynamic"] is False   # one graph per weight shape
 
         def run(*args):
             if self.fail:
@@ -165,3 +165,24 @@ def test_the_fast_path_applies_it_to_an_int4_model_and_compiles_it_in_the_warm_u
     assert compiles.calls == len({tuple(layer.qweight.shape) for layer in dense_prefill.int4pack_layers(model)})
     assert "prefill above" in capsys.readouterr().err
     assert fast_path._dense_prefill(make_model(make_config(**CFG), seed=0)) == ""   # no int4 layers: nothing
+
+
+@pytest.mark.slow
+def test_a_warmed_model_prefills_without_compiling_again():
+    """The warm-up compiles under inference_mode, as `prefill`, `chat` and the engine run: their first
+    long prompt then reuses every graph (a graph compiled under no_grad alone would not match)."""
+    from torch._dynamo.utils import counters
+
+    from cs336_inference.generation import prefill
+
+    model = dense_prefill.compile_dense_prefill(_int4_model(), rows=8)
+    compiled = counters["stats"]["unique_graphs"]
+    ids = torch.randint(0, CFG["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        logits = prefill(model, ids, model.new_cache(1, 32))
+    assert counters["stats"]["unique_graphs"] == compiled
+    eager = dense_prefill.undo_dense_prefill(_int4_model())
+    for layer in dense_prefill.int4pack_layers(eager):
+        layer.dense_rows = 8
+    with torch.inference_mode():
+        assert torch.equal(logits, prefill(eager, ids, eager.new_cache(1, 32)))   # the same numbers, compiled or not

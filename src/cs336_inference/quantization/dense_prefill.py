@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks
-from ..generation.compiled import _own_code
+from ..generation.compiled import _own_code, compile_settings
 from .kernels import PACKED_MAX_ROWS, announce_fallback, int4pack_dense
 from .linear import QuantizedLinear
 
@@ -42,8 +42,9 @@ class CompiledDense:
         fn = self.compiled.get(key)
         if fn is not None:
             return fn(nibbles, scales, group_size, signed)
-        # a code object of its own per shape: dynamo's recompile limit counts graphs per code object
-        fn = torch.compile(_own_code(int4pack_dense), fullgraph=True, dynamic=False)
+        # A code object of its own per shape: dynamo's recompile limit counts graphs per code object. No
+        # guard on the global state: a prefill under inference_mode, or on one thread, reuses the graph.
+        fn = torch.compile(_own_code(int4pack_dense), **compile_settings(dynamic=False))
         try:
             out = fn(nibbles, scales, group_size, signed)
         except Exception as error:   # compiling failed: the same arithmetic, eagerly
@@ -72,12 +73,13 @@ def compile_dense_prefill(model: torch.nn.Module, rows: int = DENSE_ROWS, warm: 
 
 
 def warm_dense_prefill(model: torch.nn.Module) -> torch.nn.Module:
-    """Compile now what `compile_dense_prefill` compiles at each weight shape's first long prompt (one
-    dequantization per layer; nothing to do for layers it was not applied to). Returns the model."""
-    with torch.no_grad():
+    """Compile now what `compile_dense_prefill` compiles at each weight shape's first long prompt: each
+    layer it was applied to runs its dense route once. Returns the model."""
+    with torch.inference_mode():   # as generate, chat and the engine run: dynamo's graphs depend on it
         for layer in int4pack_layers(model):
-            if isinstance(layer.dense_fn, CompiledDense):
-                layer.dense_weight(layer._packed.scales.dtype)
+            if isinstance(layer.dense_fn, CompiledDense):   # the dense route once: the dense matmul warms up too
+                layer(torch.zeros(layer.dense_rows + 1, layer.in_features, dtype=layer._packed.scales.dtype,
+                                  device=layer.qweight.device))
     return model
 
 
