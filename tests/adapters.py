@@ -686,6 +686,18 @@ def run_packed_matmul(x, layer):
     return packed_matmul(x, layer.packed_weight())
 
 
+def run_int4pack_dense(layer):
+    """The dense (O, I) matrix an int4pack `layer`'s kernel multiplies by (`kernels.int4pack_dense`)."""
+    from cs336_inference.quantization.kernels import int4pack_dense
+    packed = layer.packed_weight()
+    return int4pack_dense(layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+
+
+def run_compile_dense_prefill(model, **kwargs):
+    from cs336_inference.quantization.dense_prefill import compile_dense_prefill
+    return compile_dense_prefill(model, **kwargs)
+
+
 def run_with_attention(model, **changes):
     from cs336_inference.model.convert import with_attention
     return with_attention(model, **changes)

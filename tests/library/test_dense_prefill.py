@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from adapters import make_config, make_model, run_quantize_model
+from adapters import (make_config, make_model, run_compile_dense_prefill, run_int4pack_dense, run_packed_matmul,
+                      run_quantize_model)
 
-from cs336_inference.quantization import QuantizedLinear, SlowKernelWarning, packed_matmul, quantize_tensor
+from cs336_inference.quantization import QuantizedLinear, SlowKernelWarning, quantize_tensor
 from cs336_inference.quantization import dense_prefill
 from cs336_inference.quantization.kernels import PACKED_MAX_ROWS, int4pack_dense
 
@@ -37,11 +38,10 @@ LAYERS = [("symmetric", 32), ("affine", 64), ("min-offset", 32), ("symmetric", N
 @pytest.mark.parametrize("kind,group_size", LAYERS)
 def test_int4pack_dense_is_the_kernels_own_matrix(kind, group_size):
     layer = _layer(kind, group_size=group_size)
-    packed = layer.packed_weight()
-    assert packed.layout == "int4pack"
+    assert layer.packed_weight().layout == "int4pack"
     eye = torch.eye(layer.in_features, dtype=torch.bfloat16)
-    kernel_matrix = packed_matmul(eye, packed).T                                   # (O, I)
-    dense = int4pack_dense(layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+    kernel_matrix = run_packed_matmul(eye, layer).T                                # (O, I)
+    dense = run_int4pack_dense(layer)
     assert dense.dtype == torch.bfloat16 and dense.shape == (layer.out_features, layer.in_features)
     assert torch.equal(dense, kernel_matrix)
     # and both are the layer's exact dequantization up to bf16 rounding: of the scale and the zero
@@ -56,12 +56,11 @@ def test_int4pack_dense_is_the_kernels_own_matrix(kind, group_size):
 @pytest.mark.parametrize("kind,group_size", LAYERS[:3])
 def test_rows_above_the_bar_take_the_dense_route_below_it_the_kernel(kind, group_size):
     layer = _layer(kind, group_size=group_size)
-    packed = layer.packed_weight()
-    dense = int4pack_dense(layer.qweight, packed.scales, packed.group_size, layer.symmetric)
+    dense = run_int4pack_dense(layer)
     g = torch.Generator().manual_seed(1)
     for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
         x = torch.randn(rows, layer.in_features, generator=g).to(torch.bfloat16)
-        expected = F.linear(x, dense) if rows > PACKED_MAX_ROWS else packed_matmul(x, packed)
+        expected = F.linear(x, dense) if rows > PACKED_MAX_ROWS else run_packed_matmul(x, layer)
         assert torch.equal(layer(x), expected), rows
     layer.dense_rows = 4                                      # what compile_dense_prefill lowers
     x = torch.randn(2, 5, layer.in_features, generator=g).to(torch.bfloat16)    # 10 rows
@@ -99,7 +98,7 @@ def test_compile_dense_prefill_moves_the_bar_and_undo_restores_it(monkeypatch):
     model, plain = _int4_model(), _int4_model()
     layers = dense_prefill.int4pack_layers(model)
     assert len(layers) == 2 * 7 and not dense_prefill.int4pack_layers(nn.Linear(4, 4))   # q k v o w1 w2 w3
-    assert dense_prefill.compile_dense_prefill(model, rows=8) is model
+    assert run_compile_dense_prefill(model, rows=8) is model
     shapes = {tuple(layer.qweight.shape) for layer in layers}
     assert compiles.calls == len(shapes)                                        # warmed: one per weight shape
     assert all(layer.dense_rows == 8 and isinstance(layer.dense_fn, dense_prefill.CompiledDense) for layer in layers)
@@ -120,7 +119,7 @@ def test_compile_dense_prefill_refuses_bad_options_and_leaves_the_model_alone():
     for bad, error in (({"rows": 0}, ValueError), ({"rows": "64"}, TypeError), ({"rows": True}, TypeError),
                        ({"warm": "yes"}, TypeError)):
         with pytest.raises(error, match=next(iter(bad))):
-            dense_prefill.compile_dense_prefill(model, **bad)
+            run_compile_dense_prefill(model, **bad)
     assert all(layer.dense_fn is int4pack_dense and layer.dense_rows == PACKED_MAX_ROWS
                for layer in dense_prefill.int4pack_layers(model))
 
@@ -175,7 +174,7 @@ def test_a_warmed_model_prefills_without_compiling_again():
 
     from cs336_inference.generation import prefill
 
-    model = dense_prefill.compile_dense_prefill(_int4_model(), rows=8)
+    model = run_compile_dense_prefill(_int4_model(), rows=8)
     compiled = counters["stats"]["unique_graphs"]
     ids = torch.randint(0, CFG["vocab_size"], (1, 20), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
