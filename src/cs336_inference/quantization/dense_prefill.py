@@ -63,8 +63,8 @@ def int4pack_layers(model: torch.nn.Module) -> list[QuantizedLinear]:
 
 def compile_dense_prefill(model: torch.nn.Module, rows: int = DENSE_ROWS, warm: bool = True) -> torch.nn.Module:
     """In place: every int4pack layer of `model` dequantizes through one `CompiledDense` and takes the
-    dense route above `rows` rows (a positive int). warm: compile every shape now (each layer's first call), not in the
-    middle of the first long prompt. Returns the model."""
+    dense route above `rows` rows (a positive int). warm: compile every weight shape now
+    (`warm_dense_prefill`), not in the middle of the first long prompt. Returns the model."""
     rows, warm = _checks.positive_int("rows", rows), _checks.boolean("warm", warm)
     dense = CompiledDense()
     for layer in int4pack_layers(model):
