@@ -64,12 +64,23 @@ def compile_fast(model):
     """`generation.compile_decode(model)` as the fast path compiles it (the benchmarks time this too):
     CUDA graphs on a GPU; on a CPU, inductor's wrapper in C++, because the generated Python that calls
     the step's ~150 kernels and allocates their outputs costs a few ms per step, and `frozen=True`:
-    the fast path never changes its model once loaded, so the step guards on its inputs only."""
+    the fast path never changes its model once loaded, so the step guards on its inputs only.
+
+    A bf16 model's linears stream their weights inside the graph (`cpu_tuning.streaming_matmul`), and
+    inductor would fold the RMSNorm before each into that loop, recomputing it for every weight row;
+    `realize_cpu_opcount_threshold=1` makes it store the norm's output once instead (the bf16 step runs
+    faster; an int4 or fp32 step, whose matmuls are library calls, does not, so it keeps the default)."""
+    import torch
+
+    from .cpu_tuning import CPULinear
     from .generation.compiled import compile_decode
 
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
-    return compile_decode(model, frozen=True, options={"cpp_wrapper": True})
+    inductor = {"cpp_wrapper": True}
+    if any(isinstance(m, CPULinear) and m.weight.dtype == torch.bfloat16 for m in model.modules()):
+        inductor["realize_cpu_opcount_threshold"] = 1
+    return compile_decode(model, frozen=True, options=inductor)
 
 
 def compiled_decode_step(model):

@@ -135,9 +135,9 @@ def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
     """`fast_path.compile_fast` (CPU) drops the guards on the model and keeps those on the ids and the
     cache: the guards it keeps name no module of the model, and the cache's tensors are among them.
     Each step still equals eager decoding, compiles a new graph for a new batch size (a cache guard
-    fails) rather than running the batch-1 graph on it, and two models compiled in one process (one
-    of them int8, with other modules) never run each other's graphs."""
-    from cs336_inference import fast_path
+    fails) rather than running the batch-1 graph on it, and models compiled in one process (one of
+    them int8, with other modules; one bf16, on other compile options) never run each other's graphs."""
+    from cs336_inference import cpu_tuning, fast_path
     from cs336_inference.generation import compiled
 
     decided = []
@@ -152,9 +152,12 @@ def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
     torch._dynamo.reset()
     plain = adapters.run_set_attention_kernel(adapters.run_fuse_projections(_model()), "sdpa")
     int8 = adapters.run_quantize_model(_model(), "rtn", bits=8, group_size=None, symmetric=True)
-    steps = {model: fast_path.compile_fast(model) for model in (plain, int8)}
-    # the int8 kernel takes bf16 activations, which inductor rounds at other points than eager does
-    tolerance = {plain: 1e-5, int8: 3e-2}
+    # bf16 with the CPU tuning: its linears stream, and the fast path stores each norm's output once
+    bf16 = cpu_tuning.tune_for_cpu(_model().to(torch.bfloat16), split=False, threads=False)
+    steps = {model: fast_path.compile_fast(model) for model in (plain, int8, bf16)}
+    # bf16 activations (int8's kernel takes them too): inductor rounds at other points than eager does
+    # (rtol, atol); bf16 logits are themselves rounded to 2^-8 of their size
+    tolerance = {plain: (0, 1e-5), int8: (0, 3e-2), bf16: (2 ** -6, 3e-2)}
     for B in (1, 3):
         for model, step in steps.items():
             ids = torch.randint(0, 97, (B, 12))
@@ -164,7 +167,8 @@ def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
                 adapters.run_model(model, ids[:, :8], cache)
                 for t in range(8, 12):
                     expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
-                    torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=tolerance[model])
+                    rtol, atol = tolerance[model]
+                    torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=rtol, atol=atol)
     kept = [name for name, keep in decided if keep]
     dropped = [name for name, keep in decided if not keep]
     on_model = [name for name in kept if "._modules[" in name or "._parameters[" in name]
@@ -395,3 +399,22 @@ def test_compile_decode_refuses_a_frozen_flag_that_is_not_a_bool():
 
     with pytest.raises(TypeError, match="frozen"):
         compile_decode(_model(), frozen="yes")
+
+
+def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkeypatch):
+    """A bf16 model's tuned linears stream inside the compiled step, and only there does the fast path
+    ask inductor to store each norm's output rather than recompute it per weight row; fp32 and int4
+    steps (library matmuls) compile with the default options."""
+    from cs336_inference import cpu_tuning, fast_path
+    from cs336_inference.generation import compiled
+
+    seen = []
+    monkeypatch.setattr(compiled, "compile_decode", lambda model, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr(cpu_tuning, "calibrate_split", lambda linears: {"split": 2.0, "gemm": 1.0})
+    fp32 = _model()
+    int4 = adapters.run_quantize_model(_model(), "rtn", 4, 32, symmetric=True, quantize_lm_head=True)
+    bf16 = _model().to(torch.bfloat16)
+    for model in (bf16, fp32, int4.to(torch.bfloat16)):
+        fast_path.compile_fast(cpu_tuning.tune_for_cpu(model))
+    assert [kwargs["options"].get("realize_cpu_opcount_threshold") for kwargs in seen] == [1, None, None]
+    assert all(kwargs["frozen"] is True and kwargs["options"]["cpp_wrapper"] is True for kwargs in seen)
