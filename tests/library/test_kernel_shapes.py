@@ -29,12 +29,17 @@ def test_every_shape_the_guard_allows_runs_correctly():
 
 @pytest.mark.slow
 def test_the_int8_shapes_the_guard_refuses_really_misbehave():
+    """Which refused shapes break depends on the CPU kernel torch dispatches to: with AVX-512 every
+    in_features that is not a multiple of 16; with AVX2 (8 lanes) only those not a multiple of 8. The
+    guard refuses the union, so a model runs alike everywhere; this test notices torch fixing either."""
     results = _sweep("refused")
     dims = {r["case"][3] for r in results}
     assert dims == {8, 12, 14, 24, 33, 40}, dims
+    capability = torch.backends.cpu.get_cpu_capability()
+    must_fail = dims if capability.startswith("AVX512") else {d for d in dims if d % 8}
     still_bad = {r["case"][3] for r in results if r["outcome"] != "ok"}
-    assert still_bad == dims, (f"torch {torch.__version__}'s int8pack now handles in_features "
-                               f"{sorted(dims - still_bad)}: relax the guard in packed_layout")
+    assert must_fail <= still_bad, (f"torch {torch.__version__}'s int8pack now handles in_features "
+                                    f"{sorted(must_fail - still_bad)} on {capability}: relax the guard in packed_layout")
 
 
 def test_int8_per_channel_on_24_inputs_falls_back_instead_of_crashing(monkeypatch):

@@ -223,4 +223,6 @@ def test_qat_recovers_quality_lost_by_rtn_at_low_bits():
         ref = run_model(model, held_out).log_softmax(-1)
         kl = {name: float((ref.exp() * (ref - run_model(m, held_out).log_softmax(-1))).sum(-1).mean())
               for name, m in (("rtn", rtn), ("qat", qat))}
-    assert kl["qat"] < 0.7 * kl["rtn"], f"KL to the fp model: {kl}"
+    # QAT removes about 30% of RTN's KL here, the exact share moving a little with the CPU's float
+    # reductions (AVX2 vs AVX-512); no training, or training that ignored the quantizer, stays near 100%
+    assert kl["qat"] < 0.8 * kl["rtn"], f"KL to the fp model: {kl}"
