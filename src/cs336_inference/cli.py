@@ -316,7 +316,7 @@ def _run_serve(args) -> int:
 
 # name -> what it measures; benchmarks/NAME.py declares its BENCHMARK (see benchmarks/base.py)
 BENCHMARKS: dict[str, str] = {
-    "generation": "decode speed per precision of a ~90M model (or --model smollm2-135m), against HF",
+    "generation": "decode speed per precision of a ~90M model (or --model smollm2-135m: also its loading), against HF",
     "roofline": "this machine's roofline, measured, and the bench-90m model on it",
     "accounting": "formulas only: real models on datasheet accelerators",
     "models": "the shipped models side by side",
@@ -324,7 +324,6 @@ BENCHMARKS: dict[str, str] = {
     "quantization": "every quantization method on the shipped target",
     "long_context": "SmolLM2-135M: passkey retrieval against post-hoc KV-cache cuts",
     "quantization_smollm2": "every quantization method on SmolLM2-135M and real text",
-    "generation_smollm2": "SmolLM2-135M: loading, prefill and decode against the roofline",
     "speculative": "plain vs speculative decoding, gamma 1..8, measured and predicted",
     "speculative_draft": "a pruned and distilled SmolLM2 draft (about 30 min)",
     "serving": "static vs continuous batching, paged vs contiguous KV",

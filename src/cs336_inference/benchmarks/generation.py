@@ -1,12 +1,12 @@
-"""`bench generation` and `bench generation_smollm2`: how fast a model generates, and why.
+"""`bench generation`: how fast a model generates, and why.
 
 Batch-1 decode of a model whose weights dwarf the CPU caches streams every weight each step, so time
 ~ weight bytes / bandwidth, and fewer bytes (bf16, int8, int4 through `QuantizedLinear`'s packed
 kernels) should decode faster. `bench generation` times each precision side by side in alternating
 rounds, eager and compiled, against Hugging Face's Llama on the same weights (the `[peer]` extra),
 with the bandwidth measured in the same run, KL to fp32 (speed is never quoted without its cost) and a
-busy-core repeat. `bench generation_smollm2` loads SmolLM2-135M (GGUF conversion, disk cache) and
-places its fp32 / bf16 decode and prefill on this machine's roofline.
+busy-core repeat. `--model smollm2-135m` times the real model instead (its published GGUF blocks as
+one more row) and how long it takes to load: converting the GGUF, and reading the disk cache.
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ import torch
 import torch.nn as nn
 
 from .._openmp import spin_count, wait_policy
-from ..accounting import decode_step_bytes, forward_flops
-from ..accounting.model_roofline import (decode_step_fn, decode_step_seconds, prefill_tokens_per_second,
-                                         weight_bytes_per_step)
-from ..accounting.roofline import measure_matmul_flops, measure_memory_bandwidth
+from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
+from ..accounting.roofline import measure_memory_bandwidth
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
@@ -46,8 +44,6 @@ PRECISIONS = ("fp32", "bf16", "int8", "int4")
 COMPILED = ("fp32", "bf16", "int8", "int4")   # also timed compiled, as the fast path compiles (`compile_fast`)
 # the plain model and the F.linear row run with the few-row split off: what the split itself gains
 SPLIT_OFF = {"fp32 plain": lambda: few_row_split(False), "fp32 F.linear": lambda: few_row_split(False)}
-SMOLLM2 = "smollm2-135m"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def int4_group(config: ModelConfig, wanted: int = 128) -> int:
@@ -114,7 +110,7 @@ def timed_compiled_step(model, switch: bool = True):
 @torch._dynamo.config.patch(recompile_limit=4 * len(COMPILED))
 def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
-    (results in figures/generation_smollm2_135m.*; greedy check and KL on real text)."""
+    (results in figures/generation_smollm2_135m.*; greedy check and KL on real text; loading times)."""
     device, quick = run.device, run.quick
     if model is None:
         config = bench_config(preset, quick)
@@ -125,6 +121,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         if missing := real_model_missing(model):
             raise ValueError(f"bench generation --model {model}: {missing}")
         run.name, preset = f"generation_{model.replace('-', '_')}", model
+        loading = measure_loading(model, device)
         model = load_pretrained(model, device=device, dtype=torch.float32).eval()
         config = model.config
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
@@ -132,6 +129,8 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
               "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(),
               "parameters": model.num_parameters(), "cpu_bf16_matmul": bf16_matmul_unit(device),
               "load_average_start": load_average()}
+    if run.name != "generation":
+        result["loading"] = loading
     models, compiled_variants, real = build_variants(model), COMPILED, run.name != "generation"
     if real:   # its published GGUF blocks too, with no re-quantization
         exact = load_pretrained(preset, device=device, weights="gguf-exact").set_attention_kernel("sdpa")
@@ -255,6 +254,23 @@ def goals(result: dict) -> dict:
     return out
 
 
+def measure_loading(name: str, device: torch.device) -> dict:
+    """Seconds to convert a real model's GGUF without the cache, and to load each dtype through it (warm)."""
+    t0 = time.perf_counter()
+    load_gguf_weights(gguf_path(name), torch.float32)          # parse + dequantize, nothing cached
+    out = dict(convert_gguf_s=time.perf_counter() - t0)
+    for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        load_pretrained(name, device=device, dtype=dt)          # make sure this dtype's cache file exists
+        rss0, t0 = rss_bytes(), time.perf_counter()
+        model = load_pretrained(name, device=device, dtype=dt)
+        out[f"load_{p}_s"] = time.perf_counter() - t0
+        out[f"parameters_{p}_MB"] = sum(t.nbytes for t in model.parameters()) / 1e6
+        rss1 = rss_bytes()
+        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else (rss1 - rss0) / 2**20
+        del model
+    return out
+
+
 def print_generation(result: dict) -> None:
     r = result
     print(f"\n{r['preset']} on {r['device']}: {r['parameters']:,} parameters, {r['threads']} thread(s), "
@@ -262,6 +278,9 @@ def print_generation(result: dict) -> None:
           f"unit: {r['cpu_bf16_matmul']}; streaming bandwidth (measured in this run) "
           f"{r['measured_bandwidth_GBps']:.1f} GB/s; greedy tokens: fast == plain {r['greedy_fast_equals_plain']}, "
           f"== Hugging Face {r.get('greedy_equals_peer', 'not run (no transformers)')}")
+    if ld := r.get("loading"):
+        print(f"loading: convert the GGUF {ld['convert_gguf_s']:.1f} s; from the disk cache fp32 "
+              f"{ld['load_fp32_s']:.2f} s ({ld['parameters_fp32_MB']:.0f} MB), bf16 {ld['load_bf16_s']:.2f} s")
     if r.get("compile_seconds"):
         print("torch.compile time: " + ", ".join(f"{k} {v:.0f} s" for k, v in r["compile_seconds"].items()))
     print_table([dict(row, spread=f"{row['ms_min']:.1f}-{row['ms_max']:.1f}") for row in r["rows"]], [
@@ -312,108 +331,6 @@ def plot_generation(result: dict):
     return fig
 
 
-# --- bench generation_smollm2 ----------------------------------------------------------------------
-
-def measure_loading(device: torch.device) -> dict:
-    """Seconds to convert the GGUF without the cache, and to load each dtype through it (warm)."""
-    t0 = time.perf_counter()
-    load_gguf_weights(gguf_path(SMOLLM2), torch.float32)          # parse + dequantize, nothing cached
-    out = dict(convert_gguf_s=time.perf_counter() - t0)
-    for p, dt in DTYPES.items():
-        load_pretrained(SMOLLM2, device=device, dtype=dt)          # make sure this dtype's cache file exists
-        rss0, t0 = rss_bytes(), time.perf_counter()
-        model = load_pretrained(SMOLLM2, device=device, dtype=dt)
-        out[f"load_{p}_s"] = time.perf_counter() - t0
-        out[f"parameters_{p}_MB"] = sum(t.nbytes for t in model.parameters()) / 1e6
-        rss1 = rss_bytes()
-        out[f"rss_growth_{p}_MB"] = None if rss0 is None or rss1 is None else (rss1 - rss0) / 2**20
-        del model
-    return out
-
-
-def measure_smollm2(run) -> dict:
-    """Prefill and decode (B = 1, 8) in fp32 and bf16, alternating rounds; the bytes a step reads (every
-    weight once, the tied embedding as the lm_head, plus the KV cache) against the measured roofs."""
-    quick, device = run.quick, run.device
-    loading = measure_loading(device)
-    models = {p: tune_for_cpu(load_pretrained(SMOLLM2, device=device, dtype=dt)) for p, dt in DTYPES.items()}
-    print(describe(models["fp32"]))   # the CPU decode speed-ups, opted in
-    config = models["fp32"].config
-    rounds, steps, context, prompt = (1, 4, 64, 128) if quick else (3, 16, 128, 512)
-    print(f"{SMOLLM2} on {device}, {torch.get_num_threads()} threads")
-    bandwidth = statistics.median(measure_memory_bandwidth(device, repeats=5) for _ in range(3))
-    peaks = {p: measure_matmul_flops(device, dtype=dt, repeats=3) for p, dt in DTYPES.items()}
-    times = {(p, b): [] for p in DTYPES for b in (1, 8)}
-    prefill = {p: [] for p in DTYPES}
-    for _ in range(rounds):                      # alternate precisions, round after round
-        for p, model in models.items():
-            prefill[p].append(prefill_tokens_per_second(model, prompt, repeats=1))
-            for b in (1, 8):
-                times[(p, b)].append(decode_step_seconds(model, b, context=context, steps=steps))
-    rows = []
-    for (p, b), ts in times.items():
-        seconds, model = statistics.median(ts), models[p]
-        weights, kv = weight_bytes_per_step(model), b * (context + 1) * model.new_cache(1, 1).bytes_per_token
-        flops, step_bytes = forward_flops(config, b, 1, context), weights + kv
-        rows.append(dict(
-            zip(("ms_per_step", "ms_per_step_min", "ms_per_step_max"), spread(ts, 1e3)), precision=p, batch_size=b,
-            context=context, tokens_per_second=b / seconds, weight_bytes=weights, kv_bytes=kv,
-            bytes_per_step=step_bytes, accounting_bytes=decode_step_bytes(config, b, context + 1, p),
-            achieved_GBps=step_bytes / seconds / 1e9, fraction_of_bandwidth=step_bytes / seconds / bandwidth,
-            flops_per_step=flops, intensity_flops_per_byte=flops / step_bytes,
-            machine_balance_flops_per_byte=peaks[p] / bandwidth, memory_bound_ms=1e3 * step_bytes / bandwidth,
-            prefill_tokens_per_second=statistics.median(prefill[p])))
-    new_tokens = 16 if quick else 64
-    cached, naive = naive_vs_cached(models["fp32"], new_tokens)
-    return dict(model=SMOLLM2, device=str(device), threads=torch.get_num_threads(), loading=loading,
-                measured_bandwidth_GBps=bandwidth / 1e9, peak_GFLOPs={p: v / 1e9 for p, v in peaks.items()},
-                prompt_len=prompt, rounds=rounds, steps=steps, rows=rows,
-                generation=dict(precision="fp32", prompt_len=32, new_tokens=new_tokens, cached_s=cached.total_time,
-                                naive_s=naive.total_time, naive_over_cached=naive.total_time / cached.total_time,
-                                cached_step_ms=[1e3 * t for t in cached.inter_token_latencies],
-                                naive_step_ms=[1e3 * t for t in naive.inter_token_latencies]),
-                note=("medians over alternating rounds on a shared CPU; bytes per step = every weight + the KV "
-                      "cache read"))
-
-
-def print_smollm2(data: dict) -> None:
-    ld, g = data["loading"], data["generation"]
-    print(f"loading: convert the GGUF {ld['convert_gguf_s']:.1f} s; from the cache fp32 {ld['load_fp32_s']:.2f} s "
-          f"({ld['parameters_fp32_MB']:.0f} MB of parameters), bf16 {ld['load_bf16_s']:.2f} s "
-          f"({ld['parameters_bf16_MB']:.0f} MB)")
-    print(f"streaming bandwidth {data['measured_bandwidth_GBps']:.1f} GB/s; matmul peak "
-          + ", ".join(f"{p} {v:.0f} GFLOP/s" for p, v in data["peak_GFLOPs"].items()))
-    print_table(data["rows"], [
-        ("precision", "prec", None), ("batch_size", "B", "{:d}"), ("ms_per_step", "ms/step", "{:.1f}"),
-        ("tokens_per_second", "tok/s", "{:.1f}"), ("bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"),
-        ("achieved_GBps", "GB/s", "{:.1f}"), ("fraction_of_bandwidth", "% of bw", lambda f: f"{100 * f:.0f}%"),
-        ("intensity_flops_per_byte", "FLOP/byte", "{:.2f}"), ("machine_balance_flops_per_byte", "balance", "{:.1f}"),
-        ("prefill_tokens_per_second", "prefill tok/s", "{:.0f}")])
-    print(f"{g['new_tokens']} new tokens (fp32, greedy): cached {g['cached_s']:.2f} s, naive {g['naive_s']:.2f} s "
-          f"({g['naive_over_cached']:.1f}x)")
-
-
-def plot_smollm2(data: dict):
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    rows, g = data["rows"], data["generation"]
-    ax1.bar([f"{r['precision']}\nB={r['batch_size']}" for r in rows], [r["achieved_GBps"] for r in rows],
-            color=["tab:blue", "tab:cyan", "tab:orange", "tab:red"])
-    ax1.axhline(data["measured_bandwidth_GBps"], color="k", ls="--", label="streaming bandwidth (measured)")
-    for i, r in enumerate(rows):
-        ax1.text(i, r["achieved_GBps"], f"{r['tokens_per_second']:.0f} tok/s\n{r['bytes_per_step'] / 1e6:.0f} MB/step",
-                 ha="center", va="bottom", fontsize=8)
-    ax1.set(ylabel="bytes per step / time per step (GB/s)", title=f"{data['model']} decode on {data['device']}")
-    ax1.legend(fontsize=8)
-    ax2.plot(g["cached_step_ms"], label="KV cache")
-    ax2.plot(g["naive_step_ms"], label="naive (re-run the prefix)")
-    ax2.set(xlabel="generated token", ylabel="ms per step", title="per-step latency, batch 1, fp32")
-    ax2.legend()
-    fig.tight_layout()
-    return fig
-
-
 BENCHMARK = bench_generation = Benchmark("generation", measure, print_generation, parallel=True,
                                          results=("generation", "generation_smollm2_135m"),
                                          plots={"{name}": plot_generation})
-bench_generation_smollm2 = Benchmark("generation_smollm2", measure_smollm2, print_smollm2, parallel=True,
-                                     plots={"generation_smollm2": plot_smollm2})
