@@ -158,8 +158,10 @@ def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
     # bf16 activations (int8's kernel takes them too): inductor rounds at other points than eager does
     # (rtol, atol); bf16 logits are themselves rounded to 2^-8 of their size
     tolerance = {plain: (0, 1e-5), int8: (0, 3e-2), bf16: (2 ** -6, 3e-2)}
-    for B in (1, 3):
-        for model, step in steps.items():
+    # batch 3 on the fp32 model only: one recompile shows the cache guard firing (each compile costs ~10 s)
+    for B, models in ((1, steps), (3, [plain])):
+        for model in models:
+            step = steps[model]
             ids = torch.randint(0, 97, (B, 12))
             eager_cache, cache = adapters.make_kv_cache(model, B, 16), adapters.make_kv_cache(model, B, 16)
             with torch.no_grad():

@@ -70,8 +70,10 @@ def first_tests(mutant: Mutant) -> Path | None:
 
 
 def copy_package(dest: Path, mutant: Mutant | None = None) -> None:
-    """src/cs336_inference -> dest (a package named dest.name: every internal import is relative)."""
-    shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    """src/cs336_inference -> dest (a package named dest.name: every internal import is relative). The
+    bytecode caches come along (copied with their sources' timestamps they stay valid; the edited file's
+    is stale and gets recompiled): compiling ~100 modules again cost each mutant ~0.3 s."""
+    shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("assets"))
     if mutant is None:
         return
     path = dest / mutant.path
