@@ -72,7 +72,7 @@ def first_tests(mutant: Mutant) -> Path | None:
 def copy_package(dest: Path, mutant: Mutant | None = None) -> None:
     """src/cs336_inference -> dest (a package named dest.name: every internal import is relative). The
     bytecode caches come along (copied with their sources' timestamps they stay valid; the edited file's
-    is stale and gets recompiled): compiling ~100 modules again cost each mutant ~0.3 s."""
+    is deleted, so it is compiled from the mutant): compiling ~100 modules again cost each mutant ~0.3 s."""
     shutil.copytree(PACKAGE, dest, ignore=shutil.ignore_patterns("assets"))
     if mutant is None:
         return
@@ -85,6 +85,8 @@ def copy_package(dest: Path, mutant: Mutant | None = None) -> None:
                              f"update tests/mutation/mutants.py to the current source")
         text = text.replace(old, new)
     path.write_text(text)
+    for stale in (path.parent / "__pycache__").glob(f"{path.stem}.*.pyc"):
+        stale.unlink()
 
 
 def grade(impl: str, workdir: Path, first: Path | None = None, stop_at_first_failure: bool = False) -> dict:
