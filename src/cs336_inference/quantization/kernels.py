@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import cpu_int4
+
 KERNELS = ("auto", "reference", "packed")
 INT4_GROUP_SIZES = (256, 128, 64, 32)   # what the int4pack kernels accept (largest first)
 # Above this many rows (tokens x batch) the layer dequantizes once and runs a dense matmul instead: the
@@ -144,10 +146,14 @@ class PackedWeight:
     scales: torch.Tensor              # int4: (I / g, O, 2) scale and zero; int8pack: (O,) scales
     group_size: int                   # kernel group length (int4 layouts)
     zero_term: torch.Tensor | None    # int8pack with an offset: (O,) subtracted times sum(x)
+    kernel: str = "torch"             # whose matmul runs it: torch's, or ours (`cpu_int4.NAME`)
+    blocks: torch.Tensor | None = None  # ours: the scales and zeros per block of 16 rows (`cpu_int4.pack`)
 
     @property
     def nbytes(self) -> int:
         """Bytes the kernel reads per call."""
+        if self.blocks is not None:      # ours reads the codes and its own copy of the scales
+            return self.weight.nbytes + self.blocks.nbytes
         extra = 0 if self.zero_term is None else self.zero_term.nbytes
         return self.weight.nbytes + self.scales.nbytes + extra
 
@@ -155,6 +161,16 @@ class PackedWeight:
 def _inner_k_tiles(in_features: int) -> int:
     """The CUDA int4 tile depth (2, 4 or 8) that divides the input dimension in tiles of 16."""
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
+
+
+def _int4_packed(layout: str, unsigned: torch.Tensor, scales: torch.Tensor, group_size: int) -> PackedWeight:
+    """An int4 layout (u in [0, 15] (O, I) and the kernel's (I / g, O, 2) pairs) for our CPU kernel where
+    it runs, else for torch's."""
+    O, I = unsigned.shape
+    if cpu_int4.available(O, I, group_size, scales.device, scales.dtype):
+        codes, blocks = cpu_int4.pack(unsigned, scales)
+        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks)
+    return PackedWeight(layout, _int4_weight(unsigned, scales.device), scales, group_size, None)
 
 
 def _int4_weight(unsigned: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -189,15 +205,13 @@ def pack_weight(unsigned: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     g = int4_kernel_group(group_size)
     repeat = group_size // g
     if layout == "int4pack":
-        return PackedWeight(layout, _int4_weight(unsigned, device), _int4_scales(s, c + 8 * s, repeat, dtype),
-                            g, None)
+        return _int4_packed(layout, unsigned.to(device), _int4_scales(s, c + 8 * s, repeat, dtype), g)
     if layout != "int8 as two int4 planes":
         raise ValueError(f"unknown packed layout {layout!r}")
     high, low = unsigned.to(device) >> 4, unsigned.to(device) & 15         # u = 16 h + l
-    weight = _int4_weight(torch.cat([high, low], dim=1), device)            # (O, 2I) codes
     scales = torch.cat([_int4_scales(16 * s, 128 * s, repeat, dtype),       # 16 s h = (h - 8) 16 s + 128 s
                         _int4_scales(s, c + 8 * s, repeat, dtype)])         # l s + c = (l - 8) s + c + 8 s
-    return PackedWeight(layout, weight, scales, g, None)
+    return _int4_packed(layout, torch.cat([high, low], dim=1), scales, g)  # (O, 2I) codes
 
 
 def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int, signed: bool) -> torch.Tensor:
@@ -229,7 +243,9 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return y.reshape(*lead, y.shape[-1])
     if packed.layout != "int4pack":                                            # two planes: [x, x] @ [W_h | W_l]^T
         x2 = torch.cat([x2, x2], dim=1)
-    if x2.device.type == "cpu":
+    if packed.blocks is not None:
+        y = cpu_int4.matmul(x2, packed.weight, packed.blocks)
+    elif x2.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed.weight, packed.group_size, packed.scales)
     else:
         y = torch.ops.aten._weight_int4pack_mm(x2, packed.weight, packed.group_size, packed.scales)

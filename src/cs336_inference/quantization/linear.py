@@ -190,7 +190,8 @@ class QuantizedLinear(nn.Module):
             dtype = str(self.compute_dtype or default_compute_dtype(self.qweight.device)).removeprefix("torch.")
             grid = "per channel" if self._packed.layout == "int8pack" else f"g{self._packed.group_size}"
             compiled = "compiled " if self.dense_fn is not int4pack_dense else ""
-            return (f"{self._packed.layout} {grid} ({dtype} activations; above {self.dense_rows} rows: "
+            kernel = "" if self._packed.kernel == "torch" else f" on {self._packed.kernel}"
+            return (f"{self._packed.layout} {grid}{kernel} ({dtype} activations; above {self.dense_rows} rows: "
                     f"{compiled}dequantize + dense matmul)")
         if self.kernel == "reference":
             return "reference (dequantize + matmul, as asked)"

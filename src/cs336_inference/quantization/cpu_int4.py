@@ -1,0 +1,129 @@
+"""Our own int4 matmul for few rows on CPUs with AVX512-BF16 (`csrc/int4_gemv.cpp`), beside torch's.
+
+torch's int4pack CPU kernel spends most of a decode step turning 4-bit codes into numbers. Ours
+multiplies the same grid, w = (u - 8) * scale + zero per group, by turning a code u into the bf16
+number 128 + u with one bit operation and letting the CPU's bf16 dot-product instruction do the rest
+(the offset 128 comes back out through each group's sum of x; see the C++ file for the algebra). It
+is an *implementation* of the int4pack layouts, not a new format: the same scales and zeros, rounded
+the same way, so decoded tokens match torch's kernel up to fp32 summation order.
+
+It runs only where it can: an x86 CPU whose flags include avx512_bf16 (Zen 4, Sapphire Rapids and
+newer), a C++ compiler (the one torch.compile uses on a CPU), bf16 activations, out_features % 16 == 0.
+It is compiled once per machine, on first use (~15 s), into the package's cache folder. Anywhere else
+(or with CS336_INT4_KERNEL=torch, or inside `torch_kernel_only()`) int4 layers run torch's kernel,
+announced once when the build fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import platform
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
+SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cpp"
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_enabled = os.environ.get("CS336_INT4_KERNEL", "").strip().lower() not in ("torch", "0", "off")
+
+
+def cpu_supports() -> str | None:
+    """None when this CPU and toolchain can run the kernel, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return "cannot read /proc/cpuinfo to check for AVX512-BF16"
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split()):
+        return "the CPU has no AVX512-BF16 (needs e.g. Zen 4 or Sapphire Rapids)"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler to build it"
+    if not torch.backends.openmp.is_available():
+        return "this torch build has no OpenMP"
+    return None
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile and load the extension (cached on disk per torch version); None, or why it failed."""
+    reason = cpu_supports()
+    if reason is not None:
+        return reason
+    from torch.utils.cpp_extension import load
+
+    from ..model.disk_cache import cache_dir
+
+    folder = cache_dir() / "torch_extensions" / f"int4_gemv-torch{torch.__version__}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # torch's notes about the compiler version are not the user's business
+            load(name="cs336_int4_gemv", sources=[str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(folder),
+                 is_python_module=False, verbose=False)
+    except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernel, and say why
+        return f"building {SOURCE.name} failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+
+    @torch.library.register_fake("cs336::int4_gemv")
+    def _(x, codes, sz):   # (M, K) -> (M, N): the shape torch.compile traces with
+        return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+    return None
+
+
+def available(out_features: int, in_features: int, group_size: int, device: torch.device,
+              dtype: torch.dtype) -> bool:
+    """Whether an int4pack layer of this shape runs our kernel here (building it on the first yes)."""
+    if not (_enabled and device.type == "cpu" and dtype == torch.bfloat16 and out_features % 16 == 0
+            and in_features % 32 == 0 and group_size % 32 == 0):
+        return False
+    reason = _build()
+    if reason is not None:
+        _announce(reason)
+    return reason is None
+
+
+@functools.cache
+def _announce(reason: str) -> None:
+    if cpu_supports() is None:   # the CPU could run it: a failed build is worth a word (once)
+        warnings.warn(f"int4 layers use torch's kernel: {reason}", RuntimeWarning, stacklevel=3)
+
+
+@contextlib.contextmanager
+def torch_kernel_only():
+    """Layers built or moved inside run torch's int4pack kernel (for side-by-side comparisons)."""
+    global _enabled
+    before, _enabled = _enabled, False
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def pack(unsigned: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes u (N, K) in [0, 15] and the int4pack (scale, zero) pairs (K/g, N, 2) -> our layout:
+    codes (N/16, K/8, 32) int16 (in word 2i+e of chunk q, nibble j is u[i, 8q + 2j + e]) and
+    sz (N/16, K/g, 2, 16) in the pairs' dtype (per block of 16 rows: the scales, then the zeros).
+    Builds the kernel first if need be (RuntimeError, saying why, where it cannot run)."""
+    if (reason := _build()) is not None:
+        raise RuntimeError(f"our int4 kernel cannot run here: {reason}")
+    N, K = unsigned.shape
+    u = unsigned.to(torch.int32).view(N // 16, 16, K // 8, 4, 2).permute(0, 2, 1, 4, 3)   # block, q, i, e, j
+    words = u[..., 0] | u[..., 1] << 4 | u[..., 2] << 8 | u[..., 3] << 12                  # (N/16, K/8, 16, 2)
+    words = words.reshape(N // 16, K // 8, 32)
+    codes = torch.where(words >= 1 << 15, words - (1 << 16), words).to(torch.int16)   # the same 16 bits, signed
+    sz = pairs.view(pairs.shape[0], N // 16, 16, 2).permute(1, 0, 3, 2).contiguous()
+    return codes, sz
+
+
+def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """x (M, K) bf16 -> x @ W^T (M, N) bf16, with W in `pack`'s layout."""
+    return torch.ops.cs336.int4_gemv(x, codes, sz)
+
+
+__all__ = ["NAME", "available", "cpu_supports", "matmul", "pack", "torch_kernel_only"]

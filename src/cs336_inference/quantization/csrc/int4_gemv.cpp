@@ -1,0 +1,123 @@
+// A few-row int4 matmul for CPUs with AVX512-BF16 (Zen 4, Sapphire Rapids and newer).
+//
+// y = x @ W^T with W = u * scale + (zero - 8 * scale): u the 4-bit codes, one (scale, zero) pair
+// per group of inputs, the grid of torch's int4pack kernels (so GGUF's Q4_1 maps on exactly).
+//
+// Why it exists: at batch 1, torch's `_weight_int4pack_mm_for_cpu` spends most of its time turning
+// codes into numbers. Here a code becomes a bf16 number with one bit operation: the bf16 bit pattern
+// 0x4300 | u is exactly 128 + u (7 mantissa bits, exponent 2^7), so per group
+//     sum_k x_k w_k = scale * sum_k x_k (128 + u_k) + (zero - 136 * scale) * sum_k x_k,
+// and `vdpbf16ps` multiplies 32 such values by 32 activations into 16 fp32 lanes. Products of bf16
+// values are exact in fp32: the only rounding is fp32 accumulation, as in any matmul.
+//
+// Each of the 16 lanes is one output row, so a group's scale is one vector multiply for 16 rows and
+// no horizontal sums are needed. Layout, per block of 16 output rows (one contiguous stream each):
+//   codes (N/16, K/8, 32) int16: word 2i+e of chunk q holds, in its four nibbles (lowest first),
+//         u[row i, 8q + 2j + e] for j = 0..3; nibble j of all 32 words is one `vdpbf16ps` operand
+//         against the activation pair (x[8q+2j], x[8q+2j+1]) broadcast to every lane.
+//   sz    (N/16, K/g, 2, 16) bf16: the scale, then the zero, of each row of the block, per group.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 4;   // rows of x per pass over a block: the codes are decoded once for all of them
+
+inline __m512 bf16x16_to_fp32(const c10::BFloat16* p) {   // 16 bf16 -> 16 fp32 (a shift of the bits)
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+inline __m512bh pair_to_all_lanes(const c10::BFloat16* x) {   // (x[0], x[1]) as one 32-bit word, in every lane
+  int32_t pair;
+  std::memcpy(&pair, x, 4);
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+// y[m, 16 rows of the block] for T rows of x (x, xsum and y point at the first of them).
+template <int T>
+void block_rows(const uint16_t* codes, const c10::BFloat16* sz, const c10::BFloat16* x, const float* xsum,
+                int64_t K, int64_t group, c10::BFloat16* y, int64_t N) {
+  const __m512i low4 = _mm512_set1_epi16(0x000F), bias = _mm512_set1_epi16(0x4300);
+  const int64_t G = K / group, chunks = group / 8;
+  __m512 acc[T], zacc[T];
+  for (int t = 0; t < T; ++t) acc[t] = zacc[t] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    constexpr int kChains = T == 1 ? 4 : 2;   // independent sums per row of x, for vdpbf16ps's latency
+    __m512 dot[T][kChains];
+    for (int t = 0; t < T; ++t)
+      for (int c = 0; c < kChains; ++c) dot[t][c] = _mm512_setzero_ps();
+    for (int64_t q = g * chunks; q < (g + 1) * chunks; ++q) {
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (q + 8) * 32), _MM_HINT_T0);   // 512 bytes ahead
+      const __m512i v = _mm512_loadu_si512(codes + q * 32);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        // (v >> 4j) & 0xF | 0x4300 in each 16-bit word: 0xEA is the truth table of (a & b) | c
+        const __m512bh w = (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4 * j), low4, bias, 0xEA);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; ++t)
+          dot[t][j % kChains] = _mm512_dpbf16_ps(dot[t][j % kChains], w, pair_to_all_lanes(x + t * K + 8 * q + 2 * j));
+      }
+    }
+    const __m512 s = bf16x16_to_fp32(sz + g * 32), z = bf16x16_to_fp32(sz + g * 32 + 16);
+    const __m512 offset = _mm512_fmadd_ps(_mm512_set1_ps(-136.f), s, z);   // zero - 136 * scale
+    for (int t = 0; t < T; ++t) {
+      __m512 d = dot[t][0];
+      for (int c = 1; c < kChains; ++c) d = _mm512_add_ps(d, dot[t][c]);
+      acc[t] = _mm512_fmadd_ps(d, s, acc[t]);
+      zacc[t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[t * G + g]), zacc[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + t * N),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[t], zacc[t])));
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& sz) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "int4_gemv: x must be a contiguous (M, K) bf16 matrix");
+  const int64_t M = x.size(0), K = x.size(1), blocks = codes.size(0), N = 16 * blocks;
+  TORCH_CHECK(codes.dim() == 3 && codes.size(1) * 8 == K && codes.size(2) == 32 &&
+                  codes.scalar_type() == at::kShort && codes.is_contiguous(),
+              "int4_gemv: codes must be contiguous (N/16, K/8, 32) int16");
+  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == blocks && sz.size(1) > 0 && K % sz.size(1) == 0 &&
+                  (K / sz.size(1)) % 32 == 0 && sz.size(2) == 2 && sz.size(3) == 16 &&
+                  sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
+              "int4_gemv: sz must be contiguous (N/16, K/g, 2, 16) bf16 with g % 32 == 0");
+  const int64_t G = sz.size(1), group = K / G;
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  std::vector<float> xsum(M * G, 0.f);   // each group's sum of x, in fp32
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) xsum[m * G + g] += static_cast<float>(xp[m * K + k]);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* cp = reinterpret_cast<const uint16_t*>(codes.data_ptr<int16_t>());
+  const auto* sp = sz.data_ptr<c10::BFloat16>();
+  auto* yp = y.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {   // each thread streams its own blocks
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint16_t* c = cp + b * K * 4;
+      const c10::BFloat16* s = sp + b * G * 32;
+      int64_t m = 0;
+      for (; m + kTile <= M; m += kTile)
+        block_rows<kTile>(c, s, xp + m * K, xsum.data() + m * G, K, group, yp + m * N + b * 16, N);
+      for (; m < M; ++m)
+        block_rows<1>(c, s, xp + m * K, xsum.data() + m * G, K, group, yp + m * N + b * 16, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(cs336, m) { m.def("int4_gemv(Tensor x, Tensor codes, Tensor sz) -> Tensor"); }
+TORCH_LIBRARY_IMPL(cs336, CPU, m) { m.impl("int4_gemv", &int4_gemv); }

@@ -1,0 +1,93 @@
+"""Our AVX512-BF16 int4 matmul (`quantization.cpu_int4`): against a float64 matmul written here, inside
+`QuantizedLinear` against torch's int4pack kernel, and compiled. Skipped where the CPU cannot run it.
+
+Not graded: this checks the library's own kernel.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from cs336_inference.quantization import QuantizedLinear, cpu_int4
+
+why_not = cpu_int4.cpu_supports()
+needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our int4 kernel cannot run here: {why_not}")
+
+
+def random_grid(N: int, K: int, group: int, seed: int = 0):
+    """Codes u (N, K) in [0, 15] and int4pack (scale, zero) pairs (K / group, N, 2) in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 16, (N, K), generator=g)
+    scale = torch.rand(K // group, N, generator=g) * 0.02 + 1e-3
+    zero = torch.randn(K // group, N, generator=g) * 0.01
+    return u, torch.stack([scale, zero], dim=-1).bfloat16()
+
+
+def reference(x: torch.Tensor, u: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """x @ W^T in float64, W = (u - 8) * scale + zero with each group's (scale, zero) from `pairs`."""
+    group = u.shape[1] // pairs.shape[0]
+    scale, zero = (pairs[..., i].double().t().repeat_interleave(group, dim=1) for i in (0, 1))   # (N, K)
+    return x.double() @ ((u.double() - 8) * scale + zero).t()
+
+
+@needs_kernel
+@pytest.mark.parametrize("N,K,group,M", [(16, 32, 32, 1), (48, 576, 32, 1), (48, 576, 32, 3), (48, 576, 32, 4),
+                                         (48, 576, 32, 9), (32, 1536, 64, 4), (16, 256, 256, 2), (64, 384, 128, 7)])
+def test_matches_a_float64_matmul(N, K, group, M):
+    u, pairs = random_grid(N, K, group)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).bfloat16()
+    y = cpu_int4.matmul(x, *cpu_int4.pack(u, pairs))
+    want = reference(x, u, pairs)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    # fp32 sums rounded once to bf16: within bf16's half-ulp (2^-9 relative) and a little summation error
+    torch.testing.assert_close(y.double(), want, rtol=2 ** -8, atol=1e-4 * float(want.abs().max()))
+
+
+@needs_kernel
+def test_pack_puts_each_code_where_the_layout_says():
+    N, K = 32, 64
+    u, pairs = random_grid(N, K, 32)
+    codes, sz = cpu_int4.pack(u, pairs)
+    assert codes.shape == (N // 16, K // 8, 32) and codes.dtype == torch.int16
+    words = codes.to(torch.int32) & 0xFFFF
+    for b, q, i, e, j in [(0, 0, 0, 0, 0), (1, 7, 15, 1, 3), (0, 3, 9, 0, 2), (1, 5, 4, 1, 1)]:
+        assert (int(words[b, q, 2 * i + e]) >> (4 * j)) & 15 == int(u[16 * b + i, 8 * q + 2 * j + e])
+    assert torch.equal(sz[1, 1, 0], pairs[1, 16:32, 0]) and torch.equal(sz[1, 1, 1], pairs[1, 16:32, 1])
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, False), (4, 64, True), (4, None, True), (8, 32, False)])
+def test_a_layer_on_our_kernel_matches_torchs_kernel(bits, group, symmetric):
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 48, bias=False)
+    ours = QuantizedLinear.from_linear(linear, bits=bits, group_size=group, symmetric=symmetric)
+    with cpu_int4.torch_kernel_only():
+        theirs = QuantizedLinear.from_linear(linear, bits=bits, group_size=group, symmetric=symmetric)
+    assert cpu_int4.NAME in ours.kernel_summary() and cpu_int4.NAME not in theirs.kernel_summary()
+    for rows in (1, 5):
+        x = torch.randn(rows, 192).bfloat16()
+        a, b = ours(x).double(), theirs(x).double()
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-3 * float(b.abs().max()))
+
+
+@needs_kernel
+def test_compiles_in_one_graph():
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(128, 32, bias=False), bits=4, group_size=32)
+    x = torch.randn(1, 128).bfloat16()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    torch.testing.assert_close(compiled(x), layer(x), rtol=0, atol=0)
+
+
+def test_torch_kernel_only_is_scoped_and_shapes_it_cannot_run_use_torchs_kernel():
+    torch.manual_seed(0)
+    with cpu_int4.torch_kernel_only():
+        inside = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32)
+    assert cpu_int4.NAME not in inside.kernel_summary()
+    odd_rows = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32,
+                                           compute_dtype=torch.float32)   # fp32 activations: torch's kernel
+    assert cpu_int4.NAME not in odd_rows.kernel_summary()
+    after = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32)
+    assert (cpu_int4.NAME in after.kernel_summary()) == (why_not is None)
