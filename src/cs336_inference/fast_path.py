@@ -144,14 +144,16 @@ def compiled_engine_decode(model):
 
 def _dense_prefill(model) -> str:
     """On a CPU, an int4 model's prefill goes through a compiled dequantization + a dense matmul above
-    `DENSE_ROWS` rows (`quantization.compile_dense_prefill`; `warm_dense_prefill` compiles it): what
-    that adds to the description, or "" where it does not apply."""
-    from .quantization.dense_prefill import DENSE_ROWS, compile_dense_prefill, int4pack_layers
+    `DENSE_ROWS` rows, or `cpu_int4.DENSE_ROWS` on our kernel (`quantization.compile_dense_prefill`;
+    `warm_dense_prefill` compiles it): what that adds to the description, or "" where it does not apply."""
+    from .quantization.dense_prefill import compile_dense_prefill, int4pack_layers
 
-    if model.device.type != "cpu" or not int4pack_layers(model):
+    layers = int4pack_layers(model) if model.device.type == "cpu" else []
+    if not layers:
         return ""
     compile_dense_prefill(model, warm=False)
-    return f", prefill above {DENSE_ROWS} rows: compiled int4 dequantization + dense matmul"
+    rows = max(layer.dense_above() for layer in layers)   # our CPU kernel keeps a higher bar than torch's
+    return f", prefill above {rows} rows: compiled int4 dequantization + dense matmul"
 
 
 def _cannot_compile(model) -> str | None:

@@ -1,10 +1,13 @@
 """An int4 layer's dense (prefill) route multiplies by its kernel's own matrix, and the opt-in compiled
 dequantization (`compile_dense_prefill`) changes where that route starts, not what it computes.
 
-Reference: torch's int4pack kernel itself, applied to the identity matrix (row k of I @ W^T is column
-k of W as the kernel sees it, rounded once to bf16 like its output), and the packed matmul on few rows.
+Reference: the layer's packed kernel itself (torch's int4pack, or ours where the CPU has AVX512-BF16),
+applied to the identity matrix (row k of I @ W^T is column k of W as the kernel sees it, rounded once
+to bf16 like its output), and the packed matmul on few rows. The tests of where the route starts run
+torch's kernel (`cpu_int4.torch_kernel_only`), whose bar `compile_dense_prefill` lowers; ours keeps its own.
 """
 
+import contextlib
 import warnings
 
 import pytest
@@ -15,7 +18,7 @@ from adapters import (make_config, make_model, run_compile_dense_prefill, run_in
                       run_quantize_model)
 
 from cs336_inference.quantization import QuantizedLinear, SlowKernelWarning, quantize_tensor
-from cs336_inference.quantization import dense_prefill
+from cs336_inference.quantization import cpu_int4, dense_prefill
 from cs336_inference.quantization.kernels import PACKED_MAX_ROWS, int4pack_dense
 
 CFG = dict(vocab_size=257, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
@@ -58,9 +61,11 @@ def test_rows_above_the_bar_take_the_dense_route_below_it_the_kernel(kind, group
     layer = _layer(kind, group_size=group_size)
     dense = run_int4pack_dense(layer)
     g = torch.Generator().manual_seed(1)
-    for rows in (1, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 1):
+    bar = layer.dense_above()
+    assert layer.dense_rows is None and bar == layer.packed_weight().max_rows   # the kernel's own bar
+    for rows in (1, bar, bar + 1):
         x = torch.randn(rows, layer.in_features, generator=g).to(torch.bfloat16)
-        expected = F.linear(x, dense) if rows > PACKED_MAX_ROWS else run_packed_matmul(x, layer)
+        expected = F.linear(x, dense) if rows > bar else run_packed_matmul(x, layer)
         assert torch.equal(layer(x), expected), rows
     layer.dense_rows = 4                                      # what compile_dense_prefill lowers
     x = torch.randn(2, 5, layer.in_features, generator=g).to(torch.bfloat16)    # 10 rows
@@ -87,9 +92,10 @@ class _Compiles:
         return run
 
 
-def _int4_model():
+def _int4_model(torch_kernel: bool = True):
     model = make_model(make_config(**CFG), seed=0)
-    return run_quantize_model(model, "rtn", 4, 32, symmetric=True).to(torch.bfloat16)
+    with cpu_int4.torch_kernel_only() if torch_kernel else contextlib.nullcontext():
+        return run_quantize_model(model, "rtn", 4, 32, symmetric=True).to(torch.bfloat16)
 
 
 def test_compile_dense_prefill_moves_the_bar_and_undo_restores_it(monkeypatch):
@@ -110,7 +116,7 @@ def test_compile_dense_prefill_moves_the_bar_and_undo_restores_it(monkeypatch):
         assert torch.equal(model(ids), plain(ids))
     assert compiles.calls == len(shapes)                                        # nothing compiled twice
     dense_prefill.undo_dense_prefill(model)
-    assert all(layer.dense_rows == PACKED_MAX_ROWS and layer.dense_fn is int4pack_dense for layer in layers)
+    assert all(layer.dense_above() == PACKED_MAX_ROWS and layer.dense_fn is int4pack_dense for layer in layers)
     assert "compiled" not in model.describe()
 
 
@@ -120,7 +126,7 @@ def test_compile_dense_prefill_refuses_bad_options_and_leaves_the_model_alone():
                        ({"warm": "yes"}, TypeError)):
         with pytest.raises(error, match=next(iter(bad))):
             run_compile_dense_prefill(model, **bad)
-    assert all(layer.dense_fn is int4pack_dense and layer.dense_rows == PACKED_MAX_ROWS
+    assert all(layer.dense_fn is int4pack_dense and layer.dense_rows is None
                for layer in dense_prefill.int4pack_layers(model))
 
 
@@ -164,6 +170,19 @@ def test_the_fast_path_applies_it_to_an_int4_model_and_compiles_it_in_the_warm_u
     assert compiles.calls == len({tuple(layer.qweight.shape) for layer in dense_prefill.int4pack_layers(model)})
     assert "prefill above" in capsys.readouterr().err
     assert fast_path._dense_prefill(make_model(make_config(**CFG), seed=0)) == ""   # no int4 layers: nothing
+
+
+@pytest.mark.skipif(cpu_int4.cpu_supports() is not None, reason=f"our int4 kernel cannot run here: "
+                                                                f"{cpu_int4.cpu_supports()}")
+def test_layers_on_our_kernel_keep_their_own_bar_and_get_the_compiled_dequantization(monkeypatch):
+    monkeypatch.setattr(torch, "compile", _Compiles())
+    model = _int4_model(torch_kernel=False)
+    layers = dense_prefill.int4pack_layers(model)
+    assert layers and all(layer.packed_weight().kernel == cpu_int4.NAME for layer in layers)
+    how = __import__("cs336_inference.fast_path", fromlist=["_"])._dense_prefill(model)
+    assert how == f", prefill above {cpu_int4.DENSE_ROWS} rows: compiled int4 dequantization + dense matmul"
+    assert all(layer.dense_above() == cpu_int4.DENSE_ROWS and isinstance(layer.dense_fn, dense_prefill.CompiledDense)
+               for layer in layers)
 
 
 @pytest.mark.slow

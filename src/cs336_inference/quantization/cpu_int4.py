@@ -27,6 +27,10 @@ from pathlib import Path
 import torch
 
 NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
+# Rows (tokens x batch) up to which this kernel beats dequantizing through `compile_dense_prefill` and
+# a dense bf16 matmul: it pays the cheap decoding once per row, the dense route a full pass over the
+# weight per call, so it wins a 128-token prefill and the two cross a few hundred rows on.
+DENSE_ROWS = 512
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cpp"
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 _enabled = os.environ.get("CS336_INT4_KERNEL", "").strip().lower() not in ("torch", "0", "off")
@@ -126,4 +130,4 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tens
     return torch.ops.cs336.int4_gemv(x, codes, sz)
 
 
-__all__ = ["NAME", "available", "cpu_supports", "matmul", "pack", "torch_kernel_only"]
+__all__ = ["DENSE_ROWS", "NAME", "available", "cpu_supports", "matmul", "pack", "torch_kernel_only"]

@@ -9,7 +9,8 @@ nibbles, write the bf16 matrix), cheap enough that the dense route wins from a f
 (`DENSE_ROWS`; `bench llamacpp` measures the prefill this gives).
 
 `compile_dense_prefill(model)` applies it in place, as `fuse_projections` or `tune_for_cpu` do: every
-int4pack `QuantizedLinear` gets the compiled `int4pack_dense` and the lower bar. What it multiplies
+int4pack `QuantizedLinear` gets the compiled `int4pack_dense`, and those on torch's kernel the lower
+bar (our CPU kernel, `cpu_int4`, decodes codes cheaply enough to keep its own, higher one). What it multiplies
 by is unchanged (the kernel's own weights, to the bit); `undo_dense_prefill` puts the eager one back.
 The CLI's fast path applies it on a CPU with its compiled decode step (`fast_path`), and compiles it
 during the step's warm-up.
@@ -21,7 +22,7 @@ import torch
 
 from .. import _checks
 from ..generation.compiled import _own_code, compile_settings
-from .kernels import PACKED_MAX_ROWS, announce_fallback, int4pack_dense
+from .kernels import announce_fallback, int4pack_dense
 from .linear import QuantizedLinear
 
 # Rows (tokens x batch) above which the compiled dequantization + dense matmul beats the int4pack
@@ -67,8 +68,8 @@ def compile_dense_prefill(model: torch.nn.Module, rows: int = DENSE_ROWS, warm: 
     (`warm_dense_prefill`), not in the middle of the first long prompt. Returns the model."""
     rows, warm = _checks.positive_int("rows", rows), _checks.boolean("warm", warm)
     dense = CompiledDense()
-    for layer in int4pack_layers(model):
-        layer.dense_fn, layer.dense_rows = dense, rows
+    for layer in int4pack_layers(model):   # our CPU kernel keeps its own, higher bar (`cpu_int4.DENSE_ROWS`)
+        layer.dense_fn, layer.dense_rows = dense, rows if layer._packed.kernel == "torch" else None
     return warm_dense_prefill(model) if warm else model
 
 
@@ -78,15 +79,15 @@ def warm_dense_prefill(model: torch.nn.Module) -> torch.nn.Module:
     with torch.inference_mode():   # as generate, chat and the engine run: dynamo's graphs depend on it
         for layer in int4pack_layers(model):
             if isinstance(layer.dense_fn, CompiledDense):   # the dense route once: the dense matmul warms up too
-                layer(torch.zeros(layer.dense_rows + 1, layer.in_features, dtype=layer._packed.scales.dtype,
+                layer(torch.zeros(layer.dense_above() + 1, layer.in_features, dtype=layer._packed.scales.dtype,
                                   device=layer.qweight.device))
     return model
 
 
 def undo_dense_prefill(model: torch.nn.Module) -> torch.nn.Module:
-    """Put every int4pack layer back on the eager dequantization and the default bar."""
+    """Put every int4pack layer back on the eager dequantization and its kernel's own bar."""
     for layer in int4pack_layers(model):
-        layer.dense_fn, layer.dense_rows = int4pack_dense, PACKED_MAX_ROWS
+        layer.dense_fn, layer.dense_rows = int4pack_dense, None
     return model
 
 

@@ -148,6 +148,7 @@ class PackedWeight:
     zero_term: torch.Tensor | None    # int8pack with an offset: (O,) subtracted times sum(x)
     kernel: str = "torch"             # whose matmul runs it: torch's, or ours (`cpu_int4.NAME`)
     blocks: torch.Tensor | None = None  # ours: the scales and zeros per block of 16 rows (`cpu_int4.pack`)
+    max_rows: int = PACKED_MAX_ROWS   # above this many rows a dense matmul is faster
 
     @property
     def nbytes(self) -> int:
@@ -169,7 +170,7 @@ def _int4_packed(layout: str, unsigned: torch.Tensor, scales: torch.Tensor, grou
     O, I = unsigned.shape
     if cpu_int4.available(O, I, group_size, scales.device, scales.dtype):
         codes, blocks = cpu_int4.pack(unsigned, scales)
-        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks)
+        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks, cpu_int4.DENSE_ROWS)
     return PackedWeight(layout, _int4_weight(unsigned, scales.device), scales, group_size, None)
 
 

@@ -69,8 +69,10 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", _bias(bias, self.out_features))
         self.compute_dtype = compute_dtype
         # Above `dense_rows` rows (a prefill) the layer dequantizes once and runs a dense matmul, through
-        # `dense_fn` for an int4pack layout (`compile_dense_prefill` swaps in a compiled one and a lower bar)
-        self.dense_rows, self.dense_fn = PACKED_MAX_ROWS, int4pack_dense
+        # `dense_fn` for an int4pack layout (`compile_dense_prefill` swaps in a compiled one and, for
+        # torch's kernel, a lower bar). None: the packed kernel's own bar (`PackedWeight.max_rows`).
+        self.dense_rows: int | None = None
+        self.dense_fn = int4pack_dense
         self.kernel = check_kernel(kernel)
         self._packed: PackedWeight | None = None
         self.fallback_reason: str | None = None
@@ -184,6 +186,12 @@ class QuantizedLinear(nn.Module):
             raise ValueError(f"the layer lives on {self.qweight.device}, not {device}: move it with .to({device!r})")
         return self._packed
 
+    def dense_above(self) -> int:
+        """Rows (tokens x batch) above which `forward` dequantizes and runs a dense matmul."""
+        if self.dense_rows is not None:
+            return self.dense_rows
+        return self._packed.max_rows if self._packed is not None else PACKED_MAX_ROWS
+
     def kernel_summary(self) -> str:
         """What `forward` runs, in words (listed per layer by `TransformerLM.describe()`)."""
         if self._packed is not None:
@@ -191,7 +199,7 @@ class QuantizedLinear(nn.Module):
             grid = "per channel" if self._packed.layout == "int8pack" else f"g{self._packed.group_size}"
             compiled = "compiled " if self.dense_fn is not int4pack_dense else ""
             kernel = "" if self._packed.kernel == "torch" else f" on {self._packed.kernel}"
-            return (f"{self._packed.layout} {grid}{kernel} ({dtype} activations; above {self.dense_rows} rows: "
+            return (f"{self._packed.layout} {grid}{kernel} ({dtype} activations; above {self.dense_above()} rows: "
                     f"{compiled}dequantize + dense matmul)")
         if self.kernel == "reference":
             return "reference (dequantize + matmul, as asked)"
@@ -219,7 +227,7 @@ class QuantizedLinear(nn.Module):
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
         packed = self._packed
-        if packed is None or x.numel() > self.dense_rows * self.in_features:   # reference, or prefill-sized
+        if packed is None or x.numel() > self.dense_above() * self.in_features:   # reference, or prefill-sized
             return F.linear(x, self.dense_weight(x.dtype), _cast(self.bias, x.dtype))
         y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
