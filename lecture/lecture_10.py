@@ -1063,7 +1063,8 @@ def quantization():
     text(f"int4 is {int4['bytes_ratio_vs_fp32']:.1f}x smaller than fp32 (the fp32 embedding and lm_head stay).")
     text("Fewer bytes are fewer milliseconds only if the kernel reads the small codes.")
     text("Dequantizing the weight, then an ordinary matmul (kernel='reference'), decodes *slower* than fp32.")
-    text("The default kernel hands the packed codes to torch's int4pack / int8pack matmuls (dequantize in registers).")
+    text("The default kernel hands the packed codes to a matmul that dequantizes in registers:")
+    text("torch's int4pack / int8pack, or, on CPUs with bf16 dot products, our own int4 kernel (`cpu_int4`).")
     # Speed needs weights that do not fit in cache: the ~90M-parameter benchmark model (bench generation).
     gen = load_result("generation")
     speed = {(r["variant"], r["batch"]): r for r in gen["rows"]}

@@ -232,7 +232,8 @@ save_figure(fig, "03_quantization_kl_vs_bytes")
 # CPU caches. How a quantized layer multiplies matters as much as its bytes: the readable
 # `kernel="reference"` dequantizes the whole weight and then runs an ordinary matmul, writing and
 # re-reading a full-precision matrix every step; the default kernel hands the packed codes to
-# torch's int4pack / int8pack matmuls, which dequantize in registers (with bf16 activations).
+# torch's int4pack / int8pack matmuls, which dequantize in registers (with bf16 activations); on a
+# CPU with bf16 dot products (AVX512-BF16) int4 layers run our own such kernel (`cpu_int4`).
 # Variants alternate round by round (the machine is shared) on one thread; medians are printed.
 
 # %%

@@ -1,8 +1,8 @@
 """`bench llamacpp`: our engine against llama.cpp on the very same GGUF file.
 
-Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="gguf-exact"` (torch's
-packed int4 kernel, a compiled decode step, the CPU tuning, a prefill through a compiled dequantization
-and a dense matmul), llama.cpp through `llama-cpp-python` (the
+Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="gguf-exact"` (the packed
+int4 kernel, our own on AVX512-BF16 CPUs, a compiled decode step, the CPU tuning, a long prefill through
+a compiled dequantization and a dense matmul), llama.cpp through `llama-cpp-python` (the
 `[peer]` extra). A/B alternated at 1 and 2 threads: batch-1 decode and prefill tokens/s, the bytes a
 decode step reads against the bandwidth measured in the same run, and same-context next-token
 agreement on real text (each engine's argmax after the same prefix, and our fp32 reference's).
