@@ -6,13 +6,15 @@ Not graded: this checks the library's own kernel.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn as nn
 
 from cs336_inference.quantization import QuantizedLinear, cpu_int4
 
-why_not = cpu_int4.cpu_supports()
+why_not = cpu_int4.why_unavailable()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our int4 kernel cannot run here: {why_not}")
 
 
@@ -91,3 +93,16 @@ def test_torch_kernel_only_is_scoped_and_shapes_it_cannot_run_use_torchs_kernel(
     assert cpu_int4.NAME not in odd_rows.kernel_summary()
     after = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32)
     assert (cpu_int4.NAME in after.kernel_summary()) == (why_not is None)
+
+
+def test_a_failed_build_is_announced_once_and_layers_run_torchs_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_int4, "cpu_supports", lambda: None)                  # the CPU could run it...
+    monkeypatch.setattr(cpu_int4, "_build", lambda: "building int4_gemv.cpp failed (no compiler)")   # ...but
+    cpu_int4._announce.cache_clear()
+    with pytest.warns(RuntimeWarning, match="int4 layers use torch's kernel: building int4_gemv.cpp failed"):
+        layer = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32)
+    assert cpu_int4.NAME not in layer.kernel_summary() and layer.packed_weight().kernel == "torch"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                           # said once, not per layer
+        QuantizedLinear.from_linear(nn.Linear(64, 32, bias=False), bits=4, group_size=32)
+    cpu_int4._announce.cache_clear()

@@ -172,8 +172,8 @@ def test_the_fast_path_applies_it_to_an_int4_model_and_compiles_it_in_the_warm_u
     assert fast_path._dense_prefill(make_model(make_config(**CFG), seed=0)) == ""   # no int4 layers: nothing
 
 
-@pytest.mark.skipif(cpu_int4.cpu_supports() is not None, reason=f"our int4 kernel cannot run here: "
-                                                                f"{cpu_int4.cpu_supports()}")
+@pytest.mark.skipif(cpu_int4.why_unavailable() is not None, reason=f"our int4 kernel cannot run here: "
+                                                                   f"{cpu_int4.why_unavailable()}")
 def test_layers_on_our_kernel_keep_their_own_bar_and_get_the_compiled_dequantization(monkeypatch):
     monkeypatch.setattr(torch, "compile", _Compiles())
     model = _int4_model(torch_kernel=False)

@@ -80,6 +80,11 @@ def _build() -> str | None:
     return None
 
 
+def why_unavailable() -> str | None:
+    """None when the kernel runs here (building it if need be), else why it does not."""
+    return _build()
+
+
 def available(out_features: int, in_features: int, group_size: int, device: torch.device,
               dtype: torch.dtype) -> bool:
     """Whether an int4pack layer of this shape runs our kernel here (building it on the first yes)."""
@@ -130,4 +135,5 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tens
     return torch.ops.cs336.int4_gemv(x, codes, sz)
 
 
-__all__ = ["DENSE_ROWS", "NAME", "available", "cpu_supports", "matmul", "pack", "torch_kernel_only"]
+__all__ = ["DENSE_ROWS", "NAME", "available", "cpu_supports", "matmul", "pack", "torch_kernel_only",
+           "why_unavailable"]
