@@ -227,7 +227,8 @@ class QuantizedLinear(nn.Module):
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
         packed = self._packed
-        if packed is None or x.numel() > self.dense_above() * self.in_features:   # reference, or prefill-sized
+        rows = packed.max_rows if self.dense_rows is None and packed is not None else self.dense_rows  # dense_above()
+        if packed is None or x.numel() > rows * self.in_features:   # reference, or prefill-sized
             return F.linear(x, self.dense_weight(x.dtype), _cast(self.bias, x.dtype))
         y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
