@@ -9,7 +9,7 @@ the same way, so decoded tokens match torch's kernel up to fp32 summation order.
 
 It runs only where it can: an x86 CPU whose flags include avx512_bf16 (Zen 4, Sapphire Rapids and
 newer), a C++ compiler (the one torch.compile uses on a CPU), bf16 activations, out_features % 16 == 0.
-It is compiled once per machine, on first use (~15 s), into the package's cache folder. Anywhere else
+It is compiled once per machine, on first use, into the package's cache folder. Anywhere else
 (or with CS336_INT4_KERNEL=torch, or inside `torch_kernel_only()`) int4 layers run torch's kernel,
 announced once when the build fails.
 """

@@ -10,8 +10,9 @@ nibbles, write the bf16 matrix), cheap enough that the dense route wins from a f
 
 `compile_dense_prefill(model)` applies it in place, as `fuse_projections` or `tune_for_cpu` do: every
 int4pack `QuantizedLinear` gets the compiled `int4pack_dense`, and those on torch's kernel the lower
-bar (our CPU kernel, `cpu_int4`, decodes codes cheaply enough to keep its own, higher one). What it multiplies
-by is unchanged (the kernel's own weights, to the bit); `undo_dense_prefill` puts the eager one back.
+bar (our CPU kernel, `cpu_int4`, decodes codes cheaply enough to keep its own, higher one). What it
+multiplies by is unchanged (the kernel's own weights, to the bit); `undo_dense_prefill` puts the eager
+one back.
 The CLI's fast path applies it on a CPU with its compiled decode step (`fast_path`), and compiles it
 during the step's warm-up.
 """
