@@ -130,6 +130,34 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
 
 
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32)])
+def test_a_compiled_step_keeps_packed_weights_at_fixed_shapes(bits, group_size):
+    """dynamic=True makes every input's sizes symbols, and each relation between symbols a guard checked
+    before every step. A packed weight's shape never changes: its sizes stay constants in the graph,
+    while the cache's (whose length varies) stay symbols."""
+    from cs336_inference.generation import compile_decode
+    seen = {}
+
+    def backend(graph, example_inputs):   # records each graph input: (dtype, whether a size is a symbol)
+        for node in graph.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                seen[node.name] = any(isinstance(size, torch.SymInt) for size in value.shape)
+        return graph.forward
+
+    torch._dynamo.reset()
+    model = adapters.run_quantize_model(_model(), "rtn", bits=bits, group_size=group_size)
+    step = compile_decode(model, frozen=True, backend=backend)
+    cache = adapters.make_kv_cache(model, 1, 16)
+    with torch.no_grad():
+        adapters.run_model(model, torch.tensor([[1, 2, 3]]), cache)
+        step(torch.tensor([4]), cache)
+    packed = {name: symbolic for name, symbolic in seen.items() if "_packed_" in name}
+    assert packed, f"no packed weight among the graph's inputs: {sorted(seen)[:5]}"
+    assert not any(packed.values()), [name for name, symbolic in packed.items() if symbolic]
+    assert seen["l_cache_layers_0_k"], "the cache's sizes should stay symbols (one graph for every length)"
+
+
 @pytest.mark.slow
 def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
     """`fast_path.compile_fast` (CPU) drops the guards on the model and keeps those on the ids and the

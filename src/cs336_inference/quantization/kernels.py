@@ -150,6 +150,14 @@ class PackedWeight:
     blocks: torch.Tensor | None = None  # ours: the scales and zeros per block of 16 rows (`cpu_int4.pack`)
     max_rows: int = PACKED_MAX_ROWS   # above this many rows a dense matmul is faster
 
+    def __post_init__(self):
+        # Its shapes are fixed by the layer. A compiled decode step (dynamic=True) would otherwise make
+        # them symbols, like any input's, and check a shape guard per size relation, in Python, before
+        # every step: thousands of them on SmolLM2, a larger share of a step than any one kernel.
+        for t in (self.weight, self.scales, self.zero_term, self.blocks):
+            if t is not None:
+                torch._dynamo.mark_static(t)
+
     @property
     def nbytes(self) -> int:
         """Bytes the kernel reads per call."""
