@@ -1,16 +1,17 @@
 """OpenMP's wait policy, set before torch loads its OpenMP runtime (this module must not import torch).
 
 torch's CPU kernels run on OpenMP worker threads. Between parallel regions an idle worker spins for
-a while (the default wait policy) so the next region starts a few microseconds sooner. On a shared
-2-core machine that spinning steals the core another process, or our own main thread, needs; every
-op then waits for a descheduled thread and small kernels become many times slower. With
-OMP_WAIT_POLICY=PASSIVE idle workers sleep instead, but waking a sleeping worker costs tens of
-microseconds per region, and a compiled batch-1 decode step is ~60 short regions back to back.
-So we also set a *short* spin, GOMP_SPINCOUNT=10000 (GNU OpenMP, which torch's Linux wheels use):
-a worker keeps polling for a fraction of a millisecond, long enough to catch the next region of the
-same step, then sleeps (`bench thread_policy` compares the policies). A model tuned with
-`cpu_tuning.tune_for_cpu` drops a decode step to one thread while another process holds a core, so
-nothing spins against it.
+a while so the next region starts a few microseconds sooner. On a shared 2-core machine that spinning
+can steal the core another process, or our own main thread, needs; with OMP_WAIT_POLICY=PASSIVE idle
+workers sleep instead, but waking a sleeping worker costs tens of microseconds per region, and a
+batch-1 decode step is a chain of short regions with serial work (attention, norms, Python between
+steps) in the gaps. So we set PASSIVE with a spin, GOMP_SPINCOUNT=300000 (GNU OpenMP, which torch's
+Linux wheels use; ~3 ms by its own estimate of ~100 spins per microsecond, and the count it uses when
+no policy is set): long enough that a worker does not fall asleep inside a decode step, then it sleeps.
+An earlier, shorter spin (10000) let workers fall asleep between the regions of a step, which made
+the 2-thread step slower, idle and busy (`bench thread_policy` compares the policies in one run). What keeps
+a spinning worker off a contended core is `cpu_tuning.tune_for_cpu`: a tuned model drops a decode step
+to one thread while another process holds a core, so no worker spins against it.
 
 Why importing the package sets these (and nothing else happens at import): the runtime reads them
 once, when torch is imported, so no function called later (`tune_for_cpu`, `apply_thread_policy`) can
@@ -32,12 +33,12 @@ import sys
 
 # True if torch (and its OpenMP runtime) was loaded before this package: setting the variable is then too late.
 TORCH_LOADED_FIRST = "torch" in sys.modules
-SHORT_SPIN = "10000"
+SPIN_COUNT = "300000"
 
 if not TORCH_LOADED_FIRST:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if os.environ["OMP_WAIT_POLICY"].upper() == "PASSIVE":   # an explicit ACTIVE keeps OpenMP's long spin
-        os.environ.setdefault("GOMP_SPINCOUNT", SHORT_SPIN)
+        os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 _POLICY = os.environ.get("OMP_WAIT_POLICY")  # what the OpenMP runtime read (best guess if torch came first)
 _SPIN = os.environ.get("GOMP_SPINCOUNT")

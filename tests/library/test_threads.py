@@ -28,7 +28,7 @@ def _info(*args, **env) -> dict:
 def test_the_cli_applies_passive_waiting_and_one_thread_for_small_work():
     info = _info()
     assert info["omp_wait_policy"] == "PASSIVE"
-    assert info["gomp_spincount"] == "10000"             # a short spin, then sleep (see _openmp)
+    assert info["gomp_spincount"] == "300000"            # a spin, then sleep (see _openmp)
     assert info["torch_threads"] == "1" == info["policy_small"]
     assert int(info["policy_large"]) >= 1
 
@@ -73,10 +73,10 @@ def test_bench_thread_policy_runs_each_policy_in_its_own_process(tmp_path, monke
     monkeypatch.setenv("PYTHONPATH", str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with pytest.raises(ValueError, match="policies"):
         bench_thread_policy(quick=True, device="cpu", policies=("no such policy",))
-    result = bench_thread_policy(quick=True, device="cpu", policies=("short spin, no switch", "spin"))
-    assert set(result["policies"]) == {"short spin, no switch", "spin"} and len(POLICIES) == 4
+    result = bench_thread_policy(quick=True, device="cpu", policies=("spin 300000, no switch", "spin forever"))
+    assert set(result["policies"]) == {"spin 300000, no switch", "spin forever"} and len(POLICIES) == 6
     got = {name: (r["omp_wait_policy"], r["gomp_spincount"], r["switch"]) for name, r in result["policies"].items()}
-    assert got["short spin, no switch"] == ("PASSIVE", "10000", False)
-    assert got["spin"] == ("ACTIVE", "default", True)
+    assert got["spin 300000, no switch"] == ("PASSIVE", "300000", False)
+    assert got["spin forever"] == ("ACTIVE", "default", True)
     assert all(r["idle compiled"]["ms"] > 0 for r in result["policies"].values())
     assert (tmp_path / "thread_policy_quick.json").exists() and (tmp_path / "thread_policy_quick.png").exists()

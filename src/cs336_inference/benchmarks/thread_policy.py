@@ -2,8 +2,10 @@
 
 OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
 module as a script) that times the ~90M model's decode step, eager and compiled, idle and while a busy
-loop holds a core, in alternating rounds. Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), "short spin"
-(the package's default), the same without `cpu_tuning`'s drop to one thread under contention, "spin".
+loop holds a core, in alternating rounds. Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), a spin of
+10000 (the package's earlier setting) and of 300000 (its setting, `_openmp.SPIN_COUNT`) before
+sleeping, each also without `cpu_tuning`'s drop to one thread under contention, and "spin forever"
+(ACTIVE).
 """
 
 from __future__ import annotations
@@ -17,17 +19,19 @@ import time
 import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
 
 from .. import _checks
-from .._openmp import SHORT_SPIN
+from .._openmp import SPIN_COUNT
 from ..tables import print_table
 from ..timing import load_average
 from .base import Benchmark, grouped_bars, spread
 
-POLICIES = {
-    "sleep": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0"}, switch=True),
-    "short spin": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN}, switch=True),
-    "short spin, no switch": dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": SHORT_SPIN}, switch=False),
-    "spin": dict(env={"OMP_WAIT_POLICY": "ACTIVE"}, switch=True),
-}
+def _passive(spins: str, switch: bool = True) -> dict:
+    return dict(env={"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": spins}, switch=switch)
+
+
+POLICIES = {"sleep": _passive("0"),
+            "spin 10000": _passive("10000"), "spin 10000, no switch": _passive("10000", switch=False),
+            f"spin {SPIN_COUNT}": _passive(SPIN_COUNT), f"spin {SPIN_COUNT}, no switch": _passive(SPIN_COUNT, False),
+            "spin forever": dict(env={"OMP_WAIT_POLICY": "ACTIVE"}, switch=True)}
 PATHS = ("eager", "compiled")
 
 
