@@ -49,15 +49,25 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
             from .quantization import quantize_model
 
             model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
-    model.set_attention_kernel("sdpa")
+    attention = attention_kernel(device)
+    model.set_attention_kernel(attention)
     tuning = ""
     if device.type == "cpu":   # opt in to the CPU decode speed-ups, and say so
         from .cpu_tuning import describe, tune_for_cpu
 
         tuning = "; " + describe(tune_for_cpu(model))
     banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
-              f"{torch.get_num_threads()} threads{tuning}")
+              f"{torch.get_num_threads()} threads, {attention} attention{tuning}")
     return model, load_tokenizer(name), banner
+
+
+def attention_kernel(device) -> str:
+    """The attention the fast path runs: "cpu" (torch's fused kernel, and ours for decode steps:
+    `cpu_kernels`) on a CPU where our kernels build, else "sdpa"."""
+    from .model.cpu_kernels import build
+    from .device import get_device
+
+    return "cpu" if get_device(device).type == "cpu" and build() is None else "sdpa"
 
 
 def compile_fast(model):

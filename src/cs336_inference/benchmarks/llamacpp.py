@@ -22,6 +22,7 @@ from ..accounting.roofline import measure_memory_bandwidth
 from ..cpu_tuning import tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
+from ..fast_path import attention_kernel
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import gguf_path, real_model_missing
 from ..quantization.dense_prefill import compile_dense_prefill
@@ -113,8 +114,8 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
         return None
     quick = run.quick
     rounds, steps, prompt_len, context = (1, 8, 64, 64) if quick else (5, 24, 128, 256)
-    # the fast path `chat` runs: CPU tuning, and prefill above DENSE_ROWS rows through a compiled dequantization
-    exact = load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel("sdpa")
+    # as `chat` runs it: its attention, CPU tuning, prefill above DENSE_ROWS rows via a compiled dequantization
+    exact = load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel(attention_kernel("cpu"))
     exact = compile_dense_prefill(tune_for_cpu(exact))
     reference = load_pretrained(MODEL)
     text = eval_text_tokens(MODEL, 4 * prompt_len)

@@ -1,4 +1,5 @@
-"""Our own int4 matmul for few rows on CPUs with AVX512-BF16 (`csrc/int4_gemv.cpp`), beside torch's.
+"""Our own int4 matmul for few rows on CPUs with AVX512-BF16 (`csrc/int4_gemv.cpp`, built by
+`cpu_kernels`), beside torch's.
 
 torch's int4pack CPU kernel spends most of a decode step turning 4-bit codes into numbers. Ours
 multiplies the same grid, w = (u - 8) * scale + zero per group, by turning a code u into the bf16
@@ -19,65 +20,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import platform
-import shutil
 import warnings
-from pathlib import Path
 
 import torch
+
+from ..model.cpu_kernels import build, cpu_supports
 
 NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
 # Rows (tokens x batch) up to which this kernel beats dequantizing through `compile_dense_prefill` and
 # a dense bf16 matmul: it pays the cheap decoding once per row, the dense route a full pass over the
 # weight per call, so it wins a 128-token prefill and the two cross a few hundred rows on.
 DENSE_ROWS = 512
-SOURCE = Path(__file__).with_name("csrc") / "int4_gemv.cpp"
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
 _enabled = os.environ.get("CS336_INT4_KERNEL", "").strip().lower() not in ("torch", "0", "off")
 
 
-def cpu_supports() -> str | None:
-    """None when this CPU and toolchain can run the kernel, else why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"not an x86-64 CPU ({platform.machine()})"
-    try:
-        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
-    except OSError:
-        return "cannot read /proc/cpuinfo to check for AVX512-BF16"
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"} <= set(flags.split()):
-        return "the CPU has no AVX512-BF16 (needs e.g. Zen 4 or Sapphire Rapids)"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler to build it"
-    if not torch.backends.openmp.is_available():
-        return "this torch build has no OpenMP"
-    return None
-
-
-@functools.cache
 def _build() -> str | None:
-    """Compile and load the extension (cached on disk per torch version); None, or why it failed."""
-    reason = cpu_supports()
-    if reason is not None:
-        return reason
-    from torch.utils.cpp_extension import load
-
-    from ..model.disk_cache import cache_dir
-
-    folder = cache_dir() / "torch_extensions" / f"int4_gemv-torch{torch.__version__}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # torch's notes about the compiler version are not the user's business
-            load(name="cs336_int4_gemv", sources=[str(SOURCE)], extra_cflags=_FLAGS, build_directory=str(folder),
-                 is_python_module=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernel, and say why
-        return f"building {SOURCE.name} failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
-
-    @torch.library.register_fake("cs336::int4_gemv")
-    def _(x, codes, sz):   # (M, K) -> (M, N): the shape torch.compile traces with
-        return x.new_empty(x.shape[0], codes.shape[0] * 16)
-
-    return None
+    """Build (once) and load our CPU kernels (`cpu_kernels`); None, or why they cannot run here."""
+    return build()
 
 
 def why_unavailable() -> str | None:
