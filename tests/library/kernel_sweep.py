@@ -17,7 +17,13 @@ import torch
 
 torch.set_num_threads(1)   # before any op: no OpenMP pool exists when we fork
 
+from cs336_inference.quantization import cpu_int4  # noqa: E402
 from cs336_inference.quantization.kernels import pack_weight, packed_layout, packed_matmul  # noqa: E402
+
+# Load once, here, what every forked case would load again: our CPU kernels, and torch.compile's
+# machinery (a packed weight marks its shapes static for it)
+cpu_int4.why_unavailable()
+torch._dynamo.mark_static(torch.empty(1))
 
 TOL = 3 * 2.0 ** -8   # bf16 activations, scales and output: relative to sum |x| |w|
 
