@@ -97,7 +97,7 @@ def test_torch_kernel_only_is_scoped_and_shapes_it_cannot_run_use_torchs_kernel(
 
 def test_a_failed_build_is_announced_once_and_layers_run_torchs_kernel(monkeypatch):
     monkeypatch.setattr(cpu_int4, "cpu_supports", lambda: None)                  # the CPU could run it...
-    monkeypatch.setattr(cpu_int4, "_build", lambda: "building int4_gemv.cpp failed (no compiler)")   # ...but
+    monkeypatch.setattr(cpu_int4, "build", lambda: "building int4_gemv.cpp failed (no compiler)")   # ...but
     cpu_int4._announce.cache_clear()
     with pytest.warns(RuntimeWarning, match="int4 layers use torch's kernel: building int4_gemv.cpp failed"):
         layer = QuantizedLinear.from_linear(nn.Linear(64, 16, bias=False), bits=4, group_size=32)

@@ -34,14 +34,9 @@ DENSE_ROWS = 512
 _enabled = os.environ.get("CS336_INT4_KERNEL", "").strip().lower() not in ("torch", "0", "off")
 
 
-def _build() -> str | None:
-    """Build (once) and load our CPU kernels (`cpu_kernels`); None, or why they cannot run here."""
-    return build()
-
-
 def why_unavailable() -> str | None:
-    """None when the kernel runs here (building it if need be), else why it does not."""
-    return _build()
+    """None when the kernel runs here (building our CPU kernels if need be), else why it does not."""
+    return build()
 
 
 def available(out_features: int, in_features: int, group_size: int, device: torch.device,
@@ -50,7 +45,7 @@ def available(out_features: int, in_features: int, group_size: int, device: torc
     if not (_enabled and device.type == "cpu" and dtype == torch.bfloat16 and out_features % 16 == 0
             and in_features % 32 == 0 and group_size % 32 == 0):
         return False
-    reason = _build()
+    reason = build()
     if reason is not None:
         _announce(reason)
     return reason is None
@@ -78,7 +73,7 @@ def pack(unsigned: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, tor
     codes (N/16, K/8, 32) int16 (in word 2i+e of chunk q, nibble j is u[i, 8q + 2j + e]) and
     sz (N/16, K/g, 2, 16) in the pairs' dtype (per block of 16 rows: the scales, then the zeros).
     Builds the kernel first if need be (RuntimeError, saying why, where it cannot run)."""
-    if (reason := _build()) is not None:
+    if (reason := build()) is not None:
         raise RuntimeError(f"our int4 kernel cannot run here: {reason}")
     N, K = unsigned.shape
     u = unsigned.to(torch.int32).view(N // 16, 16, K // 8, 4, 2).permute(0, 2, 1, 4, 3)   # block, q, i, e, j

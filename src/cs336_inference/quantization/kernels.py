@@ -153,7 +153,7 @@ class PackedWeight:
     def __post_init__(self):
         # Its shapes are fixed by the layer. A compiled decode step (dynamic=True) would otherwise make
         # them symbols, like any input's, and check a shape guard per size relation, in Python, before
-        # every step: thousands of them on SmolLM2, a larger share of a step than any one kernel.
+        # every step (thousands of them on SmolLM2).
         for t in (self.weight, self.scales, self.zero_term, self.blocks):
             if t is not None:
                 torch._dynamo.mark_static(t)
