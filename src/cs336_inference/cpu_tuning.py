@@ -11,7 +11,11 @@ remedies, all host-side facts (thread count, machine load, this BLAS) that the m
   depends on the BLAS, so by default `tune_for_cpu` measures it on the model's own weights (one
   batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
   it wins (`calibrate_split`; `describe` prints what it measured);
-- streaming matmul: inside a compiled graph (`generation.compile_decode`) one row goes through
+- our few-row kernel: where `model.cpu_kernels` builds (a CPU with AVX512-BF16), up to
+  `GEMV_MAX_ROWS` rows of fp32 or bf16 go through its `dense_gemv` instead, eagerly and compiled: each
+  thread streams its own share of W's rows once, near the machine's read bandwidth, where torch's
+  few-row products read at a third to a half of it (`bench generation` measures both);
+- streaming matmul: elsewhere, inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
 - one thread under contention: while another process keeps a core busy, a decode step runs on one
@@ -46,12 +50,16 @@ from .timing import num_threads
 # Rows at or below which the CPU few-row split beats one MKL gemm call (on the weights of the ~90M
 # benchmark model, `bench generation`); above it the gemm's own blocking wins.
 SPLIT_MAX_ROWS = 64
+# Rows up to which our `dense_gemv` runs (SmolLM2's weights, Zen 4: a third of `F.linear`'s time at one
+# row, about even at 16, slower at 32, where a gemm's blocking reuses each weight for more rows).
+GEMV_MAX_ROWS = 16
 _SPLIT_ENABLED = True
 
 
 @contextlib.contextmanager
 def few_row_split(enabled: bool):
-    """Turn the few-row split of every `CPULinear` on or off (benchmarks compare both)."""
+    """Turn the few-row paths of every `CPULinear` (the split and our `dense_gemv`) on or off, eagerly:
+    off, it runs plain `F.linear` (benchmarks compare both)."""
     global _SPLIT_ENABLED
     previous, _SPLIT_ENABLED = _SPLIT_ENABLED, bool(enabled)
     try:
@@ -78,20 +86,29 @@ def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (...,
 class CPULinear(nn.Linear):
     """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
 
-    Eagerly, in inference, a few rows on several threads of an uncontended CPU: the output rows of W
-    split into one block per thread, streamed in parallel by `bmm` (where `split`, which `tune_for_cpu`
+    With `gemv` (set by `tune_for_cpu` where our CPU kernels build), up to `GEMV_MAX_ROWS` rows of fp32
+    or bf16 without autograd run our `dense_gemv`, eagerly and compiled, whatever the thread count.
+    Otherwise, eagerly, in inference, a few rows on several threads of an uncontended CPU: the output
+    rows of W split into one block per thread, streamed in parallel by `bmm` (where `split`, which `tune_for_cpu`
     sets from its calibration). Traced by the compiler, one row without autograd: `streaming_matmul`
     where `split`, and always in bf16, where a dense matmul re-lays out the weight for its bf16 kernel
     on every call. Everything else: `F.linear`.
     """
 
     split = True
+    gemv = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
+        rows = math.prod(x.shape[:-1])
+        if (self.gemv and _SPLIT_ENABLED and rows <= GEMV_MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype
+                and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+                and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
+            y = torch.ops.cs336.dense_gemv(x.reshape(rows, x.shape[-1]).contiguous(), w)   # (rows, d_out)
+            return y.reshape(*x.shape[:-1], w.shape[0])
         if torch.compiler.is_compiling():   # a graph must not bake in the thread count
             if ((self.split or w.dtype == torch.bfloat16) and x.device.type == "cpu"
-                    and math.prod(x.shape[:-1]) == 1 and not torch.is_grad_enabled()):
+                    and rows == 1 and not torch.is_grad_enabled()):
                 return streaming_matmul(x, w)
             return F.linear(x, w)
         return few_row_matmul(x, w) if self.split and _SPLIT_ENABLED else F.linear(x, w)
@@ -206,19 +223,26 @@ class CPUTuning:
     """What `tune_for_cpu` applied to a model (kept on it as `model.cpu_tuning`)."""
 
     split_linears: int = 0      # `CPULinear`s that split (every full-precision linear is one)
+    gemv_linears: int = 0       # `CPULinear`s that run our `dense_gemv` for a few rows
+    gemv_unavailable: str | None = None   # why our kernel cannot run here, where it was asked for
     threads: bool = False       # decode steps drop to one thread under contention
     calibration: dict | None = None   # split="auto": seconds per batch-1 pass over the weights, per kernel
     previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
 
     def describe(self) -> str:
         parts = []
+        if self.gemv_linears:
+            parts.append(f"{self.gemv_linears} linears on our few-row kernel for <= {GEMV_MAX_ROWS} rows")
+        elif self.gemv_unavailable:
+            parts.append(f"torch's matmuls (our few-row kernel cannot run here: {self.gemv_unavailable})")
         measured = ""
         if self.calibration:
             measured = (f" (measured here: {1e3 * self.calibration['split']:.1f} ms split vs "
                         f"{1e3 * self.calibration['gemm']:.1f} ms F.linear per pass over the weights)")
         if self.split_linears:
-            parts.append(f"{self.split_linears} linears split across threads for <= {SPLIT_MAX_ROWS} rows "
-                         f"(streamed in a compiled batch-1 step){measured}")
+            where = " (above our kernel's rows)" if self.gemv_linears else " (streamed in a compiled batch-1 step)"
+            parts.append(f"{self.split_linears} linears split across threads for <= {SPLIT_MAX_ROWS} rows"
+                         f"{where}{measured}")
         elif self.calibration:
             parts.append(f"no few-row split (F.linear is faster with this BLAS){measured}")
         if self.threads:
@@ -252,19 +276,22 @@ def _restore_threads(model, args, kwargs, output=None):
         torch.set_num_threads(previous)
 
 
-def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = True) -> nn.Module:
+def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = True,
+                 gemv: bool = True) -> nn.Module:
     """Apply the CPU decode speed-ups to `model` in place and return it (idempotent; a second call
     with other options replaces the first). split: full-precision bias-free linears become `CPULinear`
     (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); "auto" (the default) times
     the split against `F.linear` on these weights with the current thread count (`calibrate_split`, a
     fraction of a second) and splits only if it is faster; threads: a decode step runs on one thread
-    while another process holds a core. A model off the CPU is left as it is. Apply it after
-    `fuse_projections` (fusing builds new linears) and after any dtype change (the timing depends on
-    it), before or after quantizing (quantized layers keep their own kernels)."""
+    while another process holds a core; gemv: up to `GEMV_MAX_ROWS` rows run our `dense_gemv` where
+    `model.cpu_kernels` builds (compiling it the first time on a machine). A model off the CPU is left
+    as it is. Apply it after `fuse_projections` (fusing builds new linears) and after any dtype change
+    (the timing depends on it), before or after quantizing (quantized layers keep their own kernels)."""
     if not isinstance(split, bool) and split != "auto":
         raise TypeError(f"split must be True, False or 'auto', got {type(split).__name__} {split!r}")
-    if not isinstance(threads, bool):
-        raise TypeError(f"threads must be True or False, got {type(threads).__name__} {threads!r}")
+    for flag, value in (("threads", threads), ("gemv", gemv)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
     untune_cpu(model)
     record = CPUTuning()
     if next(model.parameters()).device.type == "cpu":
@@ -274,10 +301,16 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
             if split:
                 record.calibration = calibrate_split(linears)
                 split = record.calibration["split"] < record.calibration["gemm"]
+        if gemv and linears:
+            from .model.cpu_kernels import build
+
+            record.gemv_unavailable = build()
+            gemv = record.gemv_unavailable is None
         for module in linears:   # CPULinear either way: a compiled bf16 row streams (see there)
             module.__class__ = CPULinear
-            module.split = split
+            module.split, module.gemv = split, gemv
         record.split_linears = len(linears) if split else 0
+        record.gemv_linears = len(linears) if gemv else 0
         if threads:
             model.register_forward_pre_hook(_one_thread_if_contended, with_kwargs=True)
             model.register_forward_hook(_restore_threads, with_kwargs=True, always_call=True)
@@ -292,6 +325,7 @@ def untune_cpu(model: nn.Module) -> nn.Module:
         if type(module) is CPULinear:
             module.__class__ = nn.Linear
             module.__dict__.pop("split", None)
+            module.__dict__.pop("gemv", None)
     for hooks, hook in ((model._forward_pre_hooks, _one_thread_if_contended), (model._forward_hooks, _restore_threads)):
         for key in [k for k, h in hooks.items() if h is hook]:
             del hooks[key]
@@ -308,6 +342,6 @@ def describe(model: nn.Module) -> str:
     return record.describe() if record is not None else "CPU tuning: none (plain model)"
 
 
-__all__ = ["CPULinear", "CPUTuning", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "calibrate_split", "cpu_contended",
-           "decode_threads", "describe", "few_row_matmul", "few_row_split", "other_cpu_load", "prefill_threads",
-           "streaming_matmul", "tune_for_cpu", "untune_cpu"]
+__all__ = ["CPULinear", "CPUTuning", "GEMV_MAX_ROWS", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "calibrate_split",
+           "cpu_contended", "decode_threads", "describe", "few_row_matmul", "few_row_split", "other_cpu_load",
+           "prefill_threads", "streaming_matmul", "tune_for_cpu", "untune_cpu"]

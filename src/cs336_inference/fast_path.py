@@ -76,7 +76,8 @@ def compile_fast(model):
     the step's ~150 kernels and allocates their outputs costs a few ms per step, and `frozen=True`:
     the fast path never changes its model once loaded, so the step guards on its inputs only.
 
-    A bf16 model's linears stream their weights inside the graph (`cpu_tuning.streaming_matmul`), and
+    A bf16 model's linears, where our few-row kernel cannot run, stream their weights inside the graph
+    (`cpu_tuning.streaming_matmul`), and
     inductor would fold the RMSNorm before each into that loop, recomputing it for every weight row;
     `realize_cpu_opcount_threshold=1` makes it store the norm's output once instead (the bf16 step runs
     faster; an int4 or fp32 step, whose matmuls are library calls, does not, so it keeps the default)."""
@@ -88,7 +89,7 @@ def compile_fast(model):
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
     inductor = {"cpp_wrapper": True}
-    if any(isinstance(m, CPULinear) and m.weight.dtype == torch.bfloat16 for m in model.modules()):
+    if any(isinstance(m, CPULinear) and m.weight.dtype == torch.bfloat16 and not m.gemv for m in model.modules()):
         inductor["realize_cpu_opcount_threshold"] = 1
     return compile_decode(model, frozen=True, options=inductor)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import adapters
+from cs336_inference.model import cpu_kernels
 
 CFG = dict(vocab_size=97, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
 VARIANTS = {"gqa": {}, "mha": dict(num_kv_heads=4), "window": dict(sliding_window=6),
@@ -338,7 +339,7 @@ def test_tune_for_cpu_keeps_the_few_row_split_only_where_it_measured_faster(monk
                         {"split": split_ms / 1e3, "gemm": gemm_ms / 1e3})
     monkeypatch.setattr(cpu_tuning, "cpu_contended", lambda threshold=0.5: False)
     with num_threads(threads):
-        tuned = cpu_tuning.tune_for_cpu(copy.deepcopy(plain))
+        tuned = cpu_tuning.tune_for_cpu(copy.deepcopy(plain), gemv=False)   # a row through the split, not our kernel
         linears = [m for m in tuned.modules() if isinstance(m, torch.nn.Linear)]
         assert {type(m) for m in linears} == {cpu_tuning.CPULinear} and {m.split for m in linears} == {splits}
         assert timed == ([len(linears)] if threads > 1 else [])
@@ -432,9 +433,9 @@ def test_compile_decode_refuses_a_frozen_flag_that_is_not_a_bool():
 
 
 def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkeypatch):
-    """A bf16 model's tuned linears stream inside the compiled step, and only there does the fast path
-    ask inductor to store each norm's output rather than recompute it per weight row; fp32 and int4
-    steps (library matmuls) compile with the default options."""
+    """A bf16 model's tuned linears stream inside the compiled step where our few-row kernel is off, and
+    only there does the fast path ask inductor to store each norm's output rather than recompute it per
+    weight row; fp32, int4 and our kernel's steps (library matmuls) compile with the default options."""
     from cs336_inference import cpu_tuning, fast_path
     from cs336_inference.generation import compiled
 
@@ -443,8 +444,10 @@ def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkey
     monkeypatch.setattr(cpu_tuning, "calibrate_split", lambda linears: {"split": 2.0, "gemm": 1.0})
     fp32 = _model()
     int4 = adapters.run_quantize_model(_model(), "rtn", 4, 32, symmetric=True, quantize_lm_head=True)
-    bf16 = _model().to(torch.bfloat16)
-    for model in (bf16, fp32, int4.to(torch.bfloat16)):
-        fast_path.compile_fast(cpu_tuning.tune_for_cpu(model))
-    assert [kwargs["options"].get("realize_cpu_opcount_threshold") for kwargs in seen] == [1, None, None]
+    for model, gemv in ((_model().to(torch.bfloat16), False), (_model().to(torch.bfloat16), True), (fp32, True),
+                        (int4.to(torch.bfloat16), True)):
+        fast_path.compile_fast(cpu_tuning.tune_for_cpu(model, gemv=gemv))
+    ours = cpu_kernels.build() is None   # where our kernel cannot run, a bf16 model streams either way
+    assert [kwargs["options"].get("realize_cpu_opcount_threshold") for kwargs in seen] == [1, None if ours else 1,
+                                                                                          None, None]
     assert all(kwargs["frozen"] is True and kwargs["options"]["cpp_wrapper"] is True for kwargs in seen)

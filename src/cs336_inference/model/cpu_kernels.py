@@ -1,6 +1,8 @@
 """Our own CPU kernels (`cs336_inference/csrc/*.cpp`), compiled once per machine on first use, beside torch's.
 
 - `int4_gemv`: an int4 matmul for a few rows; `quantization.cpu_int4` runs int4 layers on it.
+- `dense_gemv`: the same for fp32 and bf16 weights, read in place; `cpu_tuning.CPULinear` runs a
+  decode step's full-precision linears on it (`tune_for_cpu`).
 - `decode_attention`: the attention of a decode step's few query rows over every cached key; the
   attention kernel "cpu" (`TransformerLM.set_attention_kernel`) runs it where every key is visible,
   and torch's fused kernel everywhere else (a prefill's masked attention, fp32, other shapes).
@@ -68,6 +70,10 @@ def build() -> str | None:
     @torch.library.register_fake("cs336::int4_gemv")
     def _(x, codes, sz):                      # (M, K) -> (M, N)
         return x.new_empty(x.shape[0], codes.shape[0] * 16)
+
+    @torch.library.register_fake("cs336::dense_gemv")
+    def _(x, w):                              # (M, K), (N, K) -> (M, N)
+        return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("cs336::decode_attention")
     def _(q, k, v, scale):                    # (B, K, R, H) -> (B, K, R, Hv)

@@ -1,0 +1,138 @@
+"""Our few-row dense matmul (`model.cpu_kernels`' `dense_gemv`, run by `cpu_tuning.CPULinear`): against a
+float64 product written here, routed only where it applies, inside a model against torch's matmuls, and
+compiled. Skipped where the CPU cannot run it.
+
+Not graded: this checks the library's own kernel.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import adapters
+from cs336_inference import cpu_tuning
+from cs336_inference.model import cpu_kernels
+
+why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
+needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels cannot run here: {why_not}")
+
+
+class OpCalls(TorchDispatchMode):
+    """Counts the ops dispatched inside it, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 5, 7), (2, 33, 576), (3, 96, 100), (4, 7, 1536), (5, 64, 64),
+                                   (7, 3, 250), (16, 40, 576), (1, 4100, 24)])
+def test_dense_gemv_equals_a_float64_product(dtype, M, N, K):
+    """Every row count (tiles of 4 and the 1 to 3 left over), K with a partial last chunk, N not a multiple
+    of anything, and enough rows for both threads."""
+    g = torch.Generator().manual_seed(M * 1000 + K)
+    x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
+    y = torch.ops.cs336.dense_gemv(x, w)
+    assert y.shape == (M, N) and y.dtype == dtype
+    want = x.double() @ w.double().T                     # the inputs as they are (already rounded to dtype)
+    # fp32 accumulation (about sqrt(K) roundings of 2^-24 relative to sum |x w|), then, for bf16, one
+    # rounding of the output (2^-9 relative)
+    scale = (x.double().abs() @ w.double().abs().T)
+    accumulate = 1e-6 * scale
+    rounding = want.abs() * 2 ** -8 if dtype == torch.bfloat16 else 0
+    assert ((y.double() - want).abs() <= accumulate + rounding).all()
+
+
+@needs_kernel
+def test_dense_gemv_refuses_what_it_cannot_multiply():
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    for args, match in (((x, torch.randn(3, 9)), "x must be"), ((x.double(), w.double()), "fp32 or both bf16"),
+                        ((x, w.bfloat16()), "fp32 or both bf16"), ((x, torch.randn(8, 3).T), "contiguous")):
+        with pytest.raises(RuntimeError, match=match):
+            torch.ops.cs336.dense_gemv(*args)
+
+
+def _model(dtype=torch.float32):
+    config = adapters.make_config(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, d_ff=160)
+    return adapters.make_model(config, seed=0).eval().to(dtype)
+
+
+@needs_kernel
+def test_cpu_linear_runs_our_kernel_only_for_a_few_rows_without_autograd():
+    lin = cpu_tuning.tune_for_cpu(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)), split=False)[0]
+    assert isinstance(lin, cpu_tuning.CPULinear) and lin.gemv
+    cases = [(torch.randn(1, 1, 64), True, False), (torch.randn(2, 8, 64), True, False),       # 1 and 16 rows
+             (torch.randn(17, 64), False, False), (torch.randn(3, 64).double(), False, False),  # 17 rows, fp64
+             (torch.randn(1, 64), False, True)]                                                  # autograd
+    for x, ours, grad in cases:
+        w = lin.weight.to(x.dtype)
+        with torch.set_grad_enabled(grad), OpCalls() as calls:
+            y = lin.to(x.dtype)(x)
+        assert ("cs336.dense_gemv" in calls.names) == ours, (tuple(x.shape), x.dtype, grad)
+        torch.testing.assert_close(y.detach(), x @ w.detach().T, rtol=1e-5, atol=1e-5)
+    lin.gemv = False
+    with torch.no_grad(), OpCalls() as calls:
+        lin.float()(torch.randn(1, 64))
+    assert "cs336.dense_gemv" not in calls.names
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tuned_model_decodes_on_our_kernel_like_torchs_matmuls(dtype):
+    """Prefill (24 rows: torch's matmul) then decode steps (ours) give torch's logits to rounding and the
+    same greedy tokens; every linear of each decode step (2 layers x 4, and the head) ran our kernel."""
+    plain = _model(dtype)
+    tuned = cpu_tuning.tune_for_cpu(copy.deepcopy(plain), split=False, threads=False)
+    ids = torch.randint(0, 97, (1, 32), generator=torch.Generator().manual_seed(3))
+    logits, calls = {}, {}
+    for name, model in (("plain", plain), ("tuned", tuned)):
+        cache = adapters.make_kv_cache(model, 1, 32)
+        with torch.no_grad(), OpCalls() as recorder:
+            steps = [adapters.run_model(model, ids[:, :24], cache)]
+            steps += [adapters.run_model(model, ids[:, t:t + 1], cache) for t in range(24, 32)]
+        logits[name], calls[name] = torch.cat(steps, 1).float(), recorder.names.count("cs336.dense_gemv")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    assert calls == {"plain": 0, "tuned": 8 * linears}
+    atol = 0.05 if dtype == torch.bfloat16 else 1e-4
+    torch.testing.assert_close(logits["tuned"], logits["plain"], rtol=0, atol=atol)
+    prompt = [[1, 2, 3, 4], [5, 6, 7]]
+    assert (adapters.run_generate(tuned, prompt, 12).tokens == adapters.run_generate(plain, prompt, 12).tokens)
+
+
+@needs_kernel
+def test_a_compiled_decode_step_on_our_kernel_matches_eager():
+    from cs336_inference.generation import compile_decode
+
+    torch._dynamo.reset()
+    model = cpu_tuning.tune_for_cpu(_model(), split=False, threads=False)
+    step = compile_decode(model)                                         # fullgraph=True: no graph break
+    ids = torch.randint(0, 97, (1, 14), generator=torch.Generator().manual_seed(4))
+    eager_cache, cache = adapters.make_kv_cache(model, 1, 16), adapters.make_kv_cache(model, 1, 16)
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :8], eager_cache)
+        adapters.run_model(model, ids[:, :8], cache)
+        for t in range(8, 14):
+            expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
+            torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+
+
+def test_tune_for_cpu_says_where_our_kernel_cannot_run(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "build", lambda: "the CPU has no AVX512-BF16 (needs e.g. Zen 4)")
+    tuned = cpu_tuning.tune_for_cpu(_model(), split=False, threads=False)
+    assert not any(m.gemv for m in tuned.modules() if isinstance(m, cpu_tuning.CPULinear))
+    assert "our few-row kernel cannot run here: the CPU has no AVX512-BF16" in cpu_tuning.describe(tuned)
+    off = cpu_tuning.tune_for_cpu(_model(), split=False, threads=False, gemv=False)
+    assert "few-row kernel" not in cpu_tuning.describe(off)
+    with pytest.raises(TypeError, match="gemv must be True or False, got str 'yes'"):
+        cpu_tuning.tune_for_cpu(_model(), gemv="yes")
