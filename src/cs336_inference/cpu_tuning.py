@@ -13,8 +13,8 @@ remedies, all host-side facts (thread count, machine load, this BLAS) that the m
   it wins (`calibrate_split`; `describe` prints what it measured);
 - our few-row kernel: where `model.cpu_kernels` builds (a CPU with AVX512-BF16), up to
   `GEMV_MAX_ROWS` rows of fp32 or bf16 go through its `dense_gemv` instead, eagerly and compiled: each
-  thread streams its own share of W's rows once, near the machine's read bandwidth, where torch's
-  few-row products read at a third to a half of it (`bench generation` measures both);
+  thread streams its own share of W's rows once, where torch's few-row products are built for larger
+  problems (`bench generation` measures both);
 - streaming matmul: elsewhere, inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
@@ -44,14 +44,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .timing import num_threads
 
 # Rows at or below which the CPU few-row split beats one MKL gemm call (on the weights of the ~90M
 # benchmark model, `bench generation`); above it the gemm's own blocking wins.
 SPLIT_MAX_ROWS = 64
-# Rows up to which our `dense_gemv` runs (SmolLM2's weights, Zen 4: a third of `F.linear`'s time at one
-# row, about even at 16, slower at 32, where a gemm's blocking reuses each weight for more rows).
+# Rows up to which our `dense_gemv` runs: on SmolLM2's weights it is far ahead of `F.linear` at one row,
+# about even at 16 and behind at 32, where a gemm's blocking reuses each weight for more rows (README).
 GEMV_MAX_ROWS = 16
 _SPLIT_ENABLED = True
 
@@ -87,7 +88,8 @@ class CPULinear(nn.Linear):
     """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
 
     With `gemv` (set by `tune_for_cpu` where our CPU kernels build), up to `GEMV_MAX_ROWS` rows of fp32
-    or bf16 without autograd run our `dense_gemv`, eagerly and compiled, whatever the thread count.
+    or bf16 without autograd run our `dense_gemv`, eagerly and compiled, whatever the thread count (a
+    compiled step whose batch size is a symbol calls it for every size; above the bar it runs torch's).
     Otherwise, eagerly, in inference, a few rows on several threads of an uncontended CPU: the output
     rows of W split into one block per thread, streamed in parallel by `bmm` (where `split`, which `tune_for_cpu`
     sets from its calibration). Traced by the compiler, one row without autograd: `streaming_matmul`
@@ -101,11 +103,14 @@ class CPULinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
         rows = math.prod(x.shape[:-1])
-        if (self.gemv and _SPLIT_ENABLED and rows <= GEMV_MAX_ROWS and x.device.type == "cpu" and x.dtype == w.dtype
+        # Not `rows <= GEMV_MAX_ROWS`: compiled, a batch size the graph keeps symbolic would get a guard,
+        # and a step past it would compile again mid-serving. The kernel itself hands more rows to torch.
+        many = statically_known_true(rows > GEMV_MAX_ROWS)
+        if (self.gemv and _SPLIT_ENABLED and not many and x.device.type == "cpu" and x.dtype == w.dtype
                 and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
-            y = torch.ops.cs336.dense_gemv(x.reshape(rows, x.shape[-1]).contiguous(), w)   # (rows, d_out)
-            return y.reshape(*x.shape[:-1], w.shape[0])
+            x2 = x.reshape(rows, x.shape[-1]).contiguous()
+            return torch.ops.cs336.dense_gemv(x2, w, GEMV_MAX_ROWS).reshape(*x.shape[:-1], w.shape[0])
         if torch.compiler.is_compiling():   # a graph must not bake in the thread count
             if ((self.split or w.dtype == torch.bfloat16) and x.device.type == "cpu"
                     and rows == 1 and not torch.is_grad_enabled()):

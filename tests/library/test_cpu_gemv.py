@@ -42,7 +42,7 @@ def test_dense_gemv_equals_a_float64_product(dtype, M, N, K):
     of anything, and enough rows for both threads."""
     g = torch.Generator().manual_seed(M * 1000 + K)
     x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
-    y = torch.ops.cs336.dense_gemv(x, w)
+    y = torch.ops.cs336.dense_gemv(x, w, 16)
     assert y.shape == (M, N) and y.dtype == dtype
     want = x.double() @ w.double().T                     # the inputs as they are (already rounded to dtype)
     # fp32 accumulation (about sqrt(K) roundings of 2^-24 relative to sum |x w|), then, for bf16, one
@@ -54,12 +54,22 @@ def test_dense_gemv_equals_a_float64_product(dtype, M, N, K):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dense_gemv_hands_more_than_max_rows_to_torchs_matmul(dtype):
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(9, 40, generator=g).to(dtype), torch.randn(24, 40, generator=g).to(dtype)
+    assert torch.equal(torch.ops.cs336.dense_gemv(x, w, 8), torch.nn.functional.linear(x, w))   # 9 > 8: torch's
+    ours = torch.ops.cs336.dense_gemv(x, w, 9)                                                 # 9 rows: ours
+    torch.testing.assert_close(ours.float(), (x.double() @ w.double().T).float(), rtol=2 ** -7, atol=1e-4)
+
+
+@needs_kernel
 def test_dense_gemv_refuses_what_it_cannot_multiply():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     for args, match in (((x, torch.randn(3, 9)), "x must be"), ((x.double(), w.double()), "fp32 or both bf16"),
                         ((x, w.bfloat16()), "fp32 or both bf16"), ((x, torch.randn(8, 3).T), "contiguous")):
         with pytest.raises(RuntimeError, match=match):
-            torch.ops.cs336.dense_gemv(*args)
+            torch.ops.cs336.dense_gemv(*args, 16)
 
 
 def _model(dtype=torch.float32):
@@ -85,6 +95,29 @@ def test_cpu_linear_runs_our_kernel_only_for_a_few_rows_without_autograd():
     with torch.no_grad(), OpCalls() as calls:
         lin.float()(torch.randn(1, 64))
     assert "cs336.dense_gemv" not in calls.names
+
+
+@needs_kernel
+def test_a_compiled_graph_with_a_symbolic_batch_size_has_no_guard_on_it():
+    """Batch 1 (a size the compiler specializes) and a batch size the graph keeps symbolic both call our
+    kernel, with no guard on the size: 20 rows, past GEMV_MAX_ROWS (the kernel hands them to torch's
+    matmul), reuse the graph of 3; a fixed large row count compiles to torch's matmul alone."""
+    lin = cpu_tuning.tune_for_cpu(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)), split=False)[0]
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append({str(node.target) for node in gm.graph.nodes if node.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(lin, backend=recording, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for rows in (1, 3, 20):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(step(x), x @ lin.weight.T, rtol=1e-5, atol=1e-5)
+        assert len(graphs) == 2
+        torch.compile(lin, backend=recording, dynamic=False, fullgraph=True)(torch.randn(40, 64))
+    assert [any(t.startswith("cs336.dense_gemv") for t in targets) for targets in graphs] == [True, True, False]
 
 
 @needs_kernel

@@ -209,12 +209,14 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
 
     # The server's own weights (int4-exact, on whichever int4 kernel runs here): the fp32 model's answer is
     # no reference, its first token is a near tie with another (logits 25.33 vs 25.24 for "The" and "L")
-    # that int4 rounding may flip
+    # that int4 rounding may flip. Eager steps (--no-compile), as `generate` here runs them: the compiled
+    # engine steps are checked against the eager engine in test_engine_api, and compiling them here would
+    # add a cold compile of the real model's blocks
     threads = torch.get_num_threads()
     model, tokenizer, _ = load_for_inference("smollm2-135m")
     torch.set_num_threads(threads)   # it applies the CLI's thread policy; the other tests keep theirs
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    with running_server("smollm2-135m", "--max-num-seqs", "4", server_class=Server) as server:
+    with running_server("smollm2-135m", "--max-num-seqs", "4", "--no-compile", server_class=Server) as server:
         client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=120)
         stream = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=24,
                                                 temperature=0, stream=True)

@@ -4,16 +4,16 @@
 // as it is: no copy, no re-layout, so a model's state dict and memory stay what they were.
 //
 // Why it exists: batch-1 decode is one pass over every weight, so a step can be no faster than
-// weight bytes / memory bandwidth. torch's kernels for a few rows are built for larger problems: on the
-// Zen 4 here `F.linear` read fp32 and bf16 weights at a third of the rate this kernel reaches (see
-// `bench generation`). Here each thread streams its own contiguous share of W's rows, one row after
-// the next (one sequential stream per core: interleaving two rows' streams read at half the rate),
-// 32 bytes of the row per FMA (fp32) or `vdpbf16ps` (bf16: 16 products, exact in fp32) for each of up
-// to 4 rows of x, while the row sits in L1. Sums are in fp32, 8 independent ones for a single row of x
-// to cover the FMA's latency; a bf16 result is rounded once.
+// weight bytes / memory bandwidth. torch's kernels for a few rows are built for larger problems
+// (`bench generation` compares them with this one). Here each thread streams its own contiguous share
+// of W's rows, one row after the next (one sequential stream per core: interleaving two rows' streams
+// read far slower on Zen 4), 32 bytes of the row per FMA (fp32) or `vdpbf16ps` (bf16: 16 products,
+// exact in fp32) for each of up to 4 rows of x, while the row sits in L1. Sums are in fp32, 8
+// independent ones for a single row of x to cover the FMA's latency; a bf16 result is rounded once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -26,7 +26,7 @@ namespace {
 constexpr int kTile = 4;   // rows of x per pass over a row of W (while it sits in L1)
 
 // The elements one 256-bit load holds, and the product-sum step, per dtype. 256-bit, not 512-bit,
-// loads: streaming from memory, Zen 4 (which splits 512-bit loads in two) read ~15% faster with them.
+// loads: streaming from memory, Zen 4 (which splits 512-bit loads in two) read faster with them.
 template <typename T>
 struct Lanes;
 
@@ -115,7 +115,9 @@ void gemv(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K) {
   });
 }
 
-at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
+// More than `max_rows` rows go to torch's own matmul (`at::linear`): a compiled graph whose batch size is
+// a symbol calls this op for every size, and the choice is made here, per call, with no guard on it.
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, int64_t max_rows) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "dense_gemv: x must be (M, K) and w (N, K), got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == w.scalar_type() &&
@@ -123,6 +125,7 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
               "dense_gemv: x and w must both be fp32 or both bf16");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "dense_gemv: x and w must be contiguous");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  if (M > max_rows) return at::linear(x, w);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat) {
@@ -136,5 +139,5 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w) {
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cs336, m) { m.def("dense_gemv(Tensor x, Tensor w) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(cs336, m) { m.def("dense_gemv(Tensor x, Tensor w, int max_rows) -> Tensor"); }
 TORCH_LIBRARY_IMPL(cs336, CPU, m) { m.impl("dense_gemv", &dense_gemv); }
