@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapters
+from decode_checks import OpCalls, assert_compiled_decode_matches_eager
 from cs336_inference.model import cpu_kernels
 
 why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
@@ -22,18 +22,6 @@ needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels 
 def reference(q, k, v, scale):
     """softmax(q k^T * scale) v in float64, every key visible."""
     return torch.softmax(q.double() @ k.double().transpose(-1, -2) * scale, dim=-1) @ v.double()
-
-
-class OpCalls(TorchDispatchMode):
-    """Records the name of every op dispatched inside it."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 @needs_kernel
@@ -102,13 +90,7 @@ def test_a_compiled_decode_step_on_the_cpu_kernel_matches_eager():
     model = adapters.run_set_attention_kernel(_bf16_model(), "cpu")
     step = compile_decode(model)                                         # fullgraph=True: no graph break
     ids = torch.randint(0, 97, (2, 14), generator=torch.Generator().manual_seed(2))
-    eager_cache, cache = adapters.make_kv_cache(model, 2, 16), adapters.make_kv_cache(model, 2, 16)
-    with torch.no_grad():
-        adapters.run_model(model, ids[:, :8], eager_cache)
-        adapters.run_model(model, ids[:, :8], cache)
-        for t in range(8, 14):
-            expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
-            torch.testing.assert_close(step(ids[:, t], cache).float(), expected.float(), rtol=0, atol=0.05)
+    assert_compiled_decode_matches_eager(model, step, ids, prefill=8, atol=0.05)
 
 
 def test_the_cpu_kernel_is_refused_where_it_cannot_build(monkeypatch):

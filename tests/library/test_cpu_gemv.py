@@ -11,26 +11,14 @@ import copy
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapters
+from decode_checks import OpCalls, assert_compiled_decode_matches_eager
 from cs336_inference import cpu_tuning
 from cs336_inference.model import cpu_kernels
 
 why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels cannot run here: {why_not}")
-
-
-class OpCalls(TorchDispatchMode):
-    """Counts the ops dispatched inside it, by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 @needs_kernel
@@ -151,13 +139,7 @@ def test_a_compiled_decode_step_on_our_kernel_matches_eager():
     model = cpu_tuning.tune_for_cpu(_model(), split=False, threads=False)
     step = compile_decode(model)                                         # fullgraph=True: no graph break
     ids = torch.randint(0, 97, (1, 14), generator=torch.Generator().manual_seed(4))
-    eager_cache, cache = adapters.make_kv_cache(model, 1, 16), adapters.make_kv_cache(model, 1, 16)
-    with torch.no_grad():
-        adapters.run_model(model, ids[:, :8], eager_cache)
-        adapters.run_model(model, ids[:, :8], cache)
-        for t in range(8, 14):
-            expected = adapters.run_decode_one_token(model, ids[:, t], eager_cache)
-            torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+    assert_compiled_decode_matches_eager(model, step, ids, prefill=8, atol=1e-5)
 
 
 def test_tune_for_cpu_says_where_our_kernel_cannot_run(monkeypatch):

@@ -16,6 +16,10 @@ from pathlib import Path
 
 import pytest
 
+# Under pytest-xdist (`.ci/run`: the slow tests on two workers, --dist loadgroup) the tests that read the
+# lecture's runs share one worker; the fixtures also run each whole lecture once across workers (conftest).
+pytestmark = pytest.mark.xdist_group("lecture")
+
 ROOT = Path(__file__).resolve().parents[2]
 LECTURE = ROOT / "lecture" / "lecture_10.py"
 PARTS = ("1. Understanding the inference workload", "2. Taking shortcuts (lossy)",
