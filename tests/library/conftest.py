@@ -76,3 +76,22 @@ def lecture_trace_run(tmp_path_factory) -> LectureRun:
         out = tmp_path_factory.mktemp("trace")
         return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
     return _once(tmp_path_factory, "lecture_trace", run)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """`--dist loadgroup` under pytest 9: xdist 3.8 puts a test's `xdist_group` into its id (the
+    scheduler groups by the "@group" suffix) through an attribute pytest 9 no longer reads, so the
+    groups were ignored and the lecture tests waited on each other's runs from two workers. After
+    xdist's own hook, add the suffix where it is missing (pytest 8: already there)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id   # pytest >= 9
+    except ImportError:
+        return
+    for item in items:
+        mark = item.get_closest_marker("xdist_group")
+        if mark is not None and "@" not in item.nodeid:
+            group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            item._id = coerce_node_id(f"{item.nodeid}@{group}")
