@@ -1,14 +1,14 @@
 """Session fixtures for the slow lecture tests: the README's two ways of running the lecture (the CLI,
-and edtrace's trace), each run once per session, also across pytest-xdist workers. test_lecture.py and
-test_lecture_trace.py share them, and the determinism test compares the two runs' live numbers."""
+and edtrace's trace), each run once per session (the tests that read them are one `xdist_group`, so
+under pytest-xdist they share a worker). test_lecture.py and test_lecture_trace.py share them, and the
+determinism test compares the two runs' live numbers."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,47 +43,26 @@ def _run(command: list[str], trace_dir: Path | None = None) -> LectureRun:
     return LectureRun(proc.returncode, proc.stdout, proc.stderr, change, trace_dir)
 
 
-def _once(tmp_path_factory, name: str, make) -> LectureRun:
-    """`make()` run once for every pytest-xdist worker of the session: the first worker to ask runs it
-    and stores the result beside the workers' temporary folders, the others wait for it and read it.
-    (The tests' `xdist_group` is meant to keep them on one worker, but xdist 3.8 tags the test ids
-    through an attribute that pytest 9 no longer reads, so under pytest 9 the groups are ignored.)"""
-    if os.environ.get("PYTEST_XDIST_WORKER") is None:
-        return make()
-    from filelock import FileLock
-
-    shared = tmp_path_factory.getbasetemp().parent
-    stored = shared / f"{name}.json"
-    with FileLock(str(shared / f"{name}.lock")):
-        if not stored.exists():
-            run = make()
-            stored.write_text(json.dumps(asdict(run) | {"trace_dir": run.trace_dir and str(run.trace_dir)}))
-        fields = json.loads(stored.read_text())
-    return LectureRun(**fields | {"trace_dir": fields["trace_dir"] and Path(fields["trace_dir"])})
-
-
 @pytest.fixture(scope="session")
-def lecture_cli_run(tmp_path_factory) -> LectureRun:
+def lecture_cli_run() -> LectureRun:
     """`python -m cs336_inference lecture`, the README's main command."""
-    return _once(tmp_path_factory, "lecture_cli", lambda: _run([sys.executable, "-m", "cs336_inference", "lecture"]))
+    return _run([sys.executable, "-m", "cs336_inference", "lecture"])
 
 
 @pytest.fixture(scope="session")
 def lecture_trace_run(tmp_path_factory) -> LectureRun:
     """`python -m edtrace.execute -m lecture_10 -o DIR` from the repository root (the venv has lecture/
     on its path, see .ci/setup): the whole lecture again, under edtrace's line tracer."""
-    def run() -> LectureRun:
-        out = tmp_path_factory.mktemp("trace")
-        return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
-    return _once(tmp_path_factory, "lecture_trace", run)
+    out = tmp_path_factory.mktemp("trace")
+    return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """`--dist loadgroup` under pytest 9: xdist 3.8 puts a test's `xdist_group` into its id (the
     scheduler groups by the "@group" suffix) through an attribute pytest 9 no longer reads, so the
-    groups were ignored and the lecture tests waited on each other's runs from two workers. After
-    xdist's own hook, add the suffix where it is missing (pytest 8: already there)."""
+    groups were ignored and both workers ran the whole lecture twice. After xdist's own hook, add the
+    suffix where it is missing (pytest 8: already there)."""
     if not getattr(config.option, "loadgroup", False):
         return
     try:

@@ -12,7 +12,7 @@ import re
 import pytest
 
 # Under pytest-xdist (`.ci/run`: the slow tests on two workers, --dist loadgroup) the tests that read the
-# lecture's runs share one worker; the fixtures also run each whole lecture once across workers (conftest).
+# lecture's runs share one worker, so each whole-lecture run (a session fixture) happens once (conftest).
 pytestmark = pytest.mark.xdist_group("lecture")
 
 # edtrace's own lines in the trace run's stdout: the steps, the inspected values, its banner
