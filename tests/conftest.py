@@ -11,7 +11,14 @@ import grading
 import guard
 import implementation
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+if os.environ.get("PYTEST_XDIST_WORKER") and not any(os.environ.get(v) for v in ("CS336_NUM_THREADS",
+                                                                                 "OMP_NUM_THREADS")):
+    # Under pytest-xdist every core already runs a worker: a second OpenMP thread per worker only waits
+    # for a core, and a parallel region is as slow as its slowest thread (a notebook's roofline ran 3x
+    # slower beside one busy core). One thread here, and in every process a test starts (notebook
+    # kernels, the lecture, servers, the mutation check's shards), which read the variable.
+    os.environ["CS336_NUM_THREADS"] = "1"
+torch.set_num_threads(1 if os.environ.get("CS336_NUM_THREADS") == "1" else max(1, min(2, torch.get_num_threads())))
 
 
 def pytest_addoption(parser):
