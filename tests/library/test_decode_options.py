@@ -82,6 +82,26 @@ def test_quantizing_a_fused_model_and_refusing_to_fuse_a_quantized_one():
         adapters.run_fuse_projections(copy.deepcopy(q_plain))
 
 
+def test_a_compiled_step_refuses_a_full_cache_and_another_batch_size_with_the_caches_error():
+    """Past the end of its cache, or with a batch the cache does not hold, the compiled step raises the
+    cache's own ValueError before tracing anything (traced, it surfaced as a dynamo error), and the cache
+    is left as it was."""
+    from cs336_inference.generation import compile_decode
+
+    model = _model()
+    step = compile_decode(model)
+    full, three = adapters.make_kv_cache(model, 1, 8), adapters.make_kv_cache(model, 3, 16)
+    with torch.no_grad():
+        adapters.run_model(model, torch.randint(0, 97, (1, 8)), full)
+        adapters.run_model(model, torch.randint(0, 97, (3, 4)), three)
+    k = full.layers[0].k.clone()
+    with pytest.raises(ValueError, match="cache overflow: 8 cached"):
+        step(torch.tensor([5]), full)
+    with pytest.raises(ValueError, match="cache holds 3 sequences but token_ids has batch 1"):
+        step(torch.tensor([5]), three)
+    assert (full.length, three.length) == (8, 4) and torch.equal(full.layers[0].k, k)
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_sdpa_kernel_equals_the_hand_written_attention(variant):
     plain = _model(**VARIANTS[variant])

@@ -146,11 +146,13 @@ def compile_decode(model, frozen: bool = False, **compile_options):
             raise ValueError("token_ids must be a 1-D integer tensor (B,) holding one token per sequence")
         if not isinstance(cache, KVCache) or cache.length == 0:   # the edge: eager, with the model's checks
             return model(token_ids[:, None], cache=cache)[:, -1]
+        if cache.length >= cache.max_seq_len or token_ids.shape[0] != cache.batch_size:
+            # refused here, eagerly: traced, the cache's error message (an f-string of a symbolic size)
+            # would surface as a dynamo tracing error instead of the ValueError
+            cache.begin(1, batch_size=token_ids.shape[0])   # raises, naming the overflow or the batch size
         ids = token_ids[:, None].clone(memory_format=torch.contiguous_format)   # fresh strides: no guard on them
         if not static:
             return compiled(ids, cache=cache)[:, -1]
-        if cache.length >= cache.max_seq_len or token_ids.shape[0] != cache.batch_size:
-            cache.begin(1, batch_size=token_ids.shape[0])   # raises, naming the overflow or the batch size
         if cache not in marked:
             for layer in cache.unique_layers():
                 if not isinstance(layer, ContiguousKVCache):
