@@ -102,6 +102,44 @@ def test_a_compiled_step_refuses_a_full_cache_and_another_batch_size_with_the_ca
     assert (full.length, three.length) == (8, 4) and torch.equal(full.layers[0].k, k)
 
 
+def test_the_fast_paths_step_passes_bad_input_errors_on_and_stays_compiled(monkeypatch, capsys):
+    """The CLI's step falls back to eager after a compiler failure; a refused input is not one: its
+    ValueError reaches the caller, nothing says "torch.compile failed", and the next step still runs
+    the compiled function (here a stand-in that records its calls, so nothing compiles)."""
+    from cs336_inference import fast_path
+
+    calls = []
+
+    def fake_compile(fn, **options):
+        def run(*args, **kwargs):
+            calls.append(len(args))
+            return fn(*args, **kwargs)
+        return run
+
+    model = _model()
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    step, how = fast_path.compiled_decode_step(model)
+    if step is None:
+        pytest.skip(how)
+    full, cache = adapters.make_kv_cache(model, 1, 8), adapters.make_kv_cache(model, 1, 16)
+    ids = torch.randint(0, 97, (1, 8))
+    with torch.no_grad():
+        adapters.run_model(model, ids, full)
+        adapters.run_model(model, ids, cache)
+        with pytest.raises(ValueError, match="cache overflow"):
+            step(torch.tensor([5]), full)
+        assert calls == []
+        expected = adapters.run_decode_one_token(model, torch.tensor([5]), _prefilled(model, ids))
+        torch.testing.assert_close(step(torch.tensor([5]), cache), expected, rtol=0, atol=1e-5)
+    assert calls == [1] and "torch.compile failed" not in capsys.readouterr().err
+
+
+def _prefilled(model, ids):
+    cache = adapters.make_kv_cache(model, ids.shape[0], 16)
+    adapters.run_model(model, ids, cache)
+    return cache
+
+
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_sdpa_kernel_equals_the_hand_written_attention(variant):
     plain = _model(**VARIANTS[variant])
