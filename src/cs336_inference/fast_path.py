@@ -186,11 +186,9 @@ def _kernel_cache() -> str:
 
 def _with_fallback(model, compiled, eager):
     """`compiled(*args)` under the CPU thread switch; after a compiler failure (said once) `eager(*args)`.
-    A ValueError or TypeError that torch's compiler did not raise is the step refusing its input: it
+    A ValueError or TypeError is the step refusing its input (torch's compiler raises its own kinds): it
     propagates, and later calls still run compiled."""
     import contextlib
-
-    from torch._dynamo.exc import TorchDynamoException
 
     from .cpu_tuning import decode_threads
 
@@ -203,7 +201,7 @@ def _with_fallback(model, compiled, eager):
                 try:
                     return compiled(*args)
                 except Exception as error:   # a compiler failure: say so once, then run eagerly
-                    if isinstance(error, (ValueError, TypeError)) and not isinstance(error, TorchDynamoException):
+                    if isinstance(error, (ValueError, TypeError)):
                         raise   # bad input, refused by the step's own checks: the compiled path stays
                     failed.append(error)
                     print(f"\n[torch.compile failed ({type(error).__name__}); decoding eagerly]", file=sys.stderr)
