@@ -76,3 +76,28 @@ def test_bench_generation_quick_runs(tmp_path, monkeypatch):
     assert result["greedy_fast_equals_plain"] is True
     assert result.get("greedy_equals_peer", True) is True
     assert all(r["ms_per_step"] > 0 for r in data["rows"])
+
+
+def test_each_timing_is_paired_with_the_bandwidth_sampled_right_beside_it():
+    """The host's bandwidth swings within seconds, so `bench generation` samples it just before and just
+    after every timing, and a row's fraction is the median of per-round ratios, not a ratio of medians."""
+    from cs336_inference.benchmarks.generation import _time_rounds
+
+    events, bandwidths = [], iter([10.0, 30.0, 50.0, 70.0, 1.0, 3.0, 5.0, 7.0])
+
+    def probe():
+        events.append("probe")
+        return next(bandwidths)
+
+    def maker(name):
+        def make():
+            events.append(f"make {name}")
+            return lambda: events.append(name)
+        return make
+
+    out = _time_rounds({"a": maker("a"), "b": maker("b")}, torch.device("cpu"), rounds=2, steps=3, probe=probe)
+    one = ["make a", "probe", *["a"] * 5, "probe", "make b", "probe", *["b"] * 5, "probe"]   # 2 warm-up + 3 timed
+    assert events == one + one
+    assert [b for _, b in out["a"]] == [20.0, 2.0] and [b for _, b in out["b"]] == [60.0, 6.0]
+    assert all(t > 0 for pairs in out.values() for t, _ in pairs)
+    assert _time_rounds({"a": maker("a")}, torch.device("cpu"), rounds=1, steps=1)["a"][0] > 0   # no probe: seconds

@@ -18,12 +18,18 @@ from .hardware import HardwareSpec
 
 def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     """Streaming read bandwidth in bytes/s: time a reduction over an `nbytes` fp32 tensor."""
+    return bandwidth_probe(device, nbytes, repeats)()
+
+
+def bandwidth_probe(device=None, nbytes: int = 512 * 2**20, repeats: int = 3):
+    """`measure_memory_bandwidth` as a function to call again and again on one buffer, allocated once:
+    a benchmark samples the bandwidth right beside each timing it compares with it, because on a
+    shared host the bandwidth one VM gets can change by half within seconds."""
     device = get_device(device)
     _checks.integer("nbytes", nbytes, 2**20, allowed="an int >= 1 MiB (larger than the caches to mean anything)")
     _checks.positive_int("repeats", repeats)
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    seconds = median_seconds(lambda: x.sum(), device, repeats)
-    return x.nbytes / seconds
+    return lambda: x.nbytes / median_seconds(lambda: x.sum(), device, repeats)
 
 
 def measure_matmul_flops(device=None, n: int = 2048, dtype: torch.dtype | None = None, repeats: int = 5) -> float:

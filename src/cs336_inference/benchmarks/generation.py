@@ -4,9 +4,10 @@ Batch-1 decode of a model whose weights dwarf the CPU caches streams every weigh
 ~ weight bytes / bandwidth, and fewer bytes (bf16, int8, int4 through `QuantizedLinear`'s packed
 kernels) should decode faster. `bench generation` times each precision side by side in alternating
 rounds, eager and compiled, against Hugging Face's Llama on the same weights (the `[peer]` extra),
-with the bandwidth measured in the same run, KL to fp32 (speed is never quoted without its cost) and a
-busy-core repeat. `--model smollm2-135m` times the real model instead (its published GGUF blocks as
-one more row) and how long it takes to load: converting the GGUF, and reading the disk cache.
+with the streaming bandwidth sampled right beside every timing (a shared host's bandwidth swings by
+half within seconds), KL to fp32 (speed is never quoted without its cost) and a busy-core repeat.
+`--model smollm2-135m` times the real model instead (its published GGUF blocks as one more row) and
+how long it takes to load: converting the GGUF, and reading the disk cache.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch.nn as nn
 
 from .._openmp import spin_count, wait_policy
 from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
-from ..accounting.roofline import measure_memory_bandwidth
+from ..accounting.roofline import bandwidth_probe
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
 from ..device import bf16_matmul_unit
+from ..fast_path import attention_kernel
 from ..generation.generate import generate
 from ..model import hf_peer as peer
 from ..model.checkpoints import load_pretrained
@@ -53,8 +55,9 @@ def int4_group(config: ModelConfig, wanted: int = 128) -> int:
 
 def build_variants(model: TransformerLM) -> dict[str, nn.Module]:
     """Every model the benchmark times (a deep copy each). All but "fp32 plain" opt in to the CPU
-    decode speed-ups (`cpu_tuning.tune_for_cpu`)."""
-    fused = copy.deepcopy(model).fuse_projections().set_attention_kernel("sdpa")
+    decode speed-ups (`cpu_tuning.tune_for_cpu`) and run the fast path's attention (for bf16 on a CPU,
+    our decode kernel: `fast_path.attention_kernel`), as `chat --precision ...` runs them."""
+    fused = copy.deepcopy(model).fuse_projections().set_attention_kernel(attention_kernel(model.device))
     fast = tune_for_cpu(copy.deepcopy(fused))   # after any dtype change: the few-row split is timed per dtype
     return {"fp32 plain": model, "fp32": fast, "fp32 F.linear": fast,
             "bf16": tune_for_cpu(fused.to(torch.bfloat16)),
@@ -62,19 +65,19 @@ def build_variants(model: TransformerLM) -> dict[str, nn.Module]:
             "int4": quantize_model(fast, "rtn", bits=4, group_size=int4_group(model.config), quantize_lm_head=True)}
 
 
-def _time_rounds(fns: dict, device, rounds: int, steps: int) -> dict[str, list[float]]:
-    """Alternate: each round times every function once (median of `steps` calls), in the same order."""
+def _time_rounds(fns: dict, device, rounds: int, steps: int, probe=None) -> dict[str, list]:
+    """Alternate: each round times every function once (median of `steps` calls), in the same order.
+    With a bandwidth `probe`, each time comes as (seconds, the mean of the bandwidth sampled just before
+    and just after it): a fraction of the bandwidth then compares two things measured at one moment."""
     def timed(name, make):
         with SPLIT_OFF.get(name.rsplit(" B=", 1)[0], contextlib.nullcontext)():
-            return median_seconds(make(), device, steps, warmup=2)
+            step = make()
+            if probe is None:
+                return median_seconds(step, device, steps, warmup=2)
+            before = probe()
+            seconds = median_seconds(step, device, steps, warmup=2)
+            return seconds, (before + probe()) / 2
     return alternate({name: partial(timed, name, make) for name, make in fns.items()}, rounds)
-
-
-def _bandwidth(device, measure) -> tuple[float, object]:
-    """Streaming bandwidth (bytes/s) measured before and after `measure()` (the median), and its result."""
-    before = measure_memory_bandwidth(device, repeats=5)
-    out = measure()
-    return statistics.median([before, measure_memory_bandwidth(device, repeats=5)]), out
 
 
 def naive_vs_cached(model, new_tokens: int):
@@ -133,7 +136,8 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         result["loading"] = loading
     models, compiled_variants, real = build_variants(model), COMPILED, run.name != "generation"
     if real:   # its published GGUF blocks too, with no re-quantization
-        exact = load_pretrained(preset, device=device, weights="gguf-exact").set_attention_kernel("sdpa")
+        exact = load_pretrained(preset, device=device, weights="gguf-exact")
+        exact.set_attention_kernel(attention_kernel(device))
         models["int4 exact"], compiled_variants = tune_for_cpu(exact), COMPILED + ("int4 exact",)
         result["int4_exact"] = exact.describe()
     result["cpu_tuning"] = describe(models["fp32"])
@@ -168,8 +172,12 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
                 for B in batches}
     if hf is not None:
         fns |= {f"HF fp32 B={B}": (lambda B=B: peer.hf_decode_step_fn(hf, B, 32)) for B in batches}
-    bandwidth, times = _bandwidth(device, lambda: _time_rounds(fns, device, rounds, steps))
-    result["measured_bandwidth_GBps"], result["load_average_decode"] = bandwidth / 1e9, load_average()
+    samples = _time_rounds(fns, device, rounds, steps, bandwidth_probe(device))
+    times = {name: [t for t, _ in pairs] for name, pairs in samples.items()}
+    bandwidths = [b for pairs in samples.values() for _, b in pairs]
+    result["measured_bandwidth_GBps"] = statistics.median(bandwidths) / 1e9
+    result["measured_bandwidth_GBps_range"] = [min(bandwidths) / 1e9, max(bandwidths) / 1e9]
+    result["load_average_decode"] = load_average()
 
     rows = []
     for name, ts in times.items():
@@ -177,7 +185,9 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         seconds, weight_bytes = statistics.median(ts), weight_bytes_per_step(models.get(variant, model))
         row = dict(zip(("variant", "batch", "ms_per_step", "ms_min", "ms_max"), (variant, int(B), *spread(ts, 1e3))))
         row |= dict(tok_per_s=int(B) / seconds, weight_bytes_per_step=weight_bytes, GBps=weight_bytes / seconds / 1e9)
-        row["fraction_of_bandwidth"] = row["GBps"] / result["measured_bandwidth_GBps"]
+        # each round's speed over the bandwidth sampled beside it, then the median over rounds
+        row["fraction_of_bandwidth"] = statistics.median(weight_bytes / t / b for t, b in samples[name])
+        row["bandwidth_GBps"] = statistics.median(b for _, b in samples[name]) / 1e9
         row["kl_to_fp32"], row["top1_agreement"] = quality.get(variant, (None, None))
         rows.append(row)
     for row in rows:
@@ -277,8 +287,8 @@ def print_generation(result: dict) -> None:
     r = result
     print(f"\n{r['preset']} on {r['device']}: {r['parameters']:,} parameters, {r['threads']} thread(s), "
           f"OMP_WAIT_POLICY={r['omp_wait_policy']} (GOMP_SPINCOUNT={r.get('gomp_spincount', '-')}), bf16 matmul "
-          f"unit: {r['cpu_bf16_matmul']}; streaming bandwidth (measured in this run) "
-          f"{r['measured_bandwidth_GBps']:.1f} GB/s; greedy tokens: fast == plain {r['greedy_fast_equals_plain']}, "
+          f"unit: {r['cpu_bf16_matmul']}; streaming bandwidth beside the timings {_bandwidth_text(r)}; "
+          f"each row's 'of bw' pairs its own; greedy tokens: fast == plain {r['greedy_fast_equals_plain']}, "
           f"== Hugging Face {r.get('greedy_equals_peer', 'not run (no transformers)')}")
     if ld := r.get("loading"):
         print(f"loading: convert the GGUF {ld['convert_gguf_s']:.1f} s; from the disk cache fp32 "
@@ -289,9 +299,9 @@ def print_generation(result: dict) -> None:
         ("variant", "variant", None), ("batch", "B", None), ("ms_per_step", "ms/step", "{:.1f}"),
         ("spread", "min-max", None), ("tok_per_s", "tok/s", "{:.1f}"),
         ("weight_bytes_per_step", "MB/step", lambda b: f"{b / 1e6:.1f}"), ("GBps", "GB/s", "{:.1f}"),
-        ("fraction_of_bandwidth", "of bw", "{:.0%}"), ("speedup_vs_fp32", "vs fp32", "{:.2f}x"),
-        ("speedup_vs_hf_fp32", "vs HF", "{:.2f}x"), ("kl_to_fp32", "KL", "{:.5f}"),
-        ("top1_agreement", "top1", "{:.2f}")])
+        ("bandwidth_GBps", "bw GB/s", "{:.1f}"), ("fraction_of_bandwidth", "of bw", "{:.0%}"),
+        ("speedup_vs_fp32", "vs fp32", "{:.2f}x"), ("speedup_vs_hf_fp32", "vs HF", "{:.2f}x"),
+        ("kl_to_fp32", "KL", "{:.5f}"), ("top1_agreement", "top1", "{:.2f}")])
     busy = r["busy"]
     print_table([dict(v, variant=k) for k, v in busy.items() if isinstance(v, dict)],
                 [("variant", "variant", None), ("ms_per_step", "ms/step", "{:.1f}"), ("ms_min", "min", "{:.1f}"),
@@ -308,9 +318,14 @@ def print_generation(result: dict) -> None:
               f"({r['naive_over_cached']:.1f}x)")
 
 
+def _bandwidth_text(r: dict) -> str:
+    lo_hi = r.get("measured_bandwidth_GBps_range")
+    return f"{r['measured_bandwidth_GBps']:.1f} GB/s" + (f" (median; {lo_hi[0]:.0f}-{lo_hi[1]:.0f})" if lo_hi else "")
+
+
 def plot_generation(result: dict):
     """Decode tokens/s per variant at batch 1 and 8 (labelled with the speed-up over fp32), and batch-1
-    weight bytes per step / step time against the streaming bandwidth measured in the same run.
+    weight bytes per step / step time against the streaming bandwidth sampled beside its timings.
     Horizontal bars throughout: the variant names read level instead of crowding under the axis."""
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.5), sharey=True)
     rows = result["rows"]
@@ -325,7 +340,11 @@ def plot_generation(result: dict):
         ax.set_title(f"Batch {B}: {result['preset']}, {result['device']}, {result['threads']} thread(s)")
     one = [r for r in rows if r["batch"] == 1]
     ax3.barh([r["variant"] for r in one], [r["GBps"] for r in one], color="tab:blue", label="weight bytes / step time")
-    ax3.axvline(result["measured_bandwidth_GBps"], color="black", ls="--", label="streaming bandwidth (measured)")
+    ax3.axvline(result["measured_bandwidth_GBps"], color="black", ls="--", label="streaming bandwidth (median)")
+    if all("bandwidth_GBps" in r for r in one):   # sampled beside each row's timings; the label: the row's fraction
+        ax3.plot([r["bandwidth_GBps"] for r in one], range(len(one)), "k|", ms=14, label="bandwidth beside the row")
+        for i, r in enumerate(one):
+            ax3.text(r["GBps"], i, f" {r['fraction_of_bandwidth']:.0%}", va="center", fontsize=8)
     ax3.set(xlabel="GB/s", title="Batch-1 decode against the memory roof")
     ax3.legend(fontsize=8, loc="lower right")
     ax1.invert_yaxis()   # shared: the table's order, top to bottom

@@ -4,7 +4,7 @@ Both run SmolLM2-135M's published Q4_1 / Q8_0 blocks: ours through `weights="ggu
 int4 kernel, our own on AVX512-BF16 CPUs, a compiled decode step, the CPU tuning, a long prefill through
 a compiled dequantization and a dense matmul), llama.cpp through `llama-cpp-python` (the
 `[peer]` extra). A/B alternated at 1 and 2 threads: batch-1 decode and prefill tokens/s, the bytes a
-decode step reads against the bandwidth measured in the same run, and same-context next-token
+decode step reads against the bandwidth sampled beside each timing, and same-context next-token
 agreement on real text (each engine's argmax after the same prefix, and our fp32 reference's).
 """
 
@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
-from ..accounting.roofline import measure_memory_bandwidth
+from ..accounting.roofline import bandwidth_probe
 from ..cpu_tuning import tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
@@ -130,18 +130,23 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     t0 = time.perf_counter()
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
     compile_s = time.perf_counter() - t0
-    bandwidth = [measure_memory_bandwidth(run.device, repeats=5)]   # before and after: the load drifts
-    samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode_s", "prefill_tok_s") for t in threads}
+    probe = bandwidth_probe(run.device)   # sampled beside each decode timing: the host's bandwidth swings
+
+    def paired(decode_seconds, *args):   # (seconds, the mean bandwidth just before and just after)
+        before = probe()
+        seconds = decode_seconds(*args)
+        return seconds, (before + probe()) / 2
+    samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode", "prefill_tok_s") for t in threads}
     for _ in range(rounds):                                              # A/B, round after round
         for t in threads:
             with num_threads(t):
-                samples[("ours", "decode_s", t)].append(
-                    median_seconds(decode_step_fn(exact, 1, context, steps, ours_step), run.device, steps, warmup=2))
-                samples[("llama.cpp", "decode_s", t)].append(_llama_decode_seconds(peers[t], prompt[:context], steps))
+                ours = decode_step_fn(exact, 1, context, steps, ours_step)
+                samples[("ours", "decode", t)].append(paired(median_seconds, ours, run.device, steps, 2))
+                samples[("llama.cpp", "decode", t)].append(
+                    paired(_llama_decode_seconds, peers[t], prompt[:context], steps))
                 samples[("ours", "prefill_tok_s", t)].append(prefill_tokens_per_second(exact, prompt_len, repeats=2))
                 samples[("llama.cpp", "prefill_tok_s", t)].append(_llama_prefill_tokens_per_s(peers[t], prompt, 2))
-    bandwidth.append(measure_memory_bandwidth(run.device, repeats=5))
-    gbps = statistics.median(bandwidth) / 1e9
+    gbps = statistics.median(b for k, pairs in samples.items() if k[1] == "decode" for _, b in pairs) / 1e9
     kv = {"ours": exact.new_cache(1, 1).bytes_per_token * (context + 1),
           "llama.cpp": 2 * 2 * exact.config.num_layers * exact.config.num_kv_heads * exact.config.head_dim
           * (context + 1)}                                               # its default f16 K and V
@@ -149,11 +154,12 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     rows = []
     for t in threads:
         for engine in ("ours", "llama.cpp"):
-            ts, step_bytes = samples[(engine, "decode_s", t)], weights[engine] + kv[engine]
+            pairs, step_bytes = samples[(engine, "decode", t)], weights[engine] + kv[engine]
+            ts = [s for s, _ in pairs]
             rows.append(dict(zip(("decode_ms", "decode_ms_min", "decode_ms_max"), spread(ts, 1e3)), engine=engine,
                              threads=t, decode_tok_s=1 / statistics.median(ts), bytes_per_step=step_bytes,
                              prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
-                             fraction_of_bandwidth=step_bytes / statistics.median(ts) / 1e9 / gbps))
+                             fraction_of_bandwidth=statistics.median(step_bytes / s / b for s, b in pairs)))
     for t in threads:
         ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
         ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
