@@ -182,6 +182,40 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
         step(torch.tensor([97]), adapters.make_kv_cache(model, 1, 4))
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_frozen_compiled_step_takes_the_models_floats_as_constants(frozen):
+    """dynamic=True makes each float attribute of the model (every RMSNorm's eps) a graph input, turned
+    into a tensor before every step. frozen=True promises the model never changes: its floats are
+    constants, and the only input that is not a tensor of the cache or the ids is the cache's length.
+    Not frozen, they stay inputs. Either way the step equals eager decoding and the setting does not leak."""
+    from cs336_inference.generation import compile_decode
+    floats = []
+
+    def backend(graph, example_inputs):   # records the graph inputs that come from Python floats
+        for node in graph.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.SymFloat) or (isinstance(value, torch.Tensor) and value.dim() == 0
+                                                     and value.dtype == torch.float64):
+                floats.append(node.name)
+        return graph.forward
+
+    torch._dynamo.reset()
+    model = _model()
+    step = compile_decode(model, frozen=frozen, backend=backend)
+    specialize = torch._dynamo.config.specialize_float
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    eager, cache = adapters.make_kv_cache(model, 1, 16), adapters.make_kv_cache(model, 1, 16)
+    with torch.no_grad():
+        adapters.run_model(model, ids[:, :3], eager)
+        adapters.run_model(model, ids[:, :3], cache)
+        for t in (3, 4):
+            expected = adapters.run_decode_one_token(model, ids[:, t], eager)
+            torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
+    eps = [name for name in floats if name.endswith("_eps")]
+    assert (floats == []) if frozen else len(eps) == 2 * len(model.layers) + 1, floats
+    assert torch._dynamo.config.specialize_float == specialize
+
+
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32)])
 def test_a_compiled_step_keeps_packed_weights_at_fixed_shapes(bits, group_size):
     """dynamic=True makes every input's sizes symbols, and each relation between symbols a guard checked

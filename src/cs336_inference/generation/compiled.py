@@ -118,6 +118,20 @@ def _own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _floats_as_constants(compiled):
+    """`compiled` tracing a frozen model's float attributes (each RMSNorm's eps, ...) as constants.
+    Under dynamic=True dynamo makes each a graph input and turns it into a tensor before every step (61
+    of them on SmolLM2); `frozen` promises they never change. The setting must hold while dynamo
+    traces, that is inside each call (a new batch size traces again)."""
+    if not hasattr(torch._dynamo.config, "specialize_float"):   # older torch: floats are constants anyway
+        return compiled
+
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+    return call
+
+
 def compile_decode(model, frozen: bool = False, **compile_options):
     """Return `step(token_ids (B,), cache) -> logits (B, V)`, a compiled `decode_one_token` for `model`.
 
@@ -126,7 +140,7 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     `options` dict given here adds to that one (the CLI's fast path adds {"cpp_wrapper": True}).
     frozen=True promises that `model` does not change once compiled: the step then checks guards on
     its inputs only (`without_model_guards`), which saves checking hundreds of guards on the model
-    before every step (the CLI's fast path does this).
+    before every step, and takes the model's floats as constants (the CLI's fast path does this).
     mode="reduce-overhead" (CUDA graphs) runs each step as a `StaticDecodeStep` (dynamic=False: one
     recording per batch size). A cache's first forward (its prefill) runs eagerly, where the model
     checks the cache.
@@ -136,7 +150,7 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     elif frozen:
-        compiled = torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options)
+        compiled = _floats_as_constants(torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options))
     else:
         compiled = torch.compile(model, **options)
     marked = weakref.WeakSet()   # caches whose buffers are marked as static addresses
