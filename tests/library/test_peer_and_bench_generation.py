@@ -101,3 +101,8 @@ def test_each_timing_is_paired_with_the_bandwidth_sampled_right_beside_it():
     assert [b for _, b in out["a"]] == [20.0, 2.0] and [b for _, b in out["b"]] == [60.0, 6.0]
     assert all(t > 0 for pairs in out.values() for t, _ in pairs)
     assert _time_rounds({"a": maker("a")}, torch.device("cpu"), rounds=1, steps=1)["a"][0] > 0   # no probe: seconds
+    # 100 bytes in rounds of (1 s, 100 B/s), (2 s, 10 B/s), (4 s, 10 B/s): each round at 1.0, 5.0 and 2.5 of its
+    # bandwidth, median 2.5; the ratio of the medians (100 B / 2 s over 10 B/s) would say 5.0
+    from cs336_inference.benchmarks.base import fraction_of_bandwidth
+
+    assert fraction_of_bandwidth(100, [(1.0, 100.0), (2.0, 10.0), (4.0, 10.0)]) == 2.5

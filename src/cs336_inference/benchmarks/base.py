@@ -138,6 +138,20 @@ def median_repeat(repeats: list[dict], key: str, ranged=()) -> dict:
     return out
 
 
+def beside_bandwidth(probe, fn, *args) -> tuple:
+    """(fn(*args), the mean of the bandwidth `probe()` sampled just before and just after it): on a shared
+    host the bandwidth swings within seconds, so a timing is compared with the bandwidth of its moment."""
+    before = probe()
+    out = fn(*args)
+    return out, (before + probe()) / 2
+
+
+def fraction_of_bandwidth(nbytes: float, pairs: list[tuple[float, float]]) -> float:
+    """Median over rounds of (nbytes / seconds) / bandwidth, from each round's (seconds, bandwidth) pair:
+    every ratio is of two things measured together (a ratio of the medians would not be)."""
+    return statistics.median(nbytes / seconds / bandwidth for seconds, bandwidth in pairs)
+
+
 def spread(values: list[float], scale: float = 1.0) -> tuple[float, float, float]:
     """(median, min, max) of `values`, each times `scale` (1e3: seconds -> ms)."""
     return scale * statistics.median(values), scale * min(values), scale * max(values)
@@ -172,4 +186,5 @@ def save_csv(rows: list[dict], path: Path) -> Path:
     return path
 
 
-__all__ = ["Benchmark", "Run", "alternate", "finite", "grouped_bars", "median_repeat", "save_csv", "spread"]
+__all__ = ["Benchmark", "Run", "alternate", "beside_bandwidth", "finite", "fraction_of_bandwidth", "grouped_bars",
+           "median_repeat", "save_csv", "spread"]

@@ -40,7 +40,7 @@ from ..model.transformer import TransformerLM
 from ..quantization.model import quantize_model
 from ..tables import print_table
 from ..timing import busy_cpu, load_average, median_seconds, rss_bytes
-from .base import Benchmark, alternate, spread
+from .base import Benchmark, alternate, beside_bandwidth, fraction_of_bandwidth, spread
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 COMPILED = ("fp32", "bf16", "int8", "int4")   # also timed compiled, as the fast path compiles (`compile_fast`)
@@ -74,9 +74,7 @@ def _time_rounds(fns: dict, device, rounds: int, steps: int, probe=None) -> dict
             step = make()
             if probe is None:
                 return median_seconds(step, device, steps, warmup=2)
-            before = probe()
-            seconds = median_seconds(step, device, steps, warmup=2)
-            return seconds, (before + probe()) / 2
+            return beside_bandwidth(probe, median_seconds, step, device, steps, 2)
     return alternate({name: partial(timed, name, make) for name, make in fns.items()}, rounds)
 
 
@@ -185,8 +183,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         seconds, weight_bytes = statistics.median(ts), weight_bytes_per_step(models.get(variant, model))
         row = dict(zip(("variant", "batch", "ms_per_step", "ms_min", "ms_max"), (variant, int(B), *spread(ts, 1e3))))
         row |= dict(tok_per_s=int(B) / seconds, weight_bytes_per_step=weight_bytes, GBps=weight_bytes / seconds / 1e9)
-        # each round's speed over the bandwidth sampled beside it, then the median over rounds
-        row["fraction_of_bandwidth"] = statistics.median(weight_bytes / t / b for t, b in samples[name])
+        row["fraction_of_bandwidth"] = fraction_of_bandwidth(weight_bytes, samples[name])
         row["bandwidth_GBps"] = statistics.median(b for _, b in samples[name]) / 1e9
         row["kl_to_fp32"], row["top1_agreement"] = quality.get(variant, (None, None))
         rows.append(row)

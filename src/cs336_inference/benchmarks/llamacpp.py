@@ -28,7 +28,7 @@ from ..model.real_models import gguf_path, real_model_missing
 from ..quantization.dense_prefill import compile_dense_prefill
 from ..tables import print_table
 from ..timing import median_seconds, num_threads
-from .base import Benchmark, grouped_bars, spread
+from .base import Benchmark, beside_bandwidth, fraction_of_bandwidth, grouped_bars, spread
 from .generation import timed_compiled_step
 
 MODEL = "smollm2-135m"
@@ -131,19 +131,15 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
     compile_s = time.perf_counter() - t0
     probe = bandwidth_probe(run.device)   # sampled beside each decode timing: the host's bandwidth swings
-
-    def paired(decode_seconds, *args):   # (seconds, the mean bandwidth just before and just after)
-        before = probe()
-        seconds = decode_seconds(*args)
-        return seconds, (before + probe()) / 2
     samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode", "prefill_tok_s") for t in threads}
     for _ in range(rounds):                                              # A/B, round after round
         for t in threads:
             with num_threads(t):
                 ours = decode_step_fn(exact, 1, context, steps, ours_step)
-                samples[("ours", "decode", t)].append(paired(median_seconds, ours, run.device, steps, 2))
+                samples[("ours", "decode", t)].append(
+                    beside_bandwidth(probe, median_seconds, ours, run.device, steps, 2))
                 samples[("llama.cpp", "decode", t)].append(
-                    paired(_llama_decode_seconds, peers[t], prompt[:context], steps))
+                    beside_bandwidth(probe, _llama_decode_seconds, peers[t], prompt[:context], steps))
                 samples[("ours", "prefill_tok_s", t)].append(prefill_tokens_per_second(exact, prompt_len, repeats=2))
                 samples[("llama.cpp", "prefill_tok_s", t)].append(_llama_prefill_tokens_per_s(peers[t], prompt, 2))
     gbps = statistics.median(b for k, pairs in samples.items() if k[1] == "decode" for _, b in pairs) / 1e9
@@ -159,7 +155,7 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
             rows.append(dict(zip(("decode_ms", "decode_ms_min", "decode_ms_max"), spread(ts, 1e3)), engine=engine,
                              threads=t, decode_tok_s=1 / statistics.median(ts), bytes_per_step=step_bytes,
                              prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
-                             fraction_of_bandwidth=statistics.median(step_bytes / s / b for s, b in pairs)))
+                             fraction_of_bandwidth=fraction_of_bandwidth(step_bytes, pairs)))
     for t in threads:
         ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
         ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
