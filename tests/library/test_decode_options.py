@@ -183,44 +183,58 @@ def test_compiled_decode_has_no_graph_break_and_matches_eager():
 
 
 @pytest.mark.parametrize("frozen", [True, False])
-def test_a_frozen_compiled_step_takes_the_models_floats_as_constants(frozen):
+def test_a_frozen_compiled_step_traces_the_models_floats_and_weights_into_the_graph(frozen):
     """dynamic=True makes each float attribute of the model (every RMSNorm's eps) a graph input, turned
-    into a tensor before every step. frozen=True promises the model never changes: its floats are
-    constants, and the only input that is not a tensor of the cache or the ids is the cache's length.
-    Not frozen, they stay inputs. Either way the step equals eager decoding and the setting does not leak."""
+    into a tensor before every step, and dynamo fetches each weight through the module tree before every
+    step to pass it in. frozen=True promises the model never changes: its floats are constants, its
+    weights (and buffers) the graph's own, and the only inputs are the ids, the cache's tensors and its
+    length. Not frozen, floats and weights stay inputs. Either way the step equals eager decoding, also
+    after a weight changed in place, and the settings do not leak."""
     from cs336_inference.generation import compile_decode
-    floats = []
+    seen = {"floats": [], "tensor_inputs": 0, "graph_parameters": 0}
 
-    def backend(graph, example_inputs):   # records the graph inputs that come from Python floats
+    def backend(graph, example_inputs):   # records the graph's inputs and its own parameters
         for node in graph.graph.find_nodes(op="placeholder"):
             value = node.meta.get("example_value")
             if isinstance(value, torch.SymFloat) or (isinstance(value, torch.Tensor) and value.dim() == 0
                                                      and value.dtype == torch.float64):
-                floats.append(node.name)
+                seen["floats"].append(node.name)
+            elif isinstance(value, torch.Tensor):
+                seen["tensor_inputs"] += 1
+        seen["graph_parameters"] += len(list(graph.parameters())) + len(list(graph.buffers()))
         return graph.forward
 
     torch._dynamo.reset()
     model = _model()
     step = compile_decode(model, frozen=frozen, backend=backend)
-    specialize = torch._dynamo.config.specialize_float
-    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    config = {name: getattr(torch._dynamo.config, name) for name in ("specialize_float", "install_free_tensors")}
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     eager, cache = adapters.make_kv_cache(model, 1, 16), adapters.make_kv_cache(model, 1, 16)
     with torch.no_grad():
         adapters.run_model(model, ids[:, :3], eager)
         adapters.run_model(model, ids[:, :3], cache)
-        for t in (3, 4):
+        for t in (3, 4, 5):
+            if t == 5:   # the same weight tensors, not copies: an in-place change shows at the next step
+                model.layers[0].ffn.w2.weight.mul_(3)
             expected = adapters.run_decode_one_token(model, ids[:, t], eager)
             torch.testing.assert_close(step(ids[:, t], cache), expected, rtol=0, atol=1e-5)
-    eps = [name for name in floats if name.endswith("_eps")]
-    assert (floats == []) if frozen else len(eps) == 2 * len(model.layers) + 1, floats
-    assert torch._dynamo.config.specialize_float == specialize
+    weights = len(list(model.parameters())) + len(list(model.buffers()))   # the buffers: RoPE tables
+    eps = [name for name in seen["floats"] if name.endswith("_eps")]
+    assert (seen["floats"] == []) if frozen else len(eps) == 2 * len(model.layers) + 1, seen["floats"]
+    cache_and_ids = 2 * len(model.layers) + 1
+    if frozen:
+        assert (seen["tensor_inputs"], seen["graph_parameters"]) == (cache_and_ids, weights), seen
+    else:
+        assert (seen["tensor_inputs"], seen["graph_parameters"]) == (cache_and_ids + weights, 0), seen
+    assert {name: getattr(torch._dynamo.config, name) for name in config} == config
 
 
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32)])
 def test_a_compiled_step_keeps_packed_weights_at_fixed_shapes(bits, group_size):
     """dynamic=True makes every input's sizes symbols, and each relation between symbols a guard checked
     before every step. A packed weight's shape never changes: its sizes stay constants in the graph,
-    while the cache's (whose length varies) stay symbols."""
+    while the cache's (whose length varies) stay symbols. (Not frozen: a frozen step's weights are the
+    graph's own, not inputs at all.)"""
     from cs336_inference.generation import compile_decode
     seen = {}
 
@@ -233,7 +247,7 @@ def test_a_compiled_step_keeps_packed_weights_at_fixed_shapes(bits, group_size):
 
     torch._dynamo.reset()
     model = adapters.run_quantize_model(_model(), "rtn", bits=bits, group_size=group_size)
-    step = compile_decode(model, frozen=True, backend=backend)
+    step = compile_decode(model, backend=backend)
     cache = adapters.make_kv_cache(model, 1, 16)
     with torch.no_grad():
         adapters.run_model(model, torch.tensor([[1, 2, 3]]), cache)

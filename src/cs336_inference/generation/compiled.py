@@ -11,8 +11,9 @@ that runs some steps on one thread (`cpu_tuning.decode_threads`) does not recomp
 of seconds on a CPU. The compiled kernels read the thread count when they run. Grad mode, dtypes
 and shapes still guard. The first call compiles (tens of seconds on a CPU); later calls reuse the graph.
 Before each call dynamo checks the graph's guards, hundreds of them on a real model's modules; a
-caller whose model stays as it is once compiled (the CLI's fast path) passes `frozen=True`, and only
-the step's inputs (the ids and the cache) are checked.
+caller whose model stays as it is once compiled (the CLI's fast path) passes `frozen=True`: only the
+step's inputs (the ids and the cache) are checked, and the model's weights are the graph's own
+parameters instead of inputs that dynamo fetches one by one before each call.
 
 `mode="reduce-overhead"` adds CUDA graphs: the GPU replays the step's recorded kernels in one launch.
 A recording replays fixed kernels on fixed addresses, so that step must not change shape or read a
@@ -118,16 +119,24 @@ def _own_code(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
-def _floats_as_constants(compiled):
-    """`compiled` tracing a frozen model's float attributes (each RMSNorm's eps, ...) as constants.
-    Under dynamic=True dynamo makes each a graph input and turns it into a tensor before every step (61
-    of them on SmolLM2); `frozen` promises they never change. The setting must hold while dynamo
-    traces, that is inside each call (a new batch size traces again)."""
-    if not hasattr(torch._dynamo.config, "specialize_float"):   # older torch: floats are constants anyway
+def _frozen_tracing(compiled):
+    """`compiled` tracing a frozen model's attributes as part of the graph, not as its inputs:
+    - its floats (each RMSNorm's eps, ...) as constants: under dynamic=True dynamo makes each a graph
+      input and turns it into a tensor before every step (61 of them on SmolLM2);
+    - its weights as the graph's own parameters (`install_free_tensors`): otherwise dynamo's code before
+      the graph fetches each one through the module tree at every step (~300 on SmolLM2), while the
+      graph's parameters are handed over as one list. Still the same tensors, not copies: a weight
+      changed in place is read at the next step.
+    `frozen` promises the model does not change. The settings must hold while dynamo traces, that is
+    inside each call (a new batch size traces again); torch's global config is left as it was."""
+    settings = {name: True for name in ("specialize_float", "install_free_tensors")
+                if hasattr(torch._dynamo.config, name)}   # older torch: floats were constants anyway
+    if not settings:
         return compiled
+    tracing = torch._dynamo.config.patch(settings)   # made once: a patch is reusable, and cheaper so
 
     def call(*args, **kwargs):
-        with torch._dynamo.config.patch(specialize_float=True):
+        with tracing:
             return compiled(*args, **kwargs)
     return call
 
@@ -140,7 +149,9 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     `options` dict given here adds to that one (the CLI's fast path adds {"cpp_wrapper": True}).
     frozen=True promises that `model` does not change once compiled: the step then checks guards on
     its inputs only (`without_model_guards`), which saves checking hundreds of guards on the model
-    before every step, and takes the model's floats as constants (the CLI's fast path does this).
+    before every step, and traces the model's floats as constants and its weights as the graph's own
+    parameters, which saves fetching each one before every step (`_frozen_tracing`; the CLI's fast
+    path does this).
     mode="reduce-overhead" (CUDA graphs) runs each step as a `StaticDecodeStep` (dynamic=False: one
     recording per batch size). A cache's first forward (its prefill) runs eagerly, where the model
     checks the cache.
@@ -150,7 +161,7 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     elif frozen:
-        compiled = _floats_as_constants(torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options))
+        compiled = _frozen_tracing(torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options))
     else:
         compiled = torch.compile(model, **options)
     marked = weakref.WeakSet()   # caches whose buffers are marked as static addresses
