@@ -229,6 +229,27 @@ def test_a_frozen_compiled_step_traces_the_models_floats_and_weights_into_the_gr
     assert {name: getattr(torch._dynamo.config, name) for name in config} == config
 
 
+@pytest.mark.parametrize("frozen", [True, False])
+def test_a_dropped_compiled_step_lets_its_model_be_freed(frozen):
+    """A frozen graph holds the model's weights as its own parameters; once the step and the model are
+    dropped, the weights are freed, not kept alive by dynamo for the life of the process."""
+    import gc
+    import weakref
+
+    from cs336_inference.generation import compile_decode
+
+    model = _model()
+    weight = weakref.ref(next(model.parameters()))
+    step = compile_decode(model, frozen=frozen, backend="eager")
+    cache = adapters.make_kv_cache(model, 1, 8)
+    with torch.no_grad():
+        adapters.run_model(model, torch.tensor([[1, 2, 3]]), cache)
+        step(torch.tensor([4]), cache)
+    del model, step, cache
+    gc.collect()
+    assert weight() is None
+
+
 @pytest.mark.parametrize("bits,group_size", [(4, 32), (8, 32)])
 def test_a_compiled_step_keeps_packed_weights_at_fixed_shapes(bits, group_size):
     """dynamic=True makes every input's sizes symbols, and each relation between symbols a guard checked

@@ -161,7 +161,8 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     if static:
         compiled = torch.compile(lambda ids, position, cache: static_decode(model, ids, position, cache), **options)
     elif frozen:
-        compiled = _frozen_tracing(torch.compile(_own_code(lambda ids, cache: model(ids, cache=cache)), **options))
+        traced = _own_code(lambda ids, cache: model(ids, cache=cache))
+        compiled = _frozen_tracing(torch.compile(traced, **options))
     else:
         compiled = torch.compile(model, **options)
     marked = weakref.WeakSet()   # caches whose buffers are marked as static addresses
@@ -191,4 +192,16 @@ def compile_decode(model, frozen: bool = False, **compile_options):
         cache.length += 1   # the host side of the step's commit
         return logits
 
+    if frozen:
+        _forget_graphs_when_gone(step, traced.__code__)
     return step
+
+
+def _forget_graphs_when_gone(step, code) -> None:
+    """Once `step` is garbage, drop the graphs dynamo keeps on `code` (the step's own copy, `_own_code`).
+    A frozen graph holds the model's weights as its own parameters, and dynamo keeps a code object's
+    graphs through references the garbage collector cannot follow: without this, a model compiled
+    frozen and then dropped would stay in memory for the life of the process."""
+    reset_code = getattr(torch._dynamo.eval_frame, "reset_code", None)
+    if reset_code is not None:
+        weakref.finalize(step, reset_code, code)
