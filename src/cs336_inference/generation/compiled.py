@@ -133,7 +133,7 @@ def _frozen_tracing(compiled):
                 if hasattr(torch._dynamo.config, name)}   # older torch: floats were constants anyway
     if not settings:
         return compiled
-    tracing = torch._dynamo.config.patch(settings)   # made once: a patch is reusable, and cheaper so
+    tracing = torch._dynamo.config.patch(settings)   # made once, reused by every call
 
     def call(*args, **kwargs):
         with tracing:
