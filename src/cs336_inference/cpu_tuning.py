@@ -3,8 +3,8 @@
 The model itself is plain PyTorch (`nn.Linear`, one code path on every device). On a CPU, batch-1
 decode multiplies a handful of rows by every weight matrix: memory-bound matrix-vector work, which
 some BLAS builds run on one thread (MKL did on the AMD machines here), leaving half the bandwidth of a
-2-core machine unused, and others spread over every thread (MKL on the Intel Xeon here). Three
-remedies, all host-side facts (thread count, machine load, this BLAS) that the model must not read:
+2-core machine unused, and others spread over every thread (MKL on the Intel Xeon here). The
+remedies answer host-side facts (thread count, machine load, this BLAS) that the model must not read:
 
 - few-row split: each full-precision linear splits W's output rows into one block per thread (a free
   view) and lets `bmm` stream the blocks in parallel (same numbers, faster decode). Whether it helps
@@ -22,6 +22,9 @@ remedies, all host-side facts (thread count, machine load, this BLAS) that the m
   thread (`decode_threads`): a chain of short parallel regions waits for its slowest thread, and
   the thread that shares a core stalls every region, while one core nearly saturates memory bandwidth.
   A prefill (compute-bound) is decided separately (`prefill_threads`, `PREFILL_CONTENDED`).
+- 2 MB pages: the weights a step streams move into one block of memory on 2 MB pages
+  (`huge_pages`), so reading them no longer walks the page tables of ~66,000 4 KB pages per step
+  and evicts everything else the step needs from the CPU's address-translation cache.
 
 `tune_for_cpu` changes nothing the model computes (state dict, results to rounding) and is
 idempotent; `untune_cpu` undoes it; `describe(model)` says what is applied. A compiled step runs
@@ -232,6 +235,7 @@ class CPUTuning:
     gemv_unavailable: str | None = None   # why our kernel cannot run here, where it was asked for
     threads: bool = False       # decode steps drop to one thread under contention
     calibration: dict | None = None   # split="auto": seconds per batch-1 pass over the weights, per kernel
+    huge_pages: str | None = None     # why the streamed weights are not on 2 MB pages, where they were asked to be
     previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
 
     def describe(self) -> str:
@@ -252,6 +256,8 @@ class CPUTuning:
             parts.append(f"no few-row split (F.linear is faster with this BLAS){measured}")
         if self.threads:
             parts.append("decode steps and prefills on one thread while another process holds a core")
+        if self.huge_pages:
+            parts.append(f"weights on ordinary 4 KB pages ({self.huge_pages})")
         return "CPU tuning: " + ("; ".join(parts) if parts else "nothing (not a CPU model)")
 
 
@@ -282,19 +288,21 @@ def _restore_threads(model, args, kwargs, output=None):
 
 
 def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = True,
-                 gemv: bool = True) -> nn.Module:
+                 gemv: bool = True, huge_pages: bool = True) -> nn.Module:
     """Apply the CPU decode speed-ups to `model` in place and return it (idempotent; a second call
     with other options replaces the first). split: full-precision bias-free linears become `CPULinear`
     (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); "auto" (the default) times
     the split against `F.linear` on these weights with the current thread count (`calibrate_split`, a
     fraction of a second) and splits only if it is faster; threads: a decode step runs on one thread
     while another process holds a core; gemv: up to `GEMV_MAX_ROWS` rows run our `dense_gemv` where
-    `model.cpu_kernels` builds (compiling it the first time on a machine). A model off the CPU is left
-    as it is. Apply it after `fuse_projections` (fusing builds new linears) and after any dtype change
-    (the timing depends on it), before or after quantizing (quantized layers keep their own kernels)."""
+    `model.cpu_kernels` builds (compiling it the first time on a machine); huge_pages: the weights a
+    decode step streams move into one block of 2 MB pages (`huge_pages.place_on_huge_pages`, Linux).
+    A model off the CPU is left as it is. Apply it after `fuse_projections` (fusing builds new linears),
+    after any dtype change (the timing depends on it) and after quantizing (a quantized layer keeps its
+    own kernel, whose layout is what moves to 2 MB pages; quantizing after tuning leaves it on 4 KB pages)."""
     if not isinstance(split, bool) and split != "auto":
         raise TypeError(f"split must be True, False or 'auto', got {type(split).__name__} {split!r}")
-    for flag, value in (("threads", threads), ("gemv", gemv)):
+    for flag, value in (("threads", threads), ("gemv", gemv), ("huge_pages", huge_pages)):
         if not isinstance(value, bool):
             raise TypeError(f"{flag} must be True or False, got {type(value).__name__} {value!r}")
     untune_cpu(model)
@@ -316,6 +324,13 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
             module.split, module.gemv = split, gemv
         record.split_linears = len(linears) if split else 0
         record.gemv_linears = len(linears) if gemv else 0
+        if huge_pages:
+            from . import huge_pages as pages
+
+            try:
+                pages.place_on_huge_pages(model)
+            except RuntimeError as e:   # no 2 MB pages here: the weights stay where they are, and describe says why
+                record.huge_pages = str(e)
         if threads:
             model.register_forward_pre_hook(_one_thread_if_contended, with_kwargs=True)
             model.register_forward_hook(_restore_threads, with_kwargs=True, always_call=True)
@@ -325,7 +340,8 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
 
 
 def untune_cpu(model: nn.Module) -> nn.Module:
-    """Undo `tune_for_cpu`: plain `nn.Linear`s, no thread hooks."""
+    """Undo `tune_for_cpu`: plain `nn.Linear`s, no thread hooks. Weights on 2 MB pages stay there (it
+    changes no result; `.to()` or a copy of the model allocates ordinary memory again)."""
     for module in model.modules():
         if type(module) is CPULinear:
             module.__class__ = nn.Linear
@@ -344,7 +360,13 @@ def untune_cpu(model: nn.Module) -> nn.Module:
 def describe(model: nn.Module) -> str:
     """One line: which CPU speed-ups `model` runs with."""
     record = getattr(model, "cpu_tuning", None)
-    return record.describe() if record is not None else "CPU tuning: none (plain model)"
+    if record is None:
+        return "CPU tuning: none (plain model)"
+    from .huge_pages import huge_page_bytes
+
+    granted = huge_page_bytes(model)   # live: a copy of a tuned model is on ordinary pages again
+    return record.describe() + ("" if granted is None else f"; streamed weights in one block, {granted / 1e6:.0f} MB "
+                                f"of it on 2 MB pages")
 
 
 __all__ = ["CPULinear", "CPUTuning", "GEMV_MAX_ROWS", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "calibrate_split",

@@ -16,6 +16,7 @@ PKG_DIR = Path(__file__).resolve().parents[2] / "src" / "cs336_inference"
 LAYERS = {
     "_openmp": 0, "_checks": 0, "device": 0, "timing": 0, "figures": 0, "tables": 0,
     "model": 1, "cpu_tuning": 1,     # cpu_tuning: opt-in transforms applied to a model (like fuse_projections)
+    "huge_pages": 1,                 # one of them: the streamed weights moved onto 2 MB pages
     "generation": 2,
     "accounting": 3, "quantization": 3,
     "data": 4,
