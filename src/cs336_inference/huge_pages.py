@@ -114,15 +114,7 @@ def place_on_huge_pages(model: nn.Module) -> int:
     block = _blocks.get(model)
     if block is not None and _inside(block, tensors):
         return len(block)
-    size = sum(-(-t.nbytes // ALIGN) * ALIGN for _, _, t in tensors)
-    size = -(-size // PAGE) * PAGE + PAGE   # whole pages, and room to start on a page boundary
-    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        _ask_for_huge_pages(block)   # before the first write: the pages are 2 MB from the start
-    except OSError as e:
-        block.close()
-        raise RuntimeError(f"the kernel refused 2 MB pages (madvise: {e})") from e
-    offset = -torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr() % PAGE
+    block, offset = _new_block(sum(-(-t.nbytes // ALIGN) * ALIGN for _, _, t in tensors))
     with torch.no_grad():
         for group in groups:
             t = group[0][2]
@@ -133,11 +125,36 @@ def place_on_huge_pages(model: nn.Module) -> int:
                 _replace(owner, name, view)
             offset += -(-t.nbytes // ALIGN) * ALIGN
     _blocks[model] = block
-    return size
+    return len(block)
+
+
+def _new_block(nbytes: int) -> tuple[mmap.mmap, int]:
+    """A block of whole 2 MB pages holding `nbytes` from the returned offset (its first page boundary)."""
+    size = -(-nbytes // PAGE) * PAGE + PAGE   # whole pages, and room to start on a page boundary
+    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        _ask_for_huge_pages(block)   # before the first write: the pages are 2 MB from the start
+    except OSError as e:
+        block.close()
+        raise RuntimeError(f"the kernel refused 2 MB pages (madvise: {e})") from e
+    return block, -torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr() % PAGE
 
 
 def _ask_for_huge_pages(block: mmap.mmap) -> None:
     block.madvise(mmap.MADV_HUGEPAGE)
+
+
+def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised 1-D CPU tensor on 2 MB pages of its own where this process can have them (else
+    `torch.empty`): what a memory-bandwidth probe reads, so that it streams under the same address
+    translation as the weights it is compared with."""
+    if unavailable() is not None:
+        return torch.empty(numel, dtype=dtype)
+    try:
+        block, offset = _new_block(numel * dtype.itemsize)
+    except RuntimeError:
+        return torch.empty(numel, dtype=dtype)
+    return torch.frombuffer(block, dtype=dtype, count=numel, offset=offset)
 
 
 def _replace(owner: nn.Module, name: str, new: torch.Tensor) -> None:
