@@ -131,17 +131,20 @@ def place_on_huge_pages(model: nn.Module) -> int:
 def _new_block(nbytes: int) -> tuple[mmap.mmap, int]:
     """A block of whole 2 MB pages holding `nbytes` from the returned offset (its first page boundary)."""
     size = -(-nbytes // PAGE) * PAGE + PAGE   # whole pages, and room to start on a page boundary
-    block = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # + a 4 KB tail without 2 MB pages: the kernel would otherwise merge two such blocks that end up
+    # side by side into one mapping, and /proc/self/smaps (`huge_page_bytes`) could not tell them apart
+    block = mmap.mmap(-1, size + mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
-        _ask_for_huge_pages(block)   # before the first write: the pages are 2 MB from the start
+        _ask_for_huge_pages(block, size)   # before the first write: the pages are 2 MB from the start
     except OSError as e:
         block.close()
         raise RuntimeError(f"the kernel refused 2 MB pages (madvise: {e})") from e
     return block, -torch.frombuffer(block, dtype=torch.uint8, count=1).data_ptr() % PAGE
 
 
-def _ask_for_huge_pages(block: mmap.mmap) -> None:
-    block.madvise(mmap.MADV_HUGEPAGE)
+def _ask_for_huge_pages(block: mmap.mmap, size: int) -> None:
+    block.madvise(mmap.MADV_HUGEPAGE, 0, size)
+    block.madvise(mmap.MADV_NOHUGEPAGE, size, len(block) - size)
 
 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -181,7 +184,7 @@ def huge_page_bytes(model: nn.Module) -> int | None:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):   # a mapping's header: "start-end perms ..."
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo < start + len(block) and start < hi
+                inside = start <= lo and hi <= start + len(block)   # the block's own mapping(s)
             elif inside and head == "AnonHugePages:":
                 total += int(line.split()[1]) * 1024
     except OSError:

@@ -45,14 +45,14 @@ def test_placing_moves_every_streamed_weight_into_one_block_and_changes_no_numbe
 
     size = hp.place_on_huge_pages(model)
     start, end = _block_range(model)
-    assert size == end - start and start % hp.PAGE == 0
+    assert size == end - start
     streamed = hp.streamed_tensors(model)
     # every parameter once (the tied embedding table through the head; not RoPE's tables), each in the
     # block, in module order, on a cache line, with a storage of its own size
     assert sorted(id(t) for _, _, t in streamed) == sorted(id(p) for p in model.parameters())
     assert model.lm_head.weight.data_ptr() == max(t.data_ptr() for _, _, t in streamed)   # read last, placed last
     ptrs = [t.data_ptr() for _, _, t in streamed]
-    assert ptrs == sorted(ptrs) and ptrs[0] == start
+    assert ptrs == sorted(ptrs) and ptrs[0] % hp.PAGE == 0 and start <= ptrs[0] < start + hp.PAGE
     for _, _, t in streamed:
         assert start <= t.data_ptr() and t.data_ptr() + t.nbytes <= end and t.data_ptr() % hp.ALIGN == 0
         assert t.untyped_storage().nbytes() == t.nbytes
@@ -140,7 +140,7 @@ def test_tune_for_cpu_places_the_weights_or_says_why_not(monkeypatch, tmp_path):
         cpu_tuning.tune_for_cpu(model, huge_pages="no")
     monkeypatch.undo()
 
-    def refuse(block):
+    def refuse(block, size):
         raise OSError(22, "Invalid argument")
     monkeypatch.setattr(hp, "_ask_for_huge_pages", refuse)
     if why_not is None:   # the kernel says no at madvise: nothing moves, and describe says so
