@@ -12,9 +12,9 @@ remedies answer host-side facts (thread count, machine load, this BLAS) that the
   batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
   it wins (`calibrate_split`; `describe` prints what it measured);
 - our few-row kernel: where `model.cpu_kernels` builds (a CPU with AVX512-BF16), up to
-  `GEMV_MAX_ROWS` rows of fp32 or bf16 go through its `dense_gemv` instead, eagerly and compiled: each
-  thread streams its own share of W's rows once, where torch's few-row products are built for larger
-  problems (`bench generation` measures both);
+  `GEMV_MAX_ROWS` rows of fp32 or bf16 (2 of bf16 where the CPU has AMX: `gemv_max_rows`) go through
+  its `dense_gemv` instead, eagerly and compiled: each thread streams its own share of W's rows once,
+  where torch's few-row products are built for larger problems (`bench generation` measures both);
 - streaming matmul: elsewhere, inside a compiled graph (`generation.compile_decode`) one row goes through
   `streaming_matmul` instead, which the compiler turns into one parallel loop that reads each weight
   once. `CPULinear` is the one place in the package that asks whether it is being compiled;
@@ -57,6 +57,30 @@ SPLIT_MAX_ROWS = 64
 # Rows up to which our `dense_gemv` runs: on SmolLM2's weights it is far ahead of `F.linear` at one row,
 # about even at 16 and behind at 32, where a gemm's blocking reuses each weight for more rows (README).
 GEMV_MAX_ROWS = 16
+# ... except bf16 on a CPU with AMX tiles, where torch's bf16 matmul (oneDNN) multiplies 16-row tiles
+# at once: over 64 separate 3072x576 bf16 weights at 2 threads on a 2-core Xeon, ours took 12.4 ms for
+# 1 row against torch's 18.4, 15.6 against 19.4 for 2, 19.2 against 19.8 for 3 and 39.9 against 19.5
+# for 8 (a batch-8 bf16 step was slower than fp32's). There it keeps 2 rows.
+GEMV_MAX_ROWS_AMX_BF16 = 2
+
+
+def gemv_max_rows(dtype: torch.dtype) -> int:
+    """Rows up to which our `dense_gemv` runs for weights of `dtype` on this CPU."""
+    return GEMV_MAX_ROWS_AMX_BF16 if dtype == torch.bfloat16 and _cpu_has_amx() else GEMV_MAX_ROWS
+
+
+_AMX: bool | None = None   # whether this CPU has AMX tiles; read once, by `tune_for_cpu`, outside any graph
+
+
+def _cpu_has_amx() -> bool:
+    global _AMX
+    if _AMX is None:   # a compiled forward finds it set (a traced read of /proc would break the graph)
+        from .device import bf16_matmul_unit
+
+        _AMX = bf16_matmul_unit("cpu").startswith("AMX")
+    return _AMX
+
+
 _SPLIT_ENABLED = True
 
 
@@ -90,9 +114,10 @@ def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (...,
 class CPULinear(nn.Linear):
     """A bias-free `nn.Linear` with the CPU decode paths (same parameters, same state dict).
 
-    With `gemv` (set by `tune_for_cpu` where our CPU kernels build), up to `GEMV_MAX_ROWS` rows of fp32
-    or bf16 without autograd run our `dense_gemv`, eagerly and compiled, whatever the thread count (a
-    compiled step whose batch size is a symbol calls it for every size; above the bar it runs torch's).
+    With `gemv` (set by `tune_for_cpu` where our CPU kernels build), up to `gemv_max_rows(dtype)` rows
+    (16; 2 of bf16 where the CPU has AMX) of fp32 or bf16 without autograd run our `dense_gemv`,
+    eagerly and compiled, whatever the thread count (a compiled step whose batch size is a symbol
+    calls it for every size; above the bar it runs torch's).
     Otherwise, eagerly, in inference, a few rows on several threads of an uncontended CPU: the output
     rows of W split into one block per thread, streamed in parallel by `bmm` (where `split`, which `tune_for_cpu`
     sets from its calibration). Traced by the compiler, one row without autograd: `streaming_matmul`
@@ -106,14 +131,14 @@ class CPULinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
         rows = math.prod(x.shape[:-1])
-        # Not `rows <= GEMV_MAX_ROWS`: compiled, a batch size the graph keeps symbolic would get a guard,
-        # and a step past it would compile again mid-serving. The kernel itself hands more rows to torch.
-        many = statically_known_true(rows > GEMV_MAX_ROWS)
-        if (self.gemv and _SPLIT_ENABLED and not many and x.device.type == "cpu" and x.dtype == w.dtype
-                and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
+        # Not `rows <= bar`: compiled, a batch size the graph keeps symbolic would get a guard, and a
+        # step past it would compile again mid-serving. The kernel itself hands more rows to torch.
+        bar = gemv_max_rows(w.dtype) if self.gemv else 0
+        if (self.gemv and _SPLIT_ENABLED and not statically_known_true(rows > bar) and x.device.type == "cpu"
+                and x.dtype == w.dtype and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
             x2 = x.reshape(rows, x.shape[-1]).contiguous()
-            return torch.ops.cs336.dense_gemv(x2, w, GEMV_MAX_ROWS).reshape(*x.shape[:-1], w.shape[0])
+            return torch.ops.cs336.dense_gemv(x2, w, bar).reshape(*x.shape[:-1], w.shape[0])
         if torch.compiler.is_compiling():   # a graph must not bake in the thread count
             if ((self.split or w.dtype == torch.bfloat16) and x.device.type == "cpu"
                     and rows == 1 and not torch.is_grad_enabled()):
@@ -241,7 +266,8 @@ class CPUTuning:
     def describe(self) -> str:
         parts = []
         if self.gemv_linears:
-            parts.append(f"{self.gemv_linears} linears on our few-row kernel for <= {GEMV_MAX_ROWS} rows")
+            amx = " (bf16: <= 2, above that torch's AMX matmul)" if _cpu_has_amx() else ""
+            parts.append(f"{self.gemv_linears} linears on our few-row kernel for <= {GEMV_MAX_ROWS} rows{amx}")
         elif self.gemv_unavailable:
             parts.append(f"torch's matmuls (our few-row kernel cannot run here: {self.gemv_unavailable})")
         measured = ""
@@ -294,7 +320,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
     (few-row split eagerly, `streaming_matmul` in a compiled batch-1 step); "auto" (the default) times
     the split against `F.linear` on these weights with the current thread count (`calibrate_split`, a
     fraction of a second) and splits only if it is faster; threads: a decode step runs on one thread
-    while another process holds a core; gemv: up to `GEMV_MAX_ROWS` rows run our `dense_gemv` where
+    while another process holds a core; gemv: up to `gemv_max_rows(dtype)` rows run our `dense_gemv` where
     `model.cpu_kernels` builds (compiling it the first time on a machine); huge_pages: the weights a
     decode step streams move into one block of 2 MB pages (`huge_pages.place_on_huge_pages`, Linux).
     A model off the CPU is left as it is. Apply it after `fuse_projections` (fusing builds new linears),
@@ -319,6 +345,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
 
             record.gemv_unavailable = build()
             gemv = record.gemv_unavailable is None
+            _cpu_has_amx()   # read here, eagerly: a compiled forward then reads the answer, not /proc
         for module in linears:   # CPULinear either way: a compiled bf16 row streams (see there)
             module.__class__ = CPULinear
             module.split, module.gemv = split, gemv
@@ -369,6 +396,6 @@ def describe(model: nn.Module) -> str:
                                 f"of it on 2 MB pages")
 
 
-__all__ = ["CPULinear", "CPUTuning", "GEMV_MAX_ROWS", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS", "calibrate_split",
-           "cpu_contended", "decode_threads", "describe", "few_row_matmul", "few_row_split", "other_cpu_load",
-           "prefill_threads", "streaming_matmul", "tune_for_cpu", "untune_cpu"]
+__all__ = ["CPULinear", "CPUTuning", "GEMV_MAX_ROWS", "GEMV_MAX_ROWS_AMX_BF16", "PREFILL_CONTENDED", "SPLIT_MAX_ROWS",
+           "calibrate_split", "cpu_contended", "decode_threads", "describe", "few_row_matmul", "few_row_split",
+           "gemv_max_rows", "other_cpu_load", "prefill_threads", "streaming_matmul", "tune_for_cpu", "untune_cpu"]

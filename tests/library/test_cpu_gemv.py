@@ -86,6 +86,26 @@ def test_cpu_linear_runs_our_kernel_only_for_a_few_rows_without_autograd():
 
 
 @needs_kernel
+@pytest.mark.parametrize("amx", [False, True])
+def test_bf16_keeps_fewer_rows_on_our_kernel_where_the_cpu_has_amx(monkeypatch, amx):
+    """Where AMX multiplies 16-row bf16 tiles, torch's matmul wins from 3 rows on: bf16 keeps 2 rows on
+    our kernel there, 16 elsewhere; fp32 keeps 16 either way. Each result equals torch's to rounding."""
+    monkeypatch.setattr(cpu_tuning, "_cpu_has_amx", lambda: amx)
+    lin = cpu_tuning.tune_for_cpu(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)), split=False)[0]
+    bar = {torch.bfloat16: 2 if amx else 16, torch.float32: 16}
+    for dtype, rows in ((torch.bfloat16, 2), (torch.bfloat16, 3), (torch.bfloat16, 16), (torch.float32, 16)):
+        assert cpu_tuning.gemv_max_rows(dtype) == bar[dtype]
+        x = torch.randn(rows, 64).to(dtype)
+        with torch.no_grad(), OpCalls() as calls:
+            y = lin.to(dtype)(x)
+        assert ("cs336.dense_gemv" in calls.names) == (rows <= bar[dtype]), (dtype, rows)
+        want = x.double() @ lin.weight.double().T
+        torch.testing.assert_close(y.double(), want, rtol=2 ** -7, atol=1e-2)
+    record = cpu_tuning.tune_for_cpu(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False))).cpu_tuning
+    assert ("bf16: <= 2" in record.describe()) == amx
+
+
+@needs_kernel
 def test_a_compiled_graph_with_a_symbolic_batch_size_has_no_guard_on_it():
     """Batch 1 (a size the compiler specializes) and a batch size the graph keeps symbolic both call our
     kernel, with no guard on the size: 20 rows, past GEMV_MAX_ROWS (the kernel hands them to torch's
