@@ -37,6 +37,7 @@ loads, so `_openmp` sets it when the package is imported (see there for why).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import statistics
@@ -65,20 +66,15 @@ GEMV_MAX_ROWS_AMX_BF16 = 2
 
 
 def gemv_max_rows(dtype: torch.dtype) -> int:
-    """Rows up to which our `dense_gemv` runs for weights of `dtype` on this CPU."""
+    """Rows up to which our `dense_gemv` runs for weights of `dtype` on this CPU (`tune_for_cpu` asks)."""
     return GEMV_MAX_ROWS_AMX_BF16 if dtype == torch.bfloat16 and _cpu_has_amx() else GEMV_MAX_ROWS
 
 
-_AMX: bool | None = None   # whether this CPU has AMX tiles; read once, by `tune_for_cpu`, outside any graph
-
-
+@functools.cache
 def _cpu_has_amx() -> bool:
-    global _AMX
-    if _AMX is None:   # a compiled forward finds it set (a traced read of /proc would break the graph)
-        from .device import bf16_matmul_unit
+    from .device import bf16_matmul_unit
 
-        _AMX = bf16_matmul_unit("cpu").startswith("AMX")
-    return _AMX
+    return bf16_matmul_unit("cpu").startswith("AMX")
 
 
 _SPLIT_ENABLED = True
@@ -127,13 +123,14 @@ class CPULinear(nn.Linear):
 
     split = True
     gemv = False
+    bf16_rows = GEMV_MAX_ROWS   # our kernel's bar for bf16 weights (fp32: GEMV_MAX_ROWS), set by `tune_for_cpu`
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out)
         w = self.weight
         rows = math.prod(x.shape[:-1])
         # Not `rows <= bar`: compiled, a batch size the graph keeps symbolic would get a guard, and a
         # step past it would compile again mid-serving. The kernel itself hands more rows to torch.
-        bar = gemv_max_rows(w.dtype) if self.gemv else 0
+        bar = self.bf16_rows if w.dtype == torch.bfloat16 else GEMV_MAX_ROWS
         if (self.gemv and _SPLIT_ENABLED and not statically_known_true(rows > bar) and x.device.type == "cpu"
                 and x.dtype == w.dtype and w.dtype in (torch.float32, torch.bfloat16) and w.is_contiguous()
                 and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))):
@@ -345,10 +342,9 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
 
             record.gemv_unavailable = build()
             gemv = record.gemv_unavailable is None
-            _cpu_has_amx()   # read here, eagerly: a compiled forward then reads the answer, not /proc
         for module in linears:   # CPULinear either way: a compiled bf16 row streams (see there)
             module.__class__ = CPULinear
-            module.split, module.gemv = split, gemv
+            module.split, module.gemv, module.bf16_rows = split, gemv, gemv_max_rows(torch.bfloat16)
         record.split_linears = len(linears) if split else 0
         record.gemv_linears = len(linears) if gemv else 0
         if huge_pages:
@@ -374,6 +370,7 @@ def untune_cpu(model: nn.Module) -> nn.Module:
             module.__class__ = nn.Linear
             module.__dict__.pop("split", None)
             module.__dict__.pop("gemv", None)
+            module.__dict__.pop("bf16_rows", None)
     for hooks, hook in ((model._forward_pre_hooks, _one_thread_if_contended), (model._forward_hooks, _restore_threads)):
         for key in [k for k, h in hooks.items() if h is hook]:
             del hooks[key]
