@@ -52,6 +52,24 @@ def test_dense_gemv_hands_more_than_max_rows_to_torchs_matmul(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_dense_gemv_gives_every_row_once_when_threads_take_rows_from_each_other(threads):
+    """Each thread streams its own share and a thread done early takes chunks from the back of another's:
+    more threads than cores (so some fall behind and others take over), shares of unequal length, and
+    repeated calls must still give every output row exactly once, equal to a float64 product."""
+    g = torch.Generator().manual_seed(threads)
+    x, w = torch.randn(3, 64, generator=g), torch.randn(20011, 64, generator=g)
+    want = (x.double() @ w.double().T).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(8):
+            torch.testing.assert_close(torch.ops.cs336.dense_gemv(x, w, 16), want, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_dense_gemv_refuses_what_it_cannot_multiply():
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     for args, match in (((x, torch.randn(3, 9)), "x must be"), ((x.double(), w.double()), "fp32 or both bf16"),
