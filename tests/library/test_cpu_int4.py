@@ -48,6 +48,24 @@ def test_matches_a_float64_matmul(N, K, group, M):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [2, 3, 4])
+def test_every_block_once_when_threads_take_blocks_from_each_other(threads):
+    """More threads than cores and shares of unequal length: a thread done early takes blocks from the
+    back of another's share, and every output row must still come out once, equal to a float64 matmul."""
+    u, pairs = random_grid(16 * 997, 64, 32, seed=threads)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    want, packed = reference(x, u, pairs), cpu_int4.pack(u, pairs)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for _ in range(6):
+            torch.testing.assert_close(cpu_int4.matmul(x, *packed).double(), want, rtol=2 ** -8,
+                                       atol=1e-4 * float(want.abs().max()))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
 def test_pack_puts_each_code_where_the_layout_says():
     N, K = 32, 64
     u, pairs = random_grid(N, K, 32)

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel_rows.h"
+
 namespace {
 
 constexpr int kTile = 4;   // rows of x per pass over a block: the codes are decoded once for all of them
@@ -103,7 +105,12 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const auto* cp = reinterpret_cast<const uint16_t*>(codes.data_ptr<int16_t>());
   const auto* sp = sz.data_ptr<c10::BFloat16>();
   auto* yp = y.data_ptr<c10::BFloat16>();
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {   // each thread streams its own blocks
+  // each thread streams its own blocks, 16 KiB at a time, then takes over the back of a slower one's
+  // (parallel_rows.h; SmolLM2's compiled exact-int4 step at 2 threads, 12 rounds alternated in one
+  // process against equal shares and no taking over: 8.28 -> 8.13 ms in 11/12, 8.46 -> 8.21 in 9/12)
+  const int64_t block_bytes = 16 * (K / 2) + 16 * G * 2 * 2;
+  cs336::parallel_rows(blocks, at::get_num_threads(), std::max<int64_t>(1, (16 << 10) / block_bytes),
+                       [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const uint16_t* c = cp + b * K * 4;
       const c10::BFloat16* s = sp + b * G * 32;

@@ -19,13 +19,21 @@ import os
 import platform
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 SOURCES = sorted((Path(__file__).parents[1] / "csrc").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parents[1] / "csrc").glob("*.h"))
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+
+
+def _headers_flag() -> str:
+    """A define naming the headers' contents: torch rebuilds the library when its sources or flags change,
+    and does not read the headers they include, so a changed header changes the flags."""
+    return f"-DCS336_HEADERS={zlib.crc32(b''.join(h.read_bytes() for h in HEADERS)):08x}"
 
 
 def cpu_supports() -> str | None:
@@ -60,7 +68,7 @@ def build() -> str | None:
         folder.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # torch's notes about the compiler version are not the user's business
-            load(name="cs336_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=_FLAGS,
+            load(name="cs336_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=[*_FLAGS, _headers_flag()],
                  build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels, and say why
         names = " and ".join(s.name for s in SOURCES)
