@@ -37,7 +37,6 @@ loads, so `_openmp` sets it when the package is imported (see there for why).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import os
 import statistics
@@ -70,11 +69,10 @@ def gemv_max_rows(dtype: torch.dtype) -> int:
     return GEMV_MAX_ROWS_AMX_BF16 if dtype == torch.bfloat16 and _cpu_has_amx() else GEMV_MAX_ROWS
 
 
-@functools.cache
 def _cpu_has_amx() -> bool:
-    from .device import bf16_matmul_unit
+    from .device import cpu_has_amx
 
-    return bf16_matmul_unit("cpu").startswith("AMX")
+    return cpu_has_amx()
 
 
 _SPLIT_ENABLED = True

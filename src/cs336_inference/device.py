@@ -12,6 +12,7 @@ else needs. CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for bot
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import random
@@ -137,6 +138,12 @@ def describe_machine(device: torch.device) -> dict:
         d["gpu"] = torch.cuda.get_device_name(device)
         d["gpu_memory_bytes"] = torch.cuda.get_device_properties(device).total_memory
     return d
+
+
+@functools.cache
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (torch's oneDNN matmuls use them): read once, eagerly."""
+    return bf16_matmul_unit("cpu").startswith("AMX")
 
 
 def bf16_matmul_unit(device) -> str:

@@ -93,6 +93,27 @@ def test_a_layer_on_our_kernel_matches_torchs_kernel(bits, group, symmetric):
 
 
 @needs_kernel
+@pytest.mark.parametrize("amx", [False, True])
+def test_prefill_rows_go_dense_sooner_where_the_cpu_has_amx(monkeypatch, amx):
+    """Above `cpu_int4.dense_rows()` rows (512; 64 where AMX runs the dense route's bf16 matmul) a layer
+    on our kernel dequantizes and runs a dense matmul: both routes give the float64 product to rounding."""
+    monkeypatch.setattr(cpu_int4, "cpu_has_amx", lambda: amx)
+    u, pairs = random_grid(48, 192, 32)
+    layer = QuantizedLinear.from_linear(nn.Linear(192, 48, bias=False), bits=4, group_size=32)
+    bar = 64 if amx else 512
+    assert cpu_int4.dense_rows() == bar and layer.dense_above() == bar
+    calls = []
+    monkeypatch.setattr(cpu_int4, "matmul", lambda *a, f=cpu_int4.matmul: calls.append(1) or f(*a))
+    for rows, ours in ((bar, True), (bar + 1, False)):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        calls.clear()
+        y = layer(x).double()
+        assert bool(calls) == ours, (rows, calls)
+        want = x.double() @ layer.dense_weight(torch.float64).t()
+        torch.testing.assert_close(y, want, rtol=2 ** -7, atol=1e-2 * float(want.abs().max()))   # bf16 rounding
+
+
+@needs_kernel
 def test_compiles_in_one_graph():
     torch.manual_seed(0)
     layer = QuantizedLinear.from_linear(nn.Linear(128, 32, bias=False), bits=4, group_size=32)

@@ -180,8 +180,8 @@ def test_layers_on_our_kernel_keep_their_own_bar_and_get_the_compiled_dequantiza
     layers = dense_prefill.int4pack_layers(model)
     assert layers and all(layer.packed_weight().kernel == cpu_int4.NAME for layer in layers)
     how = __import__("cs336_inference.fast_path", fromlist=["_"])._dense_prefill(model)
-    assert how == f", prefill above {cpu_int4.DENSE_ROWS} rows: compiled int4 dequantization + dense matmul"
-    assert all(layer.dense_above() == cpu_int4.DENSE_ROWS and isinstance(layer.dense_fn, dense_prefill.CompiledDense)
+    assert how == f", prefill above {cpu_int4.dense_rows()} rows: compiled int4 dequantization + dense matmul"
+    assert all(layer.dense_above() == cpu_int4.dense_rows() and isinstance(layer.dense_fn, dense_prefill.CompiledDense)
                for layer in layers)
 
 

@@ -69,7 +69,7 @@ def compile_dense_prefill(model: torch.nn.Module, rows: int = DENSE_ROWS, warm: 
     (`warm_dense_prefill`), not in the middle of the first long prompt. Returns the model."""
     rows, warm = _checks.positive_int("rows", rows), _checks.boolean("warm", warm)
     dense = CompiledDense()
-    for layer in int4pack_layers(model):   # our CPU kernel keeps its own, higher bar (`cpu_int4.DENSE_ROWS`)
+    for layer in int4pack_layers(model):   # our CPU kernel keeps its own bar (`cpu_int4.dense_rows()`)
         layer.dense_fn, layer.dense_rows = dense, rows if layer._packed.kernel == "torch" else None
     return warm_dense_prefill(model) if warm else model
 

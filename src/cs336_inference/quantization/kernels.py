@@ -178,7 +178,7 @@ def _int4_packed(layout: str, unsigned: torch.Tensor, scales: torch.Tensor, grou
     O, I = unsigned.shape
     if cpu_int4.available(O, I, group_size, scales.device, scales.dtype):
         codes, blocks = cpu_int4.pack(unsigned, scales)
-        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks, cpu_int4.DENSE_ROWS)
+        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks, cpu_int4.dense_rows())
     return PackedWeight(layout, _int4_weight(unsigned, scales.device), scales, group_size, None)
 
 
