@@ -42,6 +42,8 @@ DENSE_ROWS_AMX = 64
 def dense_rows() -> int:
     """Rows above which an int4 layer on this kernel dequantizes and runs a dense matmul, on this CPU."""
     return DENSE_ROWS_AMX if cpu_has_amx() else DENSE_ROWS
+
+
 _enabled = os.environ.get("CS336_INT4_KERNEL", "").strip().lower() not in ("torch", "0", "off")
 
 
