@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .device import cpu_has_amx
 from .timing import num_threads
 
 # Rows at or below which the CPU few-row split beats one MKL gemm call (on the weights of the ~90M
@@ -66,13 +67,7 @@ GEMV_MAX_ROWS_AMX_BF16 = 2
 
 def gemv_max_rows(dtype: torch.dtype) -> int:
     """Rows up to which our `dense_gemv` runs for weights of `dtype` on this CPU (`tune_for_cpu` asks)."""
-    return GEMV_MAX_ROWS_AMX_BF16 if dtype == torch.bfloat16 and _cpu_has_amx() else GEMV_MAX_ROWS
-
-
-def _cpu_has_amx() -> bool:
-    from .device import cpu_has_amx
-
-    return cpu_has_amx()
+    return GEMV_MAX_ROWS_AMX_BF16 if dtype == torch.bfloat16 and cpu_has_amx() else GEMV_MAX_ROWS
 
 
 _SPLIT_ENABLED = True
@@ -261,7 +256,7 @@ class CPUTuning:
     def describe(self) -> str:
         parts = []
         if self.gemv_linears:
-            amx = " (bf16: <= 2, above that torch's AMX matmul)" if _cpu_has_amx() else ""
+            amx = f" (bf16: <= {GEMV_MAX_ROWS_AMX_BF16}, above that torch's AMX matmul)" if cpu_has_amx() else ""
             parts.append(f"{self.gemv_linears} linears on our few-row kernel for <= {GEMV_MAX_ROWS} rows{amx}")
         elif self.gemv_unavailable:
             parts.append(f"torch's matmuls (our few-row kernel cannot run here: {self.gemv_unavailable})")

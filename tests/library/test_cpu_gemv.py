@@ -108,7 +108,7 @@ def test_cpu_linear_runs_our_kernel_only_for_a_few_rows_without_autograd():
 def test_bf16_keeps_fewer_rows_on_our_kernel_where_the_cpu_has_amx(monkeypatch, amx):
     """Where AMX multiplies 16-row bf16 tiles, torch's matmul wins from 3 rows on: bf16 keeps 2 rows on
     our kernel there, 16 elsewhere; fp32 keeps 16 either way. Each result equals torch's to rounding."""
-    monkeypatch.setattr(cpu_tuning, "_cpu_has_amx", lambda: amx)
+    monkeypatch.setattr(cpu_tuning, "cpu_has_amx", lambda: amx)
     lin = cpu_tuning.tune_for_cpu(torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)), split=False)[0]
     bar = {torch.bfloat16: 2 if amx else 16, torch.float32: 16}
     for dtype, rows in ((torch.bfloat16, 2), (torch.bfloat16, 3), (torch.bfloat16, 16), (torch.float32, 16)):
