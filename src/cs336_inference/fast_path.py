@@ -16,6 +16,16 @@ import sys
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
 
+# inductor's options for a compiled step on a CPU:
+# - cpp_wrapper: the code that calls the step's ~150 kernels and allocates their outputs is C++; in
+#   Python it costs a few ms per step.
+# - size_asserts off: that code would check the size and stride of every input and every custom op's
+#   output (~400 checks on SmolLM2), and each check builds an error message (a std::stringstream)
+#   even when it passes: ~150 us per step. The inputs are checked already, before the call, by the
+#   compiled step's guards (the ids and the cache), or are the frozen model's own weights; our
+#   kernels' output shapes are tested against their declared ones (`cpu_kernels.build`).
+CPU_INDUCTOR = {"cpp_wrapper": True, "size_asserts": False}
+
 
 def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
     """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
@@ -72,8 +82,8 @@ def attention_kernel(device) -> str:
 
 def compile_fast(model):
     """`generation.compile_decode(model)` as the fast path compiles it (the benchmarks time this too):
-    CUDA graphs on a GPU; on a CPU, inductor's wrapper in C++, because the generated Python that calls
-    the step's ~150 kernels and allocates their outputs costs a few ms per step, and `frozen=True`:
+    CUDA graphs on a GPU; on a CPU, inductor's wrapper in C++ without its size checks (`CPU_INDUCTOR`),
+    and `frozen=True`:
     the fast path never changes its model once loaded, so the step guards on its inputs only.
 
     A bf16 model's linears, where our few-row kernel cannot run, stream their weights inside the graph
@@ -88,7 +98,7 @@ def compile_fast(model):
 
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
-    inductor = {"cpp_wrapper": True}
+    inductor = dict(CPU_INDUCTOR)
     if any(isinstance(m, CPULinear) and m.weight.dtype == torch.bfloat16 and not m.gemv for m in model.modules()):
         inductor["realize_cpu_opcount_threshold"] = 1
     return compile_decode(model, frozen=True, options=inductor)
@@ -125,7 +135,7 @@ def compiled_engine_decode(model):
 
     if why_not := _cannot_compile(model):
         return None, why_not
-    options = {} if model.device.type == "cuda" else {"options": {"cpp_wrapper": True}}
+    options = {} if model.device.type == "cuda" else {"options": dict(CPU_INDUCTOR)}
     # One compiled function for every block: the block comes in as an argument, so its weights are graph
     # inputs rather than constants, and dynamo's cache (kept per code object) serves all the layers.
     block_step = torch.compile(lambda block, *args: type(block).forward(block, *args), **compile_settings(**options))

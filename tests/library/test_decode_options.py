@@ -571,3 +571,4 @@ def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkey
     assert [kwargs["options"].get("realize_cpu_opcount_threshold") for kwargs in seen] == [1, None if ours else 1,
                                                                                           None, None]
     assert all(kwargs["frozen"] is True and kwargs["options"]["cpp_wrapper"] is True for kwargs in seen)
+    assert all(kwargs["options"]["size_asserts"] is False for kwargs in seen)   # the guards check the inputs

@@ -146,7 +146,7 @@ def compile_decode(model, frozen: bool = False, **compile_options):
 
     compile_options go to `torch.compile` (default: fullgraph=True, dynamic=True, and
     options={"guard_filter_fn": ...} dropping the global-state guard; see the module docstring); an
-    `options` dict given here adds to that one (the CLI's fast path adds {"cpp_wrapper": True}).
+    `options` dict given here adds to that one (the CLI's fast path adds `fast_path.CPU_INDUCTOR`).
     frozen=True promises that `model` does not change once compiled: the step then checks guards on
     its inputs only (`without_model_guards`), which saves checking hundreds of guards on the model
     before every step, and traces the model's floats as constants and its weights as the graph's own
