@@ -142,7 +142,7 @@ def describe_machine(device: torch.device) -> dict:
 
 @functools.cache
 def cpu_has_amx() -> bool:
-    """Whether this CPU has AMX tiles for bf16 (torch's oneDNN matmuls use them): read once, eagerly."""
+    """Whether this CPU has AMX tiles for bf16 (torch's oneDNN matmuls use them): read once, then cached."""
     return bf16_matmul_unit("cpu").startswith("AMX")
 
 

@@ -29,7 +29,8 @@ namespace {
 constexpr int kTile = 4;   // rows of x per pass over a row of W (while it sits in L1)
 // Before reading a row of W, ask for the bytes 8 KiB further on into L2 (one prefetch per 64-byte line):
 // the hardware's own prefetcher alone left two threads streaming at ~33 GB/s on a 2-core Xeon with AMX,
-// with these at ~40 (4-32 KiB ahead all did; into L1 less so, and `prefetchnta` halved the speed).
+// with these at ~40 (4-32 KiB ahead all did; into L1 less so, and `prefetchnta` halved the speed); with
+// the host in a slow phase, 23.8 against 24.5-25.3. Measured there only (on Zen 4, see the README).
 // SmolLM2's compiled step at 2 threads, 12 rounds alternated in one process: bf16 11.06 -> 9.85 ms,
 // fp32 20.31 -> 19.37, faster in 12/12 rounds each; at 1 thread, no change (bf16 27.74 -> 27.70).
 constexpr int64_t kPrefetchAhead = 8 << 10;
