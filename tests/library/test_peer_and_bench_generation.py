@@ -76,6 +76,7 @@ def test_bench_generation_quick_runs(tmp_path, monkeypatch):
     assert result["greedy_fast_equals_plain"] is True
     assert result.get("greedy_equals_peer", True) is True
     assert all(r["ms_per_step"] > 0 for r in data["rows"])
+    assert set(data["anatomy"]) == {"fp32", "bf16"}   # a quick run profiles the eager steps (no compiling)
 
 
 def test_each_timing_is_paired_with_the_bandwidth_sampled_right_beside_it():

@@ -5,7 +5,8 @@ Batch-1 decode of a model whose weights dwarf the CPU caches streams every weigh
 kernels) should decode faster. `bench generation` times each precision side by side in alternating
 rounds, eager and compiled, against Hugging Face's Llama on the same weights (the `[peer]` extra),
 with the streaming bandwidth sampled right beside every timing (a shared host's bandwidth swings by
-half within seconds), KL to fp32 (speed is never quoted without its cost) and a busy-core repeat.
+half within seconds), KL to fp32 (speed is never quoted without its cost), a busy-core repeat, and
+where each compiled batch-1 step's time goes (`step_anatomy`: the matmuls against everything between them).
 `--model smollm2-135m` times the real model instead (its published GGUF blocks as one more row) and
 how long it takes to load: converting the GGUF, and reading the disk cache.
 """
@@ -41,6 +42,7 @@ from ..quantization.model import quantize_model
 from ..tables import print_table
 from ..timing import busy_cpu, load_average, median_seconds, rss_bytes
 from .base import Benchmark, alternate, beside_bandwidth, fraction_of_bandwidth, spread
+from .step_anatomy import PARTS, step_anatomy
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 COMPILED = ("fp32", "bf16", "int8", "int4")   # also timed compiled, as the fast path compiles (`compile_fast`)
@@ -196,6 +198,10 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         if "HF fp32" in same_b:
             row["speedup_vs_hf_fp32"] = same_b["HF fp32"] / row["ms_per_step"]
     result["rows"] = rows
+    # where the batch-1 step's time goes (`step_anatomy`): the compiled rows, or a quick run's eager ones
+    profiled = [n for n in fns if n.endswith(" compiled B=1")] or ["fp32 B=1", "bf16 B=1"]
+    result["anatomy"] = {name.removesuffix(" B=1"): step_anatomy(
+        fns[name](), steps, weight_bytes_per_step(models.get(name.removesuffix(" B=1"), model))) for name in profiled}
     busy = ("fp32 B=1", "fp32 F.linear B=1", "fp32 plain B=1", "fp32 compiled B=1", "HF fp32 B=1")
     result["busy"] = _busy_section({k: fns[k] for k in busy if k in fns}, device, rounds, steps)
     result["goals"] = goals(result)
@@ -307,6 +313,15 @@ def print_generation(result: dict) -> None:
                 [("variant", "variant", None), ("ms_per_step", "ms/step", "{:.1f}"), ("ms_min", "min", "{:.1f}"),
                  ("ms_max", "max", "{:.1f}")],
                 title=f"\nbusy (one other process spinning, load {busy['load_average']}), batch 1:")
+    if anatomy := r.get("anatomy"):
+        heads = dict(zip([*PARTS, "everything else"], ("our matmul", "torch matmul", "attention", "graph's code",
+                                                         "guards", "the rest")))
+        print_table([dict(a["ms"], variant=k, total=a["profiled_ms_per_step"], GBps=a["matmul_GBps"])
+                     for k, a in anatomy.items()],
+                    [("variant", "variant", None), ("total", "ms/step", "{:.2f}"),
+                     *((part, head, "{:.2f}") for part, head in heads.items()), ("GBps", "matmul GB/s", "{:.1f}")],
+                    title="\nwhere a batch-1 step's time goes (ms per step under torch's profiler, `step_anatomy`; "
+                          "matmul GB/s: weight bytes / time in the matmuls):")
     states, tie = {True: "met", False: "NOT met", None: "not measured"}, " (a tie: each median in the other's min-max)"
     print_table([dict(v, goal=k, state=states[v["met"]] + (tie if v.get("within_noise") and v["value"] < v["target"]
                                                            else "")) for k, v in r["goals"].items()],
