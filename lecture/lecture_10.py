@@ -1084,11 +1084,12 @@ def quantization():
     text(f"(Measured in the same run: {gen['measured_bandwidth_GBps']:.0f} GB/s.) int4 compiled: {speed[('int4 compiled', 1)]['ms_per_step']:.1f} ms.")
     text("At batch 1, decode time is weight bytes / bandwidth.")
     real = load_result("generation_smollm2_135m")  # the same bench on SmolLM2-135M, with a profile of each step
-    step = real["anatomy"]["bf16 compiled"]
+    how = "compiled" if "bf16 compiled" in real["anatomy"] else "eager"  # eager: a run where nothing compiled
+    step = real["anatomy"]["bf16 compiled" if how == "compiled" else "bf16"]
     matmul_ms = step["ms"]["matmuls, our kernel"] + step["ms"]["matmuls, torch's"]  # @inspect matmul_ms
     between_ms = step["profiled_ms_per_step"] - matmul_ms  # @inspect between_ms
     matmul_GBps, bandwidth_GBps = step["matmul_GBps"], real["measured_bandwidth_GBps"]  # @inspect matmul_GBps bandwidth_GBps
-    text(f"Plus what runs between the matmuls: SmolLM2-135M in bf16, compiled, {real['threads']} CPU threads.")
+    text(f"Plus what runs between the matmuls: SmolLM2-135M in bf16, {how}, {real['threads']} CPU threads.")
     text(f"The matmuls take {matmul_ms:.1f} ms a token at {matmul_GBps:.0f} GB/s (the bandwidth: {bandwidth_GBps:.0f} GB/s).")
     text(f"Attention, norms, the graph's own code, guards and Python add {between_ms:.1f} ms, the memory idle.")
     image("figures/generation.png", width=800)
