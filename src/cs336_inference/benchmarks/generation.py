@@ -199,9 +199,9 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
             row["speedup_vs_hf_fp32"] = same_b["HF fp32"] / row["ms_per_step"]
     result["rows"] = rows
     # where the batch-1 step's time goes (`step_anatomy`): the compiled rows, or a quick run's eager ones
-    profiled = [n for n in fns if n.endswith(" compiled B=1")] or ["fp32 B=1", "bf16 B=1"]
-    result["anatomy"] = {name.removesuffix(" B=1"): step_anatomy(
-        fns[name](), steps, weight_bytes_per_step(models.get(name.removesuffix(" B=1"), model))) for name in profiled}
+    profiled = [n.removesuffix(" B=1") for n in fns if n.endswith(" compiled B=1")] or ["fp32", "bf16"]
+    result["anatomy"] = {variant: step_anatomy(fns[f"{variant} B=1"](), steps, weight_bytes_per_step(models[variant]))
+                         for variant in profiled}
     busy = ("fp32 B=1", "fp32 F.linear B=1", "fp32 plain B=1", "fp32 compiled B=1", "HF fp32 B=1")
     result["busy"] = _busy_section({k: fns[k] for k in busy if k in fns}, device, rounds, steps)
     result["goals"] = goals(result)
