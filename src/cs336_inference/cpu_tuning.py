@@ -257,7 +257,9 @@ class CPUTuning:
         parts = []
         if self.gemv_linears:
             amx = f" (bf16: <= {GEMV_MAX_ROWS_AMX_BF16}, above that torch's AMX matmul)" if cpu_has_amx() else ""
-            parts.append(f"{self.gemv_linears} linears on our few-row kernel for <= {GEMV_MAX_ROWS} rows{amx}")
+            bits = torch.ops.cs336.dense_gemv_load_bits(-1)   # the kernel is loaded: these linears run it
+            parts.append(f"{self.gemv_linears} linears on our few-row kernel ({bits}-bit loads) for <= "
+                         f"{GEMV_MAX_ROWS} rows{amx}")
         elif self.gemv_unavailable:
             parts.append(f"torch's matmuls (our few-row kernel cannot run here: {self.gemv_unavailable})")
         measured = ""

@@ -21,13 +21,22 @@ why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels cannot run here: {why_not}")
 
 
+@pytest.fixture(params=[256, 512])
+def load_bits(request):
+    """Run the test with the kernel's 256-bit loads and with its 512-bit ones (each CPU uses one by default:
+    `dense_gemv_load_bits`), then go back to the default."""
+    assert torch.ops.cs336.dense_gemv_load_bits(request.param) == request.param
+    yield request.param
+    torch.ops.cs336.dense_gemv_load_bits(0)
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("M,N,K", [(1, 1, 1), (1, 5, 7), (2, 33, 576), (3, 96, 100), (4, 7, 1536), (5, 64, 64),
                                    (7, 3, 250), (16, 40, 576), (1, 4100, 24)])
-def test_dense_gemv_equals_a_float64_product(dtype, M, N, K):
-    """Every row count (tiles of 4 and the 1 to 3 left over), K with a partial last chunk, N not a multiple
-    of anything, and enough rows for both threads."""
+def test_dense_gemv_equals_a_float64_product(dtype, M, N, K, load_bits):
+    """Every row count (tiles of 4 and the 1 to 3 left over), K with a partial last chunk of either load
+    width, N not a multiple of anything, and enough rows for both threads."""
     g = torch.Generator().manual_seed(M * 1000 + K)
     x, w = torch.randn(M, K, generator=g).to(dtype), torch.randn(N, K, generator=g).to(dtype)
     y = torch.ops.cs336.dense_gemv(x, w, 16)
@@ -67,6 +76,25 @@ def test_dense_gemv_gives_every_row_once_when_threads_take_rows_from_each_other(
             torch.testing.assert_close(torch.ops.cs336.dense_gemv(x, w, 16), want, rtol=1e-5, atol=1e-4)
     finally:
         torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_dense_gemv_loads_256_bits_on_amd_and_512_elsewhere():
+    """Zen 4 splits a 512-bit load in two and streamed faster with 256-bit ones; Intel's cores read 64
+    bytes at once (the choice and its measurements: csrc/dense_gemv.cpp). -1 reads the width, 0 restores
+    the default, anything else is refused by name and changes nothing."""
+    vendor = next((line.split(":")[1].strip() for line in open("/proc/cpuinfo") if line.startswith("vendor_id")), "")
+    default = 256 if vendor == "AuthenticAMD" else 512
+    op = torch.ops.cs336.dense_gemv_load_bits
+    assert op(-1) == op() == default
+    try:
+        assert op(256) == 256 and op(-1) == 256
+        for bad in (128, 1, -2):
+            with pytest.raises(ValueError, match=f"bits must be .*got {bad}"):
+                op(bad)
+        assert op(-1) == 256
+    finally:
+        assert op(0) == default
 
 
 @needs_kernel

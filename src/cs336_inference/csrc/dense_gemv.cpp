@@ -7,9 +7,9 @@
 // weight bytes / memory bandwidth. torch's kernels for a few rows are built for larger problems
 // (`bench generation` compares them with this one). Here each thread streams its own contiguous share
 // of W's rows, one row after the next (one sequential stream per core: interleaving two rows' streams
-// read far slower on Zen 4; a thread done early takes rows from the back of another's share), 32 bytes
-// of the row per FMA (fp32) or `vdpbf16ps` (bf16: 16 products, exact in fp32) for each of up to 4 rows
-// of x, while the row sits in L1. Sums are in fp32, 8 independent ones for a single row of x to cover
+// read far slower on Zen 4; a thread done early takes rows from the back of another's share), one 256-
+// or 512-bit load of the row (`load_bits`) per FMA (fp32) or `vdpbf16ps` (bf16: 16 or 32 products, exact
+// in fp32) for each of up to 4 rows of x, while the row sits in L1. Sums are in fp32, 8 independent ones for a single row of x to cover
 // the FMA's latency; a bf16 result is rounded once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "parallel_rows.h"
@@ -35,47 +36,74 @@ constexpr int kTile = 4;   // rows of x per pass over a row of W (while it sits 
 // fp32 20.31 -> 19.37, faster in 12/12 rounds each; at 1 thread, no change (bf16 27.74 -> 27.70).
 constexpr int64_t kPrefetchAhead = 8 << 10;
 
-// The elements one 256-bit load holds, and the product-sum step, per dtype. 256-bit, not 512-bit,
-// loads: streaming from memory, Zen 4 (which splits 512-bit loads in two) read faster with them.
-template <typename T>
+// The elements one load holds, the product-sum step and the final sum, per dtype and load width (256 or
+// 512 bits). Which width streams faster depends on the core (`load_bits`), so both are built.
+template <typename T, int Bits>
 struct Lanes;
 
 template <>
-struct Lanes<float> {
+struct Lanes<float, 256> {
   static constexpr int64_t n = 8;
   using V = __m256;
+  using Acc = __m256;
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static V load(const float* p, int64_t left) { return _mm256_maskz_loadu_ps((__mmask8)((1u << left) - 1), p); }
-  static __m256 fma(__m256 acc, V w, V x) { return _mm256_fmadd_ps(w, x, acc); }
-  static void store(float* y, float v) { *y = v; }
+  static Acc fma(Acc acc, V w, V x) { return _mm256_fmadd_ps(w, x, acc); }
+  static Acc zero() { return _mm256_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm256_add_ps(a, b); }
+  static float sum(Acc v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
 };
 
 template <>
-struct Lanes<c10::BFloat16> {
+struct Lanes<c10::BFloat16, 256> : Lanes<float, 256> {
   static constexpr int64_t n = 16;
   using V = __m256bh;
   static V load(const c10::BFloat16* p) { return (__m256bh)_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static V load(const c10::BFloat16* p, int64_t left) {
     return (__m256bh)_mm256_maskz_loadu_epi16((__mmask16)((1u << left) - 1), p);
   }
-  static __m256 fma(__m256 acc, V w, V x) { return _mm256_dpbf16_ps(acc, w, x); }
-  static void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }   // round to nearest even
+  static Acc fma(Acc acc, V w, V x) { return _mm256_dpbf16_ps(acc, w, x); }
 };
 
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+template <>
+struct Lanes<float, 512> {
+  static constexpr int64_t n = 16;
+  using V = __m512;
+  using Acc = __m512;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const float* p, int64_t left) { return _mm512_maskz_loadu_ps((__mmask16)((1u << left) - 1), p); }
+  static Acc fma(Acc acc, V w, V x) { return _mm512_fmadd_ps(w, x, acc); }
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc add(Acc a, Acc b) { return _mm512_add_ps(a, b); }
+  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
+};
+
+template <>
+struct Lanes<c10::BFloat16, 512> : Lanes<float, 512> {
+  static constexpr int64_t n = 32;
+  using V = __m512bh;
+  static V load(const c10::BFloat16* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static V load(const c10::BFloat16* p, int64_t left) {
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((uint64_t{1} << left) - 1), p);
+  }
+  static Acc fma(Acc acc, V w, V x) { return _mm512_dpbf16_ps(acc, w, x); }
+};
+
+inline void store(float* y, float v) { *y = v; }
+inline void store(c10::BFloat16* y, float v) { *y = c10::BFloat16(v); }   // round to nearest even
 
 // y[t * N] for one row of W and TT rows of x (x[t * K], k < K).
-template <typename T, int TT>
+template <typename T, int Bits, int TT>
 void block(const T* w, const T* x, int64_t K, T* y, int64_t N) {
-  using L = Lanes<T>;
+  using L = Lanes<T, Bits>;
   constexpr int C = TT == 1 ? 8 : 2;   // independent sums per row of x, to hide the FMA's latency
-  __m256 acc[TT][C];
+  typename L::Acc acc[TT][C];
   for (int t = 0; t < TT; ++t)
-    for (int c = 0; c < C; ++c) acc[t][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) acc[t][c] = L::zero();
   int64_t k = 0;
   for (; k + C * L::n <= K; k += C * L::n) {
 #pragma GCC unroll 8
@@ -100,14 +128,14 @@ void block(const T* w, const T* x, int64_t K, T* y, int64_t N) {
     for (int t = 0; t < TT; ++t) acc[t][0] = L::fma(acc[t][0], wv, xv[t]);
   }
   for (int t = 0; t < TT; ++t) {
-    __m256 s = acc[t][0];
-    for (int c = 1; c < C; ++c) s = _mm256_add_ps(s, acc[t][c]);
-    L::store(y + t * N, sum8(s));
+    typename L::Acc s = acc[t][0];
+    for (int c = 1; c < C; ++c) s = L::add(s, acc[t][c]);
+    store(y + t * N, L::sum(s));
   }
 }
 
 // W's rows n0..n1 against every row of x.
-template <typename T>
+template <typename T, int Bits>
 void rows(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
   for (int64_t n = n0; n < n1; ++n) {
@@ -115,14 +143,36 @@ void rows(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K, int64_t
     const uintptr_t ahead = reinterpret_cast<uintptr_t>(row) + kPrefetchAhead;   // past W's end too: never faults
     for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
     int64_t m = 0;
-    for (; m + kTile <= M; m += kTile) block<T, kTile>(row, x + m * K, K, y + m * N + n, N);
+    for (; m + kTile <= M; m += kTile) block<T, Bits, kTile>(row, x + m * K, K, y + m * N + n, N);
     switch (M - m) {   // the last 1 to 3 rows of x in one pass
-      case 3: block<T, 3>(row, x + m * K, K, y + m * N + n, N); break;
-      case 2: block<T, 2>(row, x + m * K, K, y + m * N + n, N); break;
-      case 1: block<T, 1>(row, x + m * K, K, y + m * N + n, N); break;
+      case 3: block<T, Bits, 3>(row, x + m * K, K, y + m * N + n, N); break;
+      case 2: block<T, Bits, 2>(row, x + m * K, K, y + m * N + n, N); break;
+      case 1: block<T, Bits, 1>(row, x + m * K, K, y + m * N + n, N); break;
       default: break;
     }
   }
+}
+
+// The load width `dense_gemv` streams with: 256 bits on AMD, whose Zen 4 splits a 512-bit load in two and
+// read faster with 256-bit ones; 512 elsewhere (Intel's cores with AVX512-BF16 load 64 bytes at once).
+// SmolLM2's compiled step on a 2-core Xeon with AMX at 2 threads, 256 -> 512-bit loads alternated in one
+// process: batch 1 bf16 12.30 -> 11.85 ms (faster in 11 of 12 rounds), fp32 22.33 -> 21.11 (12 of 12);
+// bf16 batch 2 16.49 -> 15.34 (8 of 8), fp32 batch 8 36.00 -> 34.81 (8 of 8). Before the 8 KiB prefetch
+// into L2 (above), 512-bit loads had been slower there (README). Zen 5 is unmeasured.
+// `dense_gemv_load_bits` reads or overrides the choice (tests run both widths on any CPU).
+std::atomic<int> forced_bits{0};   // 0: the CPU's default
+
+int default_bits() {
+  static const int bits = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_is("amd") ? 256 : 512;
+  }();
+  return bits;
+}
+
+int load_bits() {
+  const int forced = forced_bits.load(std::memory_order_relaxed);
+  return forced ? forced : default_bits();
 }
 
 template <typename T>
@@ -134,7 +184,10 @@ void gemv(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K) {
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (row_bytes + 1));
   cs336::parallel_rows(N, std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain),
                        std::max<int64_t>(1, (16 << 10) / row_bytes),
-                       [&](int64_t n0, int64_t n1) { rows<T>(x, w, y, M, N, K, n0, n1); });
+                       [&, wide = load_bits() == 512](int64_t n0, int64_t n1) {
+                         if (wide) rows<T, 512>(x, w, y, M, N, K, n0, n1);
+                         else rows<T, 256>(x, w, y, M, N, K, n0, n1);
+                       });
 }
 
 // More than `max_rows` rows go to torch's own matmul (`at::linear`): a compiled graph whose batch size is
@@ -160,7 +213,19 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, int64_t max_rows
   return y;
 }
 
+// bits: -1 reads the width in use, 256 or 512 forces one, 0 goes back to the CPU's default. Returns the
+// width in use after the call.
+int64_t dense_gemv_load_bits(int64_t bits) {
+  TORCH_CHECK_VALUE(bits == -1 || bits == 0 || bits == 256 || bits == 512,
+                    "dense_gemv_load_bits: bits must be -1 (read), 0 (the CPU's default), 256 or 512, got ", bits);
+  if (bits >= 0) forced_bits.store(static_cast<int>(bits), std::memory_order_relaxed);
+  return load_bits();
+}
+
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(cs336, m) { m.def("dense_gemv(Tensor x, Tensor w, int max_rows) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(cs336, m) {
+  m.def("dense_gemv(Tensor x, Tensor w, int max_rows) -> Tensor");
+  m.def("dense_gemv_load_bits(int bits=-1) -> int", &dense_gemv_load_bits);
+}
 TORCH_LIBRARY_IMPL(cs336, CPU, m) { m.impl("dense_gemv", &dense_gemv); }
