@@ -16,6 +16,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -153,19 +154,24 @@ void rows(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K, int64_t
   }
 }
 
-// The load width `dense_gemv` streams with: 256 bits on AMD, whose Zen 4 splits a 512-bit load in two and
-// read faster with 256-bit ones; 512 elsewhere (Intel's cores with AVX512-BF16 load 64 bytes at once).
-// SmolLM2's compiled step on a 2-core Xeon with AMX at 2 threads, 256 -> 512-bit loads alternated in one
-// process: batch 1 bf16 12.30 -> 11.85 ms (faster in 11 of 12 rounds), fp32 22.33 -> 21.11 (12 of 12);
-// bf16 batch 2 16.49 -> 15.34 (8 of 8), fp32 batch 8 36.00 -> 34.81 (8 of 8). Before the 8 KiB prefetch
-// into L2 (above), 512-bit loads had been slower there (README). Zen 5 is unmeasured.
-// `dense_gemv_load_bits` reads or overrides the choice (tests run both widths on any CPU).
+// The load width `dense_gemv` streams with: 256 bits on Zen 4 (AMD family 25), which splits a 512-bit
+// load in two and read faster with 256-bit ones; 512 elsewhere. Intel's cores with AVX512-BF16 load 64
+// bytes at once: SmolLM2's compiled step on a 2-core Xeon with AMX at 2 threads, 256 -> 512-bit loads
+// alternated in one process: batch 1 bf16 12.30 -> 11.85 ms (faster in 11 of 12 rounds), fp32 22.33 ->
+// 21.11 (12 of 12); bf16 batch 2 16.49 -> 15.34 (8 of 8), fp32 batch 8 36.00 -> 34.81 (8 of 8). Before
+// the 8 KiB prefetch into L2 (above), 512-bit loads had been slower there (README). Zen 5, whose server
+// cores load 512 bits at once, is unmeasured. `dense_gemv_load_bits` reads or overrides the choice
+// (tests run both widths on any CPU).
 std::atomic<int> forced_bits{0};   // 0: the CPU's default
 
 int default_bits() {
   static const int bits = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") ? 256 : 512;
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 512;
+    const bool amd = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;   // "Auth" "enti" "cAMD"
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 512;
+    const unsigned base = (a >> 8) & 0xF, family = base == 0xF ? base + ((a >> 20) & 0xFF) : base;
+    return family == 25 ? 256 : 512;
   }();
   return bits;
 }
