@@ -83,8 +83,8 @@ def test_dense_gemv_loads_256_bits_on_zen4_and_512_elsewhere():
     """Zen 4 (AMD family 25) splits a 512-bit load in two and streamed faster with 256-bit ones; Intel's
     cores read 64 bytes at once (the choice and its measurements: csrc/dense_gemv.cpp). -1 reads the
     width, 0 restores the default, anything else is refused by name and changes nothing."""
-    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in line)
-    info = {k.strip(): v.strip() for k, v in info.items()}
+    first_cpu = open("/proc/cpuinfo").read().split("\n\n")[0]
+    info = {k.strip(): v.strip() for k, v in (line.split(":", 1) for line in first_cpu.splitlines() if ":" in line)}
     default = 256 if (info.get("vendor_id"), info.get("cpu family")) == ("AuthenticAMD", "25") else 512
     op = torch.ops.cs336.dense_gemv_load_bits
     assert op(-1) == op() == default
