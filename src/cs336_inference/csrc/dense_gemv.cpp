@@ -9,8 +9,8 @@
 // of W's rows, one row after the next (one sequential stream per core: interleaving two rows' streams
 // read far slower on Zen 4; a thread done early takes rows from the back of another's share), one 256-
 // or 512-bit load of the row (`load_bits`) per FMA (fp32) or `vdpbf16ps` (bf16: 16 or 32 products, exact
-// in fp32) for each of up to 4 rows of x, while the row sits in L1. Sums are in fp32, 8 independent ones for a single row of x to cover
-// the FMA's latency; a bf16 result is rounded once.
+// in fp32) for each of up to 4 rows of x, while the row sits in L1. Sums are in fp32, 8 independent ones
+// for a single row of x to cover the FMA's latency; a bf16 result is rounded once.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
