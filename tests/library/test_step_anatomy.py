@@ -12,12 +12,11 @@ import time
 import pytest
 import torch
 
+import adapters
 from cs336_inference import cpu_tuning
 from cs336_inference.accounting.model_roofline import decode_step_fn, weight_bytes_per_step
 from cs336_inference.benchmarks.step_anatomy import part_of, step_anatomy
 from cs336_inference.model import cpu_kernels
-from cs336_inference.model.config import ModelConfig
-from cs336_inference.model.transformer import TransformerLM
 
 
 def test_each_profiler_event_lands_in_its_part():
@@ -49,9 +48,9 @@ def test_python_time_is_everything_else_and_matmul_calls_are_counted():
 
 @pytest.mark.skipif(cpu_kernels.build() is not None, reason=f"our CPU kernels cannot run here: {cpu_kernels.build()}")
 def test_a_tuned_decode_step_is_one_kernel_call_per_linear():
-    config = ModelConfig(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                         d_ff=128)
-    model = cpu_tuning.tune_for_cpu(TransformerLM(config).eval(), split=False, threads=False)
+    config = adapters.make_config(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, d_ff=128)
+    model = cpu_tuning.tune_for_cpu(adapters.make_model(config), split=False, threads=False)
     linears = sum(isinstance(m, cpu_tuning.CPULinear) for m in model.modules())
     a = step_anatomy(decode_step_fn(model, 1, 8, 8), 4, weight_bytes_per_step(model))
     assert a["calls"]["cs336::dense_gemv"] == linears       # every linear of a decode step, once
@@ -59,6 +58,6 @@ def test_a_tuned_decode_step_is_one_kernel_call_per_linear():
 
 
 def test_steps_must_be_a_positive_int():
-    for bad in (0, -1, 2.0, True):
-        with pytest.raises(ValueError, match="steps must be a positive int"):
+    for bad, error in ((0, ValueError), (-1, ValueError), (2.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="steps must be a positive int"):
             step_anatomy(lambda: None, bad, 1)

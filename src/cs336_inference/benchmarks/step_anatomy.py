@@ -25,6 +25,8 @@ from typing import Callable
 
 import torch
 
+from .. import _checks
+
 # part -> the profiler event names (or, ending in "*", name prefixes) whose self time it sums
 PARTS = {
     "matmuls, our kernel": ("cs336::dense_gemv", "cs336::int4_gemv"),
@@ -49,8 +51,7 @@ def step_anatomy(step: Callable[[], object], steps: int, weight_bytes: int) -> d
     """Profile `steps` calls of `step` (one decode step each, after one unprofiled call) and split their
     time: {"profiled_ms_per_step", "ms": {part: ms per step, ..., "everything else": ...},
     "matmul_GBps": weight_bytes / the time in the matmuls (None if none ran), "calls": {event: per step}}."""
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive int, got {steps!r}")
+    _checks.positive_int("steps", steps)
     step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
