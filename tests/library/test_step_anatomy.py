@@ -7,6 +7,7 @@ Not graded: this checks the library's own benchmark.
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -55,6 +56,27 @@ def test_a_tuned_decode_step_is_one_kernel_call_per_linear():
     a = step_anatomy(decode_step_fn(model, 1, 8, 8), 4, weight_bytes_per_step(model))
     assert a["calls"]["cs336::dense_gemv"] == linears       # every linear of a decode step, once
     assert a["ms"]["matmuls, our kernel"] > 0 and a["matmul_GBps"] > 0
+
+
+def test_the_profiler_prints_nothing_and_errors_still_reach_stderr(capfd):
+    def step():
+        torch.ones(8).sum()
+
+    step_anatomy(step, 2, weight_bytes=1)
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""                       # torch's profiler says "profiler_start" otherwise
+
+    calls = []
+
+    def failing():   # the unprofiled first call passes; the first profiled one fails
+        calls.append(1)
+        if len(calls) == 2:
+            print("the step's own complaint", file=sys.stderr)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        step_anatomy(failing, 2, weight_bytes=1)
+    assert "the step's own complaint" in capfd.readouterr().err   # stderr is back, and the steps used it
 
 
 def test_steps_must_be_a_positive_int():

@@ -20,6 +20,9 @@ of its own: its time counts in the graph's own code, and `matmul_GBps` is then N
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from typing import Callable
 
@@ -53,11 +56,17 @@ def step_anatomy(step: Callable[[], object], steps: int, weight_bytes: int) -> d
     "matmul_GBps": weight_bytes / the time in the matmuls (None if none ran), "calls": {event: per step}}."""
     _checks.positive_int("steps", steps)
     step()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+    with _quiet_stderr():
+        prof.start()
+    try:
         start = time.perf_counter()
         for _ in range(steps):
             step()
         wall_ms = (time.perf_counter() - start) / steps * 1e3
+    finally:
+        with _quiet_stderr():
+            prof.stop()
     ms, calls = dict.fromkeys(PARTS, 0.0), {}
     for event in prof.key_averages():
         if (part := part_of(event.key)) is not None:
@@ -68,3 +77,19 @@ def step_anatomy(step: Callable[[], object], steps: int, weight_bytes: int) -> d
     matmul_ms = sum(ms[p] for p in MATMULS)
     return {"profiled_ms_per_step": wall_ms, "ms": ms, "calls": calls,
             "matmul_GBps": weight_bytes / (matmul_ms / 1e3) / 1e9 if matmul_ms > 0 else None}
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """The process's stderr (its file descriptor: the profiler writes from C++) sent to /dev/null. torch's
+    profiler prints a line to it as it starts and another as it stops ("USDT: ... profiler_start"),
+    whatever its log level: only those two calls run under this, never the steps."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
