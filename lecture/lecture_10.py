@@ -4,13 +4,17 @@ Mirrors the official lecture's sections and order (Spring 2026, plus 2025's
 alternatives_to_the_transformer); unlike the original it *runs* the techniques with `cs336_inference`,
 on a tiny shipped model and on SmolLM2-135M. Live numbers are computed by the library and asserted;
 numbers read from committed benchmark runs (figures/*.json) say so, and are checked for consistency.
-Where the official lecture shows a figure, `figure()` links its source.
+Where the official lecture shows an image, `figure()` shows the same image (by its address: the viewer
+loads it, nothing is downloaded here) and links its source.
 
-Terminal narration:  python -m cs336_inference lecture   (or python lecture/lecture_10.py)
-Trace for the CS336 trace viewer (edtrace), from the repository root or from lecture/:
-    python -m edtrace.execute -m lecture_10 -o var/traces
+Two paths through this one file. Every section is core: the official lecture's text, figures and
+accounting, with a few live checks. The functions marked `@deep_dive` (experiments, committed benchmark
+tables, the real model) run only in the full lecture:
+    full lecture:  python -m cs336_inference lecture            trace: python -m edtrace.execute -m lecture_10 -o var/traces
+    class path:    python -m cs336_inference lecture --class    trace: python -m edtrace.execute -m lecture_10_class -o var/traces
 `part()` and `section()` put a heading into the trace; inspect directives sit on one-line assignments only,
-and `@stepover` marks lines whose work the trace need not step through.
+each shows at most a few fields (`@clear` keeps the panel to the current value), and `@stepover` marks lines
+whose work the trace need not step through.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import math  # noqa: E402
 import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
-from lecture_util import Reference, figure, image, link, part, section, text  # noqa: E402
+from lecture_util import Reference, core, deep_dive, figure, formula, image, link, part, section, text  # noqa: E402
 
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
@@ -51,9 +55,8 @@ from cs336_inference.tables import format_table  # noqa: E402
 vllm = Reference(title="Efficient Memory Management for Large Language Model Serving with PagedAttention",
                  authors=["Woosuk Kwon", "Zhuohan Li", "Siyuan Zhuang"], date="2023-09-12",
                  url="https://arxiv.org/abs/2309.06180")
-sglang = Reference(title="SGLang: Efficient Execution of Structured Language Model Programs",
-                   authors=["Lianmin Zheng", "Liangsheng Yin"], date="2023-12-12",
-                   url="https://arxiv.org/abs/2312.07104")
+vllm_github = Reference(title="GitHub", url="https://github.com/vllm-project/vllm")
+sglang_project = Reference(title="project", url="https://sgl-project.github.io/")
 roofline_paper = Reference(title="Roofline: An Insightful Visual Performance Model for Multicore Architectures",
                            authors=["Samuel Williams", "Andrew Waterman", "David Patterson"], date="2009-04-01",
                            url="https://doi.org/10.1145/1498765.1498785")
@@ -72,13 +75,14 @@ scaling_book_transformers = Reference(title="How to Scale Your Model: All the Tr
 scaling_book_inference = Reference(title="How to Scale Your Model: All About Transformer Inference",
                                    organization="Google DeepMind", date="2025",
                                    url="https://jax-ml.github.io/scaling-book/inference/")
+official_lecture = "https://github.com/stanford-cs336/lectures/blob/main/lecture_10.py"
 
 
 def main():
     text("# Lecture 10: Inference")
+    figure("the inference schema (official lecture)", official_lecture, image="images/inference-schema.png")
     text("Inference: given a fixed model, generate responses to prompts.")
-    text("Executable: every technique runs here on a real (tiny) model with `cs336_inference`.")
-    text("Live numbers are computed and asserted; numbers from committed benchmark runs say so.")
+    text("Executable: every technique runs here with `cs336_inference`; live numbers are computed and asserted.")
     apply_thread_policy(parallel=False)  # tiny models: one CPU thread is fastest, and immune to a busy machine
 
     part("1. Understanding the inference workload")
@@ -93,10 +97,11 @@ def main():
     alternatives_to_the_transformer()
     quantization()
     model_pruning()
-    text("Summary of part 2: make inference cheaper without hurting accuracy (measured on what you care about).")
-    text("From scratch: 1. define a faster architecture; 2. train it.")
-    text("By distillation: 1. define a faster architecture; 2. initialise it from the original model;")
-    text("3. repair it by distilling the original into it.")
+    text("Summary: reduce inference complexity without hurting accuracy (measured on what you care about).")
+    text("From scratch recipe: 1. define a faster model architecture; 2. train the faster model.")
+    text("Distillation recipe: 1. define a faster model architecture;")
+    text("2. initialise its weights from the original model (which has a different architecture);")
+    text("3. repair the faster model (distillation).")
 
     part("3. Use shortcuts but double check (lossless)")
     speculative_sampling()
@@ -125,7 +130,7 @@ tensorrt_llm = Reference(title="TensorRT-LLM overview", organization="NVIDIA",
                          url="https://nvidia.github.io/TensorRT-LLM/overview.html")
 tgi = Reference(title="Text Generation Inference", organization="Hugging Face",
                 url="https://huggingface.co/docs/text-generation-inference/en/index")
-llama_cpp = Reference(title="llama.cpp (GitHub)", url="https://github.com/ggml-org/llama.cpp")
+llama_cpp = Reference(title="GitHub", url="https://github.com/ggml-org/llama.cpp")
 
 
 def landscape():
@@ -135,42 +140,34 @@ def landscape():
     text("- model evaluation (e.g. on instruction following);")
     text("- test-time compute: a model that thinks longer runs more inference per answer;")
     text("- reinforcement learning: sample many generations, then score them.")
-    text("Why efficiency matters: training is paid once, inference on every token ever served.")
+    text("Why **efficiency** matters: training is a one-time cost, inference is repeated many times.")
     served_per_day, pretraining_tokens = 8.6e12, 32e12  # tokens: one provider's traffic; one frontier pretraining run
     days_of_traffic = pretraining_tokens / served_per_day  # @inspect days_of_traffic
     assert 3 < days_of_traffic < 4
-    text(f"- OpenAI was reported to serve ~{served_per_day / 1e12:.1f}T tokens per day (2025).")
-    link(openai_tokens)
-    text(f"- DeepSeek-V4 was pretrained on {pretraining_tokens / 1e12:.0f}T tokens.")
-    link(deepseek_v4)
+    text(f"- OpenAI was reported to process ~{served_per_day / 1e12:.1f}T tokens per day (2025)."), link(openai_tokens)
+    text(f"- For reference, DeepSeek-V4 was trained on {pretraining_tokens / 1e12:.0f}T tokens."), link(deepseek_v4)
     text(f"- So {days_of_traffic:.1f} days of one provider's traffic equal a whole pretraining run.")
     text("- Earlier data points: OpenAI ~100B words a day (2024); Cursor ~1B lines of code a day (2025).")
-    figure("OpenAI generates about 100B words per day (tweet)", "https://x.com/sama/status/1756089361609981993")
-    figure("Cursor, ~1B lines of code per day (tweet)", "https://x.com/amanrsanger/status/1916968123535880684")
+    figure("OpenAI generates about 100B words per day (tweet)", "https://x.com/sama/status/1756089361609981993"), figure("Cursor, ~1B lines of code per day (tweet)", "https://x.com/amanrsanger/status/1916968123535880684")
     text("Moreover:")
-    text("- Chatbots: most tokens are read by people, so people are the bottleneck.")
-    text("- Agents: query -> internal trace -> output; the tokens generated can grow without bound.")
+    text("- Chatbots: most tokens are meant for people to read, so people are the bottleneck.")
+    text("- Agents: query → internal trace → output; the tokens generated can grow without bound.")
     text("- Tokens generated = compute spent.")
-    text("Who runs inference (a big deal for anyone with a product or a platform):")
-    text("- providers of closed models: OpenAI, Anthropic, Google, ...;")
-    text("- providers of open-weight models: Together, Fireworks, Baseten, DeepInfra, Groq, Cerebras, ...")
-    text("Open-source engines:")
-    text("- vLLM (Berkeley): introduced PagedAttention; popular, a good default.")
-    link(vllm)
-    link(vllm_talk)
-    text("- SGLang (Berkeley): introduced RadixAttention; good for agentic workloads.")
-    link(sglang)
-    text("- TensorRT-LLM (NVIDIA): highly optimised for NVIDIA GPUs.")
-    link(tensorrt_llm)
-    text("- TGI (Hugging Face): Text Generation Inference.")
-    link(tgi)
-    text("- llama.cpp: C++ only, runs on CPUs, locally.")
-    link(llama_cpp)
-    text("What 'fast' means (metrics):")
+    text("Companies doing inference (a big deal for anyone with a product or a platform):")
+    text("- providers serving closed models: OpenAI, Anthropic, Google, ...;")
+    text("- providers serving open-weight models: Together, Fireworks, Baseten, DeepInfra, Groq, Cerebras, ...")
+    text("Open-source packages:")
+    text("- vLLM: from Berkeley, pioneered PagedAttention, popular and a good default."), link(vllm_github), link(vllm_talk)
+    text("- SGLang: from Berkeley, pioneered RadixAttention, good for agentic workloads."), link(sglang_project)
+    text("- TensorRT-LLM: from NVIDIA, highly optimised for GPUs."), link(tensorrt_llm)
+    text("- TGI (Hugging Face): Text Generation Inference."), link(tgi)
+    text("- llama.cpp: C++ only, supports CPU inference, runs locally."), link(llama_cpp)
+    text("Inference is huge. Important to make it fast.")
+    text("What does 'fast' mean (metrics)?")
     text("- time to first token (TTFT): how long a user waits before anything appears;")
     text("- latency (seconds/token): how fast tokens appear for *one* request;")
     text("- throughput (tokens/second): how fast tokens appear over *many* requests.")
-    text("What governs efficiency:")
+    text("What governs efficiency?")
     text("- training sees every token at once and parallelises over the sequence;")
     text("- generation produces one token at a time, each depending on the last: hard to keep compute busy.")
 
@@ -178,41 +175,43 @@ def landscape():
 def review_transformer():
     section("review_transformer")
     link(scaling_book_transformers)
-    text("Notation (einops-like: a letter names a dimension and its length):")
+    text("Notation (similar to einops): a letter names a dimension and its length.")
     text("B batch, S tokens already in the cache, T new tokens, D model dim, F MLP dim, V vocab,")
     text("N query heads, K key/value heads, G = N/K query heads per KV head, H head dim, L layers.")
-    x, w = torch.randn(2, 3, 8), torch.randn(8, 4)
-    bth = torch.einsum("btd,dh->bth", x, w).shape  # @inspect bth
-    assert bth == (2, 3, 4)
-    text(f"BTD x DH -> BTH, here {tuple(bth)}:")
-    text("- D is *contracting*: in both operands, summed away;")
-    text("- B, T, H are *regular*: in one operand, kept in the result.")
-    q, k = torch.randn(2, 8), torch.randn(2, 8)
-    b = torch.einsum("bd,bd->b", q, k).shape  # @inspect b
-    assert b == (2,)
-    text("BD x BD -> B: B is *batching*: in both operands, and kept.")
-    text("Each b pairs its own q with its own k, as each sequence's queries meet only its own KV cache.")
-    text("That decides the arithmetic intensity: shared weights are read once for all of B.")
-    text("Operands with a batching B are read once per b.")
-    figure("the Transformer's shapes (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/transformer-diagram.png")
-    text("Conventions for counting:")
-    text("- F = 4D (the MLP up-projects 4x);")
+    text('- Example: BT<font color="red">D</font> × <font color="red">D</font>H → BTH')
+    bth = torch.einsum("btd,dh->bth", torch.randn(2, 3, 8), torch.randn(8, 4)).shape  # @inspect bth
+    text('- <font color="red">Contracting (red)</font> dimensions appear in both operands and disappear from the result.')
+    text("- Regular (black) dimensions appear in one operand and stay in the result.")
+    text('- Example: <font color="blue">B</font><font color="red">D</font> × <font color="blue">B</font><font color="red">D</font> → B')
+    b = torch.einsum("bd,bd->b", torch.randn(2, 8), torch.randn(2, 8)).shape  # @inspect b @clear bth
+    assert bth == (2, 3, 4) and b == (2,)
+    text('- <font color="blue">Batching (blue)</font> dimensions appear in both operands and stay in the result.')
+    text("Batching decides the arithmetic intensity: each sequence's queries meet only its own KV cache.")
+    figure("the Transformer's shapes (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/transformer-diagram.png", image="https://jax-ml.github.io/scaling-book/assets/img/transformer-diagram.png", width=800)
+    text("Conventions:")
+    text("- F = 4D (the MLP up-projects into 4x the model dimension);")
     text("- D = NH (the model dimension split across N heads);")
-    text("- N = KG (GQA: N query heads in K groups);")
-    text("- S = T in training (condition on S tokens to predict T).")
-    layer_weights = 3 * sym.D * sym.F + 2 * sym.D * sym.N * sym.H + 2 * sym.D * sym.K * sym.H  # @inspect layer_weights
-    per_layer = sp.expand(layer_weights.subs({sym.F: 4 * sym.D, sym.K: sym.N, sym.H: sym.D / sym.N}))  # @inspect per_layer
+    text("- N = KG (GQA: N query heads split across K groups);")
+    text("- S = T (in training, condition on S input tokens to predict T output tokens).")
+    per_layer = sp.expand((3 * sym.D * sym.F + 2 * sym.D * (sym.N + sym.K) * sym.H).subs({sym.F: 4 * sym.D, sym.K: sym.N, sym.H: sym.D / sym.N}))  # @inspect per_layer @clear b
     assert per_layer == 16 * sym.D**2
-    text(f"With them (and K = N) a layer holds 3DF + 2DNH + 2DKH = {per_layer} weights.")
+    text(f"With them (and K = N) a layer holds 3DF + 2DNH + 2DKH = {formula(per_layer)} weights.")
+    text("FLOPs for a training step: 6·B·T·(params + O(T)); a forward pass alone is a third of that.")
+    our_running_example()
+
+
+@deep_dive
+def our_running_example():
+    """Real SwiGLU shapes, and the shipped target model: the same tokens with and without the KV cache."""
     llama = REAL_MODELS["llama2-13b"]
     f_over_d = llama.d_ff / llama.d_model  # @inspect f_over_d
     assert llama.num_heads * llama.head_dim == llama.d_model and 2.6 < f_over_d < 2.8
-    text(f"Real SwiGLU models keep D = NH (Llama 2 13B: {llama.num_heads} x {llama.head_dim} = {llama.d_model}).")
-    text(f"But F ~ 8D/3 (Llama 2 13B: F/D = {f_over_d:.2f}): three D x F matrices cost what two D x 4D did.")
+    text(f"Real SwiGLU models keep D = NH (Llama 2 13B: {llama.num_heads} × {llama.head_dim} = {llama.d_model}).")
+    text(f"But F ~ 8D/3 (Llama 2 13B: F/D = {f_over_d:.2f}): three D × F matrices cost what two D × 4D did.")
     device = get_device()
     seed_everything(0)
     model = load_pretrained("target", device=device)  # the CS336 assignment-1 layout, trained offline
-    config = model.config  # @inspect config
+    config = model.config
     n_params = model.num_parameters()  # @inspect n_params
     text(f"Our running example, the shipped target model: {config.num_layers} layers, D = {config.d_model}, F = {config.d_ff},")
     text(f"N = {config.num_heads} query heads over K = {config.num_kv_heads} KV heads, bytes as tokens (V = {config.vocab_size}).")
@@ -229,6 +228,7 @@ def review_transformer():
     a_real_model()
 
 
+@core
 def have_smollm2() -> bool:
     """The real model comes from a PyPI wheel (no download at run time); without it, say how to get it."""
     missing = real_model_missing("smollm2-135m")
@@ -237,6 +237,7 @@ def have_smollm2() -> bool:
     return missing is None
 
 
+@deep_dive
 def a_real_model():
     text("A 2M-parameter toy is fast, but this lecture's phenomena need a model trained for real:")
     text("long-range recall, activation outliers, quantization loss on real text.")
@@ -247,7 +248,7 @@ def a_real_model():
         return
     model = load_pretrained("smollm2-135m")  # dequantized to fp32 on the CPU; cached on disk after the first load
     tokenizer = load_tokenizer("smollm2-135m")  # its own byte-level BPE, built offline from the GGUF
-    config = model.config  # @inspect config
+    config = model.config
     n_params = model.num_parameters()  # @inspect n_params
     text(f"SmolLM2-135M: L = {config.num_layers}, D = {config.d_model}, F = {config.d_ff}, V = {config.vocab_size}.")
     text(f"N = {config.num_heads} query heads over K = {config.num_kv_heads} KV heads, context {config.context_length}.")
@@ -255,172 +256,188 @@ def a_real_model():
     question = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(question))  # ChatML: <|im_start|>user ... assistant
     out = generate(model, [prompt], max_new_tokens=24, stop_tokens=tokenizer.stop_ids)
-    answer = tokenizer.decode(out.tokens[0][:-1])  # @inspect answer
+    answer = tokenizer.decode(out.tokens[0][:-1])  # @inspect answer @clear n_params
     assert "Paris" in answer
     text(f"Asked 'What is the capital of France?' ({len(prompt)} prompt tokens), it answers {answer!r}.")
-    text(f"(Greedy; first token after {out.ttft:.2f} s, timed just now.) `python -m cs336_inference chat` talks to it.")
+    text(f"(Greedy; this machine, now: first token after {out.ttft:.2f} s, timed just now.)")
+    text("`python -m cs336_inference chat` talks to it.")
 
 
 def review_of_arithmetic_intensity():
     section("review_of_arithmetic_intensity")
-    text("Setup: Y = X @ W with X (B x D) and W (D x F), in bf16 (2 bytes per element).")
-    text("Intuition: B is the batch, D the hidden dimension, F the MLP's up-projection.")
-    text("Count the FLOPs and the bytes moved to and from memory (HBM), step by step.")
+    text("Setup: multiply X (B × D) and W (D × F), in bf16 (2 bytes per element).")
+    text("Intuition: B is the batch size, D the hidden dimension, F the MLP's up-projection dimension.")
+    text("Let's count the FLOPs and the bytes read and written (HBM) for the matrix multiplication.")
     B, D, F = sym.B, sym.D, sym.F
     flops = bytes_moved = 0
-    text("1. Read X (B x D) from memory.")
+    text("1. Read X (B × D) from HBM.")
     bytes_moved += 2 * B * D  # @inspect bytes_moved
-    text("2. Read W (D x F) from memory.")
+    text("2. Read W (D × F) from HBM.")
     bytes_moved += 2 * D * F  # @inspect bytes_moved
     text("3. Compute Y = X @ W: one multiply and one add per (b, d, f).")
-    flops += 2 * B * D * F  # @inspect flops
-    text("4. Write Y (B x F) to memory.")
-    bytes_moved += 2 * B * F  # @inspect bytes_moved
+    flops += 2 * B * D * F  # @inspect flops @clear bytes_moved
+    text("4. Write Y (B × F) to HBM.")
+    bytes_moved += 2 * B * F  # @inspect bytes_moved @clear flops
     assert (flops, bytes_moved) == (matmul_cost().flops, matmul_cost().bytes)  # the library counts the same
-    text("Arithmetic intensity: FLOPs per byte moved (we want it high).")
-    intensity = sp.simplify(flops / bytes_moved)  # @inspect intensity
-    limit = sp.limit(sp.limit(intensity, D, sp.oo), F, sp.oo)  # @inspect limit
+    text("Recall: **arithmetic intensity** is the compute done per byte transferred (we want it high).")
+    intensity = sp.simplify(flops / bytes_moved)  # @inspect intensity @clear bytes_moved
+    limit = sp.limit(sp.limit(intensity, D, sp.oo), F, sp.oo)  # @inspect limit @clear intensity
     assert limit == B == matmul_intensity_limit()
-    text(f"Intensity = {intensity}, which tends to {limit} when B << D, F.")
-    link(roofline_paper)
+    text(f"Intensity = {formula(intensity)}, which tends to {limit} when B is much less than D and F."), link(roofline_paper)
     h100 = HARDWARE["H100"]
-    accelerator_intensity = h100.accelerator_intensity  # @inspect accelerator_intensity
+    accelerator_intensity = h100.accelerator_intensity  # @inspect accelerator_intensity @clear limit
     assert round(accelerator_intensity) == 295
-    text(f"H100: {h100.peak_flops:.3g} bf16 FLOP/s over {h100.memory_bandwidth:.3g} B/s = {accelerator_intensity:.0f} FLOPs per byte.")
-    text("Intensity above the accelerator's: compute-bound (good). Below: memory-bound (bad).")
+    text(f"Accelerator intensity of an H100: {h100.peak_flops:.3g} bf16 FLOP/s over {h100.memory_bandwidth:.3g} B/s.")
+    text("If computation intensity > accelerator intensity: **compute-bound** (good).")
+    text("If computation intensity < accelerator intensity: **memory-bound** (bad).")
     text(f"Conclusion: this matmul is compute-bound iff B > {accelerator_intensity:.0f}.")
     text("Extreme case B = 1 (a matrix-vector product): intensity 1, one FLOP per byte read.")
-    text("Memory-bound: read the D x F matrix to do only 2DF FLOPs. That is what generation looks like.")
-    here = measure_hardware(quick=True)  # @inspect here
-    assert here.peak_flops > 0 and here.memory_bandwidth > 0
-    text(f"This machine ({here.device}), timed just now (quick, noisy): {here.peak_flops / 1e9:,.1f} GFLOP/s peak,")
-    text(f"{here.memory_bandwidth / 1e9:,.1f} GB/s, accelerator intensity {here.accelerator_intensity:,.1f} (timed just now).")
-    text("`python -m cs336_inference bench roofline` sweeps B = 1 ... 1024 and draws the measured roofline:")
-    image("figures/roofline_matmul_cpu.png", width=500)
+    text("Memory-bound: read the D × F matrix to do only 2DF FLOPs. This is basically what inference does...")
+    this_machine_now()
+
+
+@deep_dive
+def this_machine_now():
+    """The roofline of the CPU running the lecture, measured now (live numbers only: no committed plot beside them)."""
+    here = measure_hardware(quick=True)
+    peak, bandwidth = here.peak_flops / 1e9, here.memory_bandwidth / 1e9  # @inspect peak bandwidth
+    assert peak > 0 and bandwidth > 0
+    text(f"This machine, now ({here.device}; quick and noisy, timed just now): {peak:,.1f} GFLOP/s peak,")
+    text(f"{bandwidth:,.1f} GB/s, so an accelerator intensity of {peak / bandwidth:,.1f} FLOPs per byte (timed just now).")
+    text("`python -m cs336_inference bench roofline` sweeps B = 1 ... 1024 on your machine and draws its roofline.")
 
 
 def arithmetic_intensity_of_inference():
     section("arithmetic_intensity_of_inference")
     link(scaling_book_inference)
-    figure("naive inference: every token re-runs the prefix (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/naive-inference-1400.webp")
-    text("Naive generation feeds the whole history into the Transformer for every new token.")
+    figure("naive inference: every token re-runs the prefix (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/naive-inference-1400.webp", image="https://jax-ml.github.io/scaling-book/assets/img/naive-inference-1400.webp", width=800)
+    text("Naive inference: to generate each token, feed the whole history into the Transformer.")
     gen = generation_flops()
     naive, cached = gen["naive"], gen["cached"]  # @inspect naive cached
     assert sp.degree(sp.expand(naive), sym.T) == 3 and sp.degree(sp.expand(cached), sym.T) == 2
-    text(f"Total FLOPs for T tokens (P weights, L layers), naive: {naive}, O(T^3).")
-    text("Much of that work is shared across prefixes: keep every past key and value (the KV cache).")
-    text(f"Then step t is a one-token forward: {cached} in total, O(T^2).")
-    figure("cached inference: the KV cache (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/cached-inference-1400.webp")
-    text("The KV cache holds an H-dim key and value per sequence (B), token (S), layer (L), KV head (K).")
+    text(f"Total FLOPs for T tokens (P weights, L layers), naive: {formula(naive)}, O(T^3).")
+    text("Observation: a lot of the work can be shared across prefixes.")
+    text(f"Solution: store the **KV cache** in HBM. Step t is then a one-token forward: {formula(cached)}, O(T^2).")
+    figure("cached inference: the KV cache (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/cached-inference-1400.webp", image="https://jax-ml.github.io/scaling-book/assets/img/cached-inference-1400.webp", width=800)
+    text("KV cache: for every sequence (B), token (S), layer (L), KV head (K), an H-dim key and value.")
     text("Two stages of inference:")
-    text("1. Prefill: encode the prompt, all its tokens at once (parallel, like training): T = S.")
-    text("2. Generation: one new token per step (sequential): T = 1.")
+    text("1. **Prefill**: encode the prompt, all its tokens at once (parallel, like training): T = S.")
+    text("2. **Generation**: one new token per step (sequential): T = 1.")
     text("FLOPs and bytes of the MLP and of attention, for T new tokens per sequence over S cached ones:")
     B, S, T, D, F = sym.B, sym.S, sym.T, sym.D, sym.F
-    text("MLP (SwiGLU: up, gate, down projections; only the matmuls):")
+    text("#### MLP layers (only the matrix multiplications)")
     flops = bytes_moved = 0
-    text("1. U = X @ W_up: read X (B x T x D) and W_up (D x F), write U (B x T x F).")
-    flops += 2 * B * T * D * F  # @inspect flops
-    bytes_moved += 2 * B * T * D + 2 * D * F + 2 * B * T * F  # @inspect bytes_moved
-    text("2. G = X @ W_gate: X is reused; read W_gate (D x F), write G (B x T x F).")
-    flops += 2 * B * T * D * F  # @inspect flops
-    bytes_moved += 2 * D * F + 2 * B * T * F  # @inspect bytes_moved
-    text("3. Y = (SiLU(G) * U) @ W_down: read W_down (F x D), write Y (B x T x D).")
+    text("1. U = X @ W_up: read X (B × T × D) and W_up (D × F), write U (B × T × F).")
+    flops += 2 * B * T * D * F  # @inspect flops @clear naive cached
+    bytes_moved += 2 * B * T * D + 2 * D * F + 2 * B * T * F  # @inspect bytes_moved @clear flops
+    text("2. G = X @ W_gate: X is reused; read W_gate (D × F), write G (B × T × F).")
+    flops += 2 * B * T * D * F  # @inspect flops @clear bytes_moved
+    bytes_moved += 2 * D * F + 2 * B * T * F  # @inspect bytes_moved @clear flops
+    text("3. Y = (SiLU(G) ⊙ U) @ W_down: read W_down (F × D), write Y (B × T × D).")
     text("(As in the official count, reading U and G back is left out: +4BTF, no limit changes.)")
-    flops += 2 * B * T * F * D  # @inspect flops
-    bytes_moved += 2 * F * D + 2 * B * T * D  # @inspect bytes_moved
+    flops += 2 * B * T * F * D  # @inspect flops @clear bytes_moved
+    bytes_moved += 2 * F * D + 2 * B * T * D  # @inspect bytes_moved @clear flops
     assert (flops, sp.expand(bytes_moved)) == (mlp_cost().flops, mlp_cost().bytes)  # the library counts the same
-    mlp_intensity = sp.simplify(flops / bytes_moved)  # @inspect mlp_intensity
-    mlp_limit = sp.limit(sp.limit(mlp_intensity, D, sp.oo), F, sp.oo)  # @inspect mlp_limit
+    mlp_intensity = sp.simplify(flops / bytes_moved)  # @inspect mlp_intensity @clear bytes_moved
+    mlp_limit = sp.limit(sp.limit(mlp_intensity, D, sp.oo), F, sp.oo)  # @inspect mlp_limit @clear mlp_intensity
     assert mlp_limit == B * T == mlp_intensity_limit()
-    text(f"{sp.factor(flops)} FLOPs over {sp.expand(bytes_moved)} bytes.")
-    text(f"Intensity -> {mlp_limit} when BT << D, F.")
-    text("1. Prefill: compute-bound once BT is large (long prompts, several at once).")
-    text("2. Generation: T = 1, so it needs B concurrent requests, and B is whatever traffic brings.")
+    text(f"{formula(sp.factor(flops))} FLOPs over {formula(sp.expand(bytes_moved))} bytes.")
+    text(f"Intensity → {formula(mlp_limit)} when BT is much smaller than D and F.")
+    text("1. Prefill: easy to make compute-bound (good) by making BT large (large batches, long sequences).")
+    text("2. Generation: T = 1, and B is the number of concurrent requests, unpredictable for interactive use.")
 
-    text("Attention (fused, as FlashAttention: the S x T scores never touch memory):")
+    text("#### Attention layers (the matrix multiplications, with FlashAttention)")
     flops = bytes_moved = 0
-    text("1. Read Q (B x T x D), K (B x S x D) and V (B x S x D).")
-    bytes_moved += 2 * B * T * D + 2 * B * S * D + 2 * B * S * D  # @inspect bytes_moved
+    text("1. Read Q (B × T × D), K (B × S × D) and V (B × S × D).")
+    bytes_moved += 2 * B * T * D + 2 * B * S * D + 2 * B * S * D  # @inspect bytes_moved @clear mlp_limit
     text("2. Scores A = Q K^T: every new query against every key, summed over D = NH.")
-    flops += 2 * B * S * T * D  # @inspect flops
+    flops += 2 * B * S * T * D  # @inspect flops @clear bytes_moved
     text("3. Y = softmax(A) V: the same shapes again.")
     flops += 2 * B * S * T * D  # @inspect flops
-    text("4. Write Y (B x T x D).")
-    bytes_moved += 2 * B * T * D  # @inspect bytes_moved
+    text("4. Write Y (B × T × D).")
+    bytes_moved += 2 * B * T * D  # @inspect bytes_moved @clear flops
     att = attention_cost()
     assert (flops, bytes_moved) == (att.flops, att.bytes)  # the library counts the same
-    att_intensity = sp.simplify(flops / bytes_moved)  # @inspect att_intensity
-    prefill = sp.simplify(att_intensity.subs(T, S))  # @inspect prefill
-    generation = sp.simplify(att_intensity.subs(T, 1))  # @inspect generation
+    att_intensity = sp.simplify(flops / bytes_moved)  # @inspect att_intensity @clear bytes_moved
+    prefill = sp.simplify(att_intensity.subs(T, S))  # @inspect prefill @clear att_intensity
+    generation = sp.simplify(att_intensity.subs(T, 1))  # @inspect generation @clear prefill
     assert sp.simplify(att_intensity - S * T / (S + T)) == 0 and prefill == S / 2 == attention_intensity_prefill()
     assert (1 - generation).is_positive and generation == attention_intensity_generation() and B not in generation.free_symbols
-    text(f"Intensity {att_intensity}.")
-    text(f"1. Prefill (T = S): {prefill}, large for long prompts.")
-    text(f"2. Generation (T = 1): {generation} < 1.")
+    text(f"Intensity {formula(att_intensity)}.")
+    text(f"1. Prefill (T = S): {formula(prefill)}, large for long prompts.")
+    text(f"2. Generation (T = 1): {formula(generation)} < 1.")
     text("Unlike the MLP's, it does not depend on B: batching does not help. Why?")
-    text("- In the MLP every sequence multiplies the same weights, read once for the whole batch.")
-    text("- In attention every sequence reads its own KV cache.")
+    text("- In MLP layers every sequence hits the same weights (W_up, W_gate, W_down do not depend on B).")
+    text("- In attention layers every sequence has its own KV cache.")
     text("Summary:")
     text("- prefill is compute-bound, generation memory-bound;")
     text("- prefill intensity: MLP BS, attention S/2;")
-    text("- generation intensity: MLP B (needs concurrent requests), attention below 1 (nothing improves it).")
+    text("- generation intensity: MLP B (needs concurrent requests), attention below 1 (impossible to improve).")
 
 
 def throughput_and_latency():
     section("throughput_and_latency")
-    text("Decode is memory-bound: a step takes as long as reading the weights and every KV cache.")
-    text("The best case: compute and memory traffic overlap perfectly, no overhead.")
+    text("So inference is memory-bound. Now the best latency and throughput it allows:")
+    text("assume compute and memory traffic overlap perfectly, and ignore overhead.")
     B, S, D, F, N, K, H, L, V = sym.B, sym.S, sym.D, sym.F, sym.N, sym.K, sym.H, sym.L, sym.V
     params = 2 * V * D + 3 * D * F * L + (2 * D * N * H + 2 * D * K * H) * L  # embedding + lm_head, MLP, attention @inspect params
-    kv_per_sequence = S * K * H * L * 2 * 2  # S tokens, K heads of H dims, L layers, key + value, 2 bytes @inspect kv_per_sequence
-    memory = B * kv_per_sequence + 2 * params  # B caches + the weights in bf16 @inspect memory
-    latency = memory / sym.bandwidth  # seconds per decode step: read all of memory once @inspect latency
-    throughput = B / latency  # B tokens per step @inspect throughput
+    kv_per_sequence = S * K * H * L * 2 * 2  # S tokens, K heads of H dims, L layers, key + value, 2 bytes @inspect kv_per_sequence @clear params
+    memory = B * kv_per_sequence + 2 * params  # B caches + the weights in bf16 @inspect memory @clear kv_per_sequence
+    latency = memory / sym.bandwidth  # seconds per decode step: read all of memory once @inspect latency @clear memory
+    throughput = B / latency  # B tokens per step @inspect throughput @clear latency
     assert params == parameter_count() and memory == decode_memory() and latency == decode_latency()
     assert sp.simplify(throughput - decode_throughput()) == 0
     text("Weights in bf16 (training needs more); no gradients or optimizer state; a KV cache per sequence.")
-    llama = REAL_MODELS["llama2-13b"]  # @inspect llama
+    llama = REAL_MODELS["llama2-13b"]
     values = {V: llama.vocab_size, D: llama.d_model, F: llama.d_ff, N: llama.num_heads, K: llama.num_kv_heads,
               H: llama.head_dim, L: llama.num_layers, S: 1024, sym.bandwidth: HARDWARE["H100"].memory_bandwidth}
     text(f"Llama 2 13B: D = {llama.d_model}, F = {llama.d_ff}, N = K = {llama.num_heads}, H = {llama.head_dim}, L = {llama.num_layers}, V = {llama.vocab_size}.")
     text(f"At S = 1024 on an H100 ({HARDWARE['H100'].memory_bandwidth / 1e12:.2f} TB/s, 80 GB):")
-    runs = {}
-    for batch_size in (1, 64, 256):
-        stats = llama2_13b_on_h100(batch_size)  # @inspect stats @stepover
-        assert stats.total_memory_bytes == memory.subs(values).subs(B, batch_size)
-        assert math.isclose(stats.latency_per_token_s, float(latency.subs(values).subs(B, batch_size)))
-        assert stats.bound == "memory" and stats.fits_in_memory == (batch_size <= 64)
-        runs[batch_size] = stats
-        text(f"- B = {batch_size}: {describe(stats)}")
-    gain_64 = runs[64].throughput_tokens_per_s / runs[1].throughput_tokens_per_s  # @inspect gain_64
-    gain_256 = runs[256].throughput_tokens_per_s / runs[64].throughput_tokens_per_s  # @inspect gain_256
+    runs = {b: llama2_13b_on_h100(b) for b in (1, 64, 256)}  # @stepover
+    b1 = brief(runs[1])  # @inspect b1 @clear throughput @stepover
+    text(f"- B = 1: {describe(runs[1])}")  # @stepover
+    b64 = brief(runs[64])  # @inspect b64 @clear b1 @stepover
+    text(f"- B = 64: {describe(runs[64])}; worse latency, better throughput.")  # @stepover
+    b256 = brief(runs[256])  # @inspect b256 @clear b64 @stepover
+    text(f"- B = 256: {describe(runs[256])}; even worse latency, even better throughput.")  # @stepover
+    assert all([r.total_memory_bytes == memory.subs(values).subs(B, b) and math.isclose(r.latency_per_token_s, float(latency.subs(values).subs(B, b))) for b, r in runs.items()])  # @stepover
+    assert [r.fits_in_memory for r in runs.values()] == [True, True, False] and {r.bound for r in runs.values()} == {"memory"}  # @stepover
+    gain_64 = runs[64].throughput_tokens_per_s / runs[1].throughput_tokens_per_s
+    gain_256 = runs[256].throughput_tokens_per_s / runs[64].throughput_tokens_per_s
     assert runs[1].latency_per_token_s < runs[64].latency_per_token_s < runs[256].latency_per_token_s
     assert gain_64 > 10 and gain_256 < 2
-    text("Increasing the batch:")
+    text("Increasing the batch size:")
     text("- worsens latency: each step reads B caches (O(B) bytes);")
-    text("- improves throughput: the weights' reading is shared by all B.")
-    text(f"Diminishing returns: B = 1 -> 64 multiplies throughput {gain_64:.0f}x, 64 -> 256 only {gain_256:.1f}x.")
+    text("- improves throughput: the cost of reading the weights is shared by all B.")
+    text(f"Diminishing returns: B = 1 → 64 multiplies throughput {gain_64:.0f}x, 64 → 256 only {gain_256:.1f}x.")
     text("And at B = 256 the caches no longer fit in 80 GB.")
     image("figures/accounting_latency_throughput.png", width=700)
-    text("Easy parallelism: M replicas of the model give M x the throughput at the same latency.")
-    text("Harder parallelism: shard the model and its KV cache across devices.")
-    link(scaling_book_inference)
+    text("Easy parallelism: M copies of the model give M times the throughput at the same latency.")
+    text("Harder parallelism: shard the model and the KV cache."), link(scaling_book_inference)
     h100 = HARDWARE["H100"]
-    prefill_flops = runs[1].prefill_flops  # @inspect prefill_flops
-    ttft = prefill_flops / h100.peak_flops  # @inspect ttft
+    ttft = runs[1].prefill_flops / h100.peak_flops  # @inspect ttft @clear b256
     assert math.isclose(ttft, runs[1].ttft_s)
-    text(f"TTFT is the prefill: one compute-bound pass, {prefill_flops / 1e12:.1f} TFLOPs for 1024 tokens.")
+    text(f"TTFT is essentially the prefill: {runs[1].prefill_flops / 1e12:.1f} TFLOPs for 1024 tokens.")
     text(f"At 100% of the H100's {h100.peak_flops / 1e12:.0f} TFLOP/s that is {ttft * 1e3:.0f} ms at B = 1: a lower bound.")
-    text("So: small batches for prefill (fast TTFT), large batches for decode (throughput).")
+    text("So: smaller batches during prefill (faster TTFT), larger ones during generation (throughput).")
 
 
+@core
 def llama2_13b_on_h100(batch_size: int, num_kv_heads: int = 40, seq_len: int = 1024):
     """The lecture's running example (for this section and for reduce_kv_cache_size's GQA numbers):
     Llama 2 13B on an H100 at S = 1024 in bf16, with K key/value heads (40 = MHA, 8 = GQA)."""
     return transformer_performance_stats(with_kv_heads("llama2-13b", num_kv_heads), "H100", batch_size, seq_len)
 
 
+@core
+def brief(stats) -> dict:
+    """The four numbers of a TransformerPerformanceStats worth a look in the trace's panel."""
+    return {"memory_GB": round(stats.total_memory_bytes / 1e9, 1), "fits": stats.fits_in_memory,
+            "ms_per_step": round(stats.latency_per_token_s * 1e3, 1),
+            "tokens_per_s": round(stats.throughput_tokens_per_s)}
+
+
+@core
 def describe(stats) -> str:
     """One line of a TransformerPerformanceStats: memory (GB = 1e9 bytes), latency, throughput."""
     fits = "fits" if stats.fits_in_memory else "does NOT fit"
@@ -451,81 +468,132 @@ character_ai = Reference(title="Optimizing AI Inference at Character.AI", author
                          date="2024-06-20", url="https://research.character.ai/optimizing-inference/")
 
 
+
 def reduce_kv_cache_size():
     section("reduce_kv_cache_size")
-    text("Memory is the bottleneck of decode: every step reads the whole KV cache.")
-    text("And the cache is what stops the batch from growing. So cache fewer bytes per token,")
-    text("...without losing too much accuracy.")
-    text("Each variant below is a real module of cs336_inference (chosen through ModelConfig).")
+    text("Recall that memory is the bottleneck of inference: every decode step reads the whole KV cache.")
+    text("So let's try to reduce the size of the KV cache...")
+    text("...but make sure we don't lose too much accuracy.")
+
+    text("#### Grouped-query attention (GQA)"), link(gqa_paper)
+    figure("MHA, GQA and MQA heads (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/gmqa.png", image="https://jax-ml.github.io/scaling-book/assets/img/gmqa.png", width=800)
+    text("Idea: N query heads, but only K key/value heads, each shared by N/K query heads."), link(mqa_paper)
+    text("Multi-head attention (MHA): K = N. Multi-query attention (MQA): K = 1. GQA: K in between.")
+    text("Latency and throughput improve:")
+    figure("GQA paper, Figure 3: quality against time per sample (MHA, MQA, GQA)", "https://arxiv.org/abs/2305.13245", image="images/gqa-speed.png", width=500)
+    text("Why? GQA shrinks the KV cache N/K times, and less memory is a faster step (decode is memory-bound).")
+    gqa_on_a_tiny_model()
+    mha64 = brief(llama2_13b_on_h100(64, 40))  # Llama 2 13B as published: MHA, K = N = 40 @inspect mha64 @stepover
+    gqa64 = brief(llama2_13b_on_h100(64, 8))  # GQA with K = 8 (5 query heads per KV head) @inspect gqa64 @clear mha64 @stepover
+    gqa256 = brief(llama2_13b_on_h100(256, 8))  # the memory GQA freed, spent on a larger batch @inspect gqa256 @clear gqa64 @stepover
+    assert gqa64["ms_per_step"] < gqa256["ms_per_step"] < mha64["ms_per_step"] and gqa64["tokens_per_s"] > mha64["tokens_per_s"]
+    assert not llama2_13b_on_h100(256, 40).fits_in_memory and gqa256["fits"]  # @stepover
+    text(f"Llama 2 13B, S = 1024, B = 64: {mha64['memory_GB']} GB with K = 40, {gqa64['memory_GB']} GB with K = 8.")
+    text(f"Same batch, K = 8: {gqa64['ms_per_step']} ms/step instead of {mha64['ms_per_step']}: latency *and* throughput improve.")
+    text("(The official narration says 'worse latency' here; its numbers, like ours, show a faster step.)")
+    text(f"Latency gets worse only when the freed memory buys a larger batch: B = 256 fits, {gqa256['ms_per_step']} ms/step.")
+    text("Check that accuracy doesn't drop:")
+    figure("GQA paper, Table 1: inference time and average quality of MHA, MQA, GQA", "https://arxiv.org/abs/2305.13245", image="images/gqa-accuracy.png", width=800)
+
+    text("#### Multi-head latent attention (MLA)"), link(deepseek_v2)
+    figure("DeepSeek-V2, Figure 3: MHA, GQA, MQA and MLA side by side", "https://arxiv.org/abs/2405.04434", image="images/mla-schema.png", width=800)
+    text("Normal attention caches K = W_K h and V = W_V h: NH dimensions each per token and layer.")
+    text("MLA caches one compressed c = W_c h (C dimensions), projected up to K and V when needed.")
+    ds = REAL_MODELS["deepseek-v2"]
+    latent = {"NH": ds.num_heads * ds.head_dim, "C": ds.kv_lora_rank, "RoPE": ds.rope_head_dim}  # @inspect latent @clear gqa256
+    assert latent == {"NH": 16384, "C": 512, "RoPE": 64} and kv_cache_bytes_per_token(ds) == 576 * ds.num_layers * 2
+    text(f"DeepSeek-V2: reduce NH = {latent['NH']} to C = {latent['C']}.")
+    text(f"Wrinkle: MLA is not compatible with RoPE: {latent['RoPE']} more dimensions for it, so {latent['C'] + latent['RoPE']} in total.")
+    text("Latency and throughput improve from the smaller cache, as argued for GQA.")
+    text("Let's now check the accuracy (the paper's ablations).")
+    text("First, MHA is better than GQA (though more expensive) [Table 8]:")
+    figure("DeepSeek-V2, Table 8: MHA vs GQA vs MQA", "https://arxiv.org/abs/2405.04434", image="images/mla-accuracy.png", width=800)
+    text("Second, MLA is even a bit better than MHA (and much cheaper) [Table 9]:")
+    figure("DeepSeek-V2, Table 9: MLA vs MHA", "https://arxiv.org/abs/2405.04434", image="images/mla-accuracy2.png", width=800)
+    mla_on_a_tiny_model()
+
+    text("#### Cross-layer attention (CLA)"), link(cla_paper)
+    figure("CLA paper, Figure 1: a traditional layer pair vs one sharing its KV", "https://arxiv.org/abs/2405.12981", image="images/cla-diagram.png", width=500)
+    text("Idea: share keys and values across **layers**, as GQA shares them across heads.")
+    text("Empirically improves the Pareto frontier of accuracy against KV cache size (latency and throughput):")
+    figure("CLA paper: accuracy vs KV bytes per token, the Pareto frontier of its 1B-scale sweep", "https://arxiv.org/abs/2405.12981", image="images/cla-results.png", width=700)
+    cla_on_a_tiny_model()
+
+    text("#### Local (sliding-window) attention"), link(longformer), link(sparse_transformer), link(mistral)
+    figure("Longformer, Figure 2: full, sliding-window, dilated and global attention patterns", "https://arxiv.org/abs/2004.05150", image="images/longformer-attention.png", width=800)
+    text("Idea: just look at the local context, which matters most for modeling.")
+    text("Effective context scales linearly with the number of layers.")
+    text("The KV cache is independent of the sequence length!")
+    text("Problem: this can still hurt accuracy.")
+    text("Solution: interleave local attention with global attention (hybrid layers).")
+    text("Character.AI: one global layer in six, plus CLA."), link(character_ai)
+    figure("Character.AI: local/global layers sharing KV", "https://research.character.ai/content/images/2024/06/figure1-2-1.png")
+    local_attention_on_a_tiny_model()
+    kv_experiment_summary()
+    kv_cuts_on_a_real_model()
+
+    text("#### DeepSeek-V4 attention")
+    text("- Supports a 1M-token context."), link(deepseek_v4)
+    figure("DeepSeek-V4: its compressed and sparse attention", "https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf", image="images/deepseek-v4-attention.png", width=800)
+    text("- Compressed Sparse Attention (CSA): compresses every m tokens into 1.")
+    text("- DeepSeek Sparse Attention (DSA): selects the top k.")
+    text("- Heavily Compressed Attention (HCA): compresses even more.")
+    text("Summary:")
+    text("- Goal: shrink the KV cache (inference is memory-bound) without hurting accuracy.")
+    text("- Lower-dimensional KV cache (GQA, MLA, CLA).")
+    text("- Local attention (truncates the KV cache) on some of the layers.")
+    text("- Other ideas: linear attention / state-space models (Mamba 2, GatedDeltaNet), diffusion models.")
+
+
+@core
+def tiny_config(**changes) -> ModelConfig:
+    """The tiny model the cache demos build (4 layers, MHA), with `changes` applied."""
+    return ModelConfig.from_name("tiny", num_layers=4, num_kv_heads=4).replace(**changes)
+
+
+@core
+def measured_bytes_per_token(config) -> int:
+    """Bytes one cached token occupies in a freshly built model's cache (fp32 = 4 bytes), checked against
+    the accounting formula."""
+    cache = TransformerLM(config).new_cache(batch_size=1, max_seq_len=32, dtype=torch.float32)
+    assert cache.bytes_per_token == kv_cache_bytes_per_token(config, bytes_per_element=4)
+    return cache.bytes_per_token
+
+
+@deep_dive
+def gqa_on_a_tiny_model():
+    """Each variant below is a real module of cs336_inference: its allocated bytes must match the formula."""
+    tiny = tiny_config()
+    L, H = tiny.num_layers, tiny.head_dim
+    text("Each variant is a real module of cs336_inference (chosen through ModelConfig).")
     text("For each, a tiny model's allocated cache bytes must equal the accounting formula.")
-    tiny = ModelConfig.from_name("tiny", num_layers=4, num_kv_heads=4)  # @inspect tiny
-    L, N, H = tiny.num_layers, tiny.num_heads, tiny.head_dim
-
-    def measured_bytes_per_token(config):
-        """Bytes one cached token occupies in a freshly built model's cache (fp32 = 4 bytes)."""
-        cache = TransformerLM(config).new_cache(batch_size=1, max_seq_len=32, dtype=torch.float32)
-        assert cache.bytes_per_token == kv_cache_bytes_per_token(config, bytes_per_element=4)
-        return cache.bytes_per_token
-
-    # GQA / MQA
-    text("## Grouped-query attention (GQA)")
-    link(gqa_paper)
-    figure("MHA, GQA and MQA heads (scaling book)", "https://jax-ml.github.io/scaling-book/assets/img/gmqa.png")
-    text("Idea: N query heads, but only K key/value heads, each shared by N/K query heads.")
-    text("MHA: K = N. MQA: K = 1. GQA: K in between. The cache shrinks N/K times.")
-    link(mqa_paper)
     for K in (4, 2, 1):
         per_token = measured_bytes_per_token(tiny.replace(num_kv_heads=K))  # @inspect per_token @stepover
         assert per_token == 2 * K * H * L * 4
-        text(f"- tiny model, K = {K}: 2 (K and V) x {K} x H={H} x L={L} x 4 bytes = {per_token} bytes per token")
-    text("Latency and throughput improve:")
-    figure("GQA paper, Figure 3: quality against time per sample (MHA, MQA, GQA)", "https://arxiv.org/abs/2305.13245")
-    text("Why: decode is memory-bound, so N/K times fewer cache bytes is a faster step.")
-    mha64 = llama2_13b_on_h100(64, 40)  # Llama 2 13B as published: MHA, K = N = 40 @inspect mha64 @stepover
-    gqa64 = llama2_13b_on_h100(64, 8)  # GQA with K = 8 (5 query heads per KV head) @inspect gqa64 @stepover
-    gqa256 = llama2_13b_on_h100(256, 8)  # the memory GQA freed spent on a larger batch @inspect gqa256 @stepover
+        text(f"- tiny model, K = {K}: 2 (K and V) × {K} × H={H} × L={L} × 4 bytes = {per_token} bytes per token")
+    mha64, gqa64 = llama2_13b_on_h100(64, 40), llama2_13b_on_h100(64, 8)  # @stepover
     assert mha64.kv_cache_bytes == 5 * gqa64.kv_cache_bytes  # N / K = 40 / 8
-    assert not llama2_13b_on_h100(256, 40).fits_in_memory and gqa256.fits_in_memory  # @stepover
-    assert gqa64.latency_per_token_s < gqa256.latency_per_token_s < mha64.latency_per_token_s
-    assert gqa64.throughput_tokens_per_s > mha64.throughput_tokens_per_s
-    text(f"Llama 2 13B, S = 1024, B = 64: the cache is {mha64.kv_cache_bytes / 1e9:.1f} GB with K = 40, {gqa64.kv_cache_bytes / 1e9:.1f} GB with K = 8.")
-    text(f"- K = 40: {describe(mha64)}")
-    text(f"- K = 8: {describe(gqa64)}")
-    text("At the same batch GQA improves latency *and* throughput.")
-    text("(The official narration says 'worse latency' here; its numbers, like ours, show a faster step.)")
-    text("Latency gets worse only when the freed memory buys a larger batch:")
-    text(f"- K = 8, B = 256 (did not fit with K = 40): {describe(gqa256)}")
-    text("Does accuracy hold? GQA-8 uptrained from T5-XXL scores 47.1 on average vs MHA's 47.2.")
+    text(f"Llama 2 13B, B = 64, in full: K = 40: {describe(mha64)}")  # @stepover
+    text(f"K = 8: {describe(gqa64)}")  # @stepover
+    text("Accuracy in the GQA paper: GQA-8 uptrained from T5-XXL scores 47.1 on average vs MHA's 47.2.")
     text("At 0.28 s per sample instead of 1.51 s (MQA: 46.6 at 0.24 s).")
-    figure("GQA paper, Table 1: inference time and average quality of MHA, MQA, GQA", "https://arxiv.org/abs/2305.13245")
 
-    # MLA
-    text("## Multi-head latent attention (MLA)")
-    link(deepseek_v2)
-    figure("DeepSeek-V2, Figure 3: MHA, GQA, MQA and MLA side by side", "https://arxiv.org/abs/2405.04434")
-    text("Normal attention caches K = W_K h and V = W_V h: NH numbers each per token and layer.")
-    text("MLA caches one latent c = W_DKV h of C dims; K = W_UK c and V = W_UV c when needed.")
-    text("RoPE does not commute with that up-projection: position goes into a separate R-dim RoPE key.")
-    ds = REAL_MODELS["deepseek-v2"]  # @inspect ds
-    keys_per_layer = ds.num_heads * ds.head_dim  # @inspect keys_per_layer
-    latent_per_layer = ds.kv_lora_rank + ds.rope_head_dim  # @inspect latent_per_layer
-    assert (keys_per_layer, ds.kv_lora_rank, ds.rope_head_dim, latent_per_layer) == (16384, 512, 64, 576)
+
+@deep_dive
+def mla_on_a_tiny_model():
+    """MLA's cache bytes and its absorbed decode, on a tiny model."""
+    tiny = tiny_config()
+    L = tiny.num_layers
+    ds = REAL_MODELS["deepseek-v2"]
     ds_mha = ds.replace(name="deepseek-v2-mha", attention_type="gqa", kv_lora_rank=None, rope_head_dim=None)
     ratio = kv_cache_bytes_per_token(ds_mha) / kv_cache_bytes_per_token(ds)  # @inspect ratio
-    assert kv_cache_bytes_per_token(ds) == 576 * ds.num_layers * 2
-    text(f"DeepSeek-V2: NH = {keys_per_layer} becomes C = {ds.kv_lora_rank} latent + R = {ds.rope_head_dim} RoPE = {latent_per_layer}.")
-    text(f"{ratio:.0f}x smaller than MHA of the same heads: {kv_cache_bytes_per_token(ds) / 1e3:.0f} KB per token over {ds.num_layers} layers (bf16).")
-    text("Latency and throughput follow from the smaller cache, as for GQA.")
-    text("Accuracy, in the paper's ablations:")
-    text("- MHA beats GQA and MQA (7B dense models), though it costs more:")
-    figure("DeepSeek-V2, Table 8: MHA vs GQA vs MQA", "https://arxiv.org/abs/2405.04434")
-    text("- MLA even beats MHA slightly, with a far smaller cache:")
-    figure("DeepSeek-V2, Table 9: MLA vs MHA", "https://arxiv.org/abs/2405.04434")
-    mla = tiny.replace(attention_type="mla", kv_lora_rank=8, rope_head_dim=4)  # @inspect mla
+    text(f"DeepSeek-V2's cache is {ratio:.0f}x smaller than MHA's of the same heads: {kv_cache_bytes_per_token(ds) / 1e3:.0f} KB per token (bf16).")
+    text("RoPE does not commute with the up-projection: position goes into a separate R-dim RoPE key.")
+    mla = tiny.replace(attention_type="mla", kv_lora_rank=8, rope_head_dim=4)
     per_token = measured_bytes_per_token(mla)  # @inspect per_token @stepover
     assert per_token == (8 + 4) * L * 4
-    text(f"- tiny MLA (C = 8, R = 4): (C + R) x L x 4 bytes = {per_token} bytes per token, whatever N is.")
-    text("Decoding needs no up-projection at all: q . (W_UK c) = (W_UK^T q) . c.")
+    text(f"- tiny MLA (C = 8, R = 4): (C + R) × L × 4 bytes = {per_token} bytes per token, whatever N is.")
+    text("Decoding needs no up-projection at all: q · (W_UK c) = (W_UK^T q) · c.")
     text("Fold W_UK into the query and W_UV into the output, and attend over the C + R cache ('absorbed').")
     seed_everything(0)
     model = TransformerLM(mla).eval()
@@ -542,32 +610,28 @@ def reduce_kv_cache_size():
     assert max_diff < 1e-4
     text(f"- absorbed vs naive decode: the same logits up to {max_diff:.1e} (float rounding).")
 
-    # CLA
-    text("## Cross-layer attention (CLA)")
-    link(cla_paper)
-    figure("CLA paper, Figure 1: a traditional layer pair vs one sharing its KV", "https://arxiv.org/abs/2405.12981")
-    text("Idea: share keys and values across *layers*, as GQA shares them across heads.")
+
+@deep_dive
+def cla_on_a_tiny_model():
+    """Cross-layer sharing on a tiny model: one cache per pair of layers."""
+    tiny = tiny_config()
     text("Groups of 2 layers: only every other layer projects K/V and owns a cache.")
-    cla = tiny.replace(kv_share_group=2)  # @inspect cla
+    cla = tiny.replace(kv_share_group=2)
     cache = TransformerLM(cla).new_cache(1, 32, dtype=torch.float32)
     assert cache.layers[0] is cache.layers[1] and cache.layers[2] is cache.layers[3]
     per_token = measured_bytes_per_token(cla)  # @inspect per_token @stepover
     assert per_token * 2 == measured_bytes_per_token(tiny)  # @stepover
     text(f"- tiny CLA (2 layers per cache): {per_token} bytes per token, half of MHA's.")
-    text("The paper: CLA improves the Pareto frontier of accuracy against KV cache size.")
     text("Sharing across 2 layers on top of MQA halves the cache again at nearly MQA's accuracy.")
-    figure("CLA paper: accuracy vs KV bytes per token, the Pareto frontier of its 1B-scale sweep", "https://arxiv.org/abs/2405.12981")
 
-    # Local attention and hybrids
-    text("## Local (sliding-window) attention")
-    link(longformer)
-    link(sparse_transformer)
-    link(mistral)
-    figure("Longformer, Figure 2: full, sliding-window, dilated and global attention patterns", "https://arxiv.org/abs/2004.05150")
-    text("Idea: look only at the local context, which matters most for modeling.")
+
+@deep_dive
+def local_attention_on_a_tiny_model():
+    """A window's cache stays put, its receptive field grows with depth; what hybrids save at scale."""
+    tiny = tiny_config()
+    L = tiny.num_layers
     text("Each query sees its last W tokens (itself included): the cache is a ring of W positions.")
-    text("The KV cache no longer grows with the sequence.")
-    local = tiny.replace(sliding_window=8)  # @inspect local
+    local = tiny.replace(sliding_window=8)
     seed_everything(0)
     model = TransformerLM(local).eval()
     cache = model.new_cache(1, 64)
@@ -587,11 +651,6 @@ def reduce_kv_cache_size():
     reach = int(changed.nonzero().max())  # the last position token 0 still influences @inspect reach
     assert changed[:reach + 1].all() and reach == L * (8 - 1)
     text(f"- Receptive field: changing token 0 moves the logits up to position {reach} = L (W - 1), no further.")
-    text("Effective context grows linearly with depth; still, it hurts long-range accuracy.")
-    text("So deployed models interleave local and global layers (hybrids).")
-    text("Character.AI: one global layer in six, plus CLA.")
-    link(character_ai)
-    figure("Character.AI: local/global layers sharing KV", "https://research.character.ai/content/images/2024/06/figure1-2-1.png")
     llama = REAL_MODELS["llama2-13b"]
     hybrid = llama.replace(name="llama2-13b-hybrid", num_kv_heads=8, sliding_window=1024, global_every=6)
     S = 4096
@@ -601,23 +660,8 @@ def reduce_kv_cache_size():
     text(f"GQA (K = 8) with window-1024 layers and one global layer in 6: {mixed / 1e9:.2f} GB ({full / mixed:.0f}x less).")
     image("figures/kv_variants_scale.png", width=700)
 
-    # What it costs: the experiment
-    kv_experiment_summary()
-    kv_cuts_on_a_real_model()
-    text("## DeepSeek-V4 attention")
-    text("- Supports a 1M-token context.")
-    link(deepseek_v4)
-    figure("DeepSeek-V4: its compressed and sparse attention", "https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/DeepSeek_V4.pdf")
-    text("- Compressed Sparse Attention (CSA): compresses every m tokens into one entry.")
-    text("- DeepSeek Sparse Attention (DSA): attends only to the top-k selected entries.")
-    text("- Heavily Compressed Attention (HCA): compresses further still.")
-    text("Summary: decode is memory-bound, so shrink the KV cache without hurting accuracy:")
-    text("- fewer dimensions per token: GQA, MLA, CLA;")
-    text("- fewer tokens: local attention on some layers (truncates the cache), compression;")
-    text("- fewer bits: a quantized cache (below);")
-    text("- change what is kept: a fixed-size state instead of a cache (next section), or diffusion.")
 
-
+@deep_dive
 def kv_experiment_summary():
     """The committed results of `python -m cs336_inference bench kv_variants` (not retrained here)."""
     results = load_result("kv_variants")
@@ -656,6 +700,7 @@ passkey_paper = Reference(title="Landmark Attention: Random-Access Infinite Cont
                           url="https://arxiv.org/abs/2305.16300")
 
 
+@deep_dive
 def kv_cuts_on_a_real_model():
     """Each cache cut applied post hoc to SmolLM2-135M: a live passkey, then the committed table."""
     from cs336_inference.data.passkey import passkey_trials
@@ -753,42 +798,53 @@ inception_news = Reference(title="Inception Labs news (Mercury, diffusion langua
 inception_demo = Reference(title="Inception Labs demo video", url="https://x.com/i/status/1894847919624462794")
 
 
+
+
 def alternatives_to_the_transformer():
     section("alternatives_to_the_transformer")
-    text("Tweaking attention shrank the KV cache, but it still grows with every token.")
-    text("Attention + autoregression is memory-bound by design: the Transformer was not built for inference.")
-    text("Going beyond it, two directions: state-space models, and diffusion models.")
+    text("Tweaking the architecture of the Transformer improved latency and throughput.")
+    text("Attention + autoregression is fundamentally memory-bound (the Transformer was not designed for inference).")
+    text("Can we do much better going beyond the Transformer? Two directions: state-space models and diffusion models.")
 
-    text("## State-space models")
-    link(cs229s_ssm)
-    text("Idea from signal processing: model long sequences in sub-quadratic time, through a state.")
-    text("S4: classic state-space models, structured; strong on synthetic long-range tasks.")
-    link(s4_paper)
-    figure("S4: a summary of the structured state-space model", "https://arxiv.org/abs/2111.00396")
-    text("Weakness: associative recall (look up what was said earlier), which language needs.")
-    text("Transformers do it well. Multi-query associative recall (MQAR) measures it:")
-    link(zoology)
-    figure("BASED paper: MQAR accuracy against state size for attention and fixed-state models",
-           "https://arxiv.org/abs/2402.18668")
-    text("Mamba: the SSM's parameters depend on the input; matches Transformers at 1B parameters.")
-    link(mamba)
-    text("Jamba: Transformer and Mamba layers interleaved 1:7, in a 52B-parameter MoE.")
-    link(jamba)
-    figure("Jamba, Figure 1: a Jamba block (attention and Mamba layers, MoE)", "https://arxiv.org/abs/2403.19887")
-    text("BASED: linear attention plus small local (sliding-window) attention.")
-    link(based)
-    figure("BASED, Figure 1: linear attention beside sliding-window attention", "https://arxiv.org/abs/2402.18668")
-    text("MiniMax-01: linear ('lightning') attention plus full attention, in a 456B-parameter MoE.")
-    link(minimax01)
+    text("#### State-space models"), link(cs229s_ssm)
+    text("- Idea: from signal processing, model long-context sequences in sub-quadratic time.")
+    text("- S4: based on classic state-space models, good at synthetic long-context tasks."), link(s4_paper)
+    figure("S4: a summary of the structured state-space model", "https://arxiv.org/abs/2111.00396", image="images/s4-summary.png", width=800, year=2025)
+    text("- Weakness: bad at associative recall, which matters for language (and Transformers do well)."), link(zoology)
+    figure("BASED paper: MQAR accuracy against state size for attention and fixed-state models", "https://arxiv.org/abs/2402.18668", image="images/based-associative-recall.png", width=400, year=2025)
+    text("- Mamba: SSM parameters depend on the input; matches Transformers at 1B scale."), link(mamba)
+    text("- Jamba: interleaves Transformer and Mamba layers (1:7 ratio) in a 52B MoE."), link(jamba)
+    figure("Jamba, Figure 1: a Jamba block (attention and Mamba layers, MoE)", "https://arxiv.org/abs/2403.19887", image="images/jamba-architecture.png", width=400, year=2025)
+    text("- BASED: linear attention + local attention."), link(based)
+    figure("BASED, Figure 1: linear attention beside sliding-window attention", "https://arxiv.org/abs/2402.18668", image="images/based-attention.png", width=400, year=2025)
+    text("- MiniMax-01: linear attention + full attention (456B-parameter MoE)."), link(minimax01)
+    fixed_state_layers_run_here()
+    mqar_experiment()
+    text("Takeaways:")
+    text("- Linear + local attention (still with some full attention) make serious state-of-the-art models.")
+    text("- Replacing the O(T) KV cache by an O(1) state makes inference much cheaper.")
 
-    text("One family underneath: gated linear attention. Per head, a state S of F x H numbers:")
+    text("#### Diffusion models")
+    text("- Popular for images, harder to make work for text."), link(diffusion_lm)
+    figure("Diffusion-LM, Figure 1: denoising a sequence of word vectors step by step", "https://arxiv.org/abs/2205.14217", image="images/diffusion-lm.png", width=700, year=2025)
+    text("- Idea: generate every token in parallel (not autoregressively), refined over several steps.")
+    text("- Start with random noise (over the entire sequence), iteratively refine it.")
+    text("- Results from Inception Labs:"), link(inception_news), link(inception_demo)
+    text("Much faster on coding benchmarks:")
+    figure("Inception Labs: output tokens/s of Mercury Coder against autoregressive models", "https://framerusercontent.com/images/K2zvhtaTsz5ehDFoWx6KQHOqCyk.jpg", image="https://framerusercontent.com/images/K2zvhtaTsz5ehDFoWx6KQHOqCyk.jpg", width=600)
+    diffusion_costs()
+    text("Overall: more radical changes to the architecture still hold big gains for inference.")
+
+
+@deep_dive
+def fixed_state_layers_run_here():
+    """Gated linear attention (linear, SSD) as real layers: a state that does not grow; what it buys at scale."""
+    text("One family underneath: gated linear attention. Per head, a state S of F × H numbers:")
     text("S_t = a_t S_{t-1} + k_t v_t^T and y_t = q_t^T S_t.")
-    text("Linear attention: a_t = 1, k = phi(key), q = phi(query), normalised.")
-    link(linear_attention)
-    text("Mamba-2 (SSD): a_t = exp(-exp(A) dt_t), with a step dt_t chosen by each token.")
-    link(mamba2)
+    text("Linear attention: a_t = 1, k = phi(key), q = phi(query), normalised."), link(linear_attention)
+    text("Mamba-2 (SSD): a_t = exp(-exp(A) dt_t), with a step dt_t chosen by each token."), link(mamba2)
     text("Both run here: ModelConfig(mixer='linear') (BASED's Taylor map) and mixer='ssd'.")
-    tiny = ModelConfig.from_name("tiny", num_layers=2, num_heads=4, num_kv_heads=4)  # @inspect tiny
+    tiny = ModelConfig.from_name("tiny", num_layers=2, num_heads=4, num_kv_heads=4)
     for mixer in ("linear", "ssd"):
         seed_everything(0)
         model = TransformerLM(tiny.replace(mixer=mixer, feature_dim=4, state_dim=8)).eval()
@@ -803,7 +859,7 @@ def alternatives_to_the_transformer():
         assert gap < 1e-5 and cache.nbytes == held == state_bytes(model.config) and cache.bytes_per_token == 0
         text(f"- {mixer}: {held:,} bytes of state after 16 tokens, and after 48; 0 bytes per token.")
         text(f"  Decoding token by token (recurrent) = all tokens at once (parallel), up to {gap:.0e}.")
-    text("O(T) KV cache -> O(1) state: what that buys at real scale (per sequence, bf16):")
+    text("O(T) KV cache → O(1) state: what that buys at real scale (per sequence, bf16):")
     for name in ("jamba-52b", "minimax-01"):
         shape = HYBRIDS[name]
         mem = shape.memory(256 * 1024)  # a 256K-token context @inspect mem
@@ -812,29 +868,10 @@ def alternatives_to_the_transformer():
         text(f"- {name} at 256K tokens: KV {mem['kv_bytes'] / 2**30:.0f} GiB + state {mem['state_bytes'] / 2**20:.0f} MiB.")
         text(f"  All-attention, the same stack would cache {mem['all_attention_kv_bytes'] / 2**30:.0f} GiB.")
     text("(Jamba's paper: 4 GB of KV cache at 256K tokens, against 32 GB for Mixtral.)")
-    mqar_experiment()
-    text("Takeaways:")
-    text("- Linear + local attention, with a few full attention layers, make serious state-of-the-art models.")
-    text("- Replacing the O(T) KV cache by an O(1) state makes inference much cheaper.")
-    text("- The price is recall: keep some attention, or a big enough state.")
-
-    text("## Diffusion models")
-    text("Popular for images, harder to make work for text.")
-    link(diffusion_lm)
-    figure("Diffusion-LM, Figure 1: denoising a sequence of word vectors step by step", "https://arxiv.org/abs/2205.14217")
-    text("Idea: generate every token in parallel (not left to right), refined over several steps.")
-    text("Start from noise over the whole sequence; each step denoises all of it.")
-    text("Results from Inception Labs (Mercury):")
-    link(inception_news)
-    link(inception_demo)
-    text("Much faster on coding benchmarks:")
-    figure("Inception Labs: output tokens/s of Mercury Coder against autoregressive models",
-           "https://framerusercontent.com/images/K2zvhtaTsz5ehDFoWx6KQHOqCyk.jpg")
-    text("Why it can be faster, from the roofline: one pass reads all weights, whatever it computes.")
-    diffusion_costs()
-    text("Overall: more radical architecture changes still hold big gains for inference.")
+    text("The price is recall: keep some attention, or a big enough state.")
 
 
+@deep_dive
 def mqar_experiment():
     """`bench alternatives`' trained models (shipped), recall measured live; the committed table beside it."""
     from cs336_inference.data.mqar import MQARTask, mqar_recall
@@ -867,6 +904,7 @@ def mqar_experiment():
     text(f"At T = {longest} attention reads its whole cache each step: {ms['attention']:.1f} ms vs SSD's {ms['SSD n=16']:.1f} ms.")
 
 
+@deep_dive
 def diffusion_costs():
     """Autoregressive decode of T tokens = T weight-bound passes; diffusion = K passes over all T at once."""
     shape, gpu = REAL_MODELS["llama2-13b"], HARDWARE["H100"]
@@ -913,78 +951,92 @@ quantization_overview = Reference(title="LLM quantization techniques explained (
                                   organization="apxml", url="https://apxml.com/posts/llm-quantization-techniques-explained")
 
 
+
+
 def quantization():
-    from cs336_inference.model import load_pretrained
-    from cs336_inference.data import evaluate_lm, load_corpus
-    from cs336_inference.quantization import (capture_linear_inputs, dequantize, gptq_quantize, layer_output_error,
-                                              model_nbytes, planted_outlier_demo, qrange, quantize, quantize_model,
-                                              quantize_tensor)
-
     section("quantization")
-    text("Key idea: lower the precision of the numbers.")
-    text("Fewer bytes is better latency and throughput, since decode is memory-bound.")
-    text("At batch 1 decode reads every weight once per token: time ~ bytes / bandwidth.")
-    text("Of course we have to watch the accuracy.")
+    from cs336_inference.quantization import dequantize, qrange, quantize
 
-    text("Mechanics on one number: q = round(x / scale) + zero_point, x_hat = (q - zero_point) * scale.")
+    text("Key idea: reduce the precision of numbers.")
+    text("Less memory means better latency and throughput (since inference is memory-bound).")
+    text("Of course we have to worry about accuracy...")
+    text("Mechanics on one number: q = round(x / scale) + zero_point, x_hat = (q - zero_point) · scale.")
     x, scale, zero_point = 5.2342, 0.1, 4
-    q = int(quantize(torch.tensor(x), scale, zero_point))  # @inspect q
-    x_hat = float(dequantize(q, scale, zero_point))  # @inspect x_hat
+    q = int(quantize(torch.tensor(x), scale, zero_point))  # quantize @inspect q
+    x_hat = float(dequantize(q, scale, zero_point))  # dequantize @inspect x_hat @clear q
     assert q == 56 and abs(x_hat - 5.2) < 1e-6
-    text(f"x = {x}, scale {scale}, zero point {zero_point}: q = {q}, and back x_hat = {x_hat:.1f}.")
-    text(f"The error is {x - x_hat:.4f}, never more than scale / 2.")
-
-    text("Formats (ranges straight from torch.finfo / torch.iinfo):")
-    link(baseten_fp8)
-    figure("fp32, bf16, fp8 bit layouts (Baseten)", "https://www.datocms-assets.com/104802/1709770809-twitter-post-20.png")
-    fp32_max = torch.finfo(torch.float32).max  # @inspect fp32_max
-    bf16_max = torch.finfo(torch.bfloat16).max  # @inspect bf16_max
-    e4m3_max = torch.finfo(torch.float8_e4m3fn).max  # @inspect e4m3_max
-    e4m3fnuz_max = torch.finfo(torch.float8_e4m3fnuz).max  # @inspect e4m3fnuz_max
-    int8_range = (torch.iinfo(torch.int8).min, torch.iinfo(torch.int8).max)  # @inspect int8_range
-    int4_range = qrange(4, symmetric=True)  # @inspect int4_range
-    assert (e4m3_max, e4m3fnuz_max, int8_range, int4_range) == (448.0, 240.0, (-128, 127), (-8, 7))
-    text(f"- fp32 (4 bytes, max {fp32_max:.3g}): parameters and optimizer state in training.")
-    text(f"- bf16 (2 bytes, max {bf16_max:.3g}): the default for inference.")
-    text(f"- fp8 e4m3 (1 byte): on H100 (float8_e4m3fn) its maximum is {e4m3_max:.0f}; you can train in it, if you dare.")
-    link(fp8_lm)
-    text(f"  (The official lecture says [-240, 240]: that is e4m3fnuz's +-{e4m3fnuz_max:.0f} (e.g. AMD MI300), not H100's.)")
-    text(f"- int8 (1 byte, [{int8_range[0]}, {int8_range[1]}]): less accurate but cheaper than fp8; for inference only.")
-    link(fp8_vs_int8)
-    text(f"- int4 (half a byte, [{int4_range[0]}, {int4_range[1]}]): cheaper still, even less accurate.")
-    text("  (Stored two per byte: PyTorch has no int4 dtype.)")
+    text(f"x = {x}, scale {scale}, zero point {zero_point}: q = {q}, and back x_hat = {x_hat:.1f} (error ≤ scale / 2).")
+    figure("fp32, bf16, fp8 bit layouts (Baseten)", "https://www.datocms-assets.com/104802/1709770809-twitter-post-20.png", image="https://www.datocms-assets.com/104802/1709770809-twitter-post-20.png", width=400), link(baseten_fp8)
+    maxima = {"fp32": torch.finfo(torch.float32).max, "bf16": torch.finfo(torch.bfloat16).max, "e4m3fn": torch.finfo(torch.float8_e4m3fn).max, "e4m3fnuz": torch.finfo(torch.float8_e4m3fnuz).max}  # @inspect maxima @clear x_hat
+    int8_range, int4_range = (torch.iinfo(torch.int8).min, torch.iinfo(torch.int8).max), qrange(4, symmetric=True)
+    assert (maxima["e4m3fn"], maxima["e4m3fnuz"], int8_range, int4_range) == (448.0, 240.0, (-128, 127), (-8, 7))
+    text(f"- fp32 (4 bytes, max {maxima['fp32']:.3g}): needed for parameters and optimizer states in training.")
+    text(f"- bf16 (2 bytes, max {maxima['bf16']:.3g}): the default for inference.")
+    text(f"- fp8 e4m3 (1 byte): on H100 (float8_e4m3fn) its maximum is {maxima['e4m3fn']:.0f}; can train if you dare."), link(fp8_lm)
+    text(f"  (The official lecture says [-240, 240]: that is e4m3fnuz's ±{maxima['e4m3fnuz']:.0f} (e.g. AMD MI300), not H100's.)")
+    text(f"- int8 (1 byte, [{int8_range[0]}, {int8_range[1]}]): less accurate but cheaper than fp8, for inference only."), link(fp8_vs_int8)
+    text(f"- int4 (0.5 bytes, [{int4_range[0]}, {int4_range[1]}]): cheaper, even less accurate (stored two per byte).")
     link(quantization_overview)
-
-    text("Quantization-aware training (QAT): fake-quantize the weights in the forward pass while training.")
-    text("- Pro: the weights learn to work quantized. Con: it is (expensive, large-scale) training.")
-    link(qat_paper)
+    text("Quantization-aware training (QAT): quantize-and-dequantize in the forward pass while training."), link(qat_paper)
+    text("- Pro: the weights are trained to work with quantization. Con: expensive large-scale training.")
     text("Post-training quantization (PTQ): done after training, so much cheaper.")
-    text("- Run sample data through the model to pick each layer's or tensor's scale and zero point.")
+    text("- Run sample data to determine each layer's or tensor's scale and zero point.")
 
-    text("## LLM.int8()")
-    link(llm_int8_paper)
-    link(llm_int8_blog)
+    text("#### LLM.int8()"), link(llm_int8_paper), link(llm_int8_blog)
     text("Standard absmax quantization scales by the largest |value|:")
     figure("absmax int8 quantization (HF blog)", "https://huggingface.co/blog/assets/96_hf_bitsandbytes_integration/quant-freeze.png")
-    text("Problem: in large models a few hidden dimensions carry huge activations (outliers).")
-    text("Their scale flattens every ordinary entry of the row to zero.")
+    text("Problem: outliers (large activations in a few hidden dimensions) flatten every other entry to zero.")
     text("Solution: pull the outlier columns (|x| > 6) out into an fp16 matmul; the rest stay int8.")
     figure("LLM.int8()'s mixed-precision decomposition (HF blog)", "https://huggingface.co/blog/assets/96_hf_bitsandbytes_integration/Mixed-int8.gif")
+    llm_int8_on_planted_outliers()
+    text("It works well (accuracy of fp16 at 176B parameters), but it is 15-23% slower than fp16.")
+    figure("LLM.int8() on BLOOM-176B: accuracy and generation speed vs fp16 (HF blog)", "https://huggingface.co/blog/hf-bitsandbytes-integration")
+
+    text("#### GPTQ"), link(gptq_paper)
+    text("Use Hessian information to update the not-yet-quantized weights to absorb the quantization error.")
+    gptq_on_one_layer()
+
+    text("#### Activation-aware quantization (AWQ)"), link(awq_paper)
+    text("- Observation: some activation channels are large.")
+    text("- Weights that hit those matter more: allocate more precision to them.")
+    text("- Idea: select which weights (0.1-1%) to keep in high precision based on activations.")
+    text("- fp16 → int3 produces 4x lower memory and a 3.2x speed-up.")
+    figure("AWQ, Figure 2: keeping 1% salient weights (by activation) in fp16; AWQ's scaling instead", "https://arxiv.org/abs/2306.00978", image="images/awq-schema.png", width=800)
+    awq_salient_channels()
+    quantization_benchmarks()
+    quantization_on_a_real_model()
+
+
+@core
+def calibration_batch():
+    """Four 128-byte windows spread over the training text: what PTQ calibrates on here."""
+    from cs336_inference.data import load_corpus
+
+    train = load_corpus("train")
+    starts = torch.linspace(0, train.numel() - 129, 4).long().tolist()
+    return [torch.stack([train[s:s + 128] for s in starts])]
+
+
+@deep_dive
+def llm_int8_on_planted_outliers():
+    """Plain int8 against LLM.int8() on activations with planted outlier dimensions."""
+    from cs336_inference.quantization import planted_outlier_demo
+
     demo = planted_outlier_demo()  # @inspect demo
     assert demo["llm_int8_rel_error"] < demo["plain_int8_rel_error"] / 5
     text(f"With 4 planted outlier dimensions, plain int8 rounds {demo['plain_int8_zeroed_fraction']:.0%} of the activations to 0.")
     text(f"The output is off by {demo['plain_int8_rel_error']:.1%}; with LLM.int8() by {demo['llm_int8_rel_error']:.2%}.")
-    text("It works well (accuracy of fp16 at 176B parameters), but it is 15-23% slower than fp16.")
-    figure("LLM.int8() on BLOOM-176B: accuracy and generation speed vs fp16 (HF blog)", "https://huggingface.co/blog/hf-bitsandbytes-integration")
 
-    text("## GPTQ")
-    link(gptq_paper)
+
+@deep_dive
+def gptq_on_one_layer():
+    """GPTQ against rounding to nearest on one layer of the target model, at int3."""
+    from cs336_inference.quantization import capture_linear_inputs, gptq_quantize, layer_output_error, quantize_tensor
+
     text("Quantize one column of W at a time, and update the columns not yet quantized to absorb the error.")
     text("The update is weighted by the inverse Hessian H = 2 X^T X / n of the layer's output error.")
     model = load_pretrained("target")
-    train = load_corpus("train")
-    starts = torch.linspace(0, train.numel() - 129, 4).long().tolist()
-    calibration = [torch.stack([train[s:s + 128] for s in starts])]
+    calibration = calibration_batch()  # @stepover
     name = "layers.0.ffn.w2"
     inputs = capture_linear_inputs(model, [name], calibration)[0][name]
     weight = model.get_submodule(name).weight.detach()
@@ -994,13 +1046,14 @@ def quantization():
     text(f"The target model's {name} at int3 (per channel), output error on calibration text:")
     text(f"{rtn_error:.2f} rounding to nearest, {gptq_error:.2f} with GPTQ.")
 
-    text("## Activation-aware quantization (AWQ)")
-    link(awq_paper)
-    text("- Observation: a few activation channels are large.")
-    text("- The weights they multiply matter more than the rest: give those weights more precision.")
-    text("- Which 0.1-1% to keep in high precision is decided by the activations, not the weights' size.")
-    text("- The paper: fp16 -> int3 gives 4x less memory and a 3.2x speed-up.")
-    figure("AWQ, Figure 2: keeping 1% salient weights (by activation) in fp16; AWQ's scaling instead", "https://arxiv.org/abs/2306.00978")
+
+@deep_dive
+def awq_salient_channels():
+    """Which 1% of input channels to keep: by activation size (AWQ's observation), by weight size, at random."""
+    from cs336_inference.quantization import capture_linear_inputs, layer_output_error, quantize_tensor
+
+    model = load_pretrained("target")
+    calibration = calibration_batch()  # @stepover
     salient_name = "layers.3.ffn.w2"  # the last MLP down projection: its inputs have the largest channels here
     w = model.get_submodule(salient_name).weight.detach()  # (D, F): F input channels
     x = capture_linear_inputs(model, [salient_name], calibration)[0][salient_name]  # (..., F) calibration inputs
@@ -1025,7 +1078,15 @@ def quantization():
     assert (16 / int3_bits, 16 / int4_bits) == (16 / 3.25, 16 / 4.25)
     text(f"The bytes behind '4x': with groups of 128, int3 stores {int3_bits} bits per weight ({16 / int3_bits:.1f}x fewer than fp16).")
     text(f"int4 stores {int4_bits} ({16 / int4_bits:.1f}x). The speed-up needs fused kernels that read the small codes.")
-    text("And it is smaller than the bytes ratio: the rest of a decode step does not shrink.")
+
+
+@deep_dive
+def quantization_benchmarks():
+    """The committed `bench quantization` and `bench generation` runs, two entries re-measured live."""
+    from cs336_inference.data import evaluate_lm, load_corpus
+    from cs336_inference.quantization import model_nbytes, quantize_model
+
+    model = load_pretrained("target")
 
     text("Every method on the whole target model (`bench quantization`, committed run, figures/quantization.json):")
     table = load_result("quantization")
@@ -1097,6 +1158,7 @@ def quantization():
     quantization_on_a_real_model()
 
 
+@deep_dive
 def quantization_on_a_real_model():
     """SmolLM2-135M: its weights are already 4-bit; real outliers; every method on real English text."""
     from cs336_inference.data.real_text import pydoc_documents
@@ -1157,24 +1219,32 @@ def quantization_on_a_real_model():
     text("  Yet int4 KV retrieved every passkey: a single task can hide what the distribution loses.")
 
 
+
+
 def model_pruning():
     section("model_pruning")
+    text("Key idea: just rip out parts of an expensive model to make it cheaper...")
+    text("...and then fix it up.")
+    text("Paper from NVIDIA (Minitron):"), link(minitron)
+    figure("Minitron, Figure 2: iterative pruning and distillation", "https://arxiv.org/abs/2407.14679", image="images/pruning-kd-loop.png", width=600)
+    text("Algorithm:")
+    text("1. Identify important layers, heads and hidden dimensions on a small calibration set (1024 samples).")
+    text("2. Remove the unimportant ones to get a smaller model.")
+    text("3. Distill the original model into the pruned model.")
+    text("Results: Minitron 8B and 4B, pruned from Nemotron-4 15B, need up to 40x fewer training tokens per model.")
+    figure("Minitron, Figure 1: accuracy and training cost of the compressed models", "https://arxiv.org/abs/2407.14679", image="images/pruning-kd.png", width=500)
+    prune_our_target()
+
+
+@deep_dive
+def prune_our_target():
+    """Score, cut and compare: the shipped target pruned to the draft's shape, before and after distillation."""
     from cs336_inference.model import checkpoints
     from cs336_inference.data import compare_to_reference, evaluate_lm, load_corpus
     from cs336_inference.compression import importance_scores, prune_model
 
-    text("Key idea: rip out parts of an expensive model to make it cheaper...")
-    text("...and then fix it up.")
-    text("Minitron (NVIDIA):")
-    link(minitron)
-    figure("Minitron, Figure 2: iterative pruning and distillation", "https://arxiv.org/abs/2407.14679")
-    text("1. Score each layer, head and hidden dimension on a small calibration set (1024 samples).")
-    text("2. Remove the unimportant ones to get a smaller model.")
-    text("3. Distill the original model into the pruned one.")
-    text("Results: Minitron 8B and 4B, pruned from Nemotron-4 15B, need up to 40x fewer training tokens per model.")
     text("They score up to 16% higher on MMLU than the same shapes trained from scratch.")
     text("Training the whole family (15B, 8B, 4B) costs 1.8x less compute.")
-    figure("Minitron, Figure 1: accuracy and training cost of the compressed models", "https://arxiv.org/abs/2407.14679")
     target = checkpoints.load_pretrained("target")
     draft = checkpoints.load_pretrained("draft")
     scratch = checkpoints.load_pretrained("draft-scratch")
@@ -1214,6 +1284,8 @@ def model_pruning():
     text("That agreement is what speculative decoding turns into accepted tokens.")
 
 
+
+
 leviathan = Reference(title="Fast Inference from Transformers via Speculative Decoding",
                       authors=["Yaniv Leviathan", "Matan Kalman", "Yossi Matias"], date="2022-11-30",
                       url="https://arxiv.org/abs/2211.17192")
@@ -1238,42 +1310,50 @@ def speculative_sampling():
     section("speculative_sampling")
     from fractions import Fraction
 
-    from cs336_inference.generation import (expected_speedup, expected_tokens_per_pass, optimal_gamma,
-                                            speculative_generate, speculative_output_distribution)
+    from cs336_inference.generation import speculative_output_distribution
 
     text("Recall the two stages of inference:")
-    text("- prefill: encode a given sequence in parallel (compute-bound);")
-    text("  it also gives the probabilities at every position;")
-    text("- generation: one token at a time (memory-bound).")
+    text("- Prefill: encode a given sequence in parallel (compute-bound); it also gives the probabilities.")
+    text("- Generation: one token at a time (memory-bound).")
     text("In other words, checking is faster than generating.")
-    text("Speculative sampling:")
-    link(leviathan)
-    link(chen_speculative)
-    text("- a cheap draft model p guesses a few tokens (e.g. gamma = 4);")
-    text("- the target model q scores them all in one parallel pass, and keeps those that look good.")
-    link(speculative_video)
-    link(speculative_blog)
-    figure("Chen et al., Algorithm 2: speculative sampling", "https://arxiv.org/abs/2302.01318")
-    text("The rule: walk the drafts left to right; accept draft x with probability min(1, q(x)/p(x)).")
-    text("At the first rejection, sample from the residual norm(max(q - p, 0)) and stop.")
-    text("If all gamma are accepted, sample a bonus token from q: every pass emits at least one token.")
-    text("It is rejection sampling with proposal p and target q, modified so it never loops.")
-    text("Key property: the output is an *exact* sample from q; speculation changes the cost, never the distribution.")
+    text("Speculative sampling:"), link(leviathan), link(chen_speculative)
+    text("- Use a cheaper **draft model** p to guess a few tokens (e.g. gamma = 4).")
+    text("- Evaluate them with the target model q in one parallel pass, and accept those that look good.")
+    link(speculative_video), link(speculative_blog)
+    figure("Chen et al., Algorithm 2: speculative sampling", "https://arxiv.org/abs/2302.01318", image="images/speculative-sampling-algorithm.png", width=600)
+    text("Accept draft x with probability min(1, q(x)/p(x)); at the first rejection sample norm(max(q - p, 0)).")
+    text("This is modified rejection sampling with proposal p and target q.")
+    text("Modification: always generate at least one token (a bonus from q if all gamma are accepted).")
+    text("Key property: guaranteed to be an **exact sample** from the target model!")
 
     text("Proof by example: two tokens A, B; the draft over-proposes A: p = (3/4, 1/4), q = (1/2, 1/2).")
-    text("Then it under-proposes B, and the residual max(q - p, 0) is (0, 1/4), normalised (0, 1).")
+    text("So p(B) < q(B), and the residual max(q - p, 0) is (0, 1/4), normalised (0, 1).")
     d = speculative_output_distribution([Fraction(3, 4), Fraction(1, 4)], [Fraction(1, 2), Fraction(1, 2)])
     p_A_out, p_B_out = d.output  # @inspect p_A_out p_B_out
     assert d.output == d.q and d.accepted[0] == Fraction(3, 4) * (Fraction(1, 2) / Fraction(3, 4))
-    assert d.output[1] == Fraction(1, 4) + Fraction(3, 4) * (1 - Fraction(1, 2) / Fraction(3, 4))
-    text(f"P[A] = p(A) q(A)/p(A) = {d.accepted[0]} = q(A).")
-    text(f"P[B] = p(B) + p(A) (1 - q(A)/p(A)) = {d.p[1]} + {d.reject} = {p_B_out} = q(B).")
-    text("B comes out either proposed (always accepted: q(B) > p(B)) or as the residual after A is rejected.")
+    text(f"P[A] = p(A) · q(A)/p(A) + p(B) · 1 · 0 = {d.accepted[0]} = q(A).")
+    text(f"P[B] = p(B) · 1 + p(A) · (1 - q(A)/p(A)) · 1 = {d.p[1]} + {d.reject} = {p_B_out} = q(B).")
     text("The same bookkeeping holds for any p, q (the tests check it by exact enumeration and by chi-square).")
-
     text("Results (Chen et al.): Chinchilla 70B with a 4B draft decodes 2-2.5x faster at the same scores.")
-    figure("Chen et al., Table 1: ordinary vs speculative sampling on XSum and HumanEval (K = 4)", "https://arxiv.org/abs/2302.01318")
-    figure("Chen et al.: time per token, acceptance rate and loop time against the draft length K", "https://arxiv.org/abs/2302.01318")
+    figure("Chen et al., Table 1: ordinary vs speculative sampling on XSum and HumanEval (K = 4)", "https://arxiv.org/abs/2302.01318", image="images/speculative-sampling-results.png", width=600)
+    figure("Chen et al.: time per token, acceptance rate and loop time against the draft length K", "https://arxiv.org/abs/2302.01318", image="images/speculative-sampling-stats.png", width=600)
+    speculative_on_our_models()
+    text("In practice: a 70B target with an 8B draft, or 8B with 1B; make the draft close to the target (distillation).")
+
+    text("Extensions to improve the draft model:")
+    text("- Medusa: extra heads on the target's last hidden state guess several tokens at once."), link(medusa)
+    text("- EAGLE: a one-layer draft takes the target's high-level features and extrapolates them."), link(eagle)
+    figure("EAGLE paper: how speculative sampling, Medusa and EAGLE draft the next tokens", "https://arxiv.org/abs/2401.15077", image="images/medusa-eagle.png", width=600)
+    text("Summary:")
+    text("- exact sampling from the target model (thanks to math)!")
+    text("- exploits the asymmetry between checking and generating;")
+    text("- lots of room for innovation in the draft model (which involves training).")
+
+
+@deep_dive
+def speculative_on_our_models():
+    """Our draft, a from-scratch draft and prompt lookup against the target; the theory; the committed bench."""
+    from cs336_inference.generation import expected_speedup, expected_tokens_per_pass, optimal_gamma, speculative_generate
 
     target = load_pretrained("target")
     draft = load_pretrained("draft")
@@ -1301,7 +1381,6 @@ def speculative_sampling():
     assert 1 < e4 < 5 and best > 4
     text(f"With alpha = {alpha_draft:.2f} and gamma = 4: E = {e4:.2f} tokens per target pass.")
     text(f"A draft costing c = 0.05 of the target would pay best at gamma = {best}, for {expected_speedup(alpha_draft, best, 0.05):.1f}x.")
-    text("In practice: a 70B target with an 8B draft, or 8B with 1B; distil the draft to agree with the target.")
 
     text("`bench speculative` (committed run, figures/speculative.json): decode speed-up over the target alone.")
     text("Best gamma per drafter at temperature 0, next to the prediction from the measured alpha and costs.")
@@ -1337,7 +1416,7 @@ def speculative_sampling():
         assert sum([r["measured_speedup"] < 1 for r in sampled]) > len(sampled) / 2
         text("A real model: SmolLM2-135M-Instruct rewriting or summarising a given passage (its answer copies the input).")
         text(f"Prompt lookup drafts for free: alpha {best['alpha']:.2f}, {best['tokens_per_pass']:.1f} tokens per target pass at gamma = {best['gamma']}.")
-        text(f"Greedy decoding {best['measured_speedup']:.1f}x faster on this CPU (predicted {best['predicted_speedup']:.1f}x), the same tokens.")
+        text(f"Greedy decoding {best['measured_speedup']:.1f}x faster on the committed run's CPU (predicted {best['predicted_speedup']:.1f}x), the same tokens.")
         text(f"Over gamma = 1..8, measured / predicted is {ratio_lo:.2f}-{ratio_hi:.2f}: the theory, fed measured costs, explains it.")
         text(f"Even here a verification pass costs {best['verify_cost']:.1f} decode steps, not 1 (one CPU core is not a GPU).")
         text(f"Sampled at temperature 1 the model paraphrases instead: alpha falls to {hot:.2f} or less.")
@@ -1346,18 +1425,6 @@ def speculative_sampling():
         text("With SmolLM2-135M installed, the benchmark adds prompt lookup on chat tasks whose answer copies a passage.")
     image("figures/speculative.png", width=900)
 
-    text("Extensions that improve the draft:")
-    text("- Medusa: extra heads on the target's last hidden state guess several tokens at once.")
-    text("  (The candidates form a tree, verified in one pass.)")
-    link(medusa)
-    text("- EAGLE: a one-layer draft reads the target's own high-level features and extrapolates them.")
-    link(eagle)
-    figure("EAGLE paper: how speculative sampling, Medusa and EAGLE draft the next tokens", "https://arxiv.org/abs/2401.15077")
-    text("Both keep the same verification, so the output is still exactly the target's.")
-    text("Summary:")
-    text("- exact sampling from the target model (thanks to math);")
-    text("- exploits the asymmetry between checking and generating;")
-    text("- lots of room for innovation in the draft model (which involves training).")
 
 
 orca_talk = Reference(title="Orca talk (OSDI '22, YouTube)", url="https://www.youtube.com/watch?v=Ob9PPLxETYU")
@@ -1375,118 +1442,153 @@ def step_seconds(batch) -> float:
     return (STEP_MS + TOKEN_MS * batch.num_tokens) / 1e3
 
 
+
 def continuous_batching():
     section("continuous_batching")
-    from cs336_inference.data import load_corpus
-    from cs336_inference.serving import Engine, TraceConfig, make_trace
+    from cs336_inference.serving import Engine
 
-    link(orca)
-    link(orca_talk)
-    text("Problem: training gets a dense block of tokens (batch x sequence length).")
-    text("Inference gets requests that arrive and finish at different times: a ragged array.")
-    figure("static batching: finished rows sit idle until the longest is done (Anyscale)", "https://images.ctfassets.net/xjan103pcp94/1LJioEsEdQQpDCxYNWirU6/82b9fbfc5b78b10c1d4508b60e72fdcf/cb_02_diagram-static-batching.png")
-    link(anyscale_batching)
+    link(orca), link(orca_talk)
+    text("Problem:")
+    text("- Training: a dense block of tokens (batch size × sequence length).")
+    text("- Inference: requests arrive and finish at different times, so you have a ragged array.")
+    figure("static batching: finished rows sit idle until the longest is done (Anyscale)", "https://images.ctfassets.net/xjan103pcp94/1LJioEsEdQQpDCxYNWirU6/82b9fbfc5b78b10c1d4508b60e72fdcf/cb_02_diagram-static-batching.png", image="https://images.ctfassets.net/xjan103pcp94/1LJioEsEdQQpDCxYNWirU6/82b9fbfc5b78b10c1d4508b60e72fdcf/cb_02_diagram-static-batching.png", width=600), link(anyscale_batching)
+    text("Solution: iteration-level scheduling (Orca).")
+    text("- Decode step by step.")
+    text("- Add new requests to the batch as they arrive (no waiting until the others' generation completes).")
     model = load_pretrained("target").eval()
-    corpus = load_corpus("val")
-    trace_config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96,
-                               stop_tokens=(10,), system_prompt_fraction=0.5, sampled_fraction=0.2, seed=0)
-    system = corpus[:64].tolist()
-    requests = make_trace(corpus[1000:], trace_config, system_prompt=system)
-    prompt_lens = sorted([len(r.prompt) for r in requests])  # @inspect prompt_lens
-    span = requests[-1].arrival_time - requests[0].arrival_time  # @inspect span
-    sampled = len([r for r in requests if r.sampling.n > 1])  # @inspect sampled
-    shared = len([r for r in requests if list(r.prompt[:64]) == system])  # @inspect shared
-    text("A trace with all three difficulties:")
-    text(f"1. {len(requests)} requests arriving as a Poisson process over {span:.2f} s;")
-    text(f"2. {shared} of them behind the same 64-token system prompt, {sampled} asking for 4 samples of one prompt;")
-    text(f"3. prompts of {prompt_lens[0]} to {prompt_lens[-1]} tokens; answers end with their line or after 96 tokens.")
-    text(f"A simulated clock: a step costs {STEP_MS:.0f} ms plus {TOKEN_MS} ms per token in it (fixed: the same on every run).")
-    text("(Memory-bound, as a GPU step: reading the weights costs the same for 1 or 12 sequences.)")
-
-    text("Solution: iteration-level scheduling (Orca). Decide who runs before every decode step:")
-    text("- a finished sequence leaves at once;")
-    text("- a waiting request joins the batch at the next step, without waiting for the others to finish.")
+    requests = serving_trace()  # @stepover
+    describe_the_trace(requests)
     static = Engine(model, scheduler="static", max_num_seqs=12, step_time=step_seconds).run(requests)  # @stepover
     continuous = Engine(model, scheduler="continuous", max_num_seqs=12, step_time=step_seconds).run(requests)  # @stepover
     s, c = static.summary(), continuous.summary()
-    steps = {"static": s["steps"], "continuous": c["steps"]}  # @inspect steps
     speedup = c["throughput_tok_per_s"] / s["throughput_tok_per_s"]  # @inspect speedup
     greedy = [i for i, r in enumerate(requests) if r.sampling.temperature == 0]
-    assert all([static.outputs[i].tokens == continuous.outputs[i].tokens for i in greedy])
+    assert all([static.outputs[i].tokens == continuous.outputs[i].tokens for i in greedy])  # @stepover
     assert c["generated_tokens"] == s["generated_tokens"] and c["steps"] < s["steps"]
-    for result in (static, continuous):  # every step cost what the clock says; throughput is tokens over the span
+    text(f"{len(requests)} requests of our target model, on a simulated clock: {STEP_MS:.0f} ms a step + {TOKEN_MS} ms per token.")
+    text(f"Static batching (a batch runs until its longest answer ends): {s['steps']} steps.")
+    text(f"Continuous batching: {c['steps']} steps for the same {c['generated_tokens']:,} tokens.")
+    text(f"Throughput {s['throughput_tok_per_s']:,.0f} vs {c['throughput_tok_per_s']:,.0f} tokens/s ({speedup:.1f}x); p99 TTFT {s['ttft_p99_s']:.2f} s vs {c['ttft_p99_s']:.2f} s.")
+    check_the_clock(static, continuous)
+
+    text("Problem: batching seems to need sequences of one shape (right?), but each request has its own length.")
+    text("Solution: selective batching.")
+    text("- Training: sequences of one length make a B × S × D tensor.")
+    text("- Here a prefill brings its prompt, a decode one token: [3, D], [9, D], [5, D], ...")
+    text("- Attention: each sequence separately. Everything else: on the concatenation, e.g. [3 + 9 + 5, D].")
+    mixed = next(r for r in continuous.steps if r.num_prefills >= 2 and r.num_decodes >= 1)
+    shape = " + ".join(map(str, mixed.tokens_per_sequence))  # @inspect shape @clear speedup
+    text(f"One step of the run: [{shape}, D] = [{mixed.num_tokens}, D], {mixed.num_prefills} prompts and {mixed.num_decodes} decode tokens.")
+    image("figures/serving.png", width=900)
+    serving_on_smollm2()
+
+
+@core
+def serving_trace():
+    """The serving demo's requests: a Poisson trace over the validation text with all three difficulties."""
+    from cs336_inference.data import load_corpus
+    from cs336_inference.serving import TraceConfig, make_trace
+
+    corpus = load_corpus("val")
+    config = TraceConfig(num_requests=32, rate=60.0, prompt_len=(32, 128), max_new_tokens=96, stop_tokens=(10,),
+                         system_prompt_fraction=0.5, sampled_fraction=0.2, seed=0)
+    return make_trace(corpus[1000:], config, system_prompt=corpus[:64].tolist())
+
+
+@deep_dive
+def describe_the_trace(requests):
+    """What the trace holds: arrivals, shared prefixes, sampled requests, lengths."""
+    span = requests[-1].arrival_time - requests[0].arrival_time  # @inspect span
+    sampled = len([r for r in requests if r.sampling.n > 1])  # @inspect sampled
+    shared = len([r for r in requests if list(r.prompt[:64]) == list(serving_trace_system())])  # @inspect shared @stepover
+    lengths = sorted([len(r.prompt) for r in requests])
+    text("A trace with all three difficulties:")
+    text(f"1. {len(requests)} requests arriving as a Poisson process over {span:.2f} s;")
+    text(f"2. {shared} of them behind the same 64-token system prompt, {sampled} asking for 4 samples of one prompt;")
+    text(f"3. prompts of {lengths[0]} to {lengths[-1]} tokens; answers end with their line or after 96 tokens.")
+    text("(Memory-bound, as a GPU step: reading the weights costs the same for 1 or 12 sequences.)")
+
+
+@core
+def serving_trace_system() -> list[int]:
+    from cs336_inference.data import load_corpus
+
+    return load_corpus("val")[:64].tolist()
+
+
+@deep_dive
+def check_the_clock(static, continuous):
+    """Every step cost what the simulated clock says; throughput is tokens over the span."""
+    for result in (static, continuous):
         assert all([math.isclose(r.end - r.start, step_seconds(r)) for r in result.steps])  # @stepover
         span_run = max([o.finish_time for o in result.outputs]) - min([o.arrival_time for o in result.outputs])
         assert math.isclose(result.summary()["throughput_tok_per_s"], result.summary()["generated_tokens"] / span_run)
-    text(f"Static batching (a batch runs until its longest answer ends; finished rows are padding): {s['steps']} steps.")
-    text(f"Continuous batching: {c['steps']} steps for the same {c['generated_tokens']:,} tokens.")
-    text(f"Throughput {s['throughput_tok_per_s']:,.0f} vs {c['throughput_tok_per_s']:,.0f} tokens/s of simulated time ({speedup:.1f}x).")
-    text(f"p99 time to first token: {s['ttft_p99_s']:.2f} s vs {c['ttft_p99_s']:.2f} s.")
-    text("Same tokens: every greedy answer is identical under both schedulers.")
+    text("Continuous batching: every step of both runs cost what the clock says, and throughput = tokens / span.")
 
-    text("Problem: batching seems to need sequences of one shape, but each request has its own length.")
-    text("Solution: selective batching.")
-    text("- Training: sequences of one length make a B x S x D tensor.")
-    text("- Here a prefill brings its prompt, a decode one token: [3, D], [9, D], [5, D], ...")
-    text("- Attention: each sequence separately, with its own keys.")
-    text("- Everything else (matmuls, norms, MLP): on the concatenation, e.g. [3 + 9 + 5, D].")
-    mixed = next(r for r in continuous.steps if r.num_prefills >= 2 and r.num_decodes >= 1)
-    shape = " + ".join(map(str, mixed.tokens_per_sequence))  # @inspect shape
-    text(f"One step of the run: [{shape}, D] = [{mixed.num_tokens}, D].")
-    text(f"{mixed.num_prefills} prompts and {mixed.num_decodes} decode tokens in one forward.")
-    image("figures/serving.png", width=900)
+
+@deep_dive
+def serving_on_smollm2():
+    """The committed `bench serving` run on SmolLM2-135M (wall clock): the same ordering, smaller gains."""
     real = load_result("serving")["smollm2-135m"]
-    if "skipped" not in real:
-        sched = real["scheduling"]
-        real_speedup = sched["throughput_ratio"]  # @inspect real_speedup
-        assert real_speedup > 1 and sched["continuous"]["ttft_p99_s"] < sched["static"]["ttft_p99_s"]
-        text(f"`bench serving` on SmolLM2-135M (committed run, wall clock): {real['trace']['num_requests']} chat requests.")
-        text(f"{real_speedup:.1f}x the throughput, p99 TTFT {sched['continuous']['ttft_p99_s']:.0f} s instead of {sched['static']['ttft_p99_s']:.0f} s.")
-        text("(The lecture checks only that ordering against the committed file, not the values.)")
-        text("Less than a GPU would show: on a CPU a decode step costs more the more sequences it holds.")
-        text("So static batching loses only its padding rows' compute and its waiting; prefill is a large share.")
-        image("figures/serving_smollm2.png", width=900)
+    if "skipped" in real:
+        return
+    sched = real["scheduling"]
+    real_speedup = sched["throughput_ratio"]  # @inspect real_speedup
+    assert real_speedup > 1 and sched["continuous"]["ttft_p99_s"] < sched["static"]["ttft_p99_s"]
+    text(f"`bench serving` on SmolLM2-135M (committed run, wall clock): {real['trace']['num_requests']} chat requests.")
+    text(f"{real_speedup:.1f}x the throughput, p99 TTFT {sched['continuous']['ttft_p99_s']:.0f} s instead of {sched['static']['ttft_p99_s']:.0f} s.")
+    text("(The lecture checks only that ordering against the committed file, not the values.)")
+    text("Less than a GPU would show: on a CPU a decode step costs more the more sequences it holds.")
+    text("So static batching loses only its padding rows' compute and its waiting; prefill is a large share.")
+    image("figures/serving_smollm2.png", width=900)
 
 
 def paged_attention():
     section("paged_attention")
-    from cs336_inference.serving import Engine, KVCacheManager, TraceConfig, make_trace
-    from cs336_inference.data import load_corpus
+    from cs336_inference.serving import KVCacheManager
 
-    text("The paper that introduced vLLM, and PagedAttention:")
-    link(vllm)
+    text("The paper that introduced vLLM, in addition to PagedAttention:"), link(vllm)
     text("Previous status quo: a request comes in; reserve its KV cache for prompt + response, up to a max length.")
-    figure("vLLM, Figure 3: reserved slots, internal and external fragmentation", "https://arxiv.org/abs/2309.06180")
-    text("Problem: fragmentation (what happens to a hard drive):")
-    text("- internal: the reserved tail a request never reaches (it may generate far fewer tokens);")
-    text("- external: free memory in gaps too short for the next request.")
+    figure("vLLM, Figure 3: reserved slots, internal and external fragmentation", "https://arxiv.org/abs/2309.06180", image="images/paged-attention-fragmentation.png", width=800)
+    text("Problem: fragmentation (what happens to your hard drive):")
+    text("- wasteful, since we might generate far fewer tokens (internal fragmentation);")
+    text("- there might be unused space between the sections (external fragmentation).")
     text("Solution: PagedAttention (remember operating systems):")
-    text("- split each sequence's KV cache into fixed-size, non-contiguous blocks;")
-    text("- a block table maps logical positions to physical blocks; a new block only when the last is full.")
-    figure("vLLM, Figure 5: one sequence's KV cache in non-contiguous blocks", "https://arxiv.org/abs/2309.06180")
-    text("Two requests share the pool, each through its own block table:")
-    figure("vLLM, Figure 7: the KV caches of two requests at the same time", "https://arxiv.org/abs/2309.06180")
+    text("- divide the KV cache of a sequence into non-contiguous **blocks**.")
+    figure("vLLM, Figure 5: one sequence's KV cache in non-contiguous blocks", "https://arxiv.org/abs/2309.06180", image="images/paged-attention-blocks.png", width=400)
+    text("Two requests share the KV caches (a block table maps each one's positions to physical blocks):")
+    figure("vLLM, Figure 7: the KV caches of two requests at the same time", "https://arxiv.org/abs/2309.06180", image="images/paged-attention-logical.png", width=800)
+    text("In general, several kinds of sharing KV caches across sequences:")
+    figure("vLLM, Figure 10: requests sharing a prompt's blocks", "https://arxiv.org/abs/2309.06180", image="images/paged-attention-sharing.png", width=600)
+    text("- sharing the system prompt;")
+    text("- sampling multiple responses per prompt (e.g. for program synthesis).")
     manager = KVCacheManager(num_blocks=32, block_size=16)
     system = list(range(100, 164))  # a 64-token system prompt: 4 full blocks
-    manager.allocate("first", system + [1, 2, 3])
-    manager.cache_blocks("first", system + [1, 2, 3])
+    manager.allocate("first", system + [1, 2, 3]), manager.cache_blocks("first", system + [1, 2, 3])
     cached = manager.allocate("second", system + [4, 5, 6, 7, 8])  # @inspect cached
     assert cached == 64 and manager.table("second").blocks[:4] == manager.table("first").blocks[:4]
-    text("Blocks can be shared across sequences:")
-    text("- a system prompt (or few-shot examples) in front of many requests;")
-    text("- several samples of one prompt (e.g. for program synthesis).")
-    figure("vLLM, Figure 10: requests sharing a prompt's blocks", "https://arxiv.org/abs/2309.06180")
-    text("Full blocks are named by a hash chained over the previous block's hash and their token ids.")
-    text(f"A second request behind the same 64-token system prompt finds all {cached // 16} of its blocks.")
-    text("They cost no memory and skip their prefill.")
-    manager.fork("second", "sample 2")
-    (copy,) = manager.allocate_slots("sample 2")  # @inspect copy
-    assert manager.table("second").blocks[-1] == copy[0]
+    text(f"Live: a second request behind the same 64-token system prompt finds all {cached // 16} of its blocks cached.")
     text("Solution: share prefixes, copy-on-write at the block level.")
-    text("Parallel samples fork the table (all blocks shared).")
-    text(f"The first to write into the shared, partly filled last block gets a private copy: block {copy[0]} -> {copy[1]}.")
-    figure("vLLM, Figure 8: parallel sampling with copy-on-write", "https://arxiv.org/abs/2309.06180")
+    manager.fork("second", "sample 2")
+    (copy,) = manager.allocate_slots("sample 2")  # @inspect copy @clear cached
+    assert manager.table("second").blocks[-1] == copy[0]
+    text(f"A forked sample writing into the shared, partly filled last block gets a private copy: block {copy[0]} → {copy[1]}.")
+    figure("vLLM, Figure 8: parallel sampling with copy-on-write", "https://arxiv.org/abs/2309.06180", image="images/paged-attention-parallel.png", width=600)
+    paged_vs_contiguous()
+    text("Other vLLM optimizations:")
+    text("- a kernel that fuses the block reads into attention (reduces kernel launch overhead);")
+    text("- the latest kernels: FlashAttention, FlashDecoding;")
+    text("- CUDA graphs, to avoid the launch overhead of small decode steps.")
+    text("Summary: ideas from operating systems (paging) make good use of memory under dynamic workloads.")
 
+
+@deep_dive
+def paged_vs_contiguous():
+    """The same trace in the same KV slots, contiguous max-length reservations against blocks of 16."""
+    from cs336_inference.serving import Engine, TraceConfig, make_trace
+    from cs336_inference.data import load_corpus
+
+    text("Full blocks are named by a hash chained over the previous block's hash and their token ids.")
     model = load_pretrained("target").eval()
     corpus = load_corpus("val")
     config = TraceConfig(num_requests=24, rate=100.0, prompt_len=(16, 96), max_new_tokens=128, stop_tokens=(10,),
@@ -1508,24 +1610,17 @@ def paged_attention():
     text(f"  up to {concurrent['paged']} sequences at once.")
     text(f"With sharing (system prompts, forked samples), {100 * paged['kv_shared_fraction']:.0f}% of the tokens held need no slot of their own.")
     image("figures/serving_memory.png", width=800)
-    text("Other vLLM optimizations:")
-    text("- a kernel that fuses the block reads into attention (here we gather blocks in plain PyTorch);")
-    text("- the latest attention kernels: FlashAttention, FlashDecoding;")
-    text("- CUDA graphs, to remove the launch overhead of small decode steps.")
-    text("Summary: ideas from operating systems (paging) make good use of memory under dynamic workloads.")
 
 
 def summary():
     section("summary")
-    text("- Inference matters: actual use (chat, code, agents, batch jobs), evaluation, reinforcement learning.")
-    text("- A few days of one provider's traffic are a whole pretraining run.")
-    text("- It differs from training: generation is sequential and memory-bound, and live traffic is dynamic.")
+    text("- Inference is important (actual use, evaluation, reinforcement learning).")
+    text("- Different characteristics compared to training: memory-bound, dynamic.")
     text("- (Attention's intensity in decode stays below 1 whatever the batch.)")
-    text("- Techniques: new architectures (GQA, MLA, CLA, local attention), quantization, pruning + distillation,")
+    text("- Techniques: new architectures (GQA, MLA, CLA, local attention), quantization, pruning/distillation,")
     text("  speculative sampling.")
-    text("- Ideas from systems: speculative execution (draft, then verify), paging (the KV cache in blocks),")
-    text("  scheduling at every iteration (continuous batching).")
-    text("- New architectures have huge potential: the KV cache is the bottleneck; change what is cached.")
+    text("- Ideas from systems: speculative execution, paging, scheduling at every iteration.")
+    text("- New architectures have huge potential for improvement: the KV cache is the bottleneck.")
     text("Measuring it, for one model on one device:")
     text("- sweep prompt length, output length, concurrency and precision;")
     text("- record TTFT, p50/p99 inter-token latency, throughput, peak memory and the quality lost;")

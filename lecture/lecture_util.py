@@ -4,6 +4,11 @@ Under edtrace (`python -m edtrace.execute -m lecture_10 -o DIR`) the renderings 
 usual: a rendering is attached to the lecture line that made it, so `part(...)` and `section(...)`
 show up as headings on the lines of `main()` and of each section. Run directly, everything is also
 printed. Image paths are relative to the repository root, whatever the working directory.
+
+Two paths through one file: every section of the lecture is core; the functions a section calls for more
+(experiments, committed benchmark tables, the real model) are marked `@deep_dive`. The full lecture runs
+everything; the class path (`lecture_10_class`, after `use_class_path()`) skips the deep dives, leaving a
+gray note where each would run.
 """
 
 from __future__ import annotations
@@ -12,10 +17,14 @@ import os
 import textwrap
 from pathlib import Path
 
+import functools
+
 import edtrace
 from edtrace import Reference
+from edtrace.execute_util import Rendering
 
-__all__ = ["ROOT", "Reference", "figure", "image", "link", "part", "section", "section_heading", "text"]
+__all__ = ["OFFICIAL_IMAGE_ROOTS", "ROOT", "Reference", "core", "deep_dive", "figure", "formula", "image", "is_class_path", "link",
+           "official_image_url", "part", "section", "section_heading", "text", "use_class_path"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,10 +44,33 @@ def link(reference: Reference | None = None, **kwargs) -> None:
     print("  -> " + " ".join(w for w in words if w))
 
 
-def figure(what: str, url: str) -> None:
-    """Where the official lecture shows a figure we do not redistribute: a link to its source (the
-    paper's figure or table, or the image's own address). Nothing is fetched, ever."""
-    link(Reference(title=f"Figure: {what}", url=url))
+# Where the official lectures keep the images they show as `images/NAME` (the folder at each repository's root).
+OFFICIAL_IMAGE_ROOTS = {2026: "https://raw.githubusercontent.com/stanford-cs336/lectures/main/",
+                        2025: "https://raw.githubusercontent.com/stanford-cs336/spring2025-lectures/main/"}
+
+
+def official_image_url(path: str, year: int = 2026) -> str:
+    """The address of an image the official lecture shows: `images/NAME` lives in that year's lecture
+    repository; anything else is already the address the official lecture itself uses."""
+    if path.startswith(("http://", "https://")):
+        return path
+    if not path.startswith("images/") or year not in OFFICIAL_IMAGE_ROOTS:
+        raise ValueError(f"official image {path!r} (year {year!r}): expected a URL or images/NAME with a year in "
+                         f"{sorted(OFFICIAL_IMAGE_ROOTS)}")
+    return OFFICIAL_IMAGE_ROOTS[year] + path
+
+
+def figure(what: str, url: str, image: str | None = None, width: int = 600, year: int = 2026) -> None:
+    """Where the official lecture shows an image: the same image on screen, and a link to its source (the
+    paper's figure or table, or the image's own address). `image` is the official lecture's own path
+    (`images/NAME`, in that year's lecture repository) or URL. The trace records the address and the
+    viewer loads it in class; nothing is downloaded here (edtrace's own `image()` would fetch a URL into
+    var/files, so the rendering is recorded directly). The terminal prints the address."""
+    if image is not None:
+        address = official_image_url(image, year)
+        edtrace.execute_util._current_renderings.append(Rendering(type="image", data=address, style={"width": width}))
+        print(f"  [figure: {what}] {address}")
+    link(Reference(title=f"Figure: {what}" if image is None else f"Source: {what}", url=url))
 
 
 def image(path: str, **kwargs) -> None:
@@ -51,6 +83,44 @@ def image(path: str, **kwargs) -> None:
                                 "`python -m cs336_inference figures` or the benchmark that writes it)")
     edtrace.image(os.path.relpath(resolved), **kwargs)
     print(f"  [figure: {path}]")
+
+
+_PATH = {"class": False}
+
+
+def use_class_path() -> None:
+    """From now on, `@deep_dive` functions do nothing but leave a note: the class path (lecture_10_class)."""
+    _PATH["class"] = True
+
+
+def is_class_path() -> bool:
+    return _PATH["class"]
+
+
+def deep_dive(function):
+    """Mark a lecture function as a deep dive: the full lecture runs it; the class path leaves a gray note
+    in its place (one trace step, on the line that calls it)."""
+    @functools.wraps(function)
+    def run_unless_class(*args, **kwargs):
+        if _PATH["class"]:
+            note = f"(Deep dive in the full lecture: {function.__name__.replace('_', ' ')}.)"
+            edtrace.text(note, style={"color": "gray"})
+            print(note)
+            return None
+        return function(*args, **kwargs)
+    run_unless_class.deep_dive = True
+    return run_unless_class
+
+
+def core(function):
+    """Mark a lecture helper as part of the class path (sections are core without saying so)."""
+    return function
+
+
+def formula(expr) -> str:
+    """A sympy expression as narration: `·` for products and `^` for powers, so that markdown never reads
+    the `*` of `2*B*D*F` as emphasis (a helper here, not in the lecture: the trace need not step into it)."""
+    return str(expr).replace("**", "^").replace("*", "·")
 
 
 def part(title: str) -> None:

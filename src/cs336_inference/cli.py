@@ -20,15 +20,23 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _lecture_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--path", default=str(REPO_ROOT / "lecture" / "lecture_10.py"),
-                   help="the lecture file to run (default: lecture/lecture_10.py of this checkout)")
+    p.add_argument("--path", default=None,
+                   help="the lecture file to run (default: lecture/lecture_10.py of this checkout, or "
+                        "lecture/lecture_10_class.py with --class)")
+    p.add_argument("--class", dest="class_path", action="store_true",
+                   help="the class path: every official section at about the official length, without the "
+                        "deep dives (lecture/lecture_10_class.py)")
 
 
 def _run_lecture(args) -> int:
     from .device import apply_thread_policy
 
+    if args.path is not None and args.class_path:
+        print("lecture: --path and --class name two lecture files; give one", file=sys.stderr)
+        return 2
     apply_thread_policy(parallel=False)  # the lecture's models are tiny: one thread (see device.py)
-    path = Path(args.path)
+    default = "lecture_10_class.py" if args.class_path else "lecture_10.py"
+    path = Path(args.path) if args.path is not None else REPO_ROOT / "lecture" / default
     if not path.is_file():
         print(f"lecture file not found: {path} (run from a source checkout)", file=sys.stderr)
         return 2

@@ -57,6 +57,14 @@ def lecture_trace_run(tmp_path_factory) -> LectureRun:
     return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10", "-o", str(out)], trace_dir=out)
 
 
+@pytest.fixture(scope="session")
+def lecture_class_trace_run(tmp_path_factory) -> LectureRun:
+    """`python -m edtrace.execute -m lecture_10_class -o DIR`: the class path (no deep dives) under edtrace's
+    line tracer; it writes DIR/lecture_10_class.json, whose source file is lecture/lecture_10.py."""
+    out = tmp_path_factory.mktemp("class_trace")
+    return _run([sys.executable, "-m", "edtrace.execute", "-m", "lecture_10_class", "-o", str(out)], trace_dir=out)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
     """`--dist loadgroup` under pytest 9: xdist 3.8 puts a test's `xdist_group` into its id (the

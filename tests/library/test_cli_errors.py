@@ -50,6 +50,7 @@ CASES = {   # argv -> what the one line must contain
     "figures device": (["figures", "--device", "tpu"], "--device: must be cpu, cuda, cuda:N or mps"),
     "homework empty dir": (["homework", "init", ""], "dir: must not be empty"),
     "homework no action": (["homework"], "the following arguments are required: action"),
+    "lecture two files": (["lecture", "--class", "--path", "x.py"], "--path and --class name two lecture files"),
     "unknown command": (["fly"], "invalid choice: 'fly'"),
     "unknown option": (["chat", "--colour"], "unrecognized arguments: --colour"),
 }
