@@ -31,7 +31,8 @@ import math  # noqa: E402
 import sympy as sp  # noqa: E402
 import torch  # noqa: E402
 
-from lecture_util import Reference, core, deep_dive, figure, formula, image, link, part, section, text  # noqa: E402
+from lecture_util import (Reference, core, deep_dive, figure, formula, image, link, part, section,  # noqa: E402
+                          show_table, text)
 
 from cs336_inference import (ByteTokenizer, ModelConfig, TransformerLM, apply_thread_policy, generate,  # noqa: E402
                              get_device, seed_everything)
@@ -671,8 +672,8 @@ def kv_experiment_summary():
     text("A cache variant must keep three numbers: quality (loss, long-range recall), bytes per token,")
     text("and decode speed at long context.")
     text("`bench kv_variants` trains a small model of each with the same parameters, data and steps (committed run):")
-    table = kv_variants_table(results)  # @inspect table
-    text(table, verbatim=True)
+    table = kv_variants_table(results)
+    show_table(table)
     image("figures/kv_variants.png", width=800)
     variants = results["variants"]
     best_recall = max([max(r["recall"].values()) for r in variants.values()])  # @inspect best_recall
@@ -728,10 +729,10 @@ def kv_cuts_on_a_real_model():
         return
     rows = {r["variant"]: r for r in results["rows"]}
     contexts, longest = results["contexts"], str(max(results["contexts"]))
-    table = long_context_table(results)  # @inspect table
+    table = long_context_table(results)
     text(f"`bench long_context` (committed run): {results['trials_per_context']} trials per context, needle at depths {results['depths']}.")
     text(f"({results['dtype']}, {results['device']}; KV MB and decode ms at {longest} tokens.)")
-    text(table, verbatim=True)
+    show_table(table)
     image("figures/long_context.png", width=800)
     full = rows["full attention (GQA, K=3)"]
     assert min(full["accuracy"][str(c)]["accuracy"] for c in contexts) >= 0.9
@@ -894,9 +895,9 @@ def mqar_experiment():
     if results is None:
         text("Run `python -m cs336_inference bench alternatives` for the whole sweep (about 20 minutes).")
         return
-    table = alternatives_table(results, pairs=(2, 8, 20), contexts=results["latency"]["contexts"][-2:])  # @inspect table
+    table = alternatives_table(results, pairs=(2, 8, 20), contexts=results["latency"]["contexts"][-2:])
     text("The whole sweep (committed run; decode timed on untrained copies, B = 4):")
-    text(table, verbatim=True)
+    show_table(table)
     image("figures/alternatives.png", width=900)
     longest = str(results["latency"]["contexts"][-1])
     ms = {n: r["decode_ms"][longest] for n, r in results["variants"].items() if "decode_ms" in r}  # @inspect ms @stepover
@@ -1100,7 +1101,7 @@ def quantization_benchmarks():
     columns = [("variant", "variant", None), ("model_bytes", "MB", lambda v: f"{v / 1e6:.2f}"),
                ("val_bits_per_byte", "bits/byte", "{:.4f}"), ("delta_bits_per_byte", "delta", "{:+.4f}"),
                ("kl_to_fp32", "KL", "{:.4f}"), ("top1_agreement", "top-1", "{:.1%}")]
-    text(format_table(shown, columns), verbatim=True)
+    show_table(format_table(shown, columns))
     rtn_loss, gptq_loss = int3["delta_bits_per_byte"], int3_gptq["delta_bits_per_byte"]  # @inspect rtn_loss gptq_loss
     qat_loss, awq_loss = rows[f"int3 QAT g{g}"]["delta_bits_per_byte"], int3_awq["delta_bits_per_byte"]  # @inspect qat_loss awq_loss
     rtn4_loss, awq4_loss = int4["delta_bits_per_byte"], rows[f"int4 AWQ g{g}"]["delta_bits_per_byte"]  # @inspect rtn4_loss awq4_loss
@@ -1193,10 +1194,10 @@ def quantization_on_a_real_model():
         text("Run `python -m cs336_inference bench quantization_smollm2` for every method on real text.")
         return
     rows = {r["variant"]: r for r in results["rows"]}
-    table = quantization_smollm2_table(results)  # @inspect table
+    table = quantization_smollm2_table(results)
     text(f"`bench quantization_smollm2` (committed run): {results['eval_tokens']:,} held-out tokens of CPython's documentation.")
     text("KL and top-1 against the published model:")
-    text(table, verbatim=True)
+    show_table(table)
     image("figures/quantization_smollm2.png", width=800)
     ref, q41 = rows["fp32 (published Q4_1, dequantized)"], rows["Q4_1 again (llama.cpp's grid)"]
     g = 96  # groups of 128 do not divide D = 576
@@ -1393,7 +1394,7 @@ def speculative_on_our_models():
                ("alpha", "alpha", "{:.2f}"), ("tokens_per_pass", "tokens/pass", "{:.2f}"), ("cost_ratio", "c", "{:.3f}"),
                ("verify_cost", "v", "{:.2f}"), ("measured_speedup", "measured", "{:.2f}x"),
                ("predicted_speedup", "predicted", "{:.2f}x"), ("paper_speedup", "v = 1", "{:.2f}x")]
-    text(format_table(best_rows, columns), verbatim=True)
+    show_table(format_table(best_rows, columns))
     toy = {(r["drafter"], r["gamma"]): r for r in rows if r["workload"] == "toy-story"}
     v8 = toy[("draft", 8)]["verify_cost"]  # @inspect v8
     c_draft = sorted([r["cost_ratio"] for (name, _), r in toy.items() if name == "draft"])[len(bench["gammas"]) // 2]  # @inspect c_draft

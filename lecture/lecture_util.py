@@ -24,7 +24,8 @@ from edtrace import Reference
 from edtrace.execute_util import Rendering
 
 __all__ = ["OFFICIAL_IMAGE_ROOTS", "ROOT", "Reference", "core", "deep_dive", "figure", "formula", "image", "is_class_path", "link",
-           "official_image_url", "part", "section", "section_heading", "text", "use_class_path"]
+           "official_image_url", "part", "section", "section_heading", "show_table", "text",
+           "use_class_path"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,6 +116,16 @@ def deep_dive(function):
 def core(function):
     """Mark a lecture helper as part of the class path (sections are core without saying so)."""
     return function
+
+
+def show_table(block: str, width: int = 100) -> None:
+    """A table in monospace. The trace shows it only if every line fits the screen (`width` characters);
+    a wider one is printed by the terminal run only, and the trace says so (the figure beside it shows it)."""
+    if max(len(line) for line in block.splitlines()) <= width:
+        edtrace.text(block, verbatim=True)
+    else:
+        edtrace.text("(The full table is printed by the terminal run; the figure below shows it.)", style={"color": "gray"})
+    print(block)
 
 
 def formula(expr) -> str:

@@ -349,3 +349,48 @@ def test_class_path_renders_as_written_and_shows_every_official_image(lecture_cl
     assert not bad, bad
     text_items = [r for r in prose if not r["data"].startswith("#")]
     assert len(text_items) <= 1.3 * 279, len(text_items)     # the official lecture: 279 text items
+
+
+def test_the_notebook_extra_installs_jupyterlab_and_ci_stays_lean():
+    """`pip install -e .[notebook]` gives the README's `jupyter lab`; .ci/setup (the tests run the notebooks
+    through nbclient + ipykernel) does not install it."""
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.match(r"jupyterlab\b", requirement) for requirement in extras["notebook"]), extras["notebook"]
+    setup = (ROOT / ".ci" / "setup").read_text()
+    assert "jupyterlab" not in setup and "notebook]" not in setup and "notebook," not in setup
+
+
+def test_the_official_wording_and_links_dropped_before_are_back():
+    """Issue 50's drift items: sentences, notation and links the official lectures give, in their sections."""
+    tree = _tree()
+    functions = _functions(tree)
+
+    def said(section):
+        return " ".join(message for _, message in _text_literals(functions[section]))
+    assert "Inference is huge. Important to make it fast." in said("landscape")
+    assert '<font color="red">Contracting (red)</font>' in said("review_transformer")
+    assert '<font color="blue">Batching (blue)</font>' in said("review_transformer")
+    assert "6·B·T·(params + O(T))" in said("review_transformer")                                 # 2025's rule
+    assert "(Mamba 2, GatedDeltaNet)" in said("reduce_kv_cache_size")
+    links = _calls(functions["landscape"], "link")
+    linked = {c.args[0].id for c in links if c.args and isinstance(c.args[0], ast.Name)}
+    urls = {next(k.value.value for k in node.value.keywords if k.arg == "url") for node in tree.body
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+            and ast.unparse(node.value.func) == "Reference" and node.targets[0].id in linked}
+    assert {"https://github.com/vllm-project/vllm", "https://sgl-project.github.io/"} <= urls, urls
+
+
+def test_a_live_measurement_says_so_and_no_committed_plot_stands_beside_it():
+    """The roofline timed while the lecture runs is narrated as this machine, now; the committed roofline plot
+    (another run, another machine) is not shown beside it."""
+    tree = _tree()
+    measuring = [f for f in _functions(tree).values()
+                 if any(ast.unparse(c.func) == "measure_hardware" for c in ast.walk(f) if isinstance(c, ast.Call))]
+    assert measuring
+    for function in measuring:
+        messages = " ".join(message for _, message in _text_literals(function))
+        assert "This machine, now" in messages and "timed just now" in messages, function.name
+        assert not _calls(function, "image"), f"{function.name} shows a committed figure beside a live number"
+    assert "roofline_matmul_cpu.png" not in (LECTURE_DIR / "lecture_10.py").read_text()

@@ -343,6 +343,9 @@ def test_trace_steps_like_the_official_lecture(lecture_trace_run):
              for m in [r["data"]] if not m.startswith("#")]
     average = sum(map(len, prose)) / len(prose)
     assert len(prose) > 300 and average <= 100, (len(prose), average)
+    tables = [r["data"] for s in steps for r in s["renderings"]
+              if r["type"] == "markdown" and (r.get("style") or {}).get("whiteSpace") == "pre"]
+    assert tables and max(map(len, tables)) <= 100, f"a table line of {max(map(len, tables))} characters overflows"
 
     tree = _tree()
     statement_of = {}   # line -> the innermost simple statement spanning it
