@@ -1501,7 +1501,8 @@ def describe_the_trace(requests):
     """What the trace holds: arrivals, shared prefixes, sampled requests, lengths."""
     span = requests[-1].arrival_time - requests[0].arrival_time  # @inspect span
     sampled = len([r for r in requests if r.sampling.n > 1])  # @inspect sampled
-    shared = len([r for r in requests if list(r.prompt[:64]) == list(serving_trace_system())])  # @inspect shared @stepover
+    system = serving_trace_system()  # the 64-token system prompt half the requests start with @stepover
+    shared = len([r for r in requests if list(r.prompt[:64]) == system])  # @inspect shared
     lengths = sorted([len(r.prompt) for r in requests])
     text("A trace with all three difficulties:")
     text(f"1. {len(requests)} requests arriving as a Poisson process over {span:.2f} s;")
