@@ -59,8 +59,13 @@ class ModelSource:
             return load_pretrained(self.name, device=device, dtype=dtype)
         if self.own_format:
             return load_cs336_checkpoint(self.blob["model"], self.config, device=device, dtype=dtype)
-        with contextlib.redirect_stdout(sys.stderr):   # key_map="auto" prints the mapping it found
-            return load_cs336_checkpoint(self.blob, self.config, device=device, dtype=dtype, key_map="auto")
+        try:
+            with contextlib.redirect_stdout(sys.stderr):   # key_map="auto" prints the mapping it found
+                return load_cs336_checkpoint(self.blob, self.config, device=device, dtype=dtype, key_map="auto")
+        except ValueError as err:   # name the config it was given first: that is what a user fixes
+            c = self.config
+            given = ", ".join(f"{k}={getattr(c, k)}" for k in (*CS336_FIELDS[:5], "num_kv_heads", "d_ff"))
+            raise ValueError(f"{self.path} does not match the config given ({given}): {err}") from None
 
 
 def is_path(model: str) -> bool:
