@@ -277,6 +277,10 @@ def _compile_first(how: str, decode, warm_up, model=None) -> None:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
+    p.epilog = ("In the chat: Ctrl-C stops an answer (the part shown stays in the conversation); at the prompt it "
+                "clears the line, or on an empty line ends the chat with exit status 130. Ctrl-D on an empty line "
+                "or /quit ends it with status 0. Up/Down recall earlier lines (kept in the cache folder). "
+                "/help lists the commands: /reset, /stats, /quit.")
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile, compiled before the first message)")

@@ -83,16 +83,21 @@ def feed(monkeypatch, *lines):
     monkeypatch.setattr("builtins.input", fake_input)
 
 
-def repl(model, screen, max_new_tokens=60):
-    session = make_chat_session(model, TemplateBytes(), max_seq_len=512,
-                                streams=make_conversation_cache(model, 512))
+def streams(kind, model):
+    """What runs a session's turns: one contiguous cache (the `chat` command's), or a private serving engine."""
+    return make_conversation_cache(model, 512) if kind == "conversation cache" else None
+
+
+def repl(model, screen, max_new_tokens=60, kind="conversation cache"):
+    session = make_chat_session(model, TemplateBytes(), max_seq_len=512, streams=streams(kind, model))
     return chat_repl.ChatREPL(session, dict(max_new_tokens=max_new_tokens), seed=0, stats_line=cli._stats_line,
                               out=screen, editing=False)
 
 
-def test_ctrl_c_stops_the_answer_keeps_it_and_the_next_answer_is_a_fresh_sessions(target, monkeypatch):
+@pytest.mark.parametrize("kind", ["conversation cache", "engine"])
+def test_ctrl_c_stops_the_answer_keeps_it_and_the_next_answer_is_a_fresh_sessions(target, monkeypatch, kind):
     screen = Screen(ctrl_c_after=8)
-    loop = repl(target, screen)
+    loop = repl(target, screen, kind=kind)
     feed(monkeypatch, "Tell me a story", "And then?", EOFError())
     before = signal.getsignal(signal.SIGINT)
     assert loop.run() == chat_repl.EXIT_OK
@@ -108,7 +113,7 @@ def test_ctrl_c_stops_the_answer_keeps_it_and_the_next_answer_is_a_fresh_session
     assert len(first) == 8 and second.reused_tokens > len(TemplateBytes().encode("[user] Tell me a story"))
     # the next answer is the one a fresh session (a fresh cache, the whole conversation prefilled) gives
     fresh = make_chat_session(target, TemplateBytes(), max_seq_len=512, messages=copy.deepcopy(session.messages[:2]),
-                              streams=make_conversation_cache(target, 512))
+                              streams=streams(kind, target))
     want = "".join(fresh.send("And then?", max_new_tokens=60, seed=1))
     assert session.messages[3] == {"role": "assistant", "content": want} and want in printed
     assert printed.count("TTFT") == 2
@@ -253,6 +258,7 @@ def test_every_option_shows_its_default_in_help():
     assert "--port PORT the port to listen on (default: 8000)" in serve and "at most (default: 32)" in serve
     chat = " ".join(cli.build_parser()._subparsers._group_actions[0].choices["chat"].format_help().split())
     assert "in tokens (default: 256)" in chat and "0 = greedy (default: 0.0)" in chat
+    assert "ends the chat with exit status 130" in chat and "/quit ends it with status 0" in chat   # the keys
 
 
 def test_version_prints_the_package_version_and_exits_0(tmp_path):

@@ -127,3 +127,17 @@ def test_each_mistake_is_one_line(own_file, student_file, tmp_path, capsys, monk
     assert "has no chat template" in err
     err = _one_line_error([*gen, "gpt-17"], capsys, monkeypatch)
     assert "unknown pretrained model 'gpt-17'" in err and "or a checkpoint file" in err
+
+
+def test_serve_takes_a_checkpoint_file(own_file, monkeypatch):
+    """`serve --model PATH` loads the file as chat and generate do (the server itself is not started here)."""
+    pytest.importorskip("fastapi")
+    import cs336_inference.serving.http as http
+
+    path, model = own_file
+    served = []
+    monkeypatch.setattr(http, "run_server", lambda server, host, port, *a, **k: served.append(server))
+    assert cli.main(["serve", "--model", str(path), "--port", "0", "--no-compile"]) == 0
+    (server,) = served
+    assert server.model_name == str(path) and server.context_length == model.config.context_length
+    assert isinstance(server.tokenizer, ByteTokenizer)
