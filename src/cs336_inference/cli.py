@@ -126,6 +126,12 @@ def _run_train(args) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+# an assignment-1 checkpoint's config as flags (ModelConfig fields; --config gives them as a JSON file)
+_CONFIG_FLAGS = {"vocab_size": check.positive_int, "context_length": check.positive_int,
+                 "d_model": check.positive_int, "num_layers": check.positive_int, "num_heads": check.positive_int,
+                 "num_kv_heads": check.positive_int, "d_ff": check.positive_int, "rope_theta": check.positive_float}
+
+
 def _load_args(p: argparse.ArgumentParser) -> None:
     """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
     p.add_argument("--model", default="smollm2-135m", type=check.text,
@@ -151,11 +157,6 @@ def _load_args(p: argparse.ArgumentParser) -> None:
         files.add_argument(f"--{flag.replace('_', '-')}", default=None, type=kind,
                            help=f"the assignment-1 model's {flag} (default: from --config"
                                 + {"rope_theta": ", else 10000)", "num_kv_heads": ", else --num-heads)"}.get(flag, ")"))
-
-
-_CONFIG_FLAGS = {"vocab_size": check.positive_int, "context_length": check.positive_int,
-                 "d_model": check.positive_int, "num_layers": check.positive_int, "num_heads": check.positive_int,
-                 "num_kv_heads": check.positive_int, "d_ff": check.positive_int, "rope_theta": check.positive_float}
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
