@@ -147,8 +147,9 @@ def _load_args(p: argparse.ArgumentParser) -> None:
     files = p.add_argument_group("a checkpoint file (--model PATH)")
     files.add_argument("--tokenizer", default=None, type=check.text,
                        help="byte (the toy models' byte tokenizer), a model name whose tokenizer to use, or a "
-                            "tokenizer.json file (default: the one the checkpoint names, else byte when its "
-                            "vocabulary is the byte tokenizer's 257 tokens)")
+                            "tokenizer.json file (a tokenizer_config.json beside it may give the chat template) "
+                            "(default: the one the checkpoint names, else byte when its vocabulary is the byte "
+                            "tokenizer's 257 tokens)")
     files.add_argument("--config", default=None, type=check.text,
                        help="an assignment-1 checkpoint's config: a JSON file of ModelConfig fields (vocab_size, "
                             "context_length, d_model, num_layers, num_heads, d_ff, rope_theta); the flags below "

@@ -8,8 +8,9 @@ A file is either
     from a JSON file (`--config`) and/or flags, and its keys are placed by `key_map="auto"`
     (`load_cs336_checkpoint`), which prints the mapping it found (to stderr here: stdout is the answer).
 A file's tokenizer: `--tokenizer` ("byte", a model name whose tokenizer to use, or a Hugging Face
-`tokenizer.json` file), else the name a checkpoint stores under extra["tokenizer"], else the byte tokenizer
-when the vocabulary is the byte tokenizer's (the toy models'); anything else must be named.
+`tokenizer.json` file, with the chat template from a `tokenizer_config.json` beside it), else the name a
+checkpoint stores under extra["tokenizer"], else the byte tokenizer when the vocabulary is the byte
+tokenizer's (the toy models'); anything else must be named.
 
 `resolve` reads only what is cheap (a file's header and config, memory-mapped; a tokenizer), so a command
 can refuse a model (no chat template, a tokenizer that does not fit) before any weights load; `ModelSource.load`
@@ -199,9 +200,8 @@ def _file_tokenizer(spec: str | None, vocab_size: int, path: Path):
 
 class TokenizerFile:
     """A Hugging Face `tokenizer.json` file (the `tokenizers` library) with our encode/decode; its end
-    tokens (<|endoftext|>, <|im_end|>, </s>, ...) stop an answer. No chat template: a tokenizer.json holds none."""
-
-    chat_template = None
+    tokens (<|endoftext|>, <|im_end|>, </s>, ...) stop an answer. A `tokenizer_config.json` beside it (as
+    Hugging Face saves them) may give the chat template (its "chat_template") and the end token ("eos_token")."""
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer
@@ -214,9 +214,42 @@ class TokenizerFile:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.stop_ids = [vocab[t] for t in _STOP_TOKENS if t in vocab]
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        settings = _tokenizer_config(Path(path).with_name("tokenizer_config.json"))
+        self.chat_template = settings.get("chat_template") if isinstance(settings.get("chat_template"), str) else None
+        self.special = {k: _token_text(settings.get(k)) for k in ("bos_token", "eos_token")}
+        if self.special["eos_token"] in vocab and vocab[self.special["eos_token"]] not in self.stop_ids:
+            self.stop_ids.insert(0, vocab[self.special["eos_token"]])
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation in the template's format (rendered as `BPETokenizer.apply_chat_template` does)."""
+        from .model.bpe_tokenizer import _compiled_template
+
+        if self.chat_template is None:
+            raise ValueError(f"{self.name} has no chat template (no tokenizer_config.json beside it holds one)")
+        return _compiled_template(self.chat_template).render(messages=list(messages),
+                                                             add_generation_prompt=add_generation_prompt,
+                                                             **{k: v or "" for k, v in self.special.items()})
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _tokenizer_config(path: Path) -> dict:
+    """The settings in a Hugging Face tokenizer_config.json ({} when there is none); a broken one is refused."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"--tokenizer: {path} is not a readable JSON file ({err})") from None
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    """A token as tokenizer_config.json writes it: a str, or {"content": str, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None

@@ -87,6 +87,31 @@ def test_the_tokenizer_is_the_named_one_and_must_fit(own_file, student_file, tmp
         resolve(str(path), tokenizer="smollm2-135m")
 
 
+def test_a_tokenizer_config_beside_the_file_gives_the_chat_template(own_file, tmp_path):
+    """As Hugging Face saves a tokenizer: tokenizer.json, and tokenizer_config.json with the chat template and
+    the end token; `chat` then takes the model (a file without one is refused, as a toy model is)."""
+    import argparse
+
+    from tokenizers import Tokenizer, models
+
+    path, _ = own_file
+    words = {"<|im_start|>": 0, "<|im_end|>": 1, "user": 2, "assistant": 3, "hi": 4, "[UNK]": 5}
+    Tokenizer(models.WordLevel(words, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    template = ("{% for m in messages %}{{ bos_token }}{{ m['role'] }} {{ m['content'] }}{{ eos_token }}{% endfor %}"
+                "{% if add_generation_prompt %}{{ bos_token }}assistant {% endif %}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": "<|im_start|>", "eos_token": {"content": "<|im_end|>"}}))
+    args = argparse.Namespace(command="chat", model=str(path), tokenizer=str(tmp_path / "tokenizer.json"),
+                              config=None)
+    tokenizer = cli._model_source(args).tokenizer
+    assert tokenizer.stop_ids == [1]
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert rendered == "<|im_start|>user hi<|im_end|><|im_start|>assistant "
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ValueError, match="has no chat template"):
+        cli._model_source(args)
+
+
 def _one_line_error(argv, capsys, monkeypatch) -> str:
     monkeypatch.delenv("CS336_DEBUG", raising=False)
     assert cli.main([*argv, "--no-compile"]) == 2
