@@ -55,15 +55,17 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    help="inference: the model (target, or smollm2-135m; default "
                    "target); generation: smollm2-135m instead of the random-init preset")
     p.add_argument("--preset", default=None, type=check.text,
-                   help="inference: run only this operating point (chat, batch or rollouts) at every precision")
+                   help="inference: run only this operating point (chat, batch or rollouts) at every precision "
+                   "(default: every operating point and sweep)")
     p.add_argument("--concurrency", type=check.positive_int, default=None,
-                   help="inference: with --preset, sequences at once")
+                   help="inference: with --preset, sequences at once (default: the preset's)")
     p.add_argument("--output-len", type=check.positive_int, default=None,
-                   help="inference: with --preset, tokens per answer")
+                   help="inference: with --preset, tokens per answer (default: the preset's)")
     p.add_argument("--no-progress", action="store_true", help="inference: no progress bar over the sweep")
     p.add_argument("--endpoint", default=None, type=check.url,
                    help="inference: measure the OpenAI-compatible server at this URL "
-                   "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name")
+                   "(e.g. http://127.0.0.1:8000/v1; ours, vLLM, SGLang, llama.cpp) with --model its served name "
+                   "(default: none, the engine in this process)")
     p.add_argument("--tokenizer", default=None, type=check.text,
                    help="inference --endpoint: cut prompts and count tokens with this "
                    "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
@@ -111,7 +113,8 @@ def _train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, type=check.text,
                    help="output file (default: a new file ./trained/PRESET.pt; the shipped models in the "
                         "package's assets/ are replaced only if --out names one)")
-    p.add_argument("--steps", type=check.positive_int, default=None, help="override the step count (smoke runs only)")
+    p.add_argument("--steps", type=check.positive_int, default=None,
+                   help="override the step count (smoke runs only; default: the preset's)")
     p.add_argument("--device", default=None, type=check.device, help="cpu or cuda (default: best available)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
@@ -131,26 +134,67 @@ def _run_train(args) -> int:
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
+# an assignment-1 checkpoint's config as flags (ModelConfig fields; --config gives them as a JSON file)
+_CONFIG_FLAGS = {"vocab_size": check.positive_int, "context_length": check.positive_int,
+                 "d_model": check.positive_int, "num_layers": check.positive_int, "num_heads": check.positive_int,
+                 "num_kv_heads": check.positive_int, "d_ff": check.positive_int, "rope_theta": check.positive_float}
+
+
 def _load_args(p: argparse.ArgumentParser) -> None:
     """Which model and how it loads (chat, generate, serve: `_load_model` reads them)."""
     p.add_argument("--model", default="smollm2-135m", type=check.text,
-                   help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
-                        "(target, draft, draft-scratch)")
+                   help="smollm2-135m (the real model, from its installed package), a shipped toy model "
+                        "(target, draft, draft-scratch), or a checkpoint file: one `train --out` or `save` wrote, "
+                        "or an assignment-1 checkpoint (give its config: --config or the flags below)")
     p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
     p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: "
                    "bf16 for int4-exact, else fp32 on CPU and bf16 on CUDA)")
     p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="the weights: int4-exact (the published GGUF blocks on the packed int4 kernel; the default "
                         "for smollm2-135m), int8 (per channel, packed kernel), bf16 or fp32 (the toy models' default)")
+    files = p.add_argument_group("a checkpoint file (--model PATH)")
+    files.add_argument("--tokenizer", default=None, type=check.text,
+                       help="byte (the toy models' byte tokenizer), a model name whose tokenizer to use, or a "
+                            "tokenizer.json file (a tokenizer_config.json beside it may give the chat template) "
+                            "(default: the one the checkpoint names, else byte when its vocabulary is the byte "
+                            "tokenizer's 257 tokens)")
+    files.add_argument("--config", default=None, type=check.text,
+                       help="an assignment-1 checkpoint's config: a JSON file of ModelConfig fields (vocab_size, "
+                            "context_length, d_model, num_layers, num_heads, d_ff, rope_theta); the flags below "
+                            "override it (default: none; this project's own checkpoints carry theirs)")
+    for flag, kind in _CONFIG_FLAGS.items():
+        files.add_argument(f"--{flag.replace('_', '-')}", default=None, type=kind,
+                           help=f"the assignment-1 model's {flag} (default: from --config"
+                                + {"rope_theta": ", else 10000)", "num_kv_heads": ", else --num-heads)"}.get(flag, ")"))
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
-    p.add_argument("--max-new-tokens", type=check.positive_int, default=256)
+    p.add_argument("--max-new-tokens", type=check.positive_int, default=256, help="the longest answer, in tokens")
     p.add_argument("--temperature", type=check.temperature, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=check.positive_int, default=None)
-    p.add_argument("--top-p", type=check.probability, default=None)
+    p.add_argument("--top-k", type=check.positive_int, default=None,
+                   help="sample among the k likeliest tokens (default: off, every token)")
+    p.add_argument("--top-p", type=check.probability, default=None,
+                   help="sample within the smallest set of tokens holding probability p (default: off, 1.0)")
     p.add_argument("--seed", type=check.non_negative_int, default=0, help="sampling seed (temperature > 0)")
+
+
+def _model_source(args):
+    """What --model names (`model_source.resolve`): its tokenizer and, for a file, its config; no weights yet.
+    chat, and generate --chat, refuse here a model without a chat template, before anything heavy loads."""
+    from .model_source import read_config_file, resolve
+
+    config = read_config_file(args.config) if getattr(args, "config", None) else {}
+    config.update({k: getattr(args, k) for k in _CONFIG_FLAGS if getattr(args, k, None) is not None})
+    source = resolve(args.model, getattr(args, "tokenizer", None), config)
+    if not getattr(source.tokenizer, "chat_template", None):
+        if getattr(args, "command", None) == "chat":
+            raise ValueError(f"{args.model} has no chat template (it continues text; it was not trained on "
+                             f"conversations): continue a text with `generate --model {args.model} --prompt TEXT`, "
+                             f"or chat with smollm2-135m")
+        if getattr(args, "chat", False):
+            raise ValueError(f"--chat: {args.model} has no chat template; drop --chat to continue the prompt as text")
+    return source
 
 
 def _load_model(args):
@@ -159,7 +203,8 @@ def _load_model(args):
     from .device import seed_everything
 
     dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    model, tokenizer, banner = load_for_inference(args.model, args.device, getattr(args, "precision", None), dtype)
+    source = _model_source(args)
+    model, tokenizer, banner = load_for_inference(source, args.device, getattr(args, "precision", None), dtype)
     print(banner, file=sys.stderr)
     device = model.device
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
@@ -242,16 +287,21 @@ def _compile_first(how: str, decode, warm_up, model=None) -> None:
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
+    p.epilog = ("In the chat: Ctrl-C stops an answer (the part shown stays in the conversation); at the prompt it "
+                "clears the line, or on an empty line ends the chat with exit status 130. Ctrl-D on an empty line "
+                "or /quit ends it with status 0. Up/Down recall earlier lines (kept in the cache folder). "
+                "/help lists the commands: /reset, /stats, /quit.")
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile, compiled before the first message)")
 
 
 def _run_chat(args) -> int:
+    from .chat_repl import ChatREPL
     from .generation import ConversationCache
     from .serving import ChatSession
 
-    model, tokenizer, _ = _load_model(args)
+    model, tokenizer, _ = _load_model(args)   # a model without a chat template is refused first
     # One user: one contiguous cache kept between turns (each turn prefills only what is new) and a
     # compiled decode step; `serve` is the one that batches conversations on the paged engine.
     decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
@@ -261,35 +311,17 @@ def _run_chat(args) -> int:
     session = ChatSession(model, tokenizer, system=args.system, max_seq_len=max_seq_len, streams=conversation)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p)
-    print(f"{args.model} on {model.device} ({model.dtype}); /reset forgets the conversation, /quit or Ctrl-D ends.")
-    while True:
-        try:
-            text = check.read_line("you> ")
-        except KeyboardInterrupt:
-            text = None
-        if text is None:
-            print()
-            return 0
-        if text.strip() in ("/quit", "/exit"):
-            return 0
-        if text.strip() == "/reset":
-            session.reset()
-            continue
-        print("model> ", end="", flush=True)
-        try:
-            for piece in session.send(text, seed=args.seed + len(session.history), **sampling):
-                print(piece, end="", flush=True)
-        except ValueError as e:  # the conversation outgrew the cache: say so and keep the REPL alive
-            print(f"\n[{e}]")
-            continue
-        print("\n" + _stats_line(session.history[-1]))
+    print(f"{args.model} on {model.device} ({model.dtype}); /help lists the commands, Ctrl-C stops an answer, "
+          f"/quit or Ctrl-D ends.")
+    # the loop, its keys and its exit statuses (0: /quit or Ctrl-D; 130: Ctrl-C at an empty prompt): chat_repl.py
+    return ChatREPL(session, sampling, args.seed, _stats_line).run()
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
     _load_args(p)
     p.add_argument("--host", default="127.0.0.1", type=check.text,
                    help="address to listen on (default: this machine only)")
-    p.add_argument("--port", type=check.port, default=8000)
+    p.add_argument("--port", type=check.port, default=8000, help="the port to listen on")
     p.add_argument("--max-num-seqs", type=check.positive_int, default=32, help="sequences in the running batch at most")
     p.add_argument("--num-blocks", type=check.positive_int, default=None,
                    help="KV cache blocks of 16 tokens (default: room for "
@@ -347,8 +379,10 @@ BENCHMARKS: dict[str, str] = {
 def _info_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parallel", action="store_true", help="apply the policy for large work (every core)")
     p.add_argument("--model", default=None, type=check.text,
-                   help="also load this model as chat/generate/serve would and list what runs each layer")
-    p.add_argument("--precision", default=None, choices=PRECISIONS, help="with --model: the weights (as for chat)")
+                   help="also load this model as chat/generate/serve would and list what runs each layer "
+                        "(default: none)")
+    p.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="with --model: the weights (default: as for chat)")
 
 
 def _run_info(args) -> int:
@@ -436,6 +470,8 @@ COMMANDS: dict[str, tuple] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = check.Parser(prog="python -m cs336_inference",
                                      description="CS336 Lecture 10 (Inference), executable.")
+    parser.add_argument("--version", action="version", version=f"cs336-inference {check.package_version()}",
+                        help="print the package's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="command")
     for name, (help_text, add_args, _) in COMMANDS.items():
         add_args(sub.add_parser(name, help=help_text, description=help_text))

@@ -14,11 +14,38 @@ import math
 import sys
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """argparse's help with every option's default: "(default: X)" is appended unless the help already
+    says what the default is in words (the options whose default is None, a choice made at run time, do)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text.lower() or not action.option_strings or any(
+                action.default is unset for unset in (None, False, argparse.SUPPRESS)):   # `is`: 0 == False
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with one-line errors: `PROG: error: argument --OPTION: what is wrong`."""
+    """argparse with one-line errors: `PROG: error: argument --OPTION: what is wrong`; its help (and every
+    subcommand's: they are Parsers too) shows each option's default (`HelpFormatter`)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {one_line(message)}\n")
+
+
+def package_version() -> str:
+    """This package's version, as installed (`importlib.metadata`)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("cs336-inference")
+    except metadata.PackageNotFoundError:
+        return "unknown (the package is not installed: pip install -e .)"
 
 
 def one_line(message) -> str:
@@ -66,6 +93,7 @@ _positive = _within(_int, lambda v: v >= 1, "a positive integer (>= 1)")
 _non_negative = _within(_int, lambda v: v >= 0, "an integer >= 0")
 _port = _within(_int, lambda v: 0 <= v <= 65535, "a port number in [0, 65535]")
 _temperature = _within(_float, lambda v: v >= 0, ">= 0 (0 = greedy)")
+_positive_float = _within(_float, lambda v: v > 0, "a number > 0")
 _probability = _within(_float, lambda v: 0 < v <= 1, "in (0, 1]")
 
 
@@ -101,6 +129,7 @@ non_negative_int = _type("non_negative_int", _non_negative)
 port = _type("port", _port)
 temperature = _type("temperature", _temperature)
 probability = _type("probability", _probability)
+positive_float = _type("positive_float", _positive_float)
 text = _type("text", _text)
 device = _type("device", _device)
 url = _type("url", _url)

@@ -28,8 +28,11 @@ PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
 CPU_INDUCTOR = {"cpp_wrapper": True, "size_asserts": False}
 
 
-def load_for_inference(name: str, device=None, precision: str | None = None, dtype=None):
+def load_for_inference(name, device=None, precision: str | None = None, dtype=None):
     """(model, tokenizer, banner): a model ready for chat, generate and serve, and one line saying what runs.
+
+    name: a model name, a checkpoint file's path, or a `model_source.ModelSource` (`resolve` gives one:
+    a file with its tokenizer and config).
 
     precision: "int4-exact" (a real model's published Q4_1 / Q8_0 blocks on the packed kernels, no
     re-quantization: the default for a real model), "int8" (per-channel RTN on the packed int8 kernel),
@@ -40,22 +43,26 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
     import torch
 
     from .device import apply_thread_policy, default_dtype, get_device
-    from .model import REAL_MODELS, load_pretrained, load_tokenizer
+    from .model import load_pretrained
+    from .model_source import ModelSource, resolve
 
-    apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
+    source = name if isinstance(name, ModelSource) else resolve(name)
+    name, real = source.name, source.is_real
+    apply_thread_policy(parallel=real)  # a real model is large work: every core
     device = get_device(device)
     if precision is None:
-        precision = "int4-exact" if name in REAL_MODELS else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
+        precision = "int4-exact" if real else {torch.bfloat16: "bf16"}.get(dtype, "fp32")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "int4-exact":
-        if name not in REAL_MODELS:
-            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
-                             f"shipped toy model (use fp32, bf16 or int8)")
+        if not real:
+            raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is "
+                             f"{'a checkpoint file' if source.path else 'a shipped toy model'} (use fp32, bf16 "
+                             f"or int8)")
         model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
     else:
         base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
-        model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()
+        model = source.load(device=device, dtype=dtype or base).fuse_projections()
         if precision == "int8":
             from .quantization import quantize_model
 
@@ -69,7 +76,7 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
         tuning = "; " + describe(tune_for_cpu(model))
     banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
               f"{torch.get_num_threads()} threads, {attention} attention{tuning}")
-    return model, load_tokenizer(name), banner
+    return model, source.tokenizer, banner
 
 
 def attention_kernel(device) -> str:

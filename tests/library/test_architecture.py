@@ -22,10 +22,11 @@ LAYERS = {
     "data": 4,
     "compression": 5, "serving": 5,
     "shipped_models": 6,             # how the shipped toy models are made (training + pruning)
+    "model_source": 6,               # what --model names: a model by name or a checkpoint file, and its tokenizer
     "benchmarks": 7,
     "fast_path": 7,                  # the model chat/generate/serve run: weights, kernels, threads, compile
     "homework": 7,                   # the graded functions' reference solution and the student skeleton
-    "cli": 8, "cli_args": 8, "__main__": 8, "__init__": 8,
+    "cli": 8, "cli_args": 8, "chat_repl": 8, "__main__": 8, "__init__": 8,
 }
 
 

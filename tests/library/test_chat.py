@@ -154,6 +154,9 @@ def test_generate_and_chat_commands_on_a_toy_model(capsys, monkeypatch):
     assert "target: fp32 weights" in out.err and "eager decode (--no-compile)" in out.err   # the banner says what runs
     lines = iter(["Hello there", "/reset", "Again", "/quit"])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", "target", "--max-new-tokens", "10", "--no-compile"]) == 2   # no chat template
+    assert "target has no chat template" in capsys.readouterr().err
+    monkeypatch.setattr("cs336_inference.model.load_tokenizer", lambda name: ChatMLBytes())   # give it one
     assert main(["chat", "--model", "target", "--max-new-tokens", "10", "--no-compile"]) == 0
     out = capsys.readouterr().out
     assert out.count("TTFT") == 2 and "reused from the KV cache" in out
@@ -202,6 +205,7 @@ def test_the_chat_command_compiles_its_decode_step_first_and_answers_as_eager(ca
     from cs336_inference.cli import main
 
     answers = {}
+    monkeypatch.setattr("cs336_inference.model.load_tokenizer", lambda name: ChatMLBytes())   # a chat template
     for flags in ([], ["--no-compile"]):
         lines = iter(["Hello there", "And then?", "/quit"])
         monkeypatch.setattr("builtins.input", lambda prompt="", lines=lines: next(lines))

@@ -123,6 +123,7 @@ class TurnStats:
     generated_tokens: int
     ttft_s: float               # from the call to the first answer token
     decode_s: float             # from the first to the last answer token
+    stopped: bool = False       # the answer was cut short by its reader (Ctrl-C in `chat`)
 
     @property
     def decode_tokens_per_s(self) -> float:

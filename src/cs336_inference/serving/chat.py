@@ -117,7 +117,10 @@ class ChatSession:
     def send(self, text: str, max_new_tokens: int = 256, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None):
         """Add a user message and yield the answer's text pieces as they are generated; its stats land
-        in `history`. The answer joins `messages` when the stream is exhausted."""
+        in `history`. The answer joins `messages` when the stream is exhausted, or when the caller stops
+        it (closes the generator, e.g. on Ctrl-C; or a KeyboardInterrupt arrives): then the part generated
+        so far is the assistant's turn (`TurnStats.stopped`), and the cache keeps the tokens computed for it,
+        so the next turn answers as a fresh session given the same `messages` would."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
         t0 = time.perf_counter()
@@ -129,19 +132,31 @@ class ChatSession:
         stop = tuple(getattr(self.tokenizer, "stop_ids", []))
         params = SamplingParams(temperature, top_k, top_p, max_tokens=max_new_tokens, stop_token_ids=stop, seed=seed)
         detok, generated, first, reused = TextStream(self.tokenizer), [], None, 0
-        for new_token_ids, num_cached in self.streams.generate(ids, params):
-            if first is None:
-                first, reused = time.perf_counter(), num_cached
-            for token in new_token_ids:
-                generated.append(token)
-                piece = "" if token in stop else detok.push(token)
-                if piece:
-                    yield piece
+        answer = self.streams.generate(ids, params)
+        try:
+            for new_token_ids, num_cached in answer:
+                if first is None:
+                    first, reused = time.perf_counter(), num_cached
+                for token in new_token_ids:
+                    generated.append(token)
+                    piece = "" if token in stop else detok.push(token)
+                    if piece:
+                        yield piece
+        except (GeneratorExit, KeyboardInterrupt):   # stopped by the caller: keep what was generated
+            answer.close()                         # the stream settles its cache (or aborts its request) first
+            if first is not None:
+                self._finish(ids, messages, generated, stop, t0, first, reused, stopped=True)
+            raise
+        self._finish(ids, messages, generated, stop, t0, first, reused, stopped=False)
+
+    def _finish(self, ids, messages, generated, stop, t0, first, reused, stopped) -> None:
         last = time.perf_counter()
         self.ids = ids + generated[:-1]                  # the last token was sampled, never fed back
         answer = self.tokenizer.decode([t for t in generated if t not in stop])
+        if stopped:   # it may end inside a multi-byte character: drop that one, as the stream held it back
+            answer = answer.rstrip("\ufffd")
         self.messages = messages + [{"role": "assistant", "content": answer}]
-        self.history.append(TurnStats(len(ids) - reused, reused, len(generated), first - t0, last - first))
+        self.history.append(TurnStats(len(ids) - reused, reused, len(generated), first - t0, last - first, stopped))
 
 
 __all__ = ["ChatSession", "RequestStreams", "render_chat"]
