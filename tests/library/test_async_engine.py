@@ -129,7 +129,7 @@ def test_leaving_a_stream_aborts_its_request_and_idle_costs_no_steps():
                 if served.stats()["kv_blocks_used"] == 0:
                     break
                 await asyncio.sleep(0.01)
-            assert "long" not in engine.live and served.stats()["kv_blocks_used"] == 0
+            assert not engine.live and served.stats()["kv_blocks_used"] == 0
             steps = engine.steps
             await asyncio.sleep(0.2)
             assert engine.steps == steps               # idle: the thread sleeps, it does not step or poll
@@ -169,6 +169,27 @@ def test_refusals_overload_and_a_dead_engine_are_reported_to_the_caller():
                 await served.generate([1], Params()).__anext__()
 
     run(main())
+
+
+def test_a_closed_request_id_may_be_reused_and_gets_only_its_own_tokens():
+    """Outputs are routed by an id of the AsyncEngine's own: the tokens the engine made for an earlier
+    stream "r" (closed, its abort not yet applied) never reach a new stream "r"; an open "r" is refused."""
+    engine = FakeEngine(step_seconds=0.002)
+
+    async def main():
+        async with AsyncEngine(engine) as served:
+            first = served.generate([31], Params(max_tokens=10_000), "r")
+            await first.__anext__()
+            await asyncio.sleep(0.03)                      # the engine makes more tokens for the first "r"
+            with pytest.raises(ValueError, match="'r' is already in flight"):
+                await served.generate([0], Params(), "r").__anext__()
+            await first.aclose()                           # the abort is on its way to the engine thread
+            second = [out async for out in served.generate([33, 31, 33, 94], Params(max_tokens=4), "r")]
+            return second
+
+    second = run(main())
+    assert [t for out in second for t in out.new_token_ids] == [95, 96, 97, 98]   # prompt[-1] + 1, + 2, ...
+    assert {out.request_id for out in second} == {"r"} and second[-1].finished
 
 
 def test_shutdown_aborts_what_is_in_flight_and_stops_the_thread():
