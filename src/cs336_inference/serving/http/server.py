@@ -1,13 +1,16 @@
 """`serve`: an OpenAI-compatible HTTP server on the online engine (FastAPI + uvicorn, as vLLM).
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events, then data: [DONE])
-    GET  /v1/models, /health, /metrics           (Prometheus text: running, waiting, KV blocks)
+    GET  /v1/models, /health, /metrics           (Prometheus text: running, waiting, KV blocks, latencies)
 
-The path of one request: the body is validated (`protocol`), the prompt is tokenized with the
-model's own tokenizer (a chat through its own chat template), each choice becomes an engine
-request on the `AsyncEngine`, and its token deltas come back as text (`detokenizer`) in OpenAI's
-chunk format. A client that disconnects aborts its requests, which frees their KV blocks. Every bad
-request is a 4xx with OpenAI's error body; only a bug of ours is a 500.
+The path of one request: a body over the limit is refused with 413 before it is read (`body_limit`);
+the body is validated (`protocol`) and the prompt tokenized with the model's own tokenizer (a chat
+through its own chat template) on a worker thread, so a large prompt stalls neither /health nor the
+other streams; each choice becomes an engine request on the `AsyncEngine`, and its token deltas come
+back as text (`detokenizer`) in OpenAI's chunk format. A client that disconnects aborts its requests,
+which frees their KV blocks. Every bad request is a 4xx with OpenAI's error body; only a bug of ours
+is a 500. Each request, whatever its status, leaves one access-log line when its response ends
+(`access_log`).
 """
 
 from __future__ import annotations
