@@ -219,6 +219,15 @@ def test_the_async_api_gives_generate_s_greedy_tokens_on_the_real_engine(one_thr
 
     async def main():
         async with AsyncEngine(Engine(model, clock=time.monotonic, max_num_seqs=4)) as served:
-            return await asyncio.gather(*(collect(served, p, SamplingParams(max_tokens=20)) for p in prompts))
+            results = await asyncio.gather(*(collect(served, p, SamplingParams(max_tokens=20)) for p in prompts))
+            # a stream "r" closed after its first token, then a new "r" at once: only its own tokens
+            first = served.generate(prompts[0], SamplingParams(max_tokens=200), request_id="r")
+            await first.__anext__()
+            time.sleep(0.2)           # the loop is busy while the engine makes more tokens for the first "r"
+            await first.aclose()      # (their deliveries wait in the loop's queue)
+            reused = await collect(served, prompts[1], SamplingParams(max_tokens=4), request_id="r")
+            return results, reused
 
-    assert [r[0] for r in run(main())] == expected
+    results, reused = run(main())
+    assert [r[0] for r in results] == expected
+    assert reused == {0: expected[1][:4]}
