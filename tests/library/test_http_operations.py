@@ -290,3 +290,23 @@ def test_sampling_values_the_engine_cannot_take_are_400s_naming_the_field(toy_se
         assert "Overflow" not in error["error"]["message"] and param.split(".")[0] in error["error"]["message"]
     status, out = toy_server.post("/v1/completions", {**GOOD, "temperature": 1.0, "seed": 2**64 - 2, "n": 2})
     assert status == 200 and len(out["choices"]) == 2                           # the largest seeds still work
+
+
+def test_the_real_tokenizer_lets_other_threads_run_while_it_encodes():
+    """SmolLM2's BPE (HF tokenizers, in Rust) encodes without holding the GIL, so the worker thread that
+    tokenizes a long prompt leaves the server's event loop free; the ids are those of a plain encode."""
+    from cs336_inference.model.real_models import real_model_missing
+
+    if real_model_missing("smollm2-135m"):
+        pytest.skip(real_model_missing("smollm2-135m"))
+    bpe = load_tokenizer("smollm2-135m")
+    text = "The quick brown fox jumps over the lazy dog. " * (1 << 14)              # 737 kB
+    result, wakeups = {}, 0
+    worker = threading.Thread(target=lambda: result.update(ids=bpe.encode(text)))
+    worker.start()
+    while worker.is_alive():                 # with the GIL held by the encode this loop would stall
+        time.sleep(0.005)
+        wakeups += 1
+    worker.join()
+    assert result["ids"] == bpe._tok.encode(text, add_special_tokens=False).ids
+    assert wakeups >= 5, wakeups
