@@ -330,6 +330,11 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    help="the name clients send as 'model' (default: --model)")
     p.add_argument("--no-compile", action="store_true", help="run every step eagerly (default: the steps that "
                    "only decode run torch.compile'd blocks, compiled before the server starts)")
+    p.add_argument("--max-body-bytes", type=check.positive_int, default=4 * 1024 * 1024,
+                   help="larger request bodies are refused with HTTP 413 before they are read "
+                   "(default: %(default)s, 4 MiB)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="do not write one line per request on stderr (status, tokens, TTFT, duration)")
     p.set_defaults(seed=0)
 
 
@@ -337,20 +342,25 @@ def _run_serve(args) -> int:
     import time
 
     try:
-        from .serving.http import OpenAIServer, run_server
+        from .serving.http import OpenAIServer, listen_socket, run_server
     except ImportError as error:
         print(f"serve needs the server extra ({error.name} is missing): pip install -e '.[serve]'", file=sys.stderr)
         return 2
     from .serving import Engine
     from .serving.async_engine import AsyncEngine
 
-    model, tokenizer, _ = _load_model(args)
-    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
-    engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
-                    decode=decode)
-    _compile_first(how, decode, engine.warm_up, model)   # before the first client: one sequence and several
-    name = args.served_model_name or args.model
-    run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host, args.port)
+    sock = listen_socket(args.host, args.port)   # a busy port is refused now, not after loading the model
+    try:
+        model, tokenizer, _ = _load_model(args)
+        decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_engine_decode(model)
+        engine = Engine(model, clock=time.monotonic, max_num_seqs=args.max_num_seqs, num_blocks=args.num_blocks,
+                        decode=decode)
+        _compile_first(how, decode, engine.warm_up, model)   # before the first client: one sequence and several
+        name = args.served_model_name or args.model
+        run_server(OpenAIServer(AsyncEngine(engine), tokenizer, name, model.config.context_length), args.host,
+                   args.port, sock=sock, access_log=not args.no_access_log, max_body_bytes=args.max_body_bytes)
+    finally:
+        sock.close()
     return 0
 
 

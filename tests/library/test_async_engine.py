@@ -129,7 +129,7 @@ def test_leaving_a_stream_aborts_its_request_and_idle_costs_no_steps():
                 if served.stats()["kv_blocks_used"] == 0:
                     break
                 await asyncio.sleep(0.01)
-            assert "long" not in engine.live and served.stats()["kv_blocks_used"] == 0
+            assert not engine.live and served.stats()["kv_blocks_used"] == 0
             steps = engine.steps
             await asyncio.sleep(0.2)
             assert engine.steps == steps               # idle: the thread sleeps, it does not step or poll
@@ -171,6 +171,27 @@ def test_refusals_overload_and_a_dead_engine_are_reported_to_the_caller():
     run(main())
 
 
+def test_a_closed_request_id_may_be_reused_and_gets_only_its_own_tokens():
+    """Outputs are routed by an id of the AsyncEngine's own: the tokens the engine made for an earlier
+    stream "r" (closed, its abort not yet applied) never reach a new stream "r"; an open "r" is refused."""
+    engine = FakeEngine(step_seconds=0.002)
+
+    async def main():
+        async with AsyncEngine(engine) as served:
+            first = served.generate([31], Params(max_tokens=10_000), "r")
+            await first.__anext__()
+            await asyncio.sleep(0.03)                      # the engine makes more tokens for the first "r"
+            with pytest.raises(ValueError, match="'r' is already in flight"):
+                await served.generate([0], Params(), "r").__anext__()
+            await first.aclose()                           # the abort is on its way to the engine thread
+            second = [out async for out in served.generate([33, 31, 33, 94], Params(max_tokens=4), "r")]
+            return second
+
+    second = run(main())
+    assert [t for out in second for t in out.new_token_ids] == [95, 96, 97, 98]   # prompt[-1] + 1, + 2, ...
+    assert {out.request_id for out in second} == {"r"} and second[-1].finished
+
+
 def test_shutdown_aborts_what_is_in_flight_and_stops_the_thread():
     engine = FakeEngine(step_seconds=0.001)
 
@@ -198,6 +219,15 @@ def test_the_async_api_gives_generate_s_greedy_tokens_on_the_real_engine(one_thr
 
     async def main():
         async with AsyncEngine(Engine(model, clock=time.monotonic, max_num_seqs=4)) as served:
-            return await asyncio.gather(*(collect(served, p, SamplingParams(max_tokens=20)) for p in prompts))
+            results = await asyncio.gather(*(collect(served, p, SamplingParams(max_tokens=20)) for p in prompts))
+            # a stream "r" closed after its first token, then a new "r" at once: only its own tokens
+            first = served.generate(prompts[0], SamplingParams(max_tokens=200), request_id="r")
+            await first.__anext__()
+            time.sleep(0.2)           # the loop is busy while the engine makes more tokens for the first "r"
+            await first.aclose()      # (their deliveries wait in the loop's queue)
+            reused = await collect(served, prompts[1], SamplingParams(max_tokens=4), request_id="r")
+            return results, reused
 
-    assert [r[0] for r in run(main())] == expected
+    results, reused = run(main())
+    assert [r[0] for r in results] == expected
+    assert reused == {0: expected[1][:4]}

@@ -123,6 +123,12 @@ def test_add_request_validates_at_the_edge(model):
         SamplingParams(n=1.5)
     with pytest.raises(TypeError, match="max_tokens"):
         SamplingParams(max_tokens="8")
+    # a seed torch.Generator cannot take is refused by name (sample i seeds seed + i), not as an overflow
+    for seed, n in [(2**70, 1), (-1, 1), (2**64 - 1, 2)]:
+        with pytest.raises(ValueError, match=r"^seed must be .*2\*\*64 - n"):
+            engine.add_request([1], SamplingParams(0.8, max_tokens=4, n=n, seed=seed))
+    engine.add_request([4, 5], SamplingParams(0.8, max_tokens=4, n=2, seed=2**64 - 2), request_id="max-seed")
+    assert engine.abort("max-seed")
     with pytest.raises(TypeError, match="model"):
         Engine(None)
     with pytest.raises(TypeError, match="unknown engine option"):

@@ -76,3 +76,51 @@ def test_bodies_are_validated_strictly_and_refusals_name_the_parameter():
     assert refusal(ChatCompletionRequest, both).param == "max_completion_tokens"
     assert refusal(ChatCompletionRequest, '{"model": "m"}').message == "messages is required"
     assert refusal(ChatCompletionRequest, 'nope').param is None
+
+
+def test_seeds_and_stop_token_ids_are_refused_by_name_before_the_engine():
+    body = '{"model": "m", "prompt": %s, "n": %d, "seed": %d}'
+    assert parse_body(CompletionRequest, (body % ('["a", "b"]', 2, 2**64 - 4)).encode()).num_choices == 4
+    for prompt, n, seed in [('"a"', 1, 2**70), ('"a"', 1, -1), ('["a", "b"]', 2, 2**64 - 4 + 1), ('"a"', 3, 2**64 - 2)]:
+        error = refusal(CompletionRequest, body % (prompt, n, seed))
+        assert error.param == "seed" and "seed" in error.message and "Overflow" not in error.message
+    chat = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 2, "seed": %d}'
+    assert refusal(ChatCompletionRequest, chat % (2**64 - 1)).param == "seed"
+    assert parse_body(ChatCompletionRequest, (chat % (2**64 - 2)).encode()).seed == 2**64 - 2
+    assert refusal(CompletionRequest, '{"model": "m", "prompt": "x", "stop_token_ids": [3, -1]}').param == \
+        "stop_token_ids.1"
+
+
+def test_library_refusals_are_mapped_to_the_field_they_name():
+    from cs336_inference.serving.http.protocol import param_of
+    from cs336_inference.serving.request import SamplingParams
+
+    for kwargs, field in [({"seed": 2**70}, "seed"), ({"top_k": 0}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+                          ({"stop_token_ids": [-1]}, "stop_token_ids")]:
+        with pytest.raises((ValueError, TypeError)) as info:
+            SamplingParams(**kwargs)
+        assert param_of(info.value) == field, info.value
+    assert param_of(ValueError("prompt_token_ids must be int token ids in [0, 257), got 999")) == "prompt"
+    assert param_of(ValueError("something else went wrong")) is None
+
+
+def test_histogram_counts_equal_a_recount_of_the_observations():
+    from cs336_inference.serving.http.prometheus import Histogram
+
+    rng = random.Random(0)
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    values = [rng.choice([0.001, 0.1, 5.0]) if i % 7 == 0 else rng.expovariate(20) for i in range(500)]
+    h = Histogram("x_seconds", "help", bounds)
+    for v in values[:-10]:
+        h.observe(v)
+    h.observe(values[-10], times=10)                          # one interval shared by 10 tokens
+    observed = values[:-10] + [values[-10]] * 10
+    lines = h.lines('model_name="m"')
+    assert lines[:2] == ["# HELP cs336:x_seconds help", "# TYPE cs336:x_seconds histogram"]
+    for bound, line in zip([*bounds, float("inf")], lines[2:-2]):
+        le = "+Inf" if bound == float("inf") else str(bound)
+        assert line == f'cs336:x_seconds_bucket{{model_name="m",le="{le}"}} {sum(v <= bound for v in observed)}'
+    assert lines[-2] == f'cs336:x_seconds_sum{{model_name="m"}} {h.sum}' and h.sum == pytest.approx(sum(observed))
+    assert lines[-1] == f'cs336:x_seconds_count{{model_name="m"}} {len(observed)}'
+    with pytest.raises(ValueError, match="increasing"):
+        Histogram("y", "help", (0.1, 0.01))

@@ -143,7 +143,7 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**GOOD, "prompt": 42}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": [1, 999]}, 400, None),                   # token id >= vocab_size
+    ("/v1/completions", {**GOOD, "prompt": [1, 999]}, 400, "prompt"),               # token id >= vocab_size
     ("/v1/completions", {**GOOD, "prompt": "x" * 600}, 400, "prompt"),              # longer than the context
     ("/v1/completions", {**GOOD, "stop": 5}, 400, "stop"),
     ("/v1/completions", {**GOOD, "logprobs": 2}, 400, "logprobs"),

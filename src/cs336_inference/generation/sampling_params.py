@@ -15,6 +15,8 @@ import torch
 from .. import _checks
 from .sampling import _check_sampling_args, logits_to_probs
 
+MAX_SEED = 2**64 - 1                       # the largest seed torch.Generator.manual_seed takes
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -31,8 +33,9 @@ class SamplingParams:
         _check_sampling_args(self.temperature, self.top_k, self.top_p)
         _checks.positive_int("max_tokens", self.max_tokens)
         _checks.positive_int("n", self.n)
-        if self.seed is not None:
-            _checks.integer("seed", self.seed, allowed="None or an int")
+        if self.seed is not None:   # torch.Generator takes a 64-bit unsigned seed; sample i uses seed + i
+            _checks.integer("seed", self.seed, 0, MAX_SEED - (self.n - 1),
+                            allowed=f"None or an int in [0, 2**64 - n] (sample i seeds seed + i; n = {self.n})")
         stop = self.stop_token_ids
         if isinstance(stop, int) and not isinstance(stop, bool):
             stop = (stop,)
@@ -51,4 +54,4 @@ class SamplingParams:
         return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_SEED", "SamplingParams"]

@@ -104,7 +104,9 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=False).ids
+        # encode_batch lets go of the GIL while the Rust tokenizer works (encode holds it): a server that
+        # tokenizes a long prompt on a worker thread keeps its event loop answering meanwhile
+        return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids) -> str:
         """Token ids -> text; special tokens appear as their text; a split UTF-8 character becomes U+FFFD."""

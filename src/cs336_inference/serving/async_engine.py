@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import threading
 import uuid
 from typing import AsyncIterator
@@ -87,7 +88,9 @@ class AsyncEngine:
         self._commands: collections.deque = collections.deque()   # filled by the loop, drained by the thread
         self._wake = threading.Condition()
         self._stopping = False
-        self._streams: dict[str, _Stream] = {}                     # touched only on the event loop
+        self._streams: dict[str, _Stream] = {}                     # internal id -> stream (event loop only)
+        self._client_ids: dict = {}                                # caller's request_id -> internal id, while open
+        self._serials = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats = dict(engine.stats())                         # replaced whole by the thread
@@ -137,29 +140,37 @@ class AsyncEngine:
 
         A request the engine refuses at intake raises its `ValueError`/`TypeError` at the first
         `__anext__`; one it rejects later (it can never fit) ends with finish_reason "error".
-        Closing the generator before the end aborts the request.
+        Closing the generator before the end aborts the request. `request_id` (default: a fresh
+        one) names the outputs; one whose stream is still open is refused, a closed one may be reused.
         """
         self.start()
         if self.error is not None or self._stopping:
             raise EngineDeadError(f"the engine is not running ({self.error!r})")
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if request_id is not None and request_id in self._client_ids:
+            raise ValueError(f"request_id {request_id!r} is already in flight (its stream is still open); "
+                             "close that stream first or pick another id")
         if len(self._streams) >= self.max_requests:
             raise EngineOverloadedError(f"{self.max_requests} requests are in flight (max_requests); retry later")
+        # the engine sees an id of ours, never reused: outputs of an earlier request under the same client
+        # id (closed, its abort still on the way) cannot reach this stream
+        serial = next(self._serials)
+        client_id = request_id if request_id is not None else uuid.uuid4().hex
+        internal_id = f"{client_id}#{serial}"
         stream = _Stream()
-        self._streams[request_id] = stream
-        self._submit(("add", request_id, list(prompt_token_ids), sampling_params))
+        self._streams[internal_id] = stream
+        self._client_ids[client_id] = internal_id
+        self._submit(("add", internal_id, list(prompt_token_ids), sampling_params))
         unfinished = getattr(sampling_params, "n", 1)
         try:
             while unfinished:
                 for output in await stream.get():
                     unfinished -= bool(output.finished)
-                    yield output
+                    yield dataclasses.replace(output, request_id=client_id)
         finally:
-            self._streams.pop(request_id, None)
+            self._streams.pop(internal_id, None)
+            self._client_ids.pop(client_id, None)
             if unfinished and self.error is None and not self._stopping:
-                self._submit(("abort", request_id))
+                self._submit(("abort", internal_id))
 
     # --- the engine thread ---------------------------------------------------------------------
     def _submit(self, command: tuple) -> None:

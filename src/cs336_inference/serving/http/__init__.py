@@ -2,9 +2,10 @@
 
 `protocol` (request bodies, OpenAI's error format), `detokenizer` (token ids -> streamed text, stop
 strings), `choices` (one HTTP request's engine requests as one stream), `server` (the FastAPI app),
-`prometheus` (`/metrics`).
+`prometheus` (`/metrics`: gauges, counters, latency histograms), `access_log` (one line per request)
+and `body_limit` (413 for a body over the limit, before it is read).
 """
 
-from .server import OpenAIServer, build_app, run_server
+from .server import OpenAIServer, build_app, listen_socket, run_server
 
-__all__ = ["OpenAIServer", "build_app", "run_server"]
+__all__ = ["OpenAIServer", "build_app", "listen_socket", "run_server"]

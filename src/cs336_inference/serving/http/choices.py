@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from .detokenizer import IncrementalDetokenizer
-from .protocol import OpenAIError
+from .protocol import OpenAIError, param_of
 
 
 @dataclass
@@ -33,8 +33,10 @@ class Choice:
     stop: list[str]
 
 
-async def run_choice(engine, choice: Choice, tokenizer, request_id: str) -> AsyncIterator[ChoiceDelta]:
-    """The text deltas of one engine request. A request the engine refuses raises OpenAIError(400)."""
+async def run_choice(engine, choice: Choice, tokenizer, request_id: str,
+                     on_tokens: Callable[[int, int], None] | None = None) -> AsyncIterator[ChoiceDelta]:
+    """The text deltas of one engine request. A request the engine refuses raises OpenAIError(400).
+    on_tokens(choice index, k) is called as each batch of k tokens arrives (the server's latency metrics)."""
     detok = IncrementalDetokenizer(tokenizer, choice.stop, choice.sampling_params.stop_token_ids)
     try:
         outputs = engine.generate(choice.prompt_token_ids, choice.sampling_params, request_id=request_id)
@@ -42,6 +44,8 @@ async def run_choice(engine, choice: Choice, tokenizer, request_id: str) -> Asyn
             async for out in outputs:
                 if out.finish_reason == "error":
                     raise OpenAIError(out.error or "the engine could not serve this request", param="max_tokens")
+                if on_tokens is not None and out.new_token_ids:
+                    on_tokens(choice.index, len(out.new_token_ids))
                 text = detok.push(out.new_token_ids, final=out.finished)
                 if detok.stopped:                  # a stop string: leaving the loop aborts the request
                     yield ChoiceDelta(choice.index, text, "stop", detok.num_tokens)
@@ -50,7 +54,7 @@ async def run_choice(engine, choice: Choice, tokenizer, request_id: str) -> Asyn
                 if text or reason:
                     yield ChoiceDelta(choice.index, text, reason, detok.num_tokens)
     except (ValueError, TypeError) as error:       # refused at the engine's intake
-        raise OpenAIError(str(error)) from None
+        raise OpenAIError(str(error), param=param_of(error)) from None
 
 
 async def merge(streams: list) -> AsyncIterator[ChoiceDelta]:

@@ -1,7 +1,9 @@
 """`/metrics` in Prometheus' text format: the engine's gauges and the server's counters.
 
 Gauges are the engine's `stats()` after its latest step (requests running and waiting, KV blocks
-used and in the pool); counters are what this server has done since it started. The names follow
+used and in the pool); counters are what this server has done since it started; histograms are
+latencies as the server saw them (time to first token from the request's arrival, and the time
+between a choice's tokens), in Prometheus' cumulative `_bucket{le=...}`/`_sum`/`_count` form. The names follow
 vLLM's (`vllm:num_requests_running` becomes `cs336:num_requests_running`), so a dashboard made
 for vLLM needs only the prefix changed.
 """
@@ -31,6 +33,50 @@ COUNTERS = {
 }
 
 
+# vLLM's bucket bounds (seconds), with finer ones below 10 ms, where a small model's steps on a CPU fall
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Histogram:
+    """Counts of observations at or below each bound (cumulative, as Prometheus reads them), their sum and count."""
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...]):
+        if list(buckets) != sorted(set(buckets)) or not buckets:
+            raise ValueError(f"buckets must be increasing and non-empty, got {buckets}")
+        self.name, self.help_text, self.buckets = name, help_text, tuple(float(b) for b in buckets)
+        self.counts = [0] * len(self.buckets)    # observations in (bucket[i-1], bucket[i]]; above the last: count only
+        self.sum, self.count = 0.0, 0
+
+    def observe(self, value: float, times: int = 1) -> None:
+        """Record `value` (seconds) `times` times."""
+        for i, bound in enumerate(self.buckets):
+            if value <= bound:
+                self.counts[i] += times
+                break
+        self.sum += value * times
+        self.count += times
+
+    def lines(self, labels: str) -> list[str]:
+        full = f"{PREFIX}:{self.name}"
+        out, cumulative = [f"# HELP {full} {self.help_text}", f"# TYPE {full} histogram"], 0
+        for bound, count in zip(self.buckets, self.counts):
+            cumulative += count
+            out.append(f'{full}_bucket{{{labels},le="{bound}"}} {cumulative}')
+        out.append(f'{full}_bucket{{{labels},le="+Inf"}} {self.count}')
+        return out + [f"{full}_sum{{{labels}}} {self.sum}", f"{full}_count{{{labels}}} {self.count}"]
+
+
+def latency_histograms() -> dict[str, Histogram]:
+    """The server's histograms, empty: "ttft" and "itl"."""
+    return {"ttft": Histogram("time_to_first_token_seconds", "Time from a request's arrival to each choice's "
+                              "first token.", TTFT_BUCKETS),
+            "itl": Histogram("inter_token_latency_seconds", "Time between consecutive tokens of a choice (tokens "
+                             "that arrive together share the interval since the previous ones).", ITL_BUCKETS)}
+
+
 def _lines(kind: str, name: str, help_text: str, value, labels: str) -> list[str]:
     full = f"{PREFIX}:{name}"
     return [f"# HELP {full} {help_text}", f"# TYPE {full} {kind}", f"{full}{{{labels}}} {value}"]
@@ -47,17 +93,22 @@ def prometheus_text(server) -> str:
         lines += _lines("gauge", name, help_text, value, labels)
     for key, (name, help_text) in COUNTERS.items():
         lines += _lines("counter", name, help_text, server.counters[key], labels)
+    for histogram in server.histograms.values():
+        lines += histogram.lines(labels)
     return "\n".join(lines) + "\n"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """{name: value} of a Prometheus text page (labels dropped): what the tests and clients read."""
+    """{name: value} of a Prometheus text page: what the tests and clients read. Labels are dropped,
+    but a histogram bucket keeps its bound: `NAME_bucket{le="0.1"}`."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            out[name.split("{", 1)[0]] = float(value)
+            base, _, labels = name.partition("{")
+            bound = [part for part in labels.rstrip("}").split(",") if part.startswith("le=")]
+            out[base + (f"{{{bound[0]}}}" if bound else "")] = float(value)
     return out
 
 
-__all__ = ["parse_metrics", "prometheus_text"]
+__all__ = ["Histogram", "latency_histograms", "parse_metrics", "prometheus_text"]

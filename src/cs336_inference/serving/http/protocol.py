@@ -10,10 +10,11 @@ fields we take the extensions that vLLM, SGLang and llama.cpp's server share (`t
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ...generation.sampling_params import MAX_SEED
 from ..request import SamplingParams
 
 MAX_N = 16          # choices per request (each is its own engine request; prefix caching shares the prompt)
@@ -60,9 +61,9 @@ class _Generation(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)          # extension; -1 or 0 = off
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None                         # choice i samples with seed + i
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)   # choice i samples with seed + i (checked below)
     stop: Any = Field(None, validate_default=True)  # str or list of str (checked below)
-    stop_token_ids: list[int] | None = None         # extension: more tokens that end a choice
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None   # extension: more tokens that end a choice
     ignore_eos: bool = False                        # extension: do not stop at the model's end tokens
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -91,7 +92,15 @@ class _Generation(BaseModel):
                 raise _Refusal(f"{name} is not supported by this server (send 0 or leave it out)", name)
         if self.logit_bias:
             raise _Refusal("logit_bias is not supported by this server", "logit_bias")
+        choices = self.num_choices
+        if self.seed is not None and self.seed + choices - 1 > MAX_SEED:
+            raise _Refusal(f"seed must be an int in [0, 2**64 - {choices}]: choice i samples with seed + i, and "
+                           f"this request has {choices} choices; got {self.seed}", "seed")
         return self
+
+    @property
+    def num_choices(self) -> int:
+        return self.n
 
     @property
     def include_usage(self) -> bool:
@@ -127,6 +136,10 @@ class CompletionRequest(_Generation):
             raise ValueError("prompt must be a string, a list of strings, a non-empty list of token ids, "
                              f"or a list of such lists; got {value!r:.80}")
         return value
+
+    @property
+    def num_choices(self) -> int:
+        return self.n * len(self.prompt) if isinstance(self.prompt, list) else self.n
 
     @model_validator(mode="after")
     def _completion_unsupported(self):
@@ -183,6 +196,14 @@ class ChatCompletionRequest(_Generation):
         return self
 
 
+def param_of(error: Exception) -> str | None:
+    """The request field a library refusal names (its messages begin with the argument's name), if any."""
+    first = str(error).split(" ", 1)[0].rstrip(":")
+    if first == "prompt_token_ids":
+        return "prompt"
+    return first if first in _Generation.model_fields else None
+
+
 def parse_body(model: type[BaseModel], body: bytes):
     """The request `model` read from a JSON body, or OpenAIError(400) naming what is wrong."""
     if not body.strip():
@@ -206,4 +227,5 @@ def parse_body(model: type[BaseModel], body: bytes):
         raise OpenAIError(message, param=param) from None
 
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError", "StreamOptions", "parse_body"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "OpenAIError", "StreamOptions", "param_of",
+           "parse_body"]

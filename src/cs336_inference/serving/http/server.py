@@ -1,21 +1,26 @@
 """`serve`: an OpenAI-compatible HTTP server on the online engine (FastAPI + uvicorn, as vLLM).
 
     POST /v1/completions, /v1/chat/completions   (stream: true -> server-sent events, then data: [DONE])
-    GET  /v1/models, /health, /metrics           (Prometheus text: running, waiting, KV blocks)
+    GET  /v1/models, /health, /metrics           (Prometheus text: running, waiting, KV blocks, latencies)
 
-The path of one request: the body is validated (`protocol`), the prompt is tokenized with the
-model's own tokenizer (a chat through its own chat template), each choice becomes an engine
-request on the `AsyncEngine`, and its token deltas come back as text (`detokenizer`) in OpenAI's
-chunk format. A client that disconnects aborts its requests, which frees their KV blocks. Every bad
-request is a 4xx with OpenAI's error body; only a bug of ours is a 500.
+The path of one request: a body over the limit is refused with 413 before it is read (`body_limit`);
+the body is validated (`protocol`) and the prompt tokenized with the model's own tokenizer (a chat
+through its own chat template) on a worker thread, so a large prompt stalls neither /health nor the
+other streams; each choice becomes an engine request on the `AsyncEngine`, and its token deltas come
+back as text (`detokenizer`) in OpenAI's chunk format. A client that disconnects aborts its requests,
+which frees their KV blocks. Every bad request is a 4xx with OpenAI's error body; only a bug of ours
+is a 500. Each request, whatever its status, leaves one access-log line when its response ends
+(`access_log`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import socket
 import time
 import uuid
 
@@ -25,9 +30,11 @@ from starlette.exceptions import HTTPException
 
 from ..async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from ..chat import render_chat
+from .access_log import AccessLog, RequestLog, configure_access_log
+from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from .choices import Choice, merge, run_choice
-from .prometheus import prometheus_text
-from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, parse_body
+from .prometheus import latency_histograms, prometheus_text
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, param_of, parse_body
 
 
 def _sse(obj) -> str:
@@ -60,6 +67,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.counters = {"requests_ok": 0, "requests_refused": 0, "requests_aborted": 0,
                          "prompt_tokens": 0, "generation_tokens": 0}
+        self.histograms = latency_histograms()
 
     # --- from a request body to engine requests ------------------------------------------------
     def _check_model(self, name: str) -> None:
@@ -87,7 +95,10 @@ class OpenAIServer:
             max_tokens = self._max_tokens(req, len(ids), prompt_param)
             for k in range(req.n):
                 index = p * req.n + k
-                params = req.sampling_params(max_tokens, self.stop_token_ids, index)
+                try:
+                    params = req.sampling_params(max_tokens, self.stop_token_ids, index)
+                except (ValueError, TypeError) as error:   # SamplingParams' own checks: the client's values
+                    raise OpenAIError(str(error), param=param_of(error)) from None
                 choices.append(Choice(index, ids, params, req.stop))
         return choices
 
@@ -105,31 +116,62 @@ class OpenAIServer:
             raise OpenAIError(f"messages: {error}", param="messages") from None
         return self._choices(req, [ids], "messages")
 
+    def completion_request(self, body: bytes) -> tuple[CompletionRequest, list[Choice]]:
+        """A /v1/completions body parsed and tokenized (the server runs this off the event loop)."""
+        req = parse_body(CompletionRequest, body)
+        return req, self.completion_choices(req)
+
+    def chat_request(self, body: bytes) -> tuple[ChatCompletionRequest, list[Choice]]:
+        """A /v1/chat/completions body parsed, rendered with the chat template and tokenized (off the loop)."""
+        req = parse_body(ChatCompletionRequest, body)
+        return req, self.chat_choices(req)
+
     # --- responses -----------------------------------------------------------------------------
     async def respond(self, http: Request, req, choices: list[Choice], chat: bool) -> Response:
         """Run `choices` on the engine: SSE chunks if req.stream, else one JSON body. A client that
         leaves before its answer is complete aborts it (the engine frees its blocks)."""
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        source = merge([run_choice(self.engine, c, self.tokenizer, f"{rid}-{c.index}") for c in choices])
+        record = _request_log(http)
+        on_tokens = self._token_clock(record)
+        source = merge([run_choice(self.engine, c, self.tokenizer, f"{rid}-{c.index}", on_tokens) for c in choices])
         kind = ("chat.completion.chunk" if req.stream else "chat.completion") if chat else "text_completion"
         head = {"id": rid, "object": kind, "created": int(time.time()), "model": self.model_name}
         prompt_tokens = sum(len(c.prompt_token_ids) for c in choices[::req.n])   # each prompt once
+        record.request_id, record.prompt_tokens = rid, prompt_tokens
         streaming = False
         try:
             # the first token, or a refusal (still an HTTP error here), unless the client leaves first
             deltas = _prepend(await _unless_disconnected(http, _first(source)), source)
             if req.stream:
                 streaming = True
-                events = self._events(head, deltas, choices, prompt_tokens, req.include_usage, chat)
+                events = self._events(head, deltas, choices, prompt_tokens, req.include_usage, chat, record)
                 return _EventStream(events, source, media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
             return await _unless_disconnected(http, self._collect(head, deltas, choices, prompt_tokens, chat))
         except _ClientGone:
             self.counters["requests_aborted"] += 1
+            record.aborted = True
             return Response(status_code=499)       # nginx's "client closed request"; nobody reads it
         finally:
             if not streaming:                      # (an event stream closes it when its response ends)
                 await source.aclose()
+
+    def _token_clock(self, record: RequestLog):
+        """on_tokens for one request's choices: the access log's TTFT and token count, and the histograms
+        (TTFT from the request's arrival per choice; k tokens that arrive together share the interval)."""
+        last: dict[int, float] = {}
+
+        def on_tokens(index: int, k: int) -> None:
+            now = time.monotonic()
+            if index in last:
+                self.histograms["itl"].observe((now - last[index]) / k, k)
+            else:
+                self.histograms["ttft"].observe(now - record.start)
+                record.first_token = now if record.first_token is None else record.first_token
+            last[index] = now
+            record.output_tokens += k
+
+        return on_tokens
 
     def _usage(self, prompt_tokens: int, completion_tokens: int) -> dict:
         self.counters["requests_ok"] += 1
@@ -138,7 +180,7 @@ class OpenAIServer:
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                 "total_tokens": prompt_tokens + completion_tokens}
 
-    async def _events(self, head, deltas, choices, prompt_tokens, include_usage, chat):
+    async def _events(self, head, deltas, choices, prompt_tokens, include_usage, chat, record):
         """SSE chunks: (chat: each choice's role first) text pieces, each choice's finish, usage, [DONE]."""
         usage_field = {"usage": None} if include_usage else {}   # OpenAI: null on every chunk but the last
 
@@ -166,6 +208,7 @@ class OpenAIServer:
         finally:
             if not completed:                      # the client went away: its requests were aborted
                 self.counters["requests_aborted"] += 1
+                record.aborted = True
         if include_usage:
             yield _sse({**head, "choices": [], "usage": self._usage(prompt_tokens, sum(tokens.values()))})
         else:
@@ -228,12 +271,25 @@ async def _prepend(first, deltas):
             yield delta
 
 
+def _request_log(http: Request) -> RequestLog:
+    """The access log's record of this request (a fresh one where the app runs without `AccessLog`)."""
+    record = http.scope.get("state", {}).get("access")
+    return record if isinstance(record, RequestLog) else RequestLog()
+
+
+async def _off_loop(function, *args):
+    """`function(*args)` on a worker thread: parsing, chat templates and tokenizing a large prompt must not
+    stop the event loop (every other stream, /health) meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+
 def _error(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def build_app(server: OpenAIServer) -> FastAPI:
-    """The FastAPI application: routes, OpenAI-style errors, and the engine thread's lifetime."""
+def build_app(server: OpenAIServer, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The FastAPI application: routes, OpenAI-style errors, the engine thread's lifetime, a body
+    limit (413 over `max_body_bytes`) and one access-log line per request."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -241,6 +297,8 @@ def build_app(server: OpenAIServer) -> FastAPI:
             yield
 
     app = FastAPI(title="cs336-inference", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(AccessLog)           # added last: outermost, so it sees the body limit's 413 too
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request, error: OpenAIError):
@@ -285,13 +343,13 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: Request):
-        req = parse_body(CompletionRequest, await http.body())
-        return await server.respond(http, req, server.completion_choices(req), chat=False)
+        req, choices = await _off_loop(server.completion_request, await http.body())
+        return await server.respond(http, req, choices, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request):
-        req = parse_body(ChatCompletionRequest, await http.body())
-        return await server.respond(http, req, server.chat_choices(req), chat=True)
+        req, choices = await _off_loop(server.chat_request, await http.body())
+        return await server.respond(http, req, choices, chat=True)
 
     return app
 
@@ -301,10 +359,32 @@ def _model_card(server: OpenAIServer) -> dict:
             "max_model_len": server.context_length}
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not yet listening), or a ValueError naming the port if it cannot be:
+    `serve` binds before it loads the model, so a busy port is refused in a second, not after the load."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host!r}: cannot resolve it ({error.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as uvicorn: a port in TIME_WAIT is free
+    try:
+        sock.bind(address)
+    except OSError as error:
+        sock.close()
+        hint = " (another server is listening there; pick another --port)" if error.errno == errno.EADDRINUSE else ""
+        raise ValueError(f"--port {port}: cannot listen on {host}:{port}: {error.strerror}{hint}") from None
+    return sock
+
+
 def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
-               switch_interval_s: float = 0.001) -> None:
+               switch_interval_s: float = 0.001, sock: socket.socket | None = None, access_log: bool = True,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
     """Serve until SIGINT/SIGTERM (uvicorn then drains the connections and the engine stops).
 
+    sock: a socket from `listen_socket` (host and port then only name it in messages).
+    access_log: one line per request on stderr (`access_log.py`); uvicorn's own access log stays off.
     switch_interval_s: how long the engine thread may hold the GIL while the event loop waits for it
     (Python's default is 5 ms). Each request's intake and each step's token delivery wakes the loop,
     which then waits up to this long for the GIL while the engine thread runs Python; shorter lets
@@ -314,11 +394,13 @@ def run_server(server: OpenAIServer, host: str = "127.0.0.1", port: int = 8000, 
     import uvicorn
 
     sys.setswitchinterval(switch_interval_s)
-
-    config = uvicorn.Config(build_app(server), host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=5)   # open streams get 5 s, then are cut (and aborted)
+    configure_access_log(access_log)
+    config = uvicorn.Config(build_app(server, max_body_bytes), host=host, port=port, log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=5)   # open streams get 5 s, then are cut
+    if sock is not None:
+        port = sock.getsockname()[1]
     print(f"serving {server.model_name!r} on http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
-    uvicorn.Server(config).run()
+    uvicorn.Server(config).run(sockets=None if sock is None else [sock])
 
 
-__all__ = ["OpenAIServer", "build_app", "run_server"]
+__all__ = ["OpenAIServer", "build_app", "listen_socket", "run_server"]
