@@ -187,3 +187,16 @@ def test_auto_with_tied_embeddings_takes_the_table_once_or_twice():
     with torch.no_grad():
         want = student(IDS)
         assert float((both(IDS) - want).abs().max()) < 1e-4 and torch.equal(once(IDS), both(IDS))
+
+
+def test_auto_places_a_nameless_key_by_elimination():
+    """In MHA, q/k/v/output all have shape (D, D); with q, k, v named, the nameless 'mix' can only be the output
+    projection. Likewise in the FFN, w1 and w3 are both (F, D): with w1 named, 'blend' must be w3. A single
+    pass over the keys (no elimination) leaves both unplaced; a wrong placement changes the logits."""
+    student = StudentLM(Arch(kv_heads=4), Layout(o="mix.weight", w3="blend.weight"), seed=11)
+    inferred = run_infer_key_map(student.state_dict(), _config(student.arch))
+    for i in range(student.arch.layers):
+        assert inferred.renames[f"layers.{i}.attn.mix.weight"] == f"layers.{i}.attn.output_proj.weight"
+        assert inferred.renames[f"layers.{i}.ffn.blend.weight"] == f"layers.{i}.ffn.w3.weight"
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch), key_map="auto")
+    assert _delta(model, student) < 1e-4
