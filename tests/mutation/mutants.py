@@ -395,7 +395,8 @@ MUTANTS: tuple[Mutant, ...] = (
              "torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight"),),
            "QK-norm uses a fixed eps instead of the configured one"),
     Mutant("preemption_keeps_num_computed_tokens", SCHEDULER,
-           (("seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0", "seq.status = SequenceStatus.WAITING"),),
+           (("seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0",
+             "seq.status = SequenceStatus.WAITING"),),
            "a preempted sequence keeps counting the K/V it no longer has as computed"),
 )
 
