@@ -155,12 +155,14 @@ def check_stored_finite(qtypes: dict[str, str], data: dict, label: str) -> None:
         if qtype in ("F32", "F16"):
             parts = {"values": torch.as_tensor(data[name])}
         elif qtype in BLOCK_BYTES:
-            scale, minimum = _block_halves(data[name], qtype, name)
-            parts = {"block scales": scale} if minimum is None else {"block scales": scale, "block minima": minimum}
+            blocks = torch.as_tensor(_block_bytes(data[name], qtype, name))   # (O, G, bytes per block), no copy
+            # an fp16 is NaN/Inf iff its 5 exponent bits are all 1: bits 2-6 of its high (second) byte
+            parts = {what: (blocks[..., hi] & 0x7C) != 0x7C
+                     for what, hi in (("block scales", 1), ("block minima", 3))[:2 if qtype == "Q4_1" else 1]}
         else:
             continue
         for what, values in parts.items():
-            bad = ~torch.isfinite(values)
+            bad = ~values if values.dtype == torch.bool else ~torch.isfinite(values)
             if bool(bad.any()):
                 raise ValueError(f"{label}: tensor {name} ({qtype}) has {int(bad.sum())} NaN/Inf {what} (a damaged "
                                  f"or edited file: was its type field or its data changed?)")
