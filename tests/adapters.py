@@ -49,6 +49,16 @@ def run_swiglu(x, w1, w2, w3) -> torch.Tensor:
     return _graded("swiglu", T)(x, w1, w2, w3)
 
 
+def run_post_norm_block(x, weights, num_heads, eps=1e-5, rope_theta=10000.0) -> torch.Tensor:
+    """x (B, T, D), the block's assignment-1 weights -> (B, T, D): ln1(x + attn(x)), then ln2(h + ffn(h))."""
+    return _graded("post_norm_block", T)(x, weights, num_heads, eps, rope_theta)
+
+
+def run_qk_norm_attention(x, weights, num_heads, eps=1e-6, rope_theta=10000.0) -> torch.Tensor:
+    """x (B, T, D), weights q/k/v/output_proj and q_norm/k_norm gains -> (B, T, D)."""
+    return _graded("qk_norm_attention", T)(x, weights, num_heads, eps, rope_theta)
+
+
 # --- sampling ---
 
 
@@ -122,6 +132,14 @@ ROLLING_BUFFER = {"length": "int", "nbytes": "int", "append": "any", "context": 
 def make_rolling_kv_buffer(batch_size, num_kv_heads, head_dim, window, capacity):
     """An object with .length, .nbytes, .append(k, v), .context() -> (k, v), .truncate(n)."""
     return _graded("RollingKVBuffer", ROLLING_BUFFER)(batch_size, num_kv_heads, head_dim, window, capacity)
+
+
+# --- alternatives to the Transformer: fixed-state layers ---
+
+
+def run_fixed_state_step(q, k, v, log_decay, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token: q, k (B, N, F), v (B, N, Hv), log_decay (B, N) or None, state (B, N, F, Hv) -> (y, state')."""
+    return _graded("fixed_state_step", T2)(q, k, v, log_decay, state)
 
 
 # --- quantization ---
@@ -204,6 +222,11 @@ def run_continuous_batching_run(requests, num_blocks, block_size, max_num_seqs, 
                                 watermark_blocks) -> list[dict]:
     return _graded("continuous_batching_run", "list")(requests, num_blocks, block_size, max_num_seqs,
                                                       max_num_batched_tokens, watermark_blocks)
+
+
+def run_postprocess_step(sequences, num_scheduled_tokens, sampled, preempted) -> list[dict]:
+    """The sequences (dicts) after one forward: num_computed_tokens, token_ids, finished."""
+    return _graded("postprocess_step", "list")(sequences, num_scheduled_tokens, sampled, preempted)
 
 
 # --- accounting: numeric and symbolic ---

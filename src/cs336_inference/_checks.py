@@ -9,6 +9,7 @@ never accepted as a number (True == 1 in Python, but `batch_size=True` is a bug)
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -154,6 +155,23 @@ def token_list(name: str, value) -> list[int]:
     if not isinstance(value, (list, tuple)) or any(not _is_int(t) for t in value):
         raise _type_error(name, value, "a list of int token ids")
     return list(value)
+
+
+def token_id_list(name: str, ids) -> list[int]:
+    """ids as a list of ints: a list/tuple of ints (numpy ints too) or an integer tensor; a float, a bool or
+    anything else is refused (a float id would otherwise be truncated to some other token)."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got a tensor of dtype {ids.dtype}")
+        return ids.reshape(-1).tolist()
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
+        raise TypeError(f"{name} must be a list of int token ids or an integer tensor, got {type(ids).__name__}")
+    out = []
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
+            raise TypeError(f"{name} must hold int token ids, got {type(i).__name__} {i!r}")
+        out.append(int(i))
+    return out
 
 
 def generator(name: str, value) -> torch.Generator | None:

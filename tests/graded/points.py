@@ -106,4 +106,19 @@ POINTS = {
     "test_compression.py::test_the_largest_scores_are_kept_in_their_original_order_ties_to_the_lower_index": 2,
     "test_compression.py::test_gqa_pruning_keeps_whole_groups_ranked_by_their_summed_heads": 2,
     "test_compression.py::test_distillation_is_t_squared_kl_from_the_teacher_to_the_student": 2,
+    # --- the handout's ablations: a post-norm block, QK-norm attention (8) --------------------------------
+    "test_norm_ablations.py::test_post_norm_block_normalises_after_each_residual": 3,
+    "test_norm_ablations.py::test_post_norm_output_rows_have_the_last_norms_scale": 1,
+    "test_norm_ablations.py::test_qk_norm_normalises_each_head_of_q_and_k_before_rope": 3,
+    "test_norm_ablations.py::test_qk_norm_makes_attention_blind_to_the_scale_of_q_and_k": 1,
+    # --- alternatives to the Transformer: the fixed-state recurrence (6) ----------------------------------
+    "test_fixed_state_step.py::test_steps_from_a_zero_state_equal_the_parallel_form": 3,
+    "test_fixed_state_step.py::test_a_nonzero_starting_state_decays_with_every_token": 2,
+    "test_fixed_state_step.py::test_one_step_by_hand": 1,
+    # --- serving: the engine's num_computed_tokens bookkeeping (8) ----------------------------------------
+    "test_engine_bookkeeping.py::test_a_prefill_in_chunks_then_its_first_token": 2,
+    "test_engine_bookkeeping.py::test_a_preempted_sequence_recomputes_prompt_and_output_then_continues": 2,
+    "test_engine_bookkeeping.py::test_a_readmission_in_chunks_samples_only_after_the_last_one": 1,
+    "test_engine_bookkeeping.py::test_unscheduled_sequences_are_unchanged_and_the_input_is_not_modified": 1,
+    "test_engine_bookkeeping.py::test_random_runs_follow_the_rules_step_by_step": 2,
 }

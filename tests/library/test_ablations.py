@@ -137,3 +137,22 @@ def test_transforms_that_assume_the_base_block_refuse_an_ablation():
         quantize_model(model, "awq", bits=4, group_size=16, calibration=calib)
     with pytest.raises(ValueError, match="base block only"):
         prune_model(_model(ffn="silu"), calib, d_ff=32)
+
+
+@pytest.mark.parametrize("eps, other", [(1e-6, 0.5), (0.5, 1e-6)])
+def test_qk_norm_uses_its_own_eps_where_the_eps_matters(eps, other):
+    """The qk_norm_eps field, inside the square root: with q and k projections scaled down to rows of mean
+    square ~1e-3, eps = 1e-6 and eps = 0.5 give logits far apart (checked on the reference), so a model using
+    norm_eps, a fixed eps, or eps outside the root fails the comparison with the naive reference."""
+    model = _model(qk_norm="gain", qk_norm_eps=eps, norm_eps=1e-5)
+    with torch.no_grad():
+        for block in model.layers:
+            block.attn.q_proj.weight.mul_(0.05)
+            block.attn.k_proj.weight.mul_(0.05)
+    x = torch.randint(0, BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
+    state = model.state_dict()
+    want = ref_forward(state, model.config, x)
+    elsewhere = ref_forward(state, model.config.replace(qk_norm_eps=other), x)
+    assert float((want - elsewhere).abs().max()) > 100 * 2e-5, "eps must matter at this scale for the test to bite"
+    with torch.no_grad():
+        torch.testing.assert_close(run_model(model, x), want, atol=2e-5, rtol=1e-4)

@@ -187,3 +187,62 @@ def test_auto_with_tied_embeddings_takes_the_table_once_or_twice():
     with torch.no_grad():
         want = student(IDS)
         assert float((both(IDS) - want).abs().max()) < 1e-4 and torch.equal(once(IDS), both(IDS))
+
+
+def test_auto_places_a_nameless_key_by_elimination():
+    """In MHA, q/k/v/output all have shape (D, D); with q, k, v named, the nameless 'mix' can only be the output
+    projection. Likewise in the FFN, w1 and w3 are both (F, D): with w1 named, 'blend' must be w3. A single
+    pass over the keys (no elimination) leaves both unplaced; a wrong placement changes the logits."""
+    student = StudentLM(Arch(kv_heads=4), Layout(o="mix.weight", w3="blend.weight"), seed=11)
+    inferred = run_infer_key_map(student.state_dict(), _config(student.arch))
+    for i in range(student.arch.layers):
+        assert inferred.renames[f"layers.{i}.attn.mix.weight"] == f"layers.{i}.attn.output_proj.weight"
+        assert inferred.renames[f"layers.{i}.ffn.blend.weight"] == f"layers.{i}.ffn.w3.weight"
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch), key_map="auto")
+    assert _delta(model, student) < 1e-4
+
+
+def test_verify_suggests_the_students_norm_eps_where_it_matters():
+    """A student whose RMSNorm uses eps = 1e-8, loaded with the default norm_eps = 1e-5: on embeddings of mean
+    square ~1e-6 the first norm differs by a factor ~sqrt(11), and of the eps values verify tries only 1e-8
+    reproduces the student's logits, so that is the fix it must name."""
+    student = StudentLM(Arch(eps=1e-8), Layout(), seed=12)
+    with torch.no_grad():
+        student.get_parameter("token_embeddings.weight").mul_(1e-3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(Arch()))
+    assert wrong.config.norm_eps == 1e-5 and _delta(wrong, student) > 1e-2
+    with pytest.raises(CheckpointMismatchError, match=r"matches these weights with norm_eps=1e-08") as err:
+        run_verify_checkpoint(wrong, student)
+    assert err.value.suggestion == {"norm_eps": 1e-8}
+    right = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch))
+    assert run_verify_checkpoint(right, student) < 1e-4
+
+
+def test_verify_tolerance_is_relative_to_large_logits():
+    """Logits of size ~1e3 (the head scaled by 1000): a shift of 0.05 is within rtol = 1e-3 of them (though
+    50 x atol), a shift of 20 is not; both computed here from the student's own logits."""
+    student = StudentLM(Arch(), Layout(), seed=13)
+    with torch.no_grad():
+        student.get_parameter("lm_head.weight").mul_(1000)
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch))
+    with torch.no_grad():
+        scale = float(student(torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))).abs().max())
+    assert scale > 500                                   # 1e-3 * scale > 0.05 + 1e-3, and 20 > 1e-3 + 1e-3 * scale
+    assert run_verify_checkpoint(model, lambda ids: student(ids) + 0.05) == pytest.approx(0.05, abs=5e-3)
+    with pytest.raises(CheckpointMismatchError, match=r"max \|delta logit\| = 20"):
+        run_verify_checkpoint(model, lambda ids: student(ids) + 20.0)
+
+
+def test_verify_of_a_bf16_model_against_the_students_fp32_forward():
+    """bf16 rounds every activation (relative 2^-8): the fp32 tolerance would refuse a correct bf16 model, so a
+    bf16 model is held to atol 5e-2 + rtol 2e-2; a real difference (post-norm weights loaded as pre-norm)
+    is still refused in bf16."""
+    student = StudentLM(Arch(), Layout(), seed=14)
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)).to(torch.bfloat16)
+    worst = run_verify_checkpoint(model, student)
+    assert 1e-3 < worst < 5e-2 + 2e-2 * 10, worst      # bf16 rounding shows, and is accepted
+    arch, _ = ABLATIONS["post_norm"]
+    post = StudentLM(arch, QK_NAMES, seed=15)
+    wrong = run_load_cs336_checkpoint(post.state_dict(), _config(arch), key_map="auto").to(torch.bfloat16)
+    with pytest.raises(CheckpointMismatchError):
+        run_verify_checkpoint(wrong, post)

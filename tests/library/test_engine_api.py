@@ -353,3 +353,29 @@ def test_compiled_engine_decode_falls_back_to_eager_and_restores_the_blocks(mode
     assert "torch.compile failed (RuntimeError)" in capsys.readouterr().err
     assert got == _staggered(Engine(model, block_size=8, max_num_seqs=4), text)
     assert not any("forward" in vars(block) for block in model.layers)
+
+
+def test_a_failed_forward_leaves_no_prefix_cache_names_behind(model, text):
+    """The scheduler names a prompt's full blocks in the prefix cache when it schedules them, before the
+    forward writes their K/V. A forward that raises before any layer ran leaves those blocks empty: their
+    names must go (state as before the step), so the same prompt afterwards computes its K/V again and
+    decodes exactly as `generate`."""
+    prompt = text[500:510]                                             # 2 full blocks of 4, and 2 tokens
+    engine = Engine(model, block_size=4)
+    engine.add_request(prompt, SamplingParams(max_tokens=4), request_id="failed")
+
+    def boom(module, args):
+        raise RuntimeError("boom")
+
+    handle = model.token_embeddings.register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            engine.step()
+    finally:
+        handle.remove()
+    assert [o.finish_reason for o in engine.step()] == ["error"]
+    assert engine.manager.num_cached_tokens(prompt) == 0, "blocks whose K/V were never written are still named"
+    engine.add_request(prompt, SamplingParams(max_tokens=4), request_id="again")
+    streams = _drain(engine)
+    assert streams[("again", 0)][1][0].num_cached_tokens == 0
+    assert streams[("again", 0)][0] == _generate(model, prompt, 4)

@@ -141,3 +141,58 @@ def test_smollm2_exact_int4_is_within_001_nats_of_the_fp32_reference_on_real_tex
     kl = float((ref.exp() * (ref - out)).sum(-1).mean())
     assert kl <= 0.01, f"KL(fp32 || exact int4) = {kl:.4f} nats/token"
     assert int((ref.argmax(-1) == out.argmax(-1)).sum()) >= 124     # same-context next token, of 128
+
+
+def _edited_copy(tmp_path, name, qtype=None, edit=None):
+    """tiny.gguf with tensor `name`'s type field set to `qtype` and/or its stored data edited in place by
+    `edit(array)` (the file's own bytes, memory-mapped read-write): what a damaged or hand-edited file holds."""
+    import gguf
+
+    path = tmp_path / "edited.gguf"
+    write_tiny_gguf(path)
+    reader = gguf.GGUFReader(path, "r+")
+    tensor = next(t for t in reader.tensors if t.name == name)
+    if qtype is not None:
+        tensor.field.parts[4][0] = int(qtype)     # the tensor-info record: name, n_dims, dims, type, offset
+    if edit is not None:
+        edit(tensor.data)
+    reader.data.flush()
+    del reader
+    return path
+
+
+def _both_paths_refuse(path, *words):
+    for load in (run_load_gguf_tensors, run_load_gguf_weights):   # gguf-exact's tensors, the dequantized path
+        with pytest.raises(ValueError) as info:
+            load(path)
+        for word in (path.name, *words):
+            assert word in str(info.value), f"{load.__name__}: {word!r} not in {info.value}"
+
+
+def test_an_inf_in_a_float_norm_weight_is_refused_on_both_paths_naming_tensor_and_file(tmp_path):
+    """An inf norm weight made the exact path's logits all NaN without an error."""
+    def put_inf(data):
+        data[3] = np.inf
+
+    path = _edited_copy(tmp_path, "blk.0.attn_norm.weight", edit=put_inf)
+    _both_paths_refuse(path, "blk.0.attn_norm.weight", "NaN/Inf")
+    write_tiny_gguf(tmp_path / "clean.gguf")
+    config, stored = run_load_gguf_tensors(tmp_path / "clean.gguf")
+    stored["data"]["blk.1.ffn_norm.weight"][0] = float("nan")    # handed over directly, without a file
+    with pytest.raises(ValueError, match=r"blk\.1\.ffn_norm\.weight"):
+        run_gguf_exact_model(config, stored, dtype=torch.float32)
+
+
+def test_an_inf_block_scale_is_refused_on_both_paths_naming_tensor_and_file(tmp_path):
+    def inf_scale(data):                       # block 0 of row 5: its fp16 scale d, little-endian 0x7C00 = +inf
+        data[5, 0], data[5, 1] = 0x00, 0x7C
+
+    path = _edited_copy(tmp_path, "blk.1.ffn_down.weight", edit=inf_scale)
+    _both_paths_refuse(path, "blk.1.ffn_down.weight", "NaN/Inf")
+
+
+def test_a_changed_type_field_is_refused_naming_tensor_and_file(tmp_path):
+    """Q4_1 blocks (20 bytes) read as Q8_0 (34 bytes): some bytes that were codes become a NaN/Inf scale.
+    It used to be refused as "qt.scale contains NaN/Inf", which named neither the tensor nor the file."""
+    path = _edited_copy(tmp_path, "blk.0.attn_q.weight", qtype=Q.Q8_0)
+    _both_paths_refuse(path, "blk.0.attn_q.weight", "NaN/Inf")

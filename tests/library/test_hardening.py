@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 import torch.nn as nn
+from smollm2_reference import requires_smollm2
 from adapters import (get_tokenizer, make_config, make_kv_cache, make_model, make_quantized_linear, make_train_config,
                       run_generate, run_load_checkpoint, run_model, run_prefill, run_quantize_model,
                       run_save_checkpoint, run_train_lm)
@@ -246,4 +247,68 @@ def test_a_cache_of_a_non_float_dtype_is_refused_by_name(dtype):
         model.new_cache(1, dtype=dtype)
     with pytest.raises(TypeError, match="dtype must be a floating-point torch.dtype"):
         PagedKVCache(model, num_blocks=4, block_size=4, dtype=dtype)
-    assert model.new_cache(1, dtype=torch.bfloat16).layers[0].k.dtype == torch.bfloat16
+    assert model.to(torch.bfloat16).new_cache(1, dtype=torch.bfloat16).layers[0].k.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("variant", [{}, {"sliding_window": 4}])
+def test_a_cache_of_another_float_dtype_than_the_models_is_refused_at_new_cache(variant):
+    """A float16 cache on a float32 model was accepted and the first forward failed inside torch (index_put,
+    on a sliding window) or kept keys rounded to fp16 while the model ran fp32: refused where it is built."""
+    from cs336_inference.serving import PagedKVCache
+
+    model = make_model(make_config(**{**CFG, **variant}))
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        with pytest.raises(ValueError, match=rf"dtype={dtype}.*model's dtype torch.float32"):
+            model.new_cache(1, dtype=dtype)
+    if not variant:
+        with pytest.raises(ValueError, match=r"dtype=torch.float16.*model's dtype torch.float32"):
+            PagedKVCache(model, num_blocks=4, block_size=4, dtype=torch.float16)
+    cache = model.new_cache(1, dtype=torch.float32)       # the model's own dtype, named, is fine
+    run_model(model, torch.tensor([[1, 2, 3]]), cache=cache)
+    assert cache.length == 3
+
+
+def test_generate_checks_the_prompt_ids_even_when_nothing_is_generated(model):
+    with pytest.raises(ValueError, match=r"prompt_ids must be in \[0, vocab_size=257\).*999"):
+        run_generate(model, [[999]], 0)
+    with pytest.raises(ValueError, match="prompt_ids"):
+        run_generate(model, [[5, -1]], 0)
+    assert run_generate(model, [[5, 6]], 0).tokens == [[]]
+
+
+@requires_smollm2
+def test_bpe_decode_refuses_non_int_ids_by_name():
+    """int(65.7) is 65, so decode([65.7]) returned token 65's text ('Q')."""
+    import numpy as np
+
+    from cs336_inference.model import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m")
+    for bad in ([65.7], [65, 66.0], [True], np.array([65.7]), torch.tensor([65.0])):
+        with pytest.raises(TypeError, match="ids must hold int"):
+            tok.decode(bad)
+    ids = tok.encode("int ids decode")
+    assert tok.decode(ids) == tok.decode(np.array(ids)) == tok.decode(torch.tensor(ids)) == "int ids decode"
+
+
+def test_a_cache_longer_than_the_context_is_refused_before_rope_runs_out_of_angles():
+    """A cache from a model with a longer context (or a paged step past it) indexed past the RoPE table:
+    an IndexError from inside the forward. Refused by name at the edge (the cache's first forward, the
+    paged step built from host lists), and a failed call leaves the cache as it was."""
+    from cs336_inference.serving import PagedKVCache
+
+    short = make_model(make_config(**{**CFG, "context_length": 16}))
+    long_cache = make_model(make_config(**{**CFG, "context_length": 64})).new_cache(1)
+    with pytest.raises(ValueError, match="max_seq_len=64.*context_length 16"):
+        run_model(short, torch.tensor([[1, 2]]), cache=long_cache)
+    assert long_cache.length == 0
+    cache = short.new_cache(1)
+    run_model(short, torch.ones(1, 16, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="cache overflow"):
+        run_model(short, torch.tensor([[1]]), cache=cache)
+    assert cache.length == 16
+    paged = PagedKVCache(short, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match="17 tokens exceeds the model's context_length 16"):
+        paged.step([[0, 1, 2, 3, 4]], [17], [1])
+    step = paged.step([[0, 1, 2, 3]], [16], [16])             # the longest that fits runs
+    assert run_model(short, torch.ones(1, 16, dtype=torch.long), step=step).shape == (1, 16, CFG["vocab_size"])

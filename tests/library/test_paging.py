@@ -379,3 +379,32 @@ def test_paged_attention_refuses_bad_tables_and_lengths():
     with pytest.raises(TypeError, match="block_tables"):
         paged_attention(q, k, k, [[1.0, 2.0]], [3])
     assert paged_attention(q, k, k, torch.tensor([[1, 2, 0]]), [3]).shape == (1, 1, 8)  # unused padding may repeat
+
+
+def test_a_preempted_sequence_keeps_the_cached_prompt_tokens_of_its_first_admission():
+    """num_cached_tokens counts the prompt tokens a request took from the prefix cache when first admitted
+    (what its output reports). Preempted and readmitted, a sequence finds more of its own blocks still
+    cached (here 16 tokens); that recompute must not overwrite the first admission's count (8: the two full
+    blocks of 4 it shared with the other request's prompt)."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    block_size, shared = 4, list(range(1, 9))
+    manager = KVCacheManager(7, block_size)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=4, max_num_batched_tokens=64, watermark_blocks=0)
+    first = Sequence("first", Request("first", tuple(shared), 12))
+    second = Sequence("second", Request("second", tuple(shared + [20, 21]), 12))
+    scheduler.add(first)
+    admissions = []
+    for step in range(60):
+        if step == 1:
+            scheduler.add(second)
+        if not scheduler.has_unfinished():
+            break
+        batch = scheduler.schedule(now=float(step))
+        admissions += [(s.seq_id, s.num_computed_tokens) for s in batch.prefills]
+        scheduler.postprocess(batch, [[50] * batch.samples_wanted(s) for s in batch.sequences], now=float(step))
+    expected = len(shared) // block_size * block_size
+    assert second.num_preemptions >= 1 and len(second.output) == 12
+    readmitted = [n for seq_id, n in admissions if seq_id == "second"]
+    assert readmitted[0] == expected and readmitted[-1] != expected      # the readmission found a different count
+    assert second.num_cached_tokens == expected

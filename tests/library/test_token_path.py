@@ -148,3 +148,29 @@ def test_the_engine_refuses_nan_logits_naming_the_requests_and_keeps_serving():
     while engine.has_unfinished():
         outputs += engine.step()
     assert sum(len(o.new_token_ids) for o in outputs if o.request_id == "after") == 3
+
+
+@pytest.mark.parametrize("poison", ["+inf", "all -inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_the_engine_refuses_inf_and_all_minus_inf_logit_rows(poison, temperature):
+    """A row with a +inf logit (argmax would pick it as if it were a real distribution) or with every logit
+    -inf (no token allowed; argmax silently returns token 0) is refused like a NaN one, greedy or sampled."""
+    from cs336_inference.serving import Engine, SamplingParams
+
+    def hook(module, args, out):
+        if poison == "+inf":
+            out[..., 5] = float("inf")
+        else:
+            out.fill_(float("-inf"))
+
+    model = _model()
+    engine = Engine(model, block_size=4)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, temperature=temperature, seed=0), request_id="bad")
+    handle = model.lm_head.register_forward_hook(hook)
+    try:
+        with pytest.raises(ValueError, match="NaN or \\+inf \\(or allow no token\\) for requests \\['bad'\\]"):
+            engine.step()
+    finally:
+        handle.remove()
+    assert [o.request_id for o in engine.step() if o.finish_reason == "error"] == ["bad"]
+    assert not engine.has_unfinished()

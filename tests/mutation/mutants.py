@@ -382,6 +382,22 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("pruning_keeps_importance_order", PRUNING,
            (("return torch.sort(order).values", "return order"),),
            "the kept structures come in order of importance, not in their original order"),
+    # --- the homework's new parts (issue 51): fixed-state recurrence, ablations, engine bookkeeping -------
+    Mutant("state_step_forgets_to_decay", "model/state_cache.py",
+           (("        weighted = k\n        state, normalizer = _decayed(state, normalizer, log_decay[..., 0].exp())",
+             "        weighted = k"),),
+           "one decode step of a gated fixed-state layer adds k v^T without decaying the state first"),
+    Mutant("post_norm_ffn_pre_normed", "model/transformer.py",
+           (("return self.ln2(x + self.ffn(x)), kv", "return x + self.ffn(self.ln2(x)), kv"),),
+           "the post-norm block's second half runs in the pre-norm order"),
+    Mutant("qk_norm_eps_ignored", "model/variants.py",
+           (("torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight",
+             "torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight"),),
+           "QK-norm uses a fixed eps instead of the configured one"),
+    Mutant("preemption_keeps_num_computed_tokens", SCHEDULER,
+           (("seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0",
+             "seq.status = SequenceStatus.WAITING"),),
+           "a preempted sequence keeps counting the K/V it no longer has as computed"),
 )
 
 # Library stubs (not graded): name -> (what, the library tests that must notice)

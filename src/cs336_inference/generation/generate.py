@@ -149,11 +149,11 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     if P + max_new_tokens > context:
         raise ValueError(f"longest prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context_length ({context})")
+    _checks.token_ids("prompt_ids", ids, V)   # on the host, before any work (even none): no device sync
     result = GenerationResult([[] for _ in range(B)], prompt_lengths)
     if max_new_tokens == 0:
         result.finish_reasons = ["length"] * B
         return result
-    _checks.token_ids("prompt_ids", ids, V)   # on the host, before any work: no device sync
     ids = ids.to(model.device)
     pad_arg = pad.to(model.device) if max(prompt_lengths) > min(prompt_lengths) else None
     done = [False] * B

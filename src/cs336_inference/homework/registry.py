@@ -15,15 +15,18 @@ from dataclasses import dataclass
 
 # area -> (module name in the student's package, what the area covers)
 AREAS: dict[str, tuple[str, str]] = {
-    "layers": ("layers", "the Transformer's building blocks: RMSNorm and the SwiGLU feed-forward"),
+    "layers": ("layers", "the Transformer's building blocks: RMSNorm, the SwiGLU feed-forward, and the handout's "
+                         "ablations: a post-norm block and QK-norm attention"),
     "sampling": ("sampling", "turning logits into the next token: temperature, top-k, top-p, sampling"),
     "generation": ("generation", "the generation loop: greedy decoding of a batch with stop tokens"),
     "speculative": ("speculative", "speculative sampling: the accept/resample rule, its residual, greedy verification"),
     "attention": ("attention", "grouped-query attention, KV caches, MLA, sliding windows and their rolling buffer"),
+    "alternatives": ("alternatives", "alternatives to the Transformer: one step of a fixed-state layer's recurrence "
+                                     "(linear attention, Mamba-2's SSD)"),
     "quantization": ("quantization", "quantize/dequantize, int4 packing, an int8 KV cache, LLM.int8(), GPTQ, AWQ, "
                                      "QAT's straight-through estimator"),
     "serving": ("serving", "paged KV memory: block allocator and manager (fork, copy-on-write), paged attention, "
-                           "continuous batching"),
+                           "continuous batching, the engine's num_computed_tokens bookkeeping"),
     "accounting": ("accounting", "FLOPs, bytes, latency and throughput: numeric and symbolic (sympy)"),
     "data": ("data", "the training batch sampler and bits per byte"),
     "compression": ("compression", "pruning (which structures to keep) and the distillation loss"),

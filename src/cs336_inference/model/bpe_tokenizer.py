@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from .. import _checks
+
 # llama.cpp's pre-tokenizers (`tokenizer.ggml.pre`) that we know how to reproduce: name -> digits
 # isolated one by one before the GPT-2 regex runs (llama.cpp: the "\p{N}" rule of smollm/starcoder).
 PRE_TOKENIZERS = {"smollm": True, "starcoder": True, "gpt2": False, "gpt-2": False}
@@ -110,7 +114,9 @@ class BPETokenizer:
 
     def decode(self, ids) -> str:
         """Token ids -> text; special tokens appear as their text; a split UTF-8 character becomes U+FFFD."""
-        ids = [int(i) for i in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+        if hasattr(ids, "tolist") and not isinstance(ids, torch.Tensor):   # a numpy array: its Python values
+            ids = ids.tolist()
+        ids = _checks.token_id_list("ids", ids)   # refuses 65.7 (int() would make it 65, another token) and True
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside this tokenizer's vocabulary [0, {self.vocab_size})")

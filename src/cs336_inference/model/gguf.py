@@ -132,17 +132,40 @@ def gguf_state_dict(gf: GGUFFile, config: ModelConfig | None = None) -> dict[str
     for gguf_name, tensor in gf.tensors.items():
         key = names[gguf_name]
         try:
-            array = dequantize(tensor.data, tensor.tensor_type)
+            with np.errstate(invalid="ignore", over="ignore"):   # a NaN/Inf is refused below, by name
+                array = dequantize(tensor.data, tensor.tensor_type)
         except Exception as e:
             raise ValueError(f"{gf.path.name}: cannot dequantize {gguf_name} ({tensor.tensor_type!r}): {e}") from e
         if tuple(array.shape) != expected[key]:
             raise ValueError(f"{gf.path.name}: {gguf_name} has shape {tuple(array.shape)}, the config implies "
                              f"{expected[key]} for {key}")
         state[key] = torch.from_numpy(np.array(array, dtype=np.float32))  # a writable copy (the file is mmap'd)
-    bad = [k for k, v in state.items() if not torch.isfinite(v).all()]
+    bad = [f"{name} ({key})" for name, key in names.items() if not torch.isfinite(state[key]).all()]
     if bad:
-        raise ValueError(f"{gf.path.name}: NaN/Inf in {bad[:4]} (a damaged file)")
+        raise ValueError(f"{gf.path}: NaN/Inf in tensor {', '.join(bad[:4])} (a damaged or edited file)")
     return state
+
+
+def check_stored_finite(qtypes: dict[str, str], data: dict, label: str) -> None:
+    """Refuse stored tensors (`load_gguf_tensors`'s {"qtypes", "data"}) holding NaN/Inf, naming the tensor and
+    `label` (the file): float tensors (F32/F16) value by value, Q4_1/Q8_0 blocks by their fp16 scales and
+    minima (their int codes cannot be non-finite). Run once at load: a NaN norm weight or block scale would
+    otherwise turn every logit into NaN without an error."""
+    for name, qtype in qtypes.items():
+        if qtype in ("F32", "F16"):
+            parts = {"values": torch.as_tensor(data[name])}
+        elif qtype in BLOCK_BYTES:
+            blocks = torch.as_tensor(_block_bytes(data[name], qtype, name))   # (O, G, bytes per block), no copy
+            # an fp16 is NaN/Inf iff its 5 exponent bits are all 1: bits 2-6 of its high (second) byte
+            parts = {what: (blocks[..., hi] & 0x7C) != 0x7C
+                     for what, hi in (("block scales", 1), ("block minima", 3))[:2 if qtype == "Q4_1" else 1]}
+        else:
+            continue
+        for what, values in parts.items():
+            bad = ~values if values.dtype == torch.bool else ~torch.isfinite(values)
+            if bool(bad.any()):
+                raise ValueError(f"{label}: tensor {name} ({qtype}) has {int(bad.sum())} NaN/Inf {what} (a damaged "
+                                 f"or edited file: was its type field or its data changed?)")
 
 
 # Bytes of one block of 32 weights: (scale, minimum, codes) fp16, fp16, 16 bytes of nibbles / fp16, 32 int8
@@ -163,23 +186,35 @@ def gguf_blocks(raw, qtype: str, name: str = "tensor") -> GGUFBlocks:
     """The blocks of a stored tensor, its bytes `raw` (O, bytes per row) uint8, read as `qtype` (Q4_1 or
     Q8_0). Q4_1 packs element j of a block in the low nibble of byte j and element j + 16 in its high
     nibble, after the fp16 scale d and minimum m; Q8_0 holds d, then 32 int8 codes."""
+    blocks = _block_bytes(raw, qtype, name)                                  # (O, G, bytes per block)
+    rows = blocks.shape[0]
+    scale, minimum = _block_halves(raw, qtype, name)
+    if qtype == "Q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
+        return GGUFBlocks(qtype, torch.from_numpy(codes.copy()), scale, None)
+    nibbles = blocks[..., 4:]                                               # (O, G, 16)
+    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
+    return GGUFBlocks(qtype, torch.from_numpy(codes), scale, minimum)
+
+
+def _block_bytes(raw, qtype: str, name: str) -> np.ndarray:
+    """The stored bytes (O, bytes per row) as (O, G, bytes per block), refusing what is not whole blocks."""
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"{name} is {qtype}; only {sorted(BLOCK_BYTES)} blocks are read as stored")
     raw = np.asarray(raw, dtype=np.uint8)
-    rows = raw.shape[0]
     if raw.ndim != 2 or raw.shape[1] % BLOCK_BYTES[qtype]:
         raise ValueError(f"{name} holds {raw.shape} bytes, not whole {qtype} blocks per row")
-    blocks = raw.reshape(rows, -1, BLOCK_BYTES[qtype])                      # (O, G, bytes per block)
+    return raw.reshape(raw.shape[0], -1, BLOCK_BYTES[qtype])
+
+
+def _block_halves(raw, qtype: str, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The fp16 scale d (O, G) and, for Q4_1, minimum m (O, G) of every block, without unpacking the codes."""
+    blocks = _block_bytes(raw, qtype, name)
 
     def half(lo: int) -> torch.Tensor:                                      # (O, G) fp16 from 2 bytes
         return torch.from_numpy(np.ascontiguousarray(blocks[..., lo:lo + 2]).view(np.float16)[..., 0].copy())
 
-    if qtype == "Q8_0":
-        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
-        return GGUFBlocks(qtype, torch.from_numpy(codes.copy()), half(0), None)
-    nibbles = blocks[..., 4:]                                               # (O, G, 16)
-    codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, -1)
-    return GGUFBlocks(qtype, torch.from_numpy(codes), half(0), half(2))
+    return half(0), (half(2) if qtype == "Q4_1" else None)
 
 
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -97,6 +97,16 @@ def check_cache_dtype(dtype) -> None:
                         f"dtype, got {dtype!r} (an integer cache would silently round every key and value)")
 
 
+def check_cache_matches_model(dtype, model_dtype: torch.dtype) -> None:
+    """A cache's dtype must be the model's: keys and values are written in the activation dtype, and a
+    cache of another dtype fails inside torch at the first forward (or rounds every key silently)."""
+    check_cache_dtype(dtype)
+    if dtype is not None and dtype != model_dtype:
+        raise ValueError(f"dtype={dtype} differs from the model's dtype {model_dtype}: a cache holds the model's "
+                         f"keys and values as computed; pass dtype=None (or {model_dtype}), or cast the model first "
+                         f"(model.to({dtype}))")
+
+
 def check_pad(pad, batch_size: int, total_len: int) -> torch.Tensor | None:
     """A validated pad (B,) as int64, or None when it is None or all zero (reads its values: an edge check)."""
     check_pad_shape(pad, batch_size)

@@ -27,7 +27,7 @@ import torch
 from .bpe_tokenizer import BPETokenizer
 from .config import ModelConfig
 from .disk_cache import cache_entry, read_verified, write_verified
-from .gguf import gguf_config, gguf_names, gguf_state_dict, gguf_tokenizer_spec, read_gguf
+from .gguf import check_stored_finite, gguf_config, gguf_names, gguf_state_dict, gguf_tokenizer_spec, read_gguf
 
 
 @dataclass(frozen=True)
@@ -149,6 +149,7 @@ def load_gguf_tensors(path: str | os.PathLike, cache_as: str | None = None) -> t
         config = read_verified(entry / "config.json", _load_config)
         stored = None if config is None else read_verified(entry / "gguf-tensors.pt", _load_tensors)
         if config is not None and stored is not None:
+            check_stored_finite(stored["qtypes"], stored["data"], str(path))   # a cache written before this check
             return config, stored
     gf = read_gguf(path)
     config = gguf_config(gf)
@@ -156,6 +157,7 @@ def load_gguf_tensors(path: str | os.PathLike, cache_as: str | None = None) -> t
     stored = dict(qtypes={n: t.tensor_type.name for n, t in gf.tensors.items()},
                   data={n: torch.from_numpy(np.array(t.data, dtype=np.float32 if t.tensor_type.name in ("F32", "F16")
                                                      else np.uint8)) for n, t in gf.tensors.items()})
+    check_stored_finite(stored["qtypes"], stored["data"], str(path))
     if entry is not None:
         _save_config(entry, config)
         write_verified(entry / "gguf-tensors.pt", lambda p: torch.save(stored, p))

@@ -7,10 +7,8 @@ models, or a real model's own BPE (`bpe_tokenizer.BPETokenizer`, same encode/dec
 
 from __future__ import annotations
 
-import numbers
 import re
 
-import torch
 
 from .. import _checks
 
@@ -67,7 +65,7 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         """Bytes are joined and decoded as UTF-8 (invalid sequences become U+FFFD)."""
         out, buffer = [], bytearray()
-        for i in _token_ids("ids", ids):
+        for i in _checks.token_id_list("ids", ids):
             if 0 <= i < 256:
                 buffer.append(i)
             elif i in self.id_to_special:
@@ -78,23 +76,6 @@ class ByteTokenizer:
                 raise ValueError(f"token id {i} is outside this tokenizer's vocabulary [0, {self.vocab_size})")
         out.append(buffer.decode("utf-8", errors="replace"))
         return "".join(out)
-
-
-def _token_ids(name: str, ids) -> list[int]:
-    """ids as a list of ints: a list/tuple of ints (numpy ints too) or an integer tensor; a float, a bool or
-    anything else is refused (a float id would otherwise be truncated to some other token)."""
-    if isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer token ids, got a tensor of dtype {ids.dtype}")
-        return ids.reshape(-1).tolist()
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list of int token ids or an integer tensor, got {type(ids).__name__}")
-    out = []
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, numbers.Integral):
-            raise TypeError(f"{name} must hold int token ids, got {type(i).__name__} {i!r}")
-        out.append(int(i))
-    return out
 
 
 def load_tokenizer(name: str):

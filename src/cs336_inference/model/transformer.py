@@ -28,7 +28,7 @@ from .ssd import StateSpaceLayer
 from .window import SlidingWindowAttention
 from .config import ModelConfig
 from .describe import describe
-from .kv_cache import ForwardStep, KVCache, check_cache_dtype, check_pad, rope_positions
+from .kv_cache import ForwardStep, KVCache, check_cache_matches_model, check_pad, rope_positions
 from .layers import RMSNorm, RotaryEmbedding
 from .state_cache import valid_positions
 from .variants import build_ffn, build_norm
@@ -177,7 +177,7 @@ class TransformerLM(nn.Module):
                         allowed=f"an int in [1, context_length={self.config.context_length}]")
         _checks.positive_int("batch_size", batch_size)
         _checks.positive_int("max_rollback", max_rollback)
-        check_cache_dtype(dtype)
+        check_cache_matches_model(dtype, self.dtype)
         layers = []
         for i, block in enumerate(self.layers):
             source = self.kv_sources[i]
@@ -288,3 +288,6 @@ class TransformerLM(nn.Module):
                                  f"this model's layer {i} needs {expected}; {fix}")
         if cache.batch_size != batch_size:
             raise ValueError(f"cache holds {cache.batch_size} sequences but token_ids has batch {batch_size}")
+        if cache.max_seq_len > self.config.context_length:   # its own overflow check then keeps RoPE in range
+            raise ValueError(f"cache holds up to max_seq_len={cache.max_seq_len} tokens, more than this model's "
+                             f"context_length {self.config.context_length} (positions it has no RoPE angle for); {fix}")

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from ..model.config import ModelConfig
-from ..model.gguf import GGUFBlocks, gguf_blocks, gguf_names
+from ..model.gguf import GGUFBlocks, check_stored_finite, gguf_blocks, gguf_names
 from ..model.layers import RotaryEmbedding
 from ..model.real_models import register_weights
 from ..model.transformer import TransformerLM
@@ -43,10 +43,11 @@ def exact_linear(blocks: GGUFBlocks, device=None) -> QuantizedLinear:
     return QuantizedLinear(qt, scale_dtype=torch.float16, out_dtype=torch.float32)
 
 
-def _stack(parts: list[GGUFBlocks]) -> GGUFBlocks:
+def _stack(parts: list[GGUFBlocks], names: list[str] | None = None) -> GGUFBlocks:
     """Row-concatenated blocks (a fused q/k/v or w1/w3 projection): exact, each row keeps its blocks."""
     if len({p.qtype for p in parts}) != 1:
-        raise ValueError(f"cannot fuse projections stored as {[p.qtype for p in parts]}")
+        stored = [p.qtype for p in parts] if names is None else dict(zip(names, (p.qtype for p in parts)))
+        raise ValueError(f"cannot fuse projections stored as {stored}: fused parts need one block type")
     cat = lambda ts: None if ts[0] is None else torch.cat(ts)   # noqa: E731
     return GGUFBlocks(parts[0].qtype, cat([p.codes for p in parts]), cat([p.scale for p in parts]),
                       cat([p.minimum for p in parts]))
@@ -73,6 +74,7 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
     """
     qtypes, data = stored["qtypes"], stored["data"]
     by_key = {key: name for name, key in gguf_names(qtypes, config).items()}
+    check_stored_finite(qtypes, data, "the stored tensors")   # `load_gguf_tensors` names the file
 
     def blocks(key: str) -> GGUFBlocks:
         name = by_key[key]
@@ -88,7 +90,8 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
         model.lm_head = RescoredHead(head)    # the bf16 kernel ranks the vocabulary, fp32 picks among the top
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
-                _set(model, name, exact_linear(_stack([blocks(k) for k in _linear_parts(model, name)]), device))
+                keys = _linear_parts(model, name)
+                _set(model, name, exact_linear(_stack([blocks(k) for k in keys], [by_key[k] for k in keys]), device))
     for name, _ in list(model.named_parameters()):           # the norms (F32 in the file)
         module_name, _, attr = name.rpartition(".")
         weight = data[by_key[name]].to(device=device, dtype=dtype)

@@ -21,7 +21,7 @@ import torch
 from einops import rearrange
 
 from .. import _checks
-from ..model.kv_cache import ForwardStep, KVBuffers, LayerCaches, check_cache_dtype
+from ..model.kv_cache import ForwardStep, KVBuffers, LayerCaches, check_cache_matches_model
 from .paged_attention import PagedLayout
 
 
@@ -78,7 +78,8 @@ class PagedKVCache(LayerCaches):
             raise ValueError("PagedKVCache supports global GQA/MHA/MQA layers (attention_type='gqa', no "
                              f"sliding_window), got attention_type={config.attention_type!r}, "
                              f"sliding_window={config.sliding_window!r}")
-        check_cache_dtype(dtype)
+        check_cache_matches_model(dtype, model.dtype)
+        self.context_length = config.context_length
         self.num_blocks = _checks.positive_int("num_blocks", num_blocks)
         self.block_size = _checks.positive_int("block_size", block_size)
         self.layers = []
@@ -112,6 +113,10 @@ class PagedKVCache(LayerCaches):
         """The model's `ForwardStep` for one engine step (`model(token_ids, step=...)`): sequence b's last
         query_lens[b] of its context_lens[b] tokens are new, its blocks are tables[b]. Everything is
         built from these host lists, so running the step reads nothing back from the device."""
+        longest = max(context_lens, default=0)
+        if longest > self.context_length:   # host lists: a free check that keeps every position in RoPE's table
+            raise ValueError(f"a sequence of {longest} tokens exceeds the model's context_length "
+                             f"{self.context_length}: the engine must finish it (max_tokens) before that")
         bs = self.block_size
         positions, slots = [], []
         for table, S, T in zip(tables, context_lens, query_lens):

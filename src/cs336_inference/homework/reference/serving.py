@@ -184,3 +184,54 @@ def continuous_batching_run(requests: list[tuple[int, int]], num_blocks: int, bl
                       "preempted": [s.seq_id for s in batch.preempted]})
         scheduler.postprocess(batch, [[0] * batch.samples_wanted(s) for s in batch.sequences], now=0.0)
     return steps
+
+
+@graded("serving")
+def postprocess_step(sequences: list[dict], num_scheduled_tokens: dict[int, int], sampled: dict[int, int],
+                     preempted: list[int]) -> list[dict]:
+    """The engine's bookkeeping around one forward (vLLM v1's `num_computed_tokens`): where each sequence
+    stands after a step of chunked prefills, decodes and preemptions by recompute.
+
+    sequences: one dict per sequence: {"seq_id": int, "prompt_len": int, "token_ids": list[int] (the prompt,
+    then every token generated so far), "num_computed_tokens": int (how many leading token_ids have their
+    K/V in the cache), "max_tokens": int (the most tokens it may generate)}.
+    preempted: ids the scheduler preempted before this forward: each loses its whole cache
+    (num_computed_tokens becomes 0) but keeps its tokens, all of which it recomputes when readmitted
+    (prompt and output alike); it ran nothing this step.
+    num_scheduled_tokens: seq_id -> how many tokens the forward ran for that sequence, its token_ids from
+    position num_computed_tokens on (a prefill chunk, a whole prompt, or 1: the last sampled token of a
+    decode); sequences absent from it ran nothing and are unchanged. sampled: seq_id -> the token sampled
+    from that sequence's last row (given for every scheduled sequence).
+    After the forward a scheduled sequence has computed its scheduled tokens. If none of its token_ids is
+    left uncomputed, its sampled token is appended to token_ids (the next step's decode runs it), and it is
+    finished once its output (token_ids after the prompt) holds max_tokens tokens; if a prefill chunk left
+    part of its tokens uncomputed, the sampled token is discarded (it would follow an unfinished prompt).
+    Returns new dicts, in the order of `sequences`, with the same keys plus "finished": bool.
+    """
+    from ...serving.scheduler import ContinuousScheduler, ScheduledBatch
+
+    block_size = 16
+    blocks = sum(-(-(len(s["token_ids"]) + 1) // block_size) for s in sequences) + 1
+    manager = _serving.KVCacheManager(blocks, block_size, prefix_caching=False)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=len(sequences) + 1, watermark_blocks=0)
+    batch = ScheduledBatch()
+    built = []
+    for s in sequences:
+        request = _serving.Request(s["seq_id"], tuple(s["token_ids"][:s["prompt_len"]]), s["max_tokens"])
+        seq = _serving.Sequence(s["seq_id"], request, token_ids=list(s["token_ids"]),
+                                status=_serving.SequenceStatus.RUNNING, num_computed_tokens=s["num_computed_tokens"])
+        manager.allocate(seq.seq_id, seq.token_ids)
+        scheduler.running.append(seq)
+        built.append(seq)
+        if seq.seq_id in num_scheduled_tokens:
+            batch.prefills.append(seq)
+            batch.num_scheduled_tokens[seq.seq_id] = num_scheduled_tokens[seq.seq_id]
+    for seq in built:
+        if seq.seq_id in preempted:
+            scheduler._preempt(seq, batch)
+    rows = [[sampled[seq.seq_id]] if seq.num_computed_tokens + batch.num_scheduled_tokens[seq.seq_id]
+            == len(seq.token_ids) else [] for seq in batch.prefills]
+    scheduler.postprocess(batch, rows, now=0.0)
+    return [{"seq_id": seq.seq_id, "prompt_len": seq.prompt_len, "token_ids": list(seq.token_ids),
+             "num_computed_tokens": seq.num_computed_tokens, "max_tokens": seq.request.max_new_tokens,
+             "finished": seq.status is _serving.SequenceStatus.FINISHED} for seq in built]
