@@ -129,8 +129,9 @@ def _load_args(p: argparse.ArgumentParser) -> None:
                    help="smollm2-135m (the real model, from its installed package) or a shipped toy model "
                         "(target, draft, draft-scratch)")
     p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: "
-                   "bf16 for int4-exact, else fp32 on CPU and bf16 on CUDA)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: fp32 "
+                   "for int4-exact, whose int4 kernel takes them as two bf16 halves, near-fp32 and right on close "
+                   "calls; bf16 there is the older, less exact path; other precisions: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="the weights: int4-exact (the published GGUF blocks on the packed int4 kernel; the default "
                         "for smollm2-135m), int8 (per channel, packed kernel), bf16 or fp32 (the toy models' default)")
