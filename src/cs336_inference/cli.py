@@ -317,6 +317,8 @@ def _run_serve(args) -> int:
 
 # name -> what it measures; benchmarks/NAME.py declares its BENCHMARK (see benchmarks/base.py)
 BENCHMARKS: dict[str, str] = {
+    "quality": "SmolLM2-135M on everyday questions, greedy: default path vs fp32 (right answers, loops), "
+               "and answers alone vs batched on the engine",
     "generation": "decode speed per precision of a ~90M model (or --model smollm2-135m: also its loading), against HF",
     "roofline": "this machine's roofline, measured, and the bench-90m model on it",
     "accounting": "formulas only: real models on datasheet accelerators",
