@@ -147,8 +147,9 @@ def _load_args(p: argparse.ArgumentParser) -> None:
                         "(target, draft, draft-scratch), or a checkpoint file: one `train --out` or `save` wrote, "
                         "or an assignment-1 checkpoint (give its config: --config or the flags below)")
     p.add_argument("--device", default=None, type=check.device, help="cpu, cuda or mps (default: best available)")
-    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: "
-                   "bf16 for int4-exact, else fp32 on CPU and bf16 on CUDA)")
+    p.add_argument("--dtype", default=None, choices=sorted(_DTYPES), help="the activations' dtype (default: fp32 "
+                   "for int4-exact, whose int4 kernel takes them as two bf16 halves, near-fp32 and right on close "
+                   "calls; bf16 there is the older, less exact path; other precisions: fp32 on CPU, bf16 on CUDA)")
     p.add_argument("--precision", default=None, choices=PRECISIONS,
                    help="the weights: int4-exact (the published GGUF blocks on the packed int4 kernel; the default "
                         "for smollm2-135m), int8 (per channel, packed kernel), bf16 or fp32 (the toy models' default)")
@@ -366,6 +367,8 @@ def _run_serve(args) -> int:
 
 # name -> what it measures; benchmarks/NAME.py declares its BENCHMARK (see benchmarks/base.py)
 BENCHMARKS: dict[str, str] = {
+    "quality": "SmolLM2-135M on everyday questions, greedy: default path vs fp32 (right answers, loops), "
+               "and answers alone vs batched on the engine",
     "generation": "decode speed per precision of a ~90M model (or --model smollm2-135m: also its loading), against HF",
     "roofline": "this machine's roofline, measured, and the bench-90m model on it",
     "accounting": "formulas only: real models on datasheet accelerators",

@@ -15,6 +15,11 @@ import functools
 import sys
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
+# The activations an int4-exact model runs with unless --dtype says otherwise: fp32. Greedy answers
+# follow the argmax, and bf16 activations (8 significant bits) round close logits together and pick
+# the wrong one on everyday questions (`bench quality`, the gate the default path must pass). Our int4
+# kernel takes fp32 activations as two bf16 halves, near-fp32 sums on codes decoded once.
+EXACT_ACTIVATIONS = "float32"
 
 # inductor's options for a compiled step on a CPU:
 # - cpp_wrapper: the code that calls the step's ~150 kernels and allocates their outputs is C++; in
@@ -59,7 +64,8 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
             raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is "
                              f"{'a checkpoint file' if source.path else 'a shipped toy model'} (use fp32, bf16 "
                              f"or int8)")
-        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
+        activations = dtype or getattr(torch, EXACT_ACTIVATIONS)
+        model = load_pretrained(name, device=device, dtype=activations, weights="gguf-exact")
     else:
         base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
         model = source.load(device=device, dtype=dtype or base).fuse_projections()
@@ -74,9 +80,27 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
         from .cpu_tuning import describe, tune_for_cpu
 
         tuning = "; " + describe(tune_for_cpu(model))
-    banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
+    activations = str(model.dtype).removeprefix("torch.")
+    banner = (f"{name}: {precision} weights, {activations} activations{_int4_matmuls(model)} on {device}, "
               f"{torch.get_num_threads()} threads, {attention} attention{tuning}")
     return model, source.tokenizer, banner
+
+
+def _int4_matmuls(model) -> str:
+    """How an int4 model's matmuls take its activations, in words for the banner ("" for other models)."""
+    import torch
+
+    from .quantization import QuantizedLinear, cpu_int4
+
+    packed = [m.packed_weight() for m in model.modules() if isinstance(m, QuantizedLinear)]
+    packed = [p for p in packed if p is not None and p.layout != "int8pack"]
+    if not packed:
+        return ""
+    if not all(p.kernel == cpu_int4.NAME for p in packed):
+        return " (int4 matmuls on torch's kernel, with bf16 activations)"
+    if model.dtype == torch.float32:
+        return " (int4 matmuls on our kernel, each activation split in two bf16 halves: near-fp32 sums)"
+    return " (int4 matmuls on our kernel)"
 
 
 def attention_kernel(device) -> str:
@@ -177,9 +201,15 @@ def _dense_prefill(model) -> str:
     `warm_dense_prefill` compiles it): what that adds to the description, or "" where it does not apply."""
     from .quantization.dense_prefill import compile_dense_prefill, int4pack_layers
 
+    import torch
+
+    from .quantization import cpu_int4
+
     layers = int4pack_layers(model) if model.device.type == "cpu" else []
     if not layers:
         return ""
+    if model.dtype == torch.float32 and all(layer._packed.kernel == cpu_int4.NAME for layer in layers):
+        return ", prefill on the same int4 kernel (fp32 activations never take the dense route)"
     compile_dense_prefill(model, warm=False)
     rows = max(layer.dense_above() for layer in layers)   # our CPU kernel keeps a higher bar than torch's
     return f", prefill above {rows} rows: compiled int4 dequantization + dense matmul"

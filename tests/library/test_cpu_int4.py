@@ -48,6 +48,57 @@ def test_matches_a_float64_matmul(N, K, group, M):
 
 
 @needs_kernel
+@pytest.mark.parametrize("N,K,group,M", [(16, 32, 32, 1), (48, 576, 32, 1), (48, 576, 32, 5), (32, 1536, 64, 4),
+                                         (64, 384, 128, 7)])
+def test_fp32_activations_match_a_float64_matmul_to_about_16_bits(N, K, group, M):
+    """fp32 x: split into two bf16 halves, near-fp32 sums in fp32 out; rounded once (split=False): bf16's error."""
+    u, pairs = random_grid(N, K, group)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(1)) * 3
+    want = reference(x, u, pairs)
+    top = float(want.abs().max())
+    split = cpu_int4.matmul(x, *cpu_int4.pack(u, pairs))
+    assert split.shape == (M, N) and split.dtype == torch.float32
+    # x = hi + lo to ~2^-16 relative; the fp32 sums lose a few more bits to the 128 + u offset
+    torch.testing.assert_close(split.double(), want, rtol=0, atol=2 ** -12 * top)
+    once = cpu_int4.matmul(x, *cpu_int4.pack(u, pairs), split=False)
+    assert once.dtype == torch.float32
+    torch.testing.assert_close(once.double(), x.bfloat16().double() @ reference(torch.eye(K), u, pairs),
+                               rtol=0, atol=2 ** -14 * top)   # exactly bf16(x) times W, up to fp32 sums
+    if M * K >= 1000:   # the split is worth its second instruction: bf16(x) alone is off by far more
+        assert float((once.double() - want).abs().max()) > 8 * float((split.double() - want).abs().max())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_comes_out_the_same_alone_and_among_other_rows(dtype):
+    """Batch invariance: row m of x gives the same bits whether multiplied alone, in a tile of four, or in
+    the rows left over after the tiles (each row's sums run in one order whatever the row count)."""
+    u, pairs = random_grid(64, 576, 32)
+    packed = cpu_int4.pack(u, pairs)
+    x = torch.randn(11, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
+    together = cpu_int4.matmul(x, *packed)
+    for start, stop in [(0, 1), (3, 4), (0, 4), (2, 9), (5, 11), (10, 11)]:
+        assert torch.equal(cpu_int4.matmul(x[start:stop].contiguous(), *packed), together[start:stop]), (start, stop)
+
+
+@needs_kernel
+def test_an_fp32_layer_runs_our_kernel_at_every_row_count(monkeypatch):
+    """With fp32 activations a layer on our kernel never takes the dense route (whose matmul would change
+    a row's sums with the row count): fp32 out, close to a float64 matmul, above `dense_rows()` too."""
+    layer = QuantizedLinear.from_linear(nn.Linear(192, 48, bias=False), bits=4, group_size=32)
+    calls = []
+    monkeypatch.setattr(cpu_int4, "matmul", lambda *a, f=cpu_int4.matmul: calls.append(1) or f(*a))
+    for rows in (1, layer.dense_above() + 1):
+        x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
+        calls.clear()
+        y = layer(x)
+        assert calls and y.dtype == torch.float32, rows
+        want = reference(x, layer.unsigned_form()[0], layer.packed_weight().scales)   # the kernel's (bf16) grid
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=2 ** -12 * float(want.abs().max()))
+        assert torch.equal(layer(x[:1]), y[:1])
+
+
+@needs_kernel
 @pytest.mark.parametrize("threads", [2, 3, 4])
 def test_every_block_once_when_threads_take_blocks_from_each_other(threads):
     """More threads than cores and shares of unequal length: a thread done early takes blocks from the

@@ -22,7 +22,7 @@ from ..accounting.roofline import bandwidth_probe
 from ..cpu_tuning import tune_for_cpu
 from ..data.evaluation import decode_kl_to_reference
 from ..data.real_text import eval_text_tokens
-from ..fast_path import attention_kernel
+from ..fast_path import EXACT_ACTIVATIONS, attention_kernel
 from ..model.checkpoints import load_pretrained
 from ..model.real_models import gguf_path, real_model_missing
 from ..quantization.dense_prefill import compile_dense_prefill
@@ -114,9 +114,12 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
         return None
     quick = run.quick
     rounds, steps, prompt_len, context = (1, 8, 64, 64) if quick else (5, 24, 128, 256)
-    # as `chat` runs it: its attention, CPU tuning, prefill above DENSE_ROWS rows via a compiled dequantization
-    exact = load_pretrained(MODEL, weights="gguf-exact").set_attention_kernel(attention_kernel("cpu"))
-    exact = compile_dense_prefill(tune_for_cpu(exact))
+    # as `chat` runs it: its activations, attention, CPU tuning and, where its int4 kernel takes bf16, a
+    # prefill above DENSE_ROWS rows via a compiled dequantization
+    exact = load_pretrained(MODEL, weights="gguf-exact", dtype=getattr(torch, EXACT_ACTIVATIONS))
+    exact = tune_for_cpu(exact.set_attention_kernel(attention_kernel("cpu")))
+    if exact.dtype != torch.float32:   # fp32 activations on our kernel take it at every row count
+        exact = compile_dense_prefill(exact)
     reference = load_pretrained(MODEL)
     text = eval_text_tokens(MODEL, 4 * prompt_len)
     prompt = text[:prompt_len].tolist()

@@ -76,7 +76,7 @@ def build() -> str | None:
 
     # the output shapes torch.compile traces with
     @torch.library.register_fake("cs336::int4_gemv")
-    def _(x, codes, sz):                      # (M, K) -> (M, N)
+    def _(x, codes, sz, split=True):          # (M, K) -> (M, N), in x's dtype (bf16 or fp32)
         return x.new_empty(x.shape[0], codes.shape[0] * 16)
 
     @torch.library.register_fake("cs336::dense_gemv")

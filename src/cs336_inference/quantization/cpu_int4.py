@@ -9,7 +9,8 @@ is an *implementation* of the int4pack layouts, not a new format: the same scale
 the same way, so decoded tokens match torch's kernel up to fp32 summation order.
 
 It runs only where it can: an x86 CPU whose flags include avx512_bf16 (Zen 4, Sapphire Rapids and
-newer), a C++ compiler (the one torch.compile uses on a CPU), bf16 activations, out_features % 16 == 0.
+newer), a C++ compiler (the one torch.compile uses on a CPU), bf16 or fp32 activations (fp32: each
+activation split into two bf16 halves, both multiplied by the codes decoded once), out_features % 16 == 0.
 It is compiled once per machine, on first use, into the package's cache folder. Anywhere else
 (or with CS336_INT4_KERNEL=torch, or inside `torch_kernel_only()`) int4 layers run torch's kernel,
 announced once when the build fails.
@@ -97,9 +98,11 @@ def pack(unsigned: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, tor
     return codes, sz
 
 
-def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bf16 -> x @ W^T (M, N) bf16, with W in `pack`'s layout."""
-    return torch.ops.cs336.int4_gemv(x, codes, sz)
+def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, split: bool = True) -> torch.Tensor:
+    """x (M, K) bf16 -> x @ W^T (M, N) bf16, with W in `pack`'s layout; x fp32 -> fp32, x multiplied as
+    two bf16 halves hi + lo (split: close to an fp32 matmul) or rounded once to bf16 (split=False).
+    Each row of the result is the same whatever the other rows of x are (batch invariant)."""
+    return torch.ops.cs336.int4_gemv(x, codes, sz, split)
 
 
 __all__ = ["DENSE_ROWS", "DENSE_ROWS_AMX", "NAME", "available", "cpu_supports", "dense_rows", "matmul", "pack",

@@ -242,7 +242,8 @@ def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int,
 
 
 def packed_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
-    """x (..., I) in the packed weight's dtype -> x @ W_hat^T (..., O), reading only the packed bytes."""
+    """x (..., I) in the packed weight's dtype (or fp32, on our CPU kernel) -> x @ W_hat^T (..., O), in x's
+    dtype, reading only the packed bytes."""
     lead, I = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, I).contiguous()                                         # (M, I)
     if packed.layout == "int8pack":

@@ -38,7 +38,8 @@ class QuantizedLinear(nn.Module):
     then matmul) or "packed" (torch's int4pack / int8pack kernels; refused when the layout does not fit).
     The choice is made when the layer is built or moved (`.to`, `.cuda`, a dtype cast, a loaded state
     dict), never per call: `kernel_summary()` says what runs. compute_dtype: the activation dtype of
-    the packed kernels (default bf16; fp32 is exact but slow).
+    the packed kernels (default bf16; fp32 is exact but slow on torch's kernels; our CPU kernel
+    `cpu_int4` takes an fp32 model's activations as they are, whatever compute_dtype says).
     """
 
     def __init__(self, qt: QuantizedTensor, input_scale: torch.Tensor | None = None,
@@ -199,7 +200,11 @@ class QuantizedLinear(nn.Module):
             grid = "per channel" if self._packed.layout == "int8pack" else f"g{self._packed.group_size}"
             compiled = "compiled " if self.dense_fn is not int4pack_dense else ""
             kernel = "" if self._packed.kernel == "torch" else f" on {self._packed.kernel}"
-            return (f"{self._packed.layout} {grid}{kernel} ({dtype} activations; above {self.dense_above()} rows: "
+            if self._packed.kernel != "torch":   # ours also takes fp32 activations, as two bf16 halves
+                dtype = f"{dtype} activations, or fp32 split in two bf16 halves"
+            else:
+                dtype = f"{dtype} activations"
+            return (f"{self._packed.layout} {grid}{kernel} ({dtype}; above {self.dense_above()} rows: "
                     f"{compiled}dequantize + dense matmul)")
         if self.kernel == "reference":
             return "reference (dequantize + matmul, as asked)"
@@ -227,10 +232,14 @@ class QuantizedLinear(nn.Module):
         if self.input_scale is not None:
             x = x / self.input_scale.to(x.dtype)
         packed = self._packed
+        # Our CPU kernel takes fp32 activations as they are (near-fp32 sums, fp32 out), and for every row
+        # count: a row's result then never depends on how many rows came with it (a request answers the
+        # same alone and batched), and no dense fp32 matmul is faster on a prefill. The others take bf16.
+        fp32_in = packed is not None and packed.blocks is not None and x.dtype == torch.float32
         rows = packed.max_rows if self.dense_rows is None and packed is not None else self.dense_rows  # dense_above()
-        if packed is None or x.numel() > rows * self.in_features:   # reference, or prefill-sized
+        if packed is None or (not fp32_in and x.numel() > rows * self.in_features):   # reference, or prefill-sized
             return F.linear(x, self.dense_weight(x.dtype), _cast(self.bias, x.dtype))
-        y = packed_matmul(x.to(packed.scales.dtype), packed).to(x.dtype)
+        y = packed_matmul(x if fp32_in else x.to(packed.scales.dtype), packed).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
