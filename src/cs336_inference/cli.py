@@ -181,6 +181,7 @@ def _run_generate(args) -> int:
 
     from .generation import ConversationCache, TextStream, extend, stream
     from .generation.chat import TurnStats
+    from .progress import mark
 
     model, tokenizer, generator = _load_model(args)
     if args.chat and not getattr(tokenizer, "chat_template", None):
@@ -202,6 +203,8 @@ def _run_generate(args) -> int:
     sampling["max_new_tokens"] = room - len(ids)
     count = 0
     for token in stream(model, cache, logits, stop_tokens=stop, decode=decode, **sampling):
+        if first is None:
+            mark("first_token")
         first, count = first or time.perf_counter(), count + 1
         if token not in stop:
             print(out.push(token), end="", flush=True)
@@ -210,26 +213,26 @@ def _run_generate(args) -> int:
 
 
 def _compile_first(how: str, decode, warm_up, model=None) -> None:
-    """Say how the model decodes; with a compiled `decode`, compile it now (`warm_up()`, and the
-    model's compiled prefill dequantization, `warm_dense_prefill`), timed."""
-    import time
-    import warnings
-
+    """Say how the model decodes. A compiled `decode` that can compile in the background (the fast path's
+    `startup.BackgroundCompile`) starts doing so, and the model answers eagerly until it is ready; any
+    other compiled `decode` compiles now (`warm_up()`, and the model's compiled prefill dequantization,
+    `warm_dense_prefill`), with a line counting the seconds."""
+    from .fast_path import _quiet_inductor
+    from .progress import mark, ticker
     from .quantization.dense_prefill import warm_dense_prefill
 
     if decode is None:
         print(how, file=sys.stderr)
         return
-    print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        # inductor notes that a kernel mixes the exact weights' fp16 scales with bf16 activations: a
-        # remark on its code generation, nothing to act on, and it would break the line above
-        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
+    if getattr(decode, "started", None) is False:
+        decode.start()
+        print(f"{how}: compiling in the background, decoding eagerly until it is ready", file=sys.stderr)
+        return
+    with ticker(f"{how}: compiling"), _quiet_inductor():
         warm_up()
         if model is not None:
             warm_dense_prefill(model)
-    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    mark("compiled")
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
@@ -333,6 +336,7 @@ BENCHMARKS: dict[str, str] = {
     "engine_decode": "SmolLM2 on the serving engine: decode steps eager vs compiled (what `serve` runs)",
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
     "alternatives": "trains attention/window/linear attention/SSD/hybrid on MQAR: recall, state bytes, decode time",
+    "startup": "cold and warm starts of generate --chat, chat and serve, phase by phase, as real processes",
 }
 
 

@@ -11,8 +11,12 @@ does the same for the serving engine's decode-only steps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+
+from .progress import mark
+from .startup import BackgroundCompile, inductor_cache_dir, use_cache_dirs
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
 
@@ -42,6 +46,7 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
     from .device import apply_thread_policy, default_dtype, get_device
     from .model import REAL_MODELS, load_pretrained, load_tokenizer
 
+    mark("imported")
     apply_thread_policy(parallel=name in REAL_MODELS)  # a real model is large work: every core
     device = get_device(device)
     if precision is None:
@@ -60,6 +65,7 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
             from .quantization import quantize_model
 
             model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
+    mark("loaded")
     attention = attention_kernel(device)
     model.set_attention_kernel(attention)
     tuning = ""
@@ -67,6 +73,7 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
         from .cpu_tuning import describe, tune_for_cpu
 
         tuning = "; " + describe(tune_for_cpu(model))
+    mark("tuned")
     banner = (f"{name}: {precision} weights, {str(model.dtype).removeprefix('torch.')} activations on {device}, "
               f"{torch.get_num_threads()} threads, {attention} attention{tuning}")
     return model, load_tokenizer(name), banner
@@ -108,14 +115,51 @@ def compile_fast(model):
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
     decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler).
-    Its kernels are cached on disk (torch's TORCHINDUCTOR_CACHE_DIR), so only the first process pays the
-    kernel compile; later ones trace the model again (seconds) and reuse them. On a CPU each step runs under
-    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
+    Its kernels are cached on disk (`startup.use_cache_dirs`: the package's cache folder), so only the
+    first process pays the kernel compile; later ones trace the model again and reuse them. On a CPU each
+    step runs under `cpu_tuning.decode_threads` (one thread while another process holds a core).
+    The step is a `startup.BackgroundCompile`: called as it is, it compiles at its first call; after
+    `step.start()` it compiles in a background thread (on a cache of its own) and runs eagerly until then."""
     if why_not := _cannot_compile(model):
         return None, why_not
-    step = _with_fallback(model, compile_fast(model), lambda ids, cache: model(ids[:, None], cache=cache)[:, -1])
+    use_cache_dirs()
+    eager = lambda ids, cache: model(ids[:, None], cache=cache)[:, -1]   # noqa: E731
+    raw = compile_fast(model)
     what = "compiled decode, CUDA graphs" if model.device.type == "cuda" else "compiled decode"
-    return step, f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
+    how = f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
+    step = BackgroundCompile(_with_fallback(model, raw, eager), eager, functools.partial(_prepare_warm_up, model, raw))
+    return step, how
+
+
+def _prepare_warm_up(model, raw_step):
+    """For `BackgroundCompile.start`: a cache of the warm-up's own (the size `chat` uses) prefilled with one
+    token here, eagerly (through the model's hooks, in the caller's thread), and the warm-up the background
+    thread runs: one compiled decode step on it, then the compiled prefill dequantization
+    (`warm_dense_prefill`), under inference mode as `generate` and `chat` decode."""
+    import torch
+
+    from .generation import extend
+    from .quantization.dense_prefill import warm_dense_prefill
+
+    cache = model.new_cache(1, min(model.config.context_length, 2048))
+    extend(model, cache, [0])
+
+    def warm_up():
+        with torch.inference_mode(), _quiet_inductor():
+            raw_step(torch.zeros(1, dtype=torch.long, device=model.device), cache)
+            warm_dense_prefill(model)
+    return warm_up
+
+
+@contextlib.contextmanager
+def _quiet_inductor():
+    """Drop inductor's remark that a kernel mixes the exact weights' fp16 scales with bf16 activations: a
+    note on its code generation, nothing to act on, that would break the lines around it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
+        yield
 
 
 def compiled_engine_decode(model):
@@ -136,6 +180,7 @@ def compiled_engine_decode(model):
 
     if why_not := _cannot_compile(model):
         return None, why_not
+    use_cache_dirs()
     options = {} if model.device.type == "cuda" else {"options": dict(CPU_INDUCTOR)}
     # One compiled function for every block: the block comes in as an argument, so its weights are graph
     # inputs rather than constants, and dynamo's cache (kept per code object) serves all the layers.
@@ -190,9 +235,7 @@ def _cannot_compile(model) -> str | None:
 
 
 def _kernel_cache() -> str:
-    import os
-
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's inductor cache folder")
+    return str(inductor_cache_dir())
 
 
 def _with_fallback(model, compiled, eager):
