@@ -359,6 +359,9 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
+    from .startup import describe_caches
+
+    print(describe_caches())
     if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())
         model, _, banner = load_for_inference(args.model, precision=args.precision)
         print(banner)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
+import threading
 
 from .progress import mark
 from .startup import BackgroundCompile, inductor_cache_dir, use_cache_dirs
@@ -170,7 +171,9 @@ def compiled_engine_decode(model):
     several): compiling costs one block's worth, not the whole paged forward's (`bench engine_decode`
     records how long). Dynamic shapes: the batch size and the context length are symbols; no CUDA
     graphs, since the shapes change from step to step. The embedding, the final norm and the head stay
-    eager. Same thread switch, fallback and kernel cache as `compiled_decode_step`."""
+    eager. Same thread switch, fallback, kernel cache and background compile (`startup.BackgroundCompile`:
+    after `decode.start()` the server answers with eager steps until the compiled ones are ready) as
+    `compiled_decode_step`."""
     import contextlib
 
     import torch
@@ -186,17 +189,27 @@ def compiled_engine_decode(model):
     # inputs rather than constants, and dynamo's cache (kept per code object) serves all the layers.
     block_step = torch.compile(lambda block, *args: type(block).forward(block, *args), **compile_settings(**options))
 
+    compiling = threading.local()   # on in the thread that runs `run` while it runs
+
+    def dispatch(block, *args):
+        if getattr(compiling, "on", False):
+            return block_step(block, *args)
+        return type(block).forward(block, *args)
+
     @contextlib.contextmanager
     def compiled_blocks():
-        # For this step only: `model.forward` calls each block, which now goes through `block_step`; a
-        # prefill, and every other user of the model, runs the eager blocks.
+        # For this step only, and in this thread only: `model.forward` calls each block, which now goes
+        # through `block_step`; a prefill, and every other user of the model (another thread too: the
+        # server's steps while the background warm-up compiles), runs the eager blocks.
         for block in model.layers:
-            block.forward = functools.partial(block_step, block)
+            block.forward = functools.partial(dispatch, block)
+        compiling.on = True
         try:
             yield
         finally:
+            compiling.on = False
             for block in model.layers:
-                del block.forward
+                block.__dict__.pop("forward", None)
 
     def run(ids, step):
         # No "duck sizing": sizes that happen to be equal while tracing (the blocks in a table and the KV
@@ -204,9 +217,30 @@ def compiled_engine_decode(model):
         with shapes.patch(use_duck_shape=False), compiled_blocks():
             return model(ids, step=step, last_only=True)[0]
 
-    decode = _with_fallback(model, run, lambda ids, step: model(ids, step=step, last_only=True)[0])
-    return decode, (f"compiled decode steps, one graph for every block{_dense_prefill(model)} "
-                    f"(kernels cached in {_kernel_cache()})")
+    eager = lambda ids, step: model(ids, step=step, last_only=True)[0]   # noqa: E731
+    how = (f"compiled decode steps, one graph for every block{_dense_prefill(model)} "
+           f"(kernels cached in {_kernel_cache()})")
+    decode = BackgroundCompile(_with_fallback(model, run, eager), eager,
+                               functools.partial(_prepare_engine_warm_up, model, run), what="the decode steps")
+    return decode, how
+
+
+def _prepare_engine_warm_up(model, run):
+    """For `BackgroundCompile.start` of the engine's decode steps: an engine of the warm-up's own (a few KV
+    blocks, sharing the model) whose `warm_up` the background thread runs, compiling `run`'s graphs (one
+    sequence and several), then the compiled prefill dequantization."""
+    import time
+
+    from .quantization.dense_prefill import warm_dense_prefill
+    from .serving import Engine
+
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=2, num_blocks=8, decode=run)
+
+    def warm_up():
+        with _quiet_inductor():
+            engine.warm_up()
+            warm_dense_prefill(model)
+    return warm_up
 
 
 def _dense_prefill(model) -> str:

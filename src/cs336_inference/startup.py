@@ -55,6 +55,14 @@ def use_cache_dirs() -> Path:
     return folder
 
 
+def describe_caches() -> str:
+    """One line: where the fast path keeps what it converts and compiles."""
+    from .model.disk_cache import cache_dir
+
+    return (f"caches: {cache_dir()} (converted weights, our C++ kernels); inductor's compiled steps in "
+            f"{inductor_cache_dir()}")
+
+
 class BackgroundCompile:
     """`step(*args)`: `eager(*args)` until `compiled` is ready, then `compiled(*args)`.
 
@@ -124,4 +132,4 @@ class BackgroundCompile:
         return self.eager(*args, **kwargs)
 
 
-__all__ = ["INDUCTOR_DIR", "BackgroundCompile", "inductor_cache_dir", "use_cache_dirs"]
+__all__ = ["INDUCTOR_DIR", "BackgroundCompile", "describe_caches", "inductor_cache_dir", "use_cache_dirs"]

@@ -244,3 +244,52 @@ def test_bench_startup_times_a_real_start_of_each_command_on_the_toy_model(comma
     if command == "generate":
         assert phases["tuned"] <= phases["first_token"] <= result["ready_s"] and result["returncode"] == 0
     json.dumps(result)
+
+
+def test_the_servers_decode_steps_compile_in_the_background_and_serve_the_same_tokens(target, monkeypatch):
+    """`compiled_engine_decode` + `start()` (what `serve` does): a warm-up engine of its own compiles in a
+    background thread while the server's engine steps eagerly; afterwards its decode-only steps run the
+    compiled blocks, with the eager engine's tokens, and no block keeps a patched forward."""
+    from cs336_inference import fast_path
+    from cs336_inference.serving import Engine
+    from cs336_inference.serving.request import SamplingParams
+
+    threads = []
+
+    def fake_compile(fn, **options):
+        def run(*args, **kwargs):
+            threads.append(threading.current_thread() is threading.main_thread())
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    decode, how = fast_path.compiled_engine_decode(target)
+    if decode is None:
+        pytest.skip(how)
+
+    def answers(engine):
+        for i, prompt in enumerate(([3, 4, 5] * 7, [9, 8] * 10)):
+            engine.add_request(prompt, SamplingParams(max_tokens=10), request_id=str(i))
+        out = {}
+        while engine.has_unfinished():
+            for o in engine.step():
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out
+
+    decode.start()
+    assert decode.wait(120) and decode.ready and threads and not any(threads)   # compiled in the background only
+    calls = len(threads)
+    served = answers(Engine(target, max_num_seqs=4, decode=decode))
+    assert served == answers(Engine(target, max_num_seqs=4)) and len(threads) > calls and decode.compiled_calls
+    assert not any("forward" in vars(block) for block in target.layers)
+
+
+def test_info_says_where_the_caches_are(tmp_path, monkeypatch, capsys):
+    from cs336_inference.cli import main
+
+    monkeypatch.setenv("CS336_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    assert main(["info"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("caches: "))
+    assert str(tmp_path) in line and str(tmp_path / "inductor") in line
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ   # info only says where; it sets nothing
