@@ -17,7 +17,7 @@ import sys
 import threading
 
 from .progress import mark
-from .startup import BackgroundCompile, inductor_cache_dir, use_cache_dirs
+from .startup import BackgroundCompile, cached_packed_weights, inductor_cache_dir, use_cache_dirs
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
 
@@ -58,7 +58,8 @@ def load_for_inference(name: str, device=None, precision: str | None = None, dty
         if name not in REAL_MODELS:
             raise ValueError(f"--precision int4-exact runs a real model's published GGUF blocks; {name!r} is a "
                              f"shipped toy model (use fp32, bf16 or int8)")
-        model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
+        with cached_packed_weights(name, device, dtype or torch.bfloat16):   # repacked once, then memory-mapped
+            model = load_pretrained(name, device=device, dtype=dtype or torch.bfloat16, weights="gguf-exact")
     else:
         base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
         model = load_pretrained(name, device=device, dtype=dtype or base).fuse_projections()

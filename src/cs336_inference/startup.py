@@ -16,6 +16,7 @@ the model already answers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -53,6 +54,48 @@ def use_cache_dirs() -> Path:
     folder = inductor_cache_dir()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
+
+
+# What a layout kept on disk depends on, besides the model file: the code that packs it.
+_PACKING_CODE = ("quantization/kernels.py", "quantization/cpu_int4.py", "quantization/linear.py",
+                 "quantization/gguf_exact.py", "model/gguf.py")
+
+
+def _packing_key(device, dtype) -> str:
+    import hashlib
+
+    import torch
+
+    from .model.cpu_kernels import cpu_supports
+
+    root = Path(__file__).parent
+    digest = hashlib.sha256(f"{torch.__version__}|{device}|{dtype}|{cpu_supports()}".encode())
+    for name in _PACKING_CODE:
+        digest.update((root / name).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+@contextlib.contextmanager
+def cached_packed_weights(name: str, device, dtype):
+    """Load real model `name` inside this block and its quantized layers take their kernel layouts (the
+    int4 repacking for our kernel or torch's, the exact blocks' packing) from the disk cache, memory-mapped,
+    where an earlier load with the same file, code, torch, device and dtype left them; a first load packs
+    as usual and saves them there (`disk_cache`: atomic writes, checksums; a damaged file is rebuilt)."""
+    import torch
+
+    from .model.disk_cache import cache_entry, read_verified, write_verified
+    from .model.real_models import REAL_MODELS, gguf_path
+    from .quantization.kernels import PackedStore, reuse_packed
+
+    if name not in REAL_MODELS:
+        yield None
+        return
+    path = cache_entry(name, gguf_path(name)) / f"packed-{_packing_key(device, dtype)}.pt"
+    entries = read_verified(path, lambda p: torch.load(p, map_location="cpu", mmap=True, weights_only=True))
+    with reuse_packed(PackedStore(entries)) as store:
+        yield store
+    if store.made and store.reused < len(store.made):
+        write_verified(path, lambda p: torch.save(store.made, p))
 
 
 def describe_caches() -> str:

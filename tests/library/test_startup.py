@@ -293,3 +293,48 @@ def test_info_says_where_the_caches_are(tmp_path, monkeypatch, capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("caches: "))
     assert str(tmp_path) in line and str(tmp_path / "inductor") in line
     assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ   # info only says where; it sets nothing
+
+
+def _int4_target(store):
+    from cs336_inference.quantization import quantize_model
+    from cs336_inference.quantization.kernels import reuse_packed
+
+    model = checkpoints.load_pretrained("target", dtype=torch.bfloat16)
+    with reuse_packed(store):
+        return quantize_model(model, "rtn", bits=4, group_size=32, symmetric=False)
+
+
+def test_packed_layouts_kept_from_one_build_are_reused_by_the_next_through_the_disk_cache(tmp_path):
+    """A build inside `reuse_packed` records every layer's kernel layout; one more, fed those records after a
+    round trip through the verified disk cache (memory-mapped), packs nothing and runs the same numbers;
+    a record whose key does not match its layer (another shape or layout) is packed again instead."""
+    from cs336_inference.model.disk_cache import read_verified, write_verified
+    from cs336_inference.quantization import kernels
+    from cs336_inference.quantization.linear import QuantizedLinear
+
+    first = _int4_target(kernels.PackedStore())
+    layers = [m for m in first.modules() if isinstance(m, QuantizedLinear) and m._packed is not None]
+    store = kernels.PackedStore()
+    first = _int4_target(store)
+    assert layers and store.reused == 0 and len(store.made) == len(layers)
+    path = tmp_path / "packed.pt"
+    write_verified(path, lambda p: torch.save(store.made, p))
+    entries = read_verified(path, lambda p: torch.load(p, mmap=True, weights_only=True))
+
+    packs = []
+    real_pack = kernels.pack_weight
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "pack_weight", lambda *a, **k: packs.append(1) or real_pack(*a, **k))
+        again = kernels.PackedStore(entries)
+        second = _int4_target(again)
+        assert packs == [] and again.reused == len(layers)
+        entries[0]["key"] = entries[0]["key"].replace("x", "y")          # a record for another shape
+        third_store = kernels.PackedStore(entries)
+        _int4_target(third_store)
+        assert len(packs) == 1 and third_store.reused == len(layers) - 1
+    for a, b in zip(layers, [m for m in second.modules() if isinstance(m, QuantizedLinear) and m._packed is not None]):
+        assert torch.equal(a._packed.weight, b._packed.weight) and torch.equal(a._packed.scales, b._packed.scales)
+        assert a._packed.kernel == b._packed.kernel and a._packed.max_rows == b._packed.max_rows
+    ids = torch.tensor([[5, 17, 42, 9, 3]])
+    with torch.inference_mode():
+        assert torch.equal(first(ids), second(ids))
