@@ -146,12 +146,15 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _load_model(args):
-    import torch
+    from .progress import ticker
 
-    from .device import seed_everything
+    with ticker(f"loading {args.model}"):   # a line at once (importing torch is part of the wait), then the seconds
+        import torch
 
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    model, tokenizer, banner = load_for_inference(args.model, args.device, getattr(args, "precision", None), dtype)
+        from .device import seed_everything
+
+        dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+        model, tokenizer, banner = load_for_inference(args.model, args.device, getattr(args, "precision", None), dtype)
     print(banner, file=sys.stderr)
     device = model.device
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)

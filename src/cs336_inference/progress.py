@@ -48,6 +48,10 @@ def read_marks(path) -> list[dict]:
     return marks
 
 
+_active: list = []            # the tickers running now, innermost last: only that one writes
+_lock = threading.Lock()
+
+
 class Ticker:
     """A daemon thread that writes "{what}... N s" to `stream` every `every` seconds until stopped."""
 
@@ -77,11 +81,18 @@ class Ticker:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            self.ticks += 1
-            self._write(f"{self._newline()}{self.what}... {time.perf_counter() - self.t0:.0f} s")
+            with _lock:
+                if _active and _active[-1] is not self:   # an inner ticker has the line now
+                    continue
+                self.ticks += 1
+                self._write(f"{self._newline()}{self.what}... {time.perf_counter() - self.t0:.0f} s")
 
     def start(self) -> Ticker:
-        self._write(f"{self.what}...")
+        with _lock:
+            # a ticker started inside another one (building our kernels while loading a model) takes over:
+            # the outer one's line ends, and it writes again (on a line of its own) once the inner one ends
+            self._write(f"{chr(10) if _active else ''}{self.what}...")
+            _active.append(self)
         self._thread.start()
         return self
 
@@ -90,7 +101,11 @@ class Ticker:
         self._stop.set()
         self._thread.join()
         seconds = time.perf_counter() - self.t0
-        self._write(f"{self._newline()}{self.what}... {outcome} ({seconds:.1f} s)\n")
+        with _lock:
+            inner = _active[-1] is not self if _active else False
+            if self in _active:
+                _active.remove(self)
+            self._write(f"{chr(10) if inner else self._newline()}{self.what}... {outcome} ({seconds:.1f} s)\n")
         return seconds
 
 

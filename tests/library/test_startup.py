@@ -338,3 +338,19 @@ def test_packed_layouts_kept_from_one_build_are_reused_by_the_next_through_the_d
     ids = torch.tensor([[5, 17, 42, 9, 3]])
     with torch.inference_mode():
         assert torch.equal(first(ids), second(ids))
+
+
+def test_a_ticker_inside_another_takes_the_line_and_the_outer_one_resumes_after_it():
+    out = io.StringIO()
+    with progress.ticker("loading", every=0.01, stream=out) as outer:
+        time.sleep(0.05)
+        before = outer.ticks
+        with progress.ticker("building", every=0.01, stream=out) as inner:
+            time.sleep(0.1)
+            during = outer.ticks
+        time.sleep(0.05)
+    text = out.getvalue()
+    assert inner.ticks >= 2 and during - before <= 1 and outer.ticks > during   # the outer one paused meanwhile
+    assert "\nbuilding..." in text and "building... done (" in text and text.endswith(")\n")
+    assert text.rindex("loading... done (") > text.index("building... done (")
+    assert progress._active == []
