@@ -106,6 +106,24 @@ def describe_caches() -> str:
             f"{inductor_cache_dir()}")
 
 
+_running: set = set()   # BackgroundCompile threads still compiling
+
+
+def exit_code(code: int | None) -> int | None:
+    """`code`, for the command line's `SystemExit`; but while a background compile still runs, the process
+    ends here, at once, with `code` (`os._exit`, after flushing stdout and stderr): the compile's thread is
+    inside torch's C++, and tearing the interpreter down around it can abort the process. Its finished
+    parts are already in inductor's cache (written atomically), so the next start reuses them."""
+    if any(thread.is_alive() for thread in list(_running)):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:   # noqa: BLE001 - a closed stream: nothing left to flush
+                pass
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    return code
+
+
 class BackgroundCompile:
     """`step(*args)`: `eager(*args)` until `compiled` is ready, then `compiled(*args)`.
 
@@ -144,6 +162,7 @@ class BackgroundCompile:
                 raise TypeError(f"prepare() must return the warm-up function, got {type(warm_up).__name__}")
             self._thread = threading.Thread(target=self._compile, args=(warm_up,), name="background compile",
                                             daemon=True)
+            _running.add(self._thread)
             self._thread.start()
         return self
 
@@ -162,6 +181,7 @@ class BackgroundCompile:
         finally:
             self.seconds = time.perf_counter() - t0
             self._done.set()
+            _running.discard(threading.current_thread())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background compile to end (ready or failed); whether it ended. False if never started."""
@@ -175,4 +195,4 @@ class BackgroundCompile:
         return self.eager(*args, **kwargs)
 
 
-__all__ = ["INDUCTOR_DIR", "BackgroundCompile", "describe_caches", "inductor_cache_dir", "use_cache_dirs"]
+__all__ = ["INDUCTOR_DIR", "BackgroundCompile", "describe_caches", "exit_code", "inductor_cache_dir", "use_cache_dirs"]

@@ -354,3 +354,13 @@ def test_a_ticker_inside_another_takes_the_line_and_the_outer_one_resumes_after_
     assert "\nbuilding..." in text and "building... done (" in text and text.endswith(")\n")
     assert text.rindex("loading... done (") > text.index("building... done (")
     assert progress._active == []
+
+
+def test_the_command_line_ends_at_once_with_its_code_while_a_background_compile_runs():
+    assert startup.exit_code(3) == 3                       # nothing compiling: the usual SystemExit
+    code = ("import time; from cs336_inference import startup; "
+            "step = startup.BackgroundCompile(len, len, lambda: (lambda: time.sleep(60))).start(); "
+            "print('answered', flush=False); raise SystemExit(startup.exit_code(3))")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3 and out.stdout == "answered\n" and time.monotonic() - t0 < 50

@@ -158,7 +158,7 @@ def start_once(command: str, model: str, cache_root: str, chat_template: bool = 
                   total_s=end - child.t0, returncode=rc,
                   phases={p: marks[p] for p in PHASES if p in marks},
                   longest_silence_s=child.longest_silence(ready if ready is not None else end))
-    if ready is None:
+    if ready is None or rc not in (0, None):
         result["error"] = child.text("err")[-2000:]
     return result
 
