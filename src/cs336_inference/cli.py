@@ -148,7 +148,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _load_model(args):
     from .progress import ticker
 
-    with ticker(f"loading {args.model}"):   # a line at once (importing torch is part of the wait), then the seconds
+    # after a second, a line counting the seconds (importing torch is part of the wait); none for a quick refusal
+    with ticker(f"loading {args.model}", quiet_for=1.0):
         import torch
 
         from .device import seed_everything

@@ -55,12 +55,15 @@ _lock = threading.Lock()
 class Ticker:
     """A daemon thread that writes "{what}... N s" to `stream` every `every` seconds until stopped."""
 
-    def __init__(self, what: str, every: float = TICK_S, stream=None):
+    def __init__(self, what: str, every: float = TICK_S, stream=None, quiet_for: float = 0.0):
         if not isinstance(what, str) or not what:
             raise ValueError(f"what must be a non-empty string, got {what!r}")
         if not isinstance(every, (int, float)) or not every > 0:
             raise ValueError(f"every must be a positive number of seconds, got {every!r}")
-        self.what, self.every, self.stream = what, float(every), stream
+        if not isinstance(quiet_for, (int, float)) or not 0 <= quiet_for <= every:
+            raise ValueError(f"quiet_for must be a number of seconds in [0, every={every}], got {quiet_for!r}")
+        self.what, self.every, self.stream, self.quiet_for = what, float(every), stream, float(quiet_for)
+        self.shown = False   # whether its line was written (work done within quiet_for writes none)
         self.t0 = time.perf_counter()
         self.ticks = 0
         self._stop = threading.Event()
@@ -79,25 +82,37 @@ class Ticker:
         except Exception:   # noqa: BLE001 - a stream without isatty is not a terminal
             return "\n"
 
+    def _show(self) -> None:
+        # a ticker started inside another one (building our kernels while loading a model) takes over:
+        # the outer one's line ends, and it writes again (on a line of its own) once the inner one ends
+        outer = any(t.shown for t in _active if t is not self)
+        self._write(f"{chr(10) if outer else ''}{self.what}...")
+        self.shown = True
+
     def _run(self) -> None:
-        while not self._stop.wait(self.every):
+        wait = self.quiet_for or self.every
+        while not self._stop.wait(wait):
+            wait = self.every
             with _lock:
                 if _active and _active[-1] is not self:   # an inner ticker has the line now
+                    continue
+                if not self.shown:                        # its quiet time is over
+                    self._show()
                     continue
                 self.ticks += 1
                 self._write(f"{self._newline()}{self.what}... {time.perf_counter() - self.t0:.0f} s")
 
     def start(self) -> Ticker:
         with _lock:
-            # a ticker started inside another one (building our kernels while loading a model) takes over:
-            # the outer one's line ends, and it writes again (on a line of its own) once the inner one ends
-            self._write(f"{chr(10) if _active else ''}{self.what}...")
+            if not self.quiet_for:
+                self._show()
             _active.append(self)
         self._thread.start()
         return self
 
     def stop(self, outcome: str = "done") -> float:
-        """Stop ticking and end the line ("{what}... done (N s)"); the seconds it ran."""
+        """Stop ticking and end the line ("{what}... done (N s)"); the seconds it ran. Work that ended
+        within `quiet_for` ends without a word."""
         self._stop.set()
         self._thread.join()
         seconds = time.perf_counter() - self.t0
@@ -105,15 +120,17 @@ class Ticker:
             inner = _active[-1] is not self if _active else False
             if self in _active:
                 _active.remove(self)
-            self._write(f"{chr(10) if inner else self._newline()}{self.what}... {outcome} ({seconds:.1f} s)\n")
+            if self.shown:
+                self._write(f"{chr(10) if inner else self._newline()}{self.what}... {outcome} ({seconds:.1f} s)\n")
         return seconds
 
 
 @contextlib.contextmanager
-def ticker(what: str, every: float = TICK_S, stream=None):
+def ticker(what: str, every: float = TICK_S, stream=None, quiet_for: float = 0.0):
     """Run the block with a `Ticker` counting its seconds on stderr (or `stream`); the line ends with
-    "done (N s)", or "failed (N s)" when the block raises."""
-    t = Ticker(what, every, stream).start()
+    "done (N s)", or "failed (N s)" when the block raises. quiet_for: say nothing for that long (a
+    block that ends sooner, a quick refusal say, writes no line at all)."""
+    t = Ticker(what, every, stream, quiet_for).start()
     try:
         yield t
     except BaseException:

@@ -364,3 +364,26 @@ def test_the_command_line_ends_at_once_with_its_code_while_a_background_compile_
     t0 = time.monotonic()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 3 and out.stdout == "answered\n" and time.monotonic() - t0 < 50
+
+
+def test_a_quiet_ticker_says_nothing_about_quick_work_and_speaks_up_after_its_quiet_time():
+    out = io.StringIO()
+    with pytest.raises(ValueError), progress.ticker("loading gpt-17", every=0.5, stream=out, quiet_for=0.3):
+        raise ValueError("unknown model")
+    assert out.getvalue() == "" and progress._active == []
+    with progress.ticker("loading", every=0.05, stream=out, quiet_for=0.02) as t:
+        time.sleep(0.2)
+    assert t.shown and out.getvalue().startswith("loading...") and "loading... done (" in out.getvalue()
+    with pytest.raises(ValueError, match="quiet_for"):
+        progress.Ticker("x", every=1, quiet_for=2)
+
+
+def test_a_quiet_outer_ticker_waits_for_the_inner_one_to_end_before_it_speaks():
+    out = io.StringIO()
+    with progress.ticker("loading", every=0.05, stream=out, quiet_for=0.05):
+        with progress.ticker("building", every=0.05, stream=out):
+            time.sleep(0.2)
+        time.sleep(0.15)
+    text = out.getvalue()
+    assert text.startswith("building...") and text.index("building... done (") < text.index("loading...")
+    assert text.rstrip("\n").splitlines()[-1].startswith("loading... done (")
