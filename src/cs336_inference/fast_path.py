@@ -120,8 +120,9 @@ def compiled_decode_step(model):
     Its kernels are cached on disk (`startup.use_cache_dirs`: the package's cache folder), so only the
     first process pays the kernel compile; later ones trace the model again and reuse them. On a CPU each
     step runs under `cpu_tuning.decode_threads` (one thread while another process holds a core).
-    The step is a `startup.BackgroundCompile`: called as it is, it compiles at its first call; after
-    `step.start()` it compiles in a background thread (on a cache of its own) and runs eagerly until then."""
+    On a CPU the step is a `startup.BackgroundCompile`: called as it is, it compiles at its first call;
+    after `step.start()` it compiles in a background thread (on a cache of its own) and runs eagerly until
+    then."""
     if why_not := _cannot_compile(model):
         return None, why_not
     use_cache_dirs()
@@ -129,6 +130,8 @@ def compiled_decode_step(model):
     raw = compile_fast(model)
     what = "compiled decode, CUDA graphs" if model.device.type == "cuda" else "compiled decode"
     how = f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
+    if model.device.type == "cuda":   # CUDA graphs record the buffers of the cache they first run on: not a warm-up's
+        return _with_fallback(model, raw, eager), how
     step = BackgroundCompile(_with_fallback(model, raw, eager), eager, functools.partial(_prepare_warm_up, model, raw))
     return step, how
 
