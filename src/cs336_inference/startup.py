@@ -11,7 +11,9 @@ the model already answers.
   The choice is made per call, so a swap happens between two steps, never inside one. The compiled step
   computes what the eager one does (the same model; `chat` and `generate` keep their answers), and a
   compile that fails is announced once and leaves the eager step running. Never started, it is the
-  compiled step itself (compiling at the first call, as `torch.compile` does).
+  compiled step itself (compiling at the first call, as `torch.compile` does). While it compiles, the
+  interpreter switches threads more often (`SWITCH_INTERVAL_S`), so the eager steps are not kept
+  waiting for the GIL.
 """
 
 from __future__ import annotations
@@ -107,6 +109,13 @@ def describe_caches() -> str:
 
 
 _running: set = set()   # BackgroundCompile threads still compiling
+# Python's switch interval while a background compile runs. Compiling is mostly Python holding the GIL;
+# each torch op of the eager step in the other thread gives the GIL up and must then wait for it, by
+# default up to 5 ms each time: a prefill of a few hundred ops would wait seconds for its turns. With
+# a short interval the compiling thread hands the GIL over within a tenth of a millisecond.
+SWITCH_INTERVAL_S = 1e-4
+_default_switch: list = []
+_switch_lock = threading.Lock()
 
 
 def exit_code(code: int | None) -> int | None:
@@ -162,7 +171,11 @@ class BackgroundCompile:
                 raise TypeError(f"prepare() must return the warm-up function, got {type(warm_up).__name__}")
             self._thread = threading.Thread(target=self._compile, args=(warm_up,), name="background compile",
                                             daemon=True)
-            _running.add(self._thread)
+            with _switch_lock:
+                if not _running:
+                    _default_switch[:] = [sys.getswitchinterval()]
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
+                _running.add(self._thread)
             self._thread.start()
         return self
 
@@ -181,7 +194,10 @@ class BackgroundCompile:
         finally:
             self.seconds = time.perf_counter() - t0
             self._done.set()
-            _running.discard(threading.current_thread())
+            with _switch_lock:
+                _running.discard(threading.current_thread())
+                if not _running and _default_switch:
+                    sys.setswitchinterval(_default_switch.pop())
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the background compile to end (ready or failed); whether it ended. False if never started."""

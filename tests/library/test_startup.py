@@ -129,9 +129,11 @@ def test_a_background_compile_runs_eagerly_until_ready_then_switches_between_ste
 
     step = startup.BackgroundCompile(compiled, plain, prepare)
     assert not step.started
+    default = sys.getswitchinterval()
     step.start()
     step.start()                                       # once only
     assert prepared == [True]                          # prepare ran in the caller's thread, once
+    assert sys.getswitchinterval() == pytest.approx(startup.SWITCH_INTERVAL_S)   # eager steps get the GIL sooner
 
     def after(i):
         if i == 4:                                     # after four eager steps the compile is "done"
@@ -139,6 +141,7 @@ def test_a_background_compile_runs_eagerly_until_ready_then_switches_between_ste
             assert step.wait(30) and step.ready
 
     tokens = _answer(target, step, after=after)
+    assert sys.getswitchinterval() == default          # the short switch interval lasted as long as the compile
     assert tokens == _answer(target, eager)
     assert calls == ["eager"] * 4 + ["compiled"] * 7 and (step.eager_calls, step.compiled_calls) == (4, 7)
     assert step.error is None and step.seconds is not None
