@@ -197,9 +197,14 @@ def _run_generate(args) -> int:
     if len(ids) >= room:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
-    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
+    from .startup import SHORT_ANSWER_TOKENS
+
+    if args.no_compile or args.max_new_tokens < SHORT_ANSWER_TOKENS:   # a short answer is done before a compile
+        decode, how = None, f"eager decode ({'--no-compile' if args.no_compile else 'a short answer'})"
+    else:
+        decode, how = compiled_decode_step(model)
     conversation = ConversationCache(model, room, decode)
-    _compile_first(how, decode, conversation.warm_up, model)   # before the clock starts: the stats are decode speed
+    _compile_first(how, decode, conversation.warm_up, model)   # in the background, or at once where it cannot be
     t0 = time.perf_counter()
     cache = conversation.cache
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids

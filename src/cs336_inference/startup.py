@@ -108,6 +108,9 @@ def describe_caches() -> str:
             f"{inductor_cache_dir()}")
 
 
+# `generate` decodes an answer of fewer new tokens than this eagerly, without compiling: even from the
+# cache, tracing the model again takes longer than such an answer takes eagerly.
+SHORT_ANSWER_TOKENS = 64
 _running: set = set()   # BackgroundCompile threads still compiling
 # Python's switch interval while a background compile runs. Compiling is mostly Python holding the GIL;
 # each torch op of the eager step in the other thread gives the GIL up and must then wait for it, by
@@ -211,4 +214,5 @@ class BackgroundCompile:
         return self.eager(*args, **kwargs)
 
 
-__all__ = ["INDUCTOR_DIR", "BackgroundCompile", "describe_caches", "exit_code", "inductor_cache_dir", "use_cache_dirs"]
+__all__ = ["INDUCTOR_DIR", "SHORT_ANSWER_TOKENS", "BackgroundCompile", "describe_caches", "exit_code",
+           "inductor_cache_dir", "use_cache_dirs"]

@@ -173,6 +173,7 @@ def test_generate_compiles_before_the_clock_starts(capsys, monkeypatch):
         return decode, "fake compiled decode"
 
     monkeypatch.setattr(cli, "compiled_decode_step", fake_compiled)
+    monkeypatch.setattr("cs336_inference.startup.SHORT_ANSWER_TOKENS", 5)   # 5 tokens: not "a short answer"
     assert cli.main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", "5"]) == 0
     err = capsys.readouterr().err
     assert "fake compiled decode: compiling... done (" in err and "5 tokens" in err

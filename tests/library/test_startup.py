@@ -390,3 +390,12 @@ def test_a_quiet_outer_ticker_waits_for_the_inner_one_to_end_before_it_speaks():
     text = out.getvalue()
     assert text.startswith("building...") and text.index("building... done (") < text.index("loading...")
     assert text.rstrip("\n").splitlines()[-1].startswith("loading... done (")
+
+
+def test_generate_answers_a_short_question_eagerly_without_compiling(capsys, monkeypatch):
+    from cs336_inference import cli
+
+    monkeypatch.setattr(cli, "compiled_decode_step", lambda model: pytest.fail("compiled for a short answer"))
+    n = startup.SHORT_ANSWER_TOKENS - 1
+    assert cli.main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", str(n)]) == 0
+    assert "eager decode (a short answer)" in capsys.readouterr().err
