@@ -199,13 +199,17 @@ def _model_source(args):
 
 
 def _load_model(args):
-    import torch
+    from .progress import ticker
 
-    from .device import seed_everything
+    # after a second, a line counting the seconds (importing torch is part of the wait); none for a quick refusal
+    with ticker(f"loading {args.model}", quiet_for=1.0):
+        import torch
 
-    dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
-    source = _model_source(args)
-    model, tokenizer, banner = load_for_inference(source, args.device, getattr(args, "precision", None), dtype)
+        from .device import seed_everything
+
+        dtype = getattr(torch, _DTYPES[args.dtype]) if args.dtype else None
+        source = _model_source(args)
+        model, tokenizer, banner = load_for_inference(source, args.device, getattr(args, "precision", None), dtype)
     print(banner, file=sys.stderr)
     device = model.device
     generator = seed_everything(args.seed) if device.type == "cpu" else torch.Generator(device).manual_seed(args.seed)
@@ -235,6 +239,7 @@ def _run_generate(args) -> int:
 
     from .generation import ConversationCache, TextStream, extend, stream
     from .generation.chat import TurnStats
+    from .progress import mark
 
     model, tokenizer, generator = _load_model(args)
     if args.chat and not getattr(tokenizer, "chat_template", None):
@@ -246,9 +251,14 @@ def _run_generate(args) -> int:
     if len(ids) >= room:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
-    decode, how = (None, "eager decode (--no-compile)") if args.no_compile else compiled_decode_step(model)
+    from .startup import SHORT_ANSWER_TOKENS
+
+    if args.no_compile or args.max_new_tokens < SHORT_ANSWER_TOKENS:   # a short answer is done before a compile
+        decode, how = None, f"eager decode ({'--no-compile' if args.no_compile else 'a short answer'})"
+    else:
+        decode, how = compiled_decode_step(model)
     conversation = ConversationCache(model, room, decode)
-    _compile_first(how, decode, conversation.warm_up, model)   # before the clock starts: the stats are decode speed
+    _compile_first(how, decode, conversation.warm_up, model)   # in the background, or at once where it cannot be
     t0 = time.perf_counter()
     cache = conversation.cache
     logits, out, first, stop = extend(model, cache, ids), TextStream(tokenizer), None, tokenizer.stop_ids
@@ -256,6 +266,8 @@ def _run_generate(args) -> int:
     sampling["max_new_tokens"] = room - len(ids)
     count = 0
     for token in stream(model, cache, logits, stop_tokens=stop, decode=decode, **sampling):
+        if first is None:
+            mark("first_token")
         first, count = first or time.perf_counter(), count + 1
         if token not in stop:
             print(out.push(token), end="", flush=True)
@@ -264,26 +276,26 @@ def _run_generate(args) -> int:
 
 
 def _compile_first(how: str, decode, warm_up, model=None) -> None:
-    """Say how the model decodes; with a compiled `decode`, compile it now (`warm_up()`, and the
-    model's compiled prefill dequantization, `warm_dense_prefill`), timed."""
-    import time
-    import warnings
-
+    """Say how the model decodes. A compiled `decode` that can compile in the background (the fast path's
+    `startup.BackgroundCompile`) starts doing so, and the model answers eagerly until it is ready; any
+    other compiled `decode` compiles now (`warm_up()`, and the model's compiled prefill dequantization,
+    `warm_dense_prefill`), with a line counting the seconds."""
+    from .fast_path import _quiet_inductor
+    from .progress import mark, ticker
     from .quantization.dense_prefill import warm_dense_prefill
 
     if decode is None:
         print(how, file=sys.stderr)
         return
-    print(f"{how}: compiling...", end="", flush=True, file=sys.stderr)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        # inductor notes that a kernel mixes the exact weights' fp16 scales with bf16 activations: a
-        # remark on its code generation, nothing to act on, and it would break the line above
-        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
+    if getattr(decode, "started", None) is False:
+        decode.start()
+        print(f"{how}: compiling in the background, decoding eagerly until it is ready", file=sys.stderr)
+        return
+    with ticker(f"{how}: compiling"), _quiet_inductor():
         warm_up()
         if model is not None:
             warm_dense_prefill(model)
-    print(f" done in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    mark("compiled")
 
 
 def _chat_args(p: argparse.ArgumentParser) -> None:
@@ -386,6 +398,7 @@ BENCHMARKS: dict[str, str] = {
     "engine_decode": "SmolLM2 on the serving engine: decode steps eager vs compiled (what `serve` runs)",
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
     "alternatives": "trains attention/window/linear attention/SSD/hybrid on MQAR: recall, state bytes, decode time",
+    "startup": "cold and warm starts of generate --chat, chat and serve, phase by phase, as real processes",
 }
 
 
@@ -410,6 +423,9 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
+    from .startup import describe_caches
+
+    print(describe_caches())
     if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())
         model, _, banner = load_for_inference(args.model, precision=args.precision)
         print(banner)

@@ -40,6 +40,7 @@ import contextlib
 import math
 import os
 import statistics
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -251,7 +252,15 @@ class CPUTuning:
     threads: bool = False       # decode steps drop to one thread under contention
     calibration: dict | None = None   # split="auto": seconds per batch-1 pass over the weights, per kernel
     huge_pages: str | None = None     # why the streamed weights are not on 2 MB pages, where they were asked to be
-    previous_threads: list = field(default_factory=list, repr=False)   # the hooks' stack of counts to restore
+    # the hooks' stack of counts to restore, one per thread (a server's compile warms up in a thread of its own)
+    _stacks: threading.local = field(default_factory=threading.local, repr=False)
+
+    @property
+    def previous_threads(self) -> list:
+        """This thread's stack of the counts the hooks restore."""
+        if not hasattr(self._stacks, "stack"):
+            self._stacks.stack = []
+        return self._stacks.stack
 
     def describe(self) -> str:
         parts = []

@@ -11,8 +11,13 @@ does the same for the serving engine's decode-only steps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+import threading
+
+from .progress import mark
+from .startup import BackgroundCompile, cached_packed_weights, inductor_cache_dir, use_cache_dirs
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
 # The activations an int4-exact model runs with unless --dtype says otherwise: fp32. Greedy answers
@@ -53,6 +58,7 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
 
     source = name if isinstance(name, ModelSource) else resolve(name)
     name, real = source.name, source.is_real
+    mark("imported")
     apply_thread_policy(parallel=real)  # a real model is large work: every core
     device = get_device(device)
     if precision is None:
@@ -65,7 +71,8 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
                              f"{'a checkpoint file' if source.path else 'a shipped toy model'} (use fp32, bf16 "
                              f"or int8)")
         activations = dtype or getattr(torch, EXACT_ACTIVATIONS)
-        model = load_pretrained(name, device=device, dtype=activations, weights="gguf-exact")
+        with cached_packed_weights(name, device, activations):   # repacked once, then memory-mapped
+            model = load_pretrained(name, device=device, dtype=activations, weights="gguf-exact")
     else:
         base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
         model = source.load(device=device, dtype=dtype or base).fuse_projections()
@@ -73,6 +80,7 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
             from .quantization import quantize_model
 
             model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
+    mark("loaded")
     attention = attention_kernel(device)
     model.set_attention_kernel(attention)
     tuning = ""
@@ -80,6 +88,7 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
         from .cpu_tuning import describe, tune_for_cpu
 
         tuning = "; " + describe(tune_for_cpu(model))
+    mark("tuned")
     activations = str(model.dtype).removeprefix("torch.")
     banner = (f"{name}: {precision} weights, {activations} activations{_int4_matmuls(model)} on {device}, "
               f"{torch.get_num_threads()} threads, {attention} attention{tuning}")
@@ -139,14 +148,54 @@ def compile_fast(model):
 def compiled_decode_step(model):
     """(step(token_ids (B,), cache) -> logits (B, V), what it is), or (None, why not): a `torch.compile`d
     decode step where torch can compile here (CUDA, recorded as CUDA graphs; or a CPU with a C++ compiler).
-    Its kernels are cached on disk (torch's TORCHINDUCTOR_CACHE_DIR), so only the first process pays the
-    kernel compile; later ones trace the model again (seconds) and reuse them. On a CPU each step runs under
-    `cpu_tuning.decode_threads` (one thread while another process holds a core)."""
+    Its kernels are cached on disk (`startup.use_cache_dirs`: the package's cache folder), so only the
+    first process pays the kernel compile; later ones trace the model again and reuse them. On a CPU each
+    step runs under `cpu_tuning.decode_threads` (one thread while another process holds a core).
+    On a CPU the step is a `startup.BackgroundCompile`: called as it is, it compiles at its first call;
+    after `step.start()` it compiles in a background thread (on a cache of its own) and runs eagerly until
+    then."""
     if why_not := _cannot_compile(model):
         return None, why_not
-    step = _with_fallback(model, compile_fast(model), lambda ids, cache: model(ids[:, None], cache=cache)[:, -1])
+    use_cache_dirs()
+    eager = lambda ids, cache: model(ids[:, None], cache=cache)[:, -1]   # noqa: E731
+    raw = compile_fast(model)
     what = "compiled decode, CUDA graphs" if model.device.type == "cuda" else "compiled decode"
-    return step, f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
+    how = f"{what}{_dense_prefill(model)} (kernels cached in {_kernel_cache()})"
+    if model.device.type == "cuda":   # CUDA graphs record the buffers of the cache they first run on: not a warm-up's
+        return _with_fallback(model, raw, eager), how
+    step = BackgroundCompile(_with_fallback(model, raw, eager), eager, functools.partial(_prepare_warm_up, model, raw))
+    return step, how
+
+
+def _prepare_warm_up(model, raw_step):
+    """For `BackgroundCompile.start`: a cache of the warm-up's own (the size `chat` uses) prefilled with one
+    token here, eagerly (through the model's hooks, in the caller's thread), and the warm-up the background
+    thread runs: one compiled decode step on it, then the compiled prefill dequantization
+    (`warm_dense_prefill`), under inference mode as `generate` and `chat` decode."""
+    import torch
+
+    from .generation import extend
+    from .quantization.dense_prefill import warm_dense_prefill
+
+    cache = model.new_cache(1, min(model.config.context_length, 2048))
+    extend(model, cache, [0])
+
+    def warm_up():
+        with torch.inference_mode(), _quiet_inductor():
+            raw_step(torch.zeros(1, dtype=torch.long, device=model.device), cache)
+            warm_dense_prefill(model)
+    return warm_up
+
+
+@contextlib.contextmanager
+def _quiet_inductor():
+    """Drop inductor's remark that a kernel mixes the exact weights' fp16 scales with bf16 activations: a
+    note on its code generation, nothing to act on, that would break the lines around it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="bf16 and fp16 are mixed", category=UserWarning)
+        yield
 
 
 def compiled_engine_decode(model):
@@ -157,7 +206,9 @@ def compiled_engine_decode(model):
     several): compiling costs one block's worth, not the whole paged forward's (`bench engine_decode`
     records how long). Dynamic shapes: the batch size and the context length are symbols; no CUDA
     graphs, since the shapes change from step to step. The embedding, the final norm and the head stay
-    eager. Same thread switch, fallback and kernel cache as `compiled_decode_step`."""
+    eager. Same thread switch, fallback, kernel cache and background compile (`startup.BackgroundCompile`:
+    after `decode.start()` the server answers with eager steps until the compiled ones are ready) as
+    `compiled_decode_step`."""
     import contextlib
 
     import torch
@@ -167,22 +218,33 @@ def compiled_engine_decode(model):
 
     if why_not := _cannot_compile(model):
         return None, why_not
+    use_cache_dirs()
     options = {} if model.device.type == "cuda" else {"options": dict(CPU_INDUCTOR)}
     # One compiled function for every block: the block comes in as an argument, so its weights are graph
     # inputs rather than constants, and dynamo's cache (kept per code object) serves all the layers.
     block_step = torch.compile(lambda block, *args: type(block).forward(block, *args), **compile_settings(**options))
 
+    compiling = threading.local()   # on in the thread that runs `run` while it runs
+
+    def dispatch(block, *args):
+        if getattr(compiling, "on", False):
+            return block_step(block, *args)
+        return type(block).forward(block, *args)
+
     @contextlib.contextmanager
     def compiled_blocks():
-        # For this step only: `model.forward` calls each block, which now goes through `block_step`; a
-        # prefill, and every other user of the model, runs the eager blocks.
+        # For this step only, and in this thread only: `model.forward` calls each block, which now goes
+        # through `block_step`; a prefill, and every other user of the model (another thread too: the
+        # server's steps while the background warm-up compiles), runs the eager blocks.
         for block in model.layers:
-            block.forward = functools.partial(block_step, block)
+            block.forward = functools.partial(dispatch, block)
+        compiling.on = True
         try:
             yield
         finally:
+            compiling.on = False
             for block in model.layers:
-                del block.forward
+                block.__dict__.pop("forward", None)
 
     def run(ids, step):
         # No "duck sizing": sizes that happen to be equal while tracing (the blocks in a table and the KV
@@ -190,9 +252,30 @@ def compiled_engine_decode(model):
         with shapes.patch(use_duck_shape=False), compiled_blocks():
             return model(ids, step=step, last_only=True)[0]
 
-    decode = _with_fallback(model, run, lambda ids, step: model(ids, step=step, last_only=True)[0])
-    return decode, (f"compiled decode steps, one graph for every block{_dense_prefill(model)} "
-                    f"(kernels cached in {_kernel_cache()})")
+    eager = lambda ids, step: model(ids, step=step, last_only=True)[0]   # noqa: E731
+    how = (f"compiled decode steps, one graph for every block{_dense_prefill(model)} "
+           f"(kernels cached in {_kernel_cache()})")
+    decode = BackgroundCompile(_with_fallback(model, run, eager), eager,
+                               functools.partial(_prepare_engine_warm_up, model, run), what="the decode steps")
+    return decode, how
+
+
+def _prepare_engine_warm_up(model, run):
+    """For `BackgroundCompile.start` of the engine's decode steps: an engine of the warm-up's own (a few KV
+    blocks, sharing the model) whose `warm_up` the background thread runs, compiling `run`'s graphs (one
+    sequence and several), then the compiled prefill dequantization."""
+    import time
+
+    from .quantization.dense_prefill import warm_dense_prefill
+    from .serving import Engine
+
+    engine = Engine(model, clock=time.monotonic, max_num_seqs=2, num_blocks=8, decode=run)
+
+    def warm_up():
+        with _quiet_inductor():
+            engine.warm_up()
+            warm_dense_prefill(model)
+    return warm_up
 
 
 def _dense_prefill(model) -> str:
@@ -227,9 +310,7 @@ def _cannot_compile(model) -> str | None:
 
 
 def _kernel_cache() -> str:
-    import os
-
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "torch's inductor cache folder")
+    return str(inductor_cache_dir())
 
 
 def _with_fallback(model, compiled, eager):

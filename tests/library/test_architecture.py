@@ -15,6 +15,7 @@ PKG_DIR = Path(__file__).resolve().parents[2] / "src" / "cs336_inference"
 # Each part of the package may import only parts with a lower rank (and itself).
 LAYERS = {
     "_openmp": 0, "_checks": 0, "device": 0, "timing": 0, "figures": 0, "tables": 0,
+    "progress": 0,                   # a start-up's progress lines and phase marks (standard library only)
     "model": 1, "cpu_tuning": 1,     # cpu_tuning: opt-in transforms applied to a model (like fuse_projections)
     "huge_pages": 1,                 # one of them: the streamed weights moved onto 2 MB pages
     "generation": 2,
@@ -25,6 +26,7 @@ LAYERS = {
     "model_source": 6,               # what --model names: a model by name or a checkpoint file, and its tokenizer
     "benchmarks": 7,
     "fast_path": 7,                  # the model chat/generate/serve run: weights, kernels, threads, compile
+    "startup": 7,                    # how fast_path starts quickly: cache folders, compiling in the background
     "homework": 7,                   # the graded functions' reference solution and the student skeleton
     "cli": 8, "cli_args": 8, "chat_repl": 8, "__main__": 8, "__init__": 8,
 }

@@ -9,12 +9,14 @@
 
 They build only where they can run: an x86 CPU whose flags include avx512_bf16 (Zen 4, Sapphire
 Rapids and newer), a C++ compiler (the one torch.compile uses on a CPU) and torch with OpenMP. The
-library lands in the package's cache folder, per torch version; later processes only load it.
+library lands in the package's cache folder, per torch version and per content of its sources
+(`_build_key`); later processes only load it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import platform
 import shutil
@@ -34,6 +36,17 @@ def _headers_flag() -> str:
     """A define naming the headers' contents: torch rebuilds the library when its sources or flags change,
     and does not read the headers they include, so a changed header changes the flags."""
     return f"-DCS336_HEADERS={zlib.crc32(b''.join(h.read_bytes() for h in HEADERS)):08x}"
+
+
+def _build_key() -> str:
+    """What the built library depends on (the sources' and headers' contents, the flags), as a short hash:
+    its folder's name. A process finds a library built from exactly its sources and loads it without
+    asking torch's extension builder (which runs the build tool to check, every time); checkouts with
+    other sources build beside it rather than over it."""
+    digest = hashlib.sha256(" ".join(_FLAGS).encode())
+    for path in [*SOURCES, *HEADERS]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def cpu_supports() -> str | None:
@@ -59,20 +72,26 @@ def build() -> str | None:
     reason = cpu_supports()
     if reason is not None:
         return reason
-    from torch.utils.cpp_extension import load
-
+    from ..progress import ticker
     from .disk_cache import cache_dir
 
-    folder = cache_dir() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__}"
+    folder = cache_dir() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__}-{_build_key()}"
+    library = folder / "cs336_cpu_kernels.so"
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # torch's notes about the compiler version are not the user's business
-            load(name="cs336_cpu_kernels", sources=[str(s) for s in SOURCES], extra_cflags=[*_FLAGS, _headers_flag()],
-                 build_directory=str(folder), is_python_module=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels, and say why
-        names = " and ".join(s.name for s in SOURCES)
-        return f"building {names} failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        torch.ops.load_library(str(library))   # built before from these very sources and flags: just load it
+    except (OSError, RuntimeError):             # not built yet (or a damaged file): build it, saying so
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with ticker("building our CPU kernels (once per machine)"), warnings.catch_warnings():
+                warnings.simplefilter("ignore")   # torch's notes about the compiler version are not the user's business
+                from torch.utils.cpp_extension import load
+
+                load(name="cs336_cpu_kernels", sources=[str(s) for s in SOURCES],
+                     extra_cflags=[*_FLAGS, _headers_flag()], build_directory=str(folder), is_python_module=False,
+                     verbose=False)
+        except Exception as e:  # noqa: BLE001 - any build failure means: use torch's kernels, and say why
+            names = " and ".join(s.name for s in SOURCES)
+            return f"building {names} failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
 
     # the output shapes torch.compile traces with
     @torch.library.register_fake("cs336::int4_gemv")

@@ -223,6 +223,60 @@ def pack_weight(unsigned: torch.Tensor, scale: torch.Tensor, offset: torch.Tenso
     return _int4_packed(layout, torch.cat([high, low], dim=1), scales, g)  # (O, 2I) codes
 
 
+class PackedStore:
+    """Packed layouts kept from an earlier build of the same model, and the ones built now (`reuse_packed`).
+
+    `entries`: what an earlier build recorded ({"key", and `PackedWeight`'s fields}, in the order the layers
+    were packed), or None. Each layer packed inside `reuse_packed` takes the entry at its position if the
+    key matches (layout, shape, bits, group, dtype, device) and its kernel can run here; otherwise it
+    packs as usual. `made` lists every layout of this build, for the caller to keep."""
+
+    def __init__(self, entries: list[dict] | None = None):
+        self.entries, self.made, self.reused = entries or [], [], 0
+
+    def get(self, key: str, pack) -> PackedWeight:
+        i = len(self.made)
+        entry = self.entries[i] if i < len(self.entries) else None
+        packed = None
+        if entry is not None and entry.get("key") == key:
+            fields = {f: entry[f] for f in PackedWeight.__dataclass_fields__ if f in entry}
+            if fields.get("kernel") == cpu_int4.NAME:   # ours: the kernel must load here, at this CPU's bar
+                fields["max_rows"] = cpu_int4.dense_rows()
+                if cpu_int4.why_unavailable() is not None or not cpu_int4._enabled:
+                    fields = None
+            if fields is not None:
+                packed = PackedWeight(**fields)
+                self.reused += 1
+        if packed is None:
+            packed = pack()
+        self.made.append({"key": key, **{f: getattr(packed, f) for f in PackedWeight.__dataclass_fields__}})
+        return packed
+
+
+_store: list[PackedStore] = []
+
+
+@contextlib.contextmanager
+def reuse_packed(store: PackedStore):
+    """Layers packed inside take their layouts from `store` where it has them (see `PackedStore`)."""
+    _store.append(store)
+    try:
+        yield store
+    finally:
+        _store.remove(store)
+
+
+def packed_weight_for(inputs, bits: int, group_size: int, layout: str, device, dtype: torch.dtype,
+                      shape: tuple[int, int]) -> PackedWeight:
+    """`pack_weight(*inputs(), ...)`, or, inside `reuse_packed`, the layout its store kept for this layer
+    (then `inputs()`, the unsigned form, is never computed)."""
+    make = lambda: pack_weight(*inputs(), bits, group_size, layout, device, dtype)   # noqa: E731
+    if not _store:
+        return make()
+    key = f"{layout}|{shape[0]}x{shape[1]}|{bits}|g{group_size}|{dtype}|{torch.device(device)}"
+    return _store[-1].get(key, make)
+
+
 def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int, signed: bool) -> torch.Tensor:
     """The matrix an int4pack kernel multiplies by, dense: (O, I) in the scales' dtype.
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .. import _checks
 from .core import QuantizedTensor, check_bits, quantize_tensor
 from .kernels import (PACKED_MAX_ROWS, PackedWeight, announce_fallback, check_kernel, default_compute_dtype,
-                      int4pack_dense, pack_weight, packed_layout, packed_matmul)
+                      int4pack_dense, packed_layout, packed_matmul, packed_weight_for)
 from .fp8 import fp8_dtype, quantize_fp8
 from .llm_int8 import absmax_int8, llm_int8_matmul
 from .packing import pack_bits, pack_int4, unpack_bits, unpack_int4
@@ -179,7 +179,8 @@ class QuantizedLinear(nn.Module):
                               f"out={self.out_features}) dequantizes its weight on every call, slower than a "
                               f"full-precision matmul: {reason}")
             return
-        self._packed = pack_weight(*self.unsigned_form(codes), self.bits, self.group_size, layout, device, dtype)
+        self._packed = packed_weight_for(lambda: self.unsigned_form(codes), self.bits, self.group_size, layout, device,
+                                         dtype, (self.out_features, self.in_features))
 
     def packed_weight(self, device=None) -> PackedWeight | None:
         """The packed-kernel layout this layer runs (None: the reference kernel), chosen for its device."""
