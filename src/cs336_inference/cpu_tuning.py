@@ -255,6 +255,17 @@ class CPUTuning:
     # the hooks' stack of counts to restore, one per thread (a server's compile warms up in a thread of its own)
     _stacks: threading.local = field(default_factory=threading.local, repr=False)
 
+    def __getstate__(self) -> dict:
+        # a copy of the model (deepcopy, pickle) starts with empty stacks: a thread-local cannot be copied,
+        # and the counts waiting to be restored belong to the threads of the original
+        state = dict(self.__dict__)
+        state.pop("_stacks")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._stacks = threading.local()
+
     @property
     def previous_threads(self) -> list:
         """This thread's stack of the counts the hooks restore."""
