@@ -1,0 +1,272 @@
+"""The grader against packages that attack the grader itself rather than their own tests (tests/sandbox.py).
+
+Each hostile package answers logits_to_probs honestly (the reference's) and plays its trick at import or in
+sample_next_token. Each is graded as course staff grade, `pytest tests/graded/test_sampling_rules.py --impl
+PKG --grade-json PATH` in a fresh process, and must: score exactly what a package with only the honest
+answer scores (its sample_next_token raising NotImplementedError); exit with status 1 (tests failed: not 0,
+not a crash); leave results.json the grader's own (every graded test of the file listed, the summary line as
+its output); leave no process behind (every process whose environment carries this run's token is gone when
+the grader has exited); and finish in bounded time (tests x timeout + a margin).
+
+The tricks run as a few batches of grading processes side by side; the file is marked slow (~2-4 min)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLING = ROOT / "tests" / "graded" / "test_sampling_rules.py"
+TIMEOUT = 4                                  # --graded-timeout of every run here
+MARGIN = 150                                 # seconds for pytest, the supervisor's imports and the kills
+
+HONEST = "from cs336_inference.homework.reference import logits_to_probs  # noqa: F401\n"
+
+# where a trick finds the grader: its ancestors' command lines (the worker's own argv and environment do not
+# carry the results path, but a process of the same user can read /proc/PID/cmdline)
+FIND_GRADER = '''
+import os
+
+
+def grader():
+    """(pid, results path) of the nearest ancestor whose command line has --grade-json."""
+    pid = os.getppid()
+    while pid > 1:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().decode().split("\\0")
+        if "--grade-json" in argv:
+            return pid, argv[argv.index("--grade-json") + 1]
+        with open(f"/proc/{pid}/stat") as f:
+            pid = int(f.read().rsplit(")", 1)[1].split()[1])
+    return None, None
+
+
+def note_pid(pid=None):
+    with open(os.path.join(os.environ["TRICK_DIR"], "pids"), "a") as f:
+        f.write(f"{pid or os.getpid()}\\n")
+'''
+
+TRICKS = {
+    # a thread started at import finds the Grader with gc and passes every record
+    "gc_thread": '''
+        import gc, threading, time
+
+        def cheat():
+            while True:
+                for obj in gc.get_objects():
+                    if type(obj).__name__ == "Record":
+                        obj.outcome = "passed"
+                time.sleep(0.05)
+        threading.Thread(target=cheat, daemon=True).start()
+
+        def sample_next_token(*args):
+            raise NotImplementedError
+        ''',
+    # the grader's totals replaced through gc, from inside a graded call
+    "totals": '''
+        import gc
+
+        def sample_next_token(*args):
+            for obj in gc.get_objects():
+                if hasattr(obj, "totals") and hasattr(obj, "records"):
+                    obj.totals = lambda: (18, 18, 18, 18)
+            raise NotImplementedError
+        ''',
+    # ends "the run" with status 0 before any score is printed or written
+    "exit0": '''
+        import os
+
+        def sample_next_token(*args):
+            os._exit(0)
+        ''',
+    # writes a perfect results.json where the grader will look, then exits 0
+    "write_json": FIND_GRADER + '''
+        import json
+
+        def sample_next_token(*args):
+            pid, path = grader()
+            with open(path, "w") as f:
+                json.dump({"score": 100, "tests": []}, f)
+            os._exit(0)
+        ''',
+    # a detached grandchild waits for the grader to exit, then rewrites results.json
+    "detached": FIND_GRADER + '''
+        import json, time
+
+        def sample_next_token(*args):
+            pid, path = grader()
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    note_pid()
+                    while os.path.exists(f"/proc/{pid}"):
+                        time.sleep(0.05)
+                    with open(path, "w") as f:
+                        json.dump({"score": 100, "tests": []}, f)
+                os._exit(0)
+            raise NotImplementedError
+        ''',
+    # ignores SIGALRM and swallows every exception, forever
+    "stubborn": '''
+        import signal
+
+        def sample_next_token(*args):
+            signal.signal(signal.SIGALRM, signal.SIG_IGN)
+            while True:
+                try:
+                    while True:
+                        pass
+                except BaseException:
+                    pass
+        ''',
+    # swallows the first exception it meets, then hangs again
+    "swallow_once": '''
+        import time
+
+        def sample_next_token(*args):
+            try:
+                time.sleep(1e6)
+            except BaseException:
+                pass
+            time.sleep(1e6)
+        ''',
+    # kills the process that imported it (the next test must import the package again, and still grade)
+    "kill_parent": '''
+        import os, signal
+        from cs336_inference.homework.reference import sample_next_token as _honest
+
+        def sample_next_token(*args):
+            os.kill(os.getppid(), signal.SIGKILL)
+            raise NotImplementedError
+        ''',
+    # many processes in new sessions, sleeping past the run
+    "swarm": FIND_GRADER + '''
+        import time
+
+        def sample_next_token(*args):
+            for _ in range(8):
+                if os.fork() == 0:
+                    os.setsid()
+                    note_pid()
+                    time.sleep(600)
+                    os._exit(0)
+            raise NotImplementedError
+        ''',
+    # writes its own frames to the grader's channel: garbage, then a pickle that would run a command if loaded
+    "channel": FIND_GRADER + '''
+        import pickle, struct
+
+        class Boom:
+            def __reduce__(self):
+                return (os.system, (f"touch {os.environ['TRICK_DIR']}/pwned",))
+
+        def sample_next_token(*args):
+            data = pickle.dumps({"kind": "value", "value": Boom()})
+            os.write(3, struct.pack(">Q", len(data)) + data)
+            os._exit(0)
+        ''',
+    # asks for far more memory than a worker may have
+    "memory": '''
+        import torch
+
+        def sample_next_token(*args):
+            return torch.ones(1 << 34, dtype=torch.uint8)
+        ''',
+}
+
+
+def _package(folder: Path, name: str, body: str) -> Path:
+    package = folder / name
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(HONEST + textwrap.dedent(body))
+    return package
+
+
+def _start(package: Path, results: Path, token: str, trick_dir: Path) -> subprocess.Popen:
+    env = {**os.environ, "TRICK_TOKEN": token, "TRICK_DIR": str(trick_dir)}
+    return subprocess.Popen([sys.executable, "-m", "pytest", str(SAMPLING), "--impl", str(package), "--grade-json",
+                             str(results), "--graded-timeout", str(TIMEOUT), "-q", "-p", "no:cacheprovider"],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    if token.encode() in f.read():
+                        found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _grade_all(tmp_path, packages: dict[str, str], batch: int = 4) -> dict[str, dict]:
+    """name -> {rc, results, log, seconds, survivors, pids}: each package graded in its own process."""
+    out: dict[str, dict] = {}
+    names = list(packages)
+    for i in range(0, len(names), batch):
+        running = {}
+        for name in names[i:i + batch]:
+            trick_dir = tmp_path / f"{name}_files"
+            trick_dir.mkdir()
+            token = uuid.uuid4().hex
+            results = tmp_path / f"{name}_out" / "not_yet" / "results.json"     # a folder that does not exist
+            package = _package(tmp_path / "packages", f"{name}_solution", packages[name])
+            running[name] = (_start(package, results, token, trick_dir), time.monotonic(), results, token, trick_dir)
+        for name, (proc, start, results, token, trick_dir) in running.items():
+            bound = 25 * TIMEOUT + MARGIN
+            try:
+                log = proc.communicate(timeout=bound)[0]
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                log = proc.communicate()[0]
+            seconds = time.monotonic() - start
+            time.sleep(1.0)                                     # a detached process would act now
+            survivors = _processes_with(token)
+            for pid in survivors:
+                os.kill(pid, signal.SIGKILL)
+            pids_file = trick_dir / "pids"
+            pids = [int(p) for p in pids_file.read_text().split()] if pids_file.exists() else []
+            out[name] = {"rc": proc.returncode, "log": log, "seconds": seconds, "survivors": survivors,
+                         "results": json.loads(results.read_text()) if results.exists() else None, "pids": pids,
+                         "pwned": (trick_dir / "pwned").exists()}
+    return out
+
+
+@pytest.mark.slow
+def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
+    runs = _grade_all(tmp_path, {"honest": "def sample_next_token(*args):\n    raise NotImplementedError\n",
+                                 **TRICKS})
+    honest = runs.pop("honest")
+    assert honest["rc"] == 1 and honest["results"] is not None, honest["log"][-3000:]
+    expected = honest["results"]["score"]
+    names = [t["name"] for t in honest["results"]["tests"]]
+    assert 0 < expected < honest["results"]["extra_data"]["max_score"], "the honest half earns some points, not all"
+    for name, run in runs.items():
+        log = run["log"][-3000:]
+        assert run["seconds"] < 25 * TIMEOUT + MARGIN, (name, run["seconds"], log)
+        assert run["rc"] == 1, (name, run["rc"], log)
+        results = run["results"]
+        assert results is not None, (name, log)
+        assert results["score"] == expected, (name, results["score"], expected, log)
+        assert [t["name"] for t in results["tests"]] == names, (name, results)
+        assert results["output"].startswith(f"graded {Path(str(tmp_path / 'packages' / name))}_solution: "), \
+            (name, results["output"])
+        assert results["output"] in log.strip().splitlines()[-1], (name, log)   # the score is the last line
+        assert run["survivors"] == [], (name, run["survivors"])
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in run["pids"]), (name, run["pids"])
+        assert not run["pwned"], name
+    assert "timed out after 4 s in sample_next_token" in json.dumps(runs["stubborn"]["results"])
+    assert "ended the process it ran in" in json.dumps(runs["exit0"]["results"])
+    assert "MemoryError" in json.dumps(runs["memory"]["results"]) or "ended the process" in \
+        json.dumps(runs["memory"]["results"])
+    assert len(runs["swarm"]["pids"]) >= 8 and len(runs["detached"]["pids"]) >= 1   # the tricks did run
