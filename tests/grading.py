@@ -202,7 +202,10 @@ class Grader:
         if error is None:
             sandbox.activate(self.sandbox)
             return
-        where = request["path"] if error and "request" in locals() and request.get("path") else spec
+        if "request" in locals() and request["kind"] == "module" and error.startswith("ModuleNotFoundError"):
+            error += (f" (--impl takes the path of a package folder or .py file, absolute or relative to "
+                      f"{os.getcwd()}, or the name of a module on sys.path)")
+        where = request["path"] if "request" in locals() and request.get("path") else spec
         self.import_error = f"cannot import the implementation {where}: {error}"
         graded = [item for item in items if item.nodeid in self.records]
         for item in graded:
@@ -409,10 +412,10 @@ class Grader:
                 "output": output, "visibility": "visible", "stdout_visibility": "hidden",
                 "tests": tests, "extra_data": {"max_score": round(max_score, 6)}}
 
-    def write_results(self, results: dict) -> None:
+    def write_results(self, results: dict, retry: bool = False) -> None:
         """results.json replaced atomically (a temporary file in the same folder, then os.replace); whatever
         is at the path (a folder, a link) is removed first if the replace fails. A failure is reported and
-        makes the exit status 1."""
+        makes the exit status 3 (pytest's internal error)."""
         path = Path(self.json_path)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -431,6 +434,15 @@ class Grader:
                     path.unlink(missing_ok=True)
                 os.replace(tmp, path)
             self.write_failed = None
+        except PermissionError:
+            if not retry:                   # graded code may have made the folder read-only: it is ours again
+                try:
+                    os.chmod(path.parent, os.stat(path.parent).st_mode | 0o700)
+                except OSError:
+                    pass
+                return self.write_results(results, retry=True)
+            self.write_failed = f"could not write {path}: permission denied"
+            sys.stderr.write(f"\ngrading: {self.write_failed}\n")
         except OSError as err:
             self.write_failed = f"could not write {path}: {err}"
             sys.stderr.write(f"\ngrading: {self.write_failed}\n")

@@ -131,6 +131,9 @@ def _package_root(control, request) -> None:
     sys.path[:] = request["sys_path"]
     import importlib
     import importlib.util
+
+    import torch
+    torch.set_num_threads(1)     # torch ops at import start no thread pool a forked worker would inherit broken
     spec, kind = request["spec"], request["kind"]
     try:
         if kind == "module":

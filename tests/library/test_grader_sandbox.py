@@ -172,6 +172,27 @@ TRICKS = {
             os.write(3, struct.pack(">Q", len(data)) + data)
             os._exit(0)
         ''',
+    # looks for the results path where a process is told things: its argv and environment
+    "snoop": '''
+        import os, sys
+
+        def sample_next_token(*args):
+            seen = " ".join(sys.argv) + " ".join(f"{k}={v}" for k, v in os.environ.items())
+            if "grade-json" in seen or "results.json" in seen:
+                open(os.path.join(os.environ["TRICK_DIR"], "snooped"), "w").close()
+            raise NotImplementedError
+        ''',
+    # writes a perfect results.json, then makes its folder read-only for the grader's final write
+    "read_only": FIND_GRADER + '''
+        import json
+
+        def sample_next_token(*args):
+            pid, path = grader()
+            with open(path, "w") as f:
+                json.dump({"score": 100, "tests": []}, f)
+            os.chmod(os.path.dirname(path), 0o500)
+            raise NotImplementedError
+        ''',
     # asks for far more memory than a worker may have
     "memory": '''
         import torch
@@ -238,7 +259,7 @@ def _grade_all(tmp_path, packages: dict[str, str], batch: int = 4) -> dict[str, 
             pids = [int(p) for p in pids_file.read_text().split()] if pids_file.exists() else []
             out[name] = {"rc": proc.returncode, "log": log, "seconds": seconds, "survivors": survivors,
                          "results": json.loads(results.read_text()) if results.exists() else None, "pids": pids,
-                         "pwned": (trick_dir / "pwned").exists()}
+                         "pwned": (trick_dir / "pwned").exists(), "snooped": (trick_dir / "snooped").exists()}
     return out
 
 
@@ -251,20 +272,26 @@ def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
     expected = honest["results"]["score"]
     names = [t["name"] for t in honest["results"]["tests"]]
     assert 0 < expected < honest["results"]["extra_data"]["max_score"], "the honest half earns some points, not all"
+    problems = []
     for name, run in runs.items():
-        log = run["log"][-3000:]
-        assert run["seconds"] < 25 * TIMEOUT + MARGIN, (name, run["seconds"], log)
-        assert run["rc"] == 1, (name, run["rc"], log)
-        results = run["results"]
-        assert results is not None, (name, log)
-        assert results["score"] == expected, (name, results["score"], expected, log)
-        assert [t["name"] for t in results["tests"]] == names, (name, results)
-        assert results["output"].startswith(f"graded {Path(str(tmp_path / 'packages' / name))}_solution: "), \
-            (name, results["output"])
-        assert results["output"] in log.strip().splitlines()[-1], (name, log)   # the score is the last line
-        assert run["survivors"] == [], (name, run["survivors"])
-        assert all(not os.path.exists(f"/proc/{pid}") for pid in run["pids"]), (name, run["pids"])
-        assert not run["pwned"], name
+        results, log = run["results"], run["log"][-2000:]
+        checks = {
+            "bounded time": run["seconds"] < 25 * TIMEOUT + MARGIN,
+            "exit status 1": run["rc"] == 1,
+            "results.json written": results is not None,
+            "the honest score exactly": results is not None and results["score"] == expected,
+            "every graded test listed": results is not None and [t["name"] for t in results["tests"]] == names,
+            "the grader's summary": results is not None and results["output"].startswith(
+                f"graded {tmp_path / 'packages' / name}_solution: "),
+            "the score is the last line": results is not None and bool(log.strip())
+            and results["output"] in log.strip().splitlines()[-1],
+            "no process left": run["survivors"] == [] and all(not os.path.exists(f"/proc/{p}") for p in run["pids"]),
+            "nothing it sent was run": not run["pwned"],
+            "no results path in its argv or environment": not run["snooped"],
+        }
+        problems += [(name, what, run["rc"], results and results["score"], log) for what, ok in checks.items()
+                     if not ok]
+    assert not problems, problems
     assert "timed out after 4 s in sample_next_token" in json.dumps(runs["stubborn"]["results"])
     assert "ended the process it ran in" in json.dumps(runs["exit0"]["results"])
     assert "MemoryError" in json.dumps(runs["memory"]["results"]) or "ended the process" in \
