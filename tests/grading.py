@@ -243,9 +243,11 @@ class Grader:
         """The test's graded calls run in its worker (tests/sandbox.py); a failure of the worker (timed out,
         ended, broke the protocol) fails the test even if the test caught the exception."""
         box = self.sandbox
+        previous = self._arm(slack=1.0)             # a backstop for the test's own code on what came back
         try:
             result = yield
         finally:
+            self._disarm(previous)
             if box.output:
                 item.add_report_section("call", "graded code's output", "".join(box.output)[-OUTPUT_LIMIT:])
             changed = self.snapshot.changes() if self.snapshot is not None else []
@@ -273,7 +275,7 @@ class Grader:
                 raise Tampered(f"graded code changed the grader's interpreter during this test "
                                f"({'; '.join(changed)}); it was restored, and the test fails")
 
-    def _arm(self):
+    def _arm(self, slack: float = 0.0):
         if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
             return None
         timeout = self.timeout
@@ -283,7 +285,7 @@ class Grader:
             raise GradedTimeout(f"timed out after {timeout:g} s in "
                                 f"{where if where else 'the test itself, between graded calls'}")
         previous = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)   # raised again every second until disarmed
+        signal.setitimer(signal.ITIMER_REAL, timeout + slack, 1.0)   # raised again every second until disarmed
         return previous
 
     @staticmethod

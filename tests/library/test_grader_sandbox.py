@@ -294,6 +294,5 @@ def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
     assert not problems, problems
     assert "timed out after 4 s in sample_next_token" in json.dumps(runs["stubborn"]["results"])
     assert "ended the process it ran in" in json.dumps(runs["exit0"]["results"])
-    assert "MemoryError" in json.dumps(runs["memory"]["results"]) or "ended the process" in \
-        json.dumps(runs["memory"]["results"])
+    assert "can't allocate memory" in json.dumps(runs["memory"]["results"])       # the worker's address-space limit
     assert len(runs["swarm"]["pids"]) >= 8 and len(runs["detached"]["pids"]) >= 1   # the tricks did run
