@@ -41,13 +41,14 @@ import torch
 
 import guard
 import sandbox_worker
-from sandbox_worker import HEADER, GeneratorArg, GradArg
+from sandbox_worker import HEADER, GeneratorArg, GradArg, TensorArg
 
 WORKER = Path(sandbox_worker.__file__).resolve()
 MAX_MESSAGE = 1 << 28                   # bytes of one reply
 START_TIMEOUT = 120.0                   # seconds the supervisor may take to import torch and the library
 MEMORY_BYTES = 8 << 30                  # address space a worker may add to what it starts with
-PRELOAD = ("numpy", "einops", "sympy", "cs336_inference", "cs336_inference.homework.reference")
+# imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
+PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference")
 KILL_ROUNDS = 50
 
 
@@ -181,6 +182,7 @@ class Sandbox:
         self.deadline = float("inf")
         self.failure: str | None = None      # why the test in progress must fail, whatever it caught
         self.output: list[str] = []          # what graded code printed during the test in progress
+        self.rng_known = None                # torch's RNG state the worker holds (after its last reply)
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -219,6 +221,14 @@ class Sandbox:
         self.root = self.control = None
 
     # tests --------------------------------------------------------------------------------------------------
+
+    def rng_to_send(self):
+        """torch's global RNG state for the worker, or None when the worker already has it (it keeps the state it
+        returned last; a new worker starts from nothing it could have)."""
+        state = torch.get_rng_state()
+        if self.worker is not None and self.rng_known is not None and torch.equal(state, self.rng_known):
+            return None
+        return state
 
     def _deadline(self) -> float:
         """The test's deadline (a graded call outside a graded test gets the timeout from now)."""
@@ -386,7 +396,7 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
     message = {"op": "call" if handle is None else "method", "name": name, "handle": handle, "attr": attr,
                "args": _prepare(args, generators, grad_inputs), "kwargs": _prepare(kwargs or {}, generators,
                                                                                    grad_inputs),
-               "object": isinstance(returns, dict), "rng": torch.get_rng_state(), "watch": _watch_request()}
+               "object": isinstance(returns, dict), "rng": sandbox.rng_to_send(), "watch": _watch_request()}
     watchers = list(_watchers)
     guard._calls.append(name)
     try:
@@ -410,11 +420,13 @@ def _prepare(value, generators: list, grad_inputs: list, depth: int = 0):
     """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked."""
     if isinstance(value, torch.Generator):
         generators.append(value)
-        return GeneratorArg(len(generators) - 1, str(value.device), value.get_state())
+        return GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             grad_inputs.append(value)
             return GradArg(len(grad_inputs) - 1, value.detach().clone())
+        if type(value) is torch.Tensor and value.layout == torch.strided:
+            return TensorArg(value)
         return value.detach()
     if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
         return type(value)(_prepare(v, generators, grad_inputs, depth + 1) for v in value)
@@ -436,6 +448,7 @@ def _outcome(name: str, reply: dict, sandbox: Sandbox):
                                     f"fail, exit or end the run")
     if kind == "refused":
         raise guard.GradedCallError(f"{name} {_text(reply.get('message'), 500)}")
+    sandbox.rng_known = None                 # the call may have drawn numbers: send the state again next time
     if kind == "error":
         raise _exception(name, reply)
     raise sandbox._fail(f"{name}: the worker sent a reply of unknown kind {_text(kind, 60)!r}")
@@ -471,6 +484,8 @@ def _restore_rng(name: str, reply: dict, generators: list) -> None:
     state = reply.get("rng")
     if state is not None:
         torch.set_rng_state(_state(name, state, torch.get_rng_state()))
+    if _active is not None:
+        _active.rng_known = torch.get_rng_state()
     returned = reply.get("generators") or {}
     if type(returned) is not dict:
         raise guard.GradedCallError(f"{name}: a bad generator state came back")
@@ -591,7 +606,7 @@ class RemoteObject:
         guard._calls.append(full)
         try:
             reply = sandbox.request(full, {"op": "getattr", "handle": self._handle, "attr": attr,
-                                           "rng": torch.get_rng_state()})
+                                           "rng": sandbox.rng_to_send()})
         finally:
             guard._calls.pop()
         if reply.get("kind") == "callable":
