@@ -193,6 +193,17 @@ def test_an_unimportable_package_fails_every_graded_test_without_crashing_the_ru
     assert results["score"] == 0
     assert all("cannot import the implementation" in t["output"] and "SyntaxError" in t["output"]
                for t in results["tests"])
+    assert log.count("SyntaxError") == 2, log[-3000:]           # once loudly, once on the last line: no test ran
+
+
+def test_a_module_name_that_is_not_importable_is_reported_once_with_what_impl_takes(tmp_path):
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_batch_sampler.py", "--impl", "no_such_solution", "--grade-json", out)
+    assert rc == 1, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert "0.00 / " in last and "cannot import the implementation no_such_solution: ModuleNotFoundError" in last
+    assert "--impl takes the path of a package folder" in last and log.count("ModuleNotFoundError") == 2, log[-3000:]
+    assert json.loads(out.read_text())["score"] == 0
 
 
 def test_every_graded_test_has_points_and_every_points_entry_is_a_graded_test():
