@@ -167,6 +167,46 @@ def kill_tree(root: int, keep: tuple[int, ...]) -> None:
         time.sleep(0.005)
 
 
+# The grader is a child subreaper too (Linux), as a backup: if graded code kills the supervisor, the processes
+# below it are re-parented here instead of to init, and `sweep_orphans` kills them. The grader's own children
+# from before (servers of other tests, ...) are left alone.
+_own_children: set[int] | None = None
+
+
+def become_subreaper() -> None:
+    """At the start of a run (the previous run's orphans are already swept): the grader's children now are its
+    own (started by the grader or by other tests of the same session), never swept."""
+    global _own_children
+    if not os.path.isdir("/proc"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(sandbox_worker.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    _own_children = set(_children().get(os.getpid(), ()))
+
+
+def sweep_orphans() -> None:
+    """Kill (and reap) what graded code left re-parented to the grader: its children that are neither the
+    supervisor nor children it had before the first run."""
+    if _own_children is None:
+        return
+    keep = _own_children | ({_supervisor.pid} if _supervisor is not None and _supervisor.alive() else set())
+    for _ in range(KILL_ROUNDS):
+        tree = _children()
+        orphans = [p for p in tree.get(os.getpid(), ()) if p not in keep]
+        if not orphans:
+            return
+        for pid in orphans:
+            kill_tree(pid, keep=())
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except OSError:
+                pass
+
+
 # --- one grading run ----------------------------------------------------------------------------------------
 
 
@@ -188,6 +228,7 @@ class Sandbox:
 
     def start(self) -> str | None:
         """Fork the package root and import the package there; None, or why it could not be imported."""
+        become_subreaper()
         self._kill_all()
         sup = supervisor()
         self.root, self.control = sup.fork_package_root(self.package)
@@ -216,6 +257,7 @@ class Sandbox:
             self.worker = None
         if self.root is not None and _supervisor is not None:
             kill_tree(_supervisor.pid, keep=())
+        sweep_orphans()
         if self.control is not None:
             self.control.close()
         self.root = self.control = None
@@ -245,6 +287,7 @@ class Sandbox:
             self.worker = None
         if _supervisor is not None and self.root is not None:
             kill_tree(_supervisor.pid, keep=(self.root,))
+        sweep_orphans()
         self.deadline = float("inf")
 
     def _fail(self, message: str, timeout: bool = False):
@@ -259,6 +302,10 @@ class Sandbox:
     def _worker(self) -> socket.socket:
         if self.worker is not None:
             return self.worker
+        if _supervisor is None or not _supervisor.alive():
+            started = time.monotonic()         # graded code killed the supervisor: starting a new one is the
+            supervisor()                       # grader's time, not the test's
+            self.deadline += time.monotonic() - started
         if self.root is None or self.control is None or self.root not in descendants(_supervisor.pid):
             error = self.start()               # the package root was killed: import the package again
             if error is not None:

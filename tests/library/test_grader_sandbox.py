@@ -146,6 +146,22 @@ TRICKS = {
             os.kill(os.getppid(), signal.SIGKILL)
             raise NotImplementedError
         ''',
+    # a detached sleeper, then kills the supervisor above the package (its orphans must still be found)
+    "kill_supervisor": FIND_GRADER + '''
+        import signal, time
+
+        def sample_next_token(*args):
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    note_pid()
+                    time.sleep(600)
+                os._exit(0)
+            with open(f"/proc/{os.getppid()}/stat") as f:
+                supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
+            os.kill(supervisor, signal.SIGKILL)
+            raise NotImplementedError
+        ''',
     # many processes in new sessions, sleeping past the run
     "swarm": FIND_GRADER + '''
         import time
