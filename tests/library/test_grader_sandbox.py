@@ -51,6 +51,16 @@ def grader():
 def note_pid(pid=None):
     with open(os.path.join(os.environ["TRICK_DIR"], "pids"), "a") as f:
         f.write(f"{pid or os.getpid()}\\n")
+
+
+def wait_for_pids(n, seconds=3.0):
+    """Until n processes have noted their pids (so the trick has really started them), at most `seconds`."""
+    import time
+    path, end = os.path.join(os.environ["TRICK_DIR"], "pids"), time.monotonic() + seconds
+    while time.monotonic() < end:
+        if os.path.exists(path) and len(open(path).read().split()) >= n:
+            return
+        time.sleep(0.02)
 '''
 
 TRICKS = {
@@ -111,6 +121,7 @@ TRICKS = {
                     with open(path, "w") as f:
                         json.dump({"score": 100, "tests": []}, f)
                 os._exit(0)
+            wait_for_pids(1)
             raise NotImplementedError
         ''',
     # ignores SIGALRM and swallows every exception, forever
@@ -157,6 +168,7 @@ TRICKS = {
                     note_pid()
                     time.sleep(600)
                 os._exit(0)
+            wait_for_pids(1)
             with open(f"/proc/{os.getppid()}/stat") as f:
                 supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
             os.kill(supervisor, signal.SIGKILL)
@@ -173,6 +185,7 @@ TRICKS = {
                     note_pid()
                     time.sleep(600)
                     os._exit(0)
+            wait_for_pids(8)
             raise NotImplementedError
         ''',
     # writes its own frames to the grader's channel: garbage, then a pickle that would run a command if loaded
@@ -311,4 +324,5 @@ def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
     assert "timed out after 4 s in sample_next_token" in json.dumps(runs["stubborn"]["results"])
     assert "ended the process it ran in" in json.dumps(runs["exit0"]["results"])
     assert "can't allocate memory" in json.dumps(runs["memory"]["results"])       # the worker's address-space limit
-    assert len(runs["swarm"]["pids"]) >= 8 and len(runs["detached"]["pids"]) >= 1   # the tricks did run
+    assert len(runs["swarm"]["pids"]) >= 8 and runs["detached"]["pids"] and runs["kill_supervisor"]["pids"], \
+        "the tricks did start their processes"
