@@ -10,6 +10,7 @@ the grader has exited); and finish in bounded time (tests x timeout + a margin).
 
 The tricks run as a few batches of grading processes side by side; the file is marked slow (~2-4 min)."""
 
+import ast
 import json
 import os
 import signal
@@ -97,7 +98,7 @@ TRICKS = {
             os._exit(0)
         ''',
     # writes a perfect results.json where the grader will look, then exits 0
-    "write_json": FIND_GRADER + '''
+    "write_json": FIND_GRADER + textwrap.dedent('''
         import json
 
         def sample_next_token(*args):
@@ -105,9 +106,9 @@ TRICKS = {
             with open(path, "w") as f:
                 json.dump({"score": 100, "tests": []}, f)
             os._exit(0)
-        ''',
+        '''),
     # a detached grandchild waits for the grader to exit, then rewrites results.json
-    "detached": FIND_GRADER + '''
+    "detached": FIND_GRADER + textwrap.dedent('''
         import json, time
 
         def sample_next_token(*args):
@@ -123,7 +124,7 @@ TRICKS = {
                 os._exit(0)
             wait_for_pids(1)
             raise NotImplementedError
-        ''',
+        '''),
     # ignores SIGALRM and swallows every exception, forever
     "stubborn": '''
         import signal
@@ -158,7 +159,7 @@ TRICKS = {
             raise NotImplementedError
         ''',
     # a detached sleeper, then kills the supervisor above the package (its orphans must still be found)
-    "kill_supervisor": FIND_GRADER + '''
+    "kill_supervisor": FIND_GRADER + textwrap.dedent('''
         import signal, time
 
         def sample_next_token(*args):
@@ -173,9 +174,9 @@ TRICKS = {
                 supervisor = int(f.read().rsplit(")", 1)[1].split()[1])
             os.kill(supervisor, signal.SIGKILL)
             raise NotImplementedError
-        ''',
+        '''),
     # many processes in new sessions, sleeping past the run
-    "swarm": FIND_GRADER + '''
+    "swarm": FIND_GRADER + textwrap.dedent('''
         import time
 
         def sample_next_token(*args):
@@ -187,9 +188,9 @@ TRICKS = {
                     os._exit(0)
             wait_for_pids(8)
             raise NotImplementedError
-        ''',
+        '''),
     # writes its own frames to the grader's channel: garbage, then a pickle that would run a command if loaded
-    "channel": FIND_GRADER + '''
+    "channel": FIND_GRADER + textwrap.dedent('''
         import pickle, struct
 
         class Boom:
@@ -200,7 +201,7 @@ TRICKS = {
             data = pickle.dumps({"kind": "value", "value": Boom()})
             os.write(3, struct.pack(">Q", len(data)) + data)
             os._exit(0)
-        ''',
+        '''),
     # looks for the results path where a process is told things: its argv and environment
     "snoop": '''
         import os, sys
@@ -212,7 +213,7 @@ TRICKS = {
             raise NotImplementedError
         ''',
     # writes a perfect results.json, then makes its folder read-only for the grader's final write
-    "read_only": FIND_GRADER + '''
+    "read_only": FIND_GRADER + textwrap.dedent('''
         import json
 
         def sample_next_token(*args):
@@ -221,7 +222,7 @@ TRICKS = {
                 json.dump({"score": 100, "tests": []}, f)
             os.chmod(os.path.dirname(path), 0o500)
             raise NotImplementedError
-        ''',
+        '''),
     # asks for far more memory than a worker may have
     "memory": '''
         import torch
@@ -233,9 +234,12 @@ TRICKS = {
 
 
 def _package(folder: Path, name: str, body: str) -> Path:
+    source = HONEST + textwrap.dedent(body)
+    defined = [n.name for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)]
+    assert "sample_next_token" in defined, f"{name}: the trick must define sample_next_token at top level"
     package = folder / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(HONEST + textwrap.dedent(body))
+    (package / "__init__.py").write_text(source)
     return package
 
 
@@ -322,7 +326,8 @@ def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
                      if not ok]
     assert not problems, problems
     assert "timed out after 4 s in sample_next_token" in json.dumps(runs["stubborn"]["results"])
-    assert "ended the process it ran in" in json.dumps(runs["exit0"]["results"])
+    for name in ("exit0", "write_json", "channel"):                                 # the tricks did run
+        assert "ended the process it ran in" in json.dumps(runs[name]["results"]), name
     assert "can't allocate memory" in json.dumps(runs["memory"]["results"])       # the worker's address-space limit
     assert len(runs["swarm"]["pids"]) >= 8 and runs["detached"]["pids"] and runs["kill_supervisor"]["pids"], \
         "the tricks did start their processes"
