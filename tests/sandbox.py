@@ -125,9 +125,10 @@ def _stop_supervisor() -> None:
 # --- processes ------------------------------------------------------------------------------------------------
 
 
-def _children() -> dict[int, list[int]]:
-    """ppid -> pids, from /proc (Linux)."""
+def _children() -> tuple[dict[int, list[int]], set[int]]:
+    """(ppid -> pids, the pids that are zombies), from /proc (Linux)."""
     tree: dict[int, list[int]] = {}
+    zombies: set[int] = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -137,14 +138,15 @@ def _children() -> dict[int, list[int]]:
         except OSError:
             continue
         fields = stat[stat.rfind(b")") + 2:].split()
-        tree.setdefault(int(fields[1]), []).append(int(entry.name))
-    return tree
+        pid = int(entry.name)
+        tree.setdefault(int(fields[1]), []).append(pid)
+        if fields[0] == b"Z":
+            zombies.add(pid)
+    return tree, zombies
 
 
-def descendants(pid: int) -> list[int]:
-    if not os.path.isdir("/proc"):
-        return []
-    tree, found, todo = _children(), [], [pid]
+def _below(tree: dict[int, list[int]], pid: int) -> list[int]:
+    found, todo = [], [pid]
     while todo:
         for child in tree.get(todo.pop(), ()):
             found.append(child)
@@ -152,11 +154,29 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(root: int, keep: tuple[int, ...]) -> None:
-    """SIGKILL every descendant of `root` but the pids in `keep` (their own descendants are not spared), until
-    none is left (a process that forks while this runs is caught on the next round)."""
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (zombies are dead already)."""
+    if not os.path.isdir("/proc"):
+        return []
+    tree, zombies = _children()
+    return [p for p in _below(tree, pid) if p not in zombies]
+
+
+def kill_tree(root: int, keep: tuple[int, ...] = ()) -> None:
+    """SIGKILL every live descendant of `root` but the pids in `keep` (their own descendants are not spared), and
+    what graded code left re-parented to the grader (`sweep_orphans`), until none is left (a process that forks
+    while this runs is caught on the next round)."""
+    if not os.path.isdir("/proc"):
+        return
+    me = os.getpid()
     for _ in range(KILL_ROUNDS):
-        victims = [p for p in descendants(root) if p not in keep]
+        tree, zombies = _children()
+        victims = [p for p in _below(tree, root) if p not in keep and p not in zombies]
+        orphans = [] if _own_children is None else [
+            p for p in tree.get(me, ()) if p not in _own_children and p != root
+            and (_supervisor is None or p != _supervisor.pid)]
+        for orphan in orphans:
+            victims += [orphan] + [p for p in _below(tree, orphan) if p not in zombies]
         if not victims:
             return
         for pid in victims:
@@ -164,7 +184,12 @@ def kill_tree(root: int, keep: tuple[int, ...]) -> None:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        time.sleep(0.005)
+        for orphan in orphans:                 # the grader's children now: reap them
+            try:
+                os.waitpid(orphan, 0)
+            except OSError:
+                pass
+        time.sleep(0.002)
 
 
 # The grader is a child subreaper too (Linux), as a backup: if graded code kills the supervisor, the processes
@@ -184,30 +209,32 @@ def become_subreaper() -> None:
         ctypes.CDLL(None).prctl(sandbox_worker.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     except (OSError, AttributeError):
         return
-    _own_children = set(_children().get(os.getpid(), ()))
+    _own_children = set(_children()[0].get(os.getpid(), ()))
 
 
 def sweep_orphans() -> None:
     """Kill (and reap) what graded code left re-parented to the grader: its children that are neither the
-    supervisor nor children it had before the first run."""
-    if _own_children is None:
-        return
-    keep = _own_children | ({_supervisor.pid} if _supervisor is not None and _supervisor.alive() else set())
-    for _ in range(KILL_ROUNDS):
-        tree = _children()
-        orphans = [p for p in tree.get(os.getpid(), ()) if p not in keep]
-        if not orphans:
-            return
-        for pid in orphans:
-            kill_tree(pid, keep=())
-            try:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            except OSError:
-                pass
+    supervisor nor children it had before the run."""
+    if _supervisor is not None and _supervisor.alive():
+        kill_tree(_supervisor.pid, keep=tuple(descendants(_supervisor.pid)))   # the orphans only
+    else:
+        kill_tree(-1)
 
 
 # --- one grading run ----------------------------------------------------------------------------------------
+
+
+def _is_child(pid: int, parent: int) -> bool:
+    """`pid` is a live child of `parent` (one read of /proc; elsewhere: assume so)."""
+    if not os.path.isdir("/proc"):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0] != b"Z" and int(fields[1]) == parent
 
 
 class Sandbox:
@@ -257,7 +284,8 @@ class Sandbox:
             self.worker = None
         if self.root is not None and _supervisor is not None:
             kill_tree(_supervisor.pid, keep=())
-        sweep_orphans()
+        else:
+            sweep_orphans()
         if self.control is not None:
             self.control.close()
         self.root = self.control = None
@@ -286,8 +314,9 @@ class Sandbox:
             self.worker.close()
             self.worker = None
         if _supervisor is not None and self.root is not None:
-            kill_tree(_supervisor.pid, keep=(self.root,))
-        sweep_orphans()
+            kill_tree(_supervisor.pid, keep=(self.root,))      # and the orphans re-parented to the grader
+        else:
+            sweep_orphans()
         self.deadline = float("inf")
 
     def _fail(self, message: str, timeout: bool = False):
@@ -306,7 +335,7 @@ class Sandbox:
             started = time.monotonic()         # graded code killed the supervisor: starting a new one is the
             supervisor()                       # grader's time, not the test's
             self.deadline += time.monotonic() - started
-        if self.root is None or self.control is None or self.root not in descendants(_supervisor.pid):
+        if self.root is None or self.control is None or not _is_child(self.root, _supervisor.pid):
             error = self.start()               # the package root was killed: import the package again
             if error is not None:
                 raise self._fail(f"cannot import the implementation again: {error}")
