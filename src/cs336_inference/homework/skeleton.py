@@ -137,8 +137,9 @@ From any folder (the grader runs in the checkout of cs336-inference that wrote t
 PYTHONPATH; `CS336_INFERENCE_IMPL={path}` works too.) Your package runs in a process of its own, one per
 graded test; a package that cannot be imported is reported once, and the score is the last line printed.
 A function you have not written yet fails only its own tests, with `not implemented: NAME`; the summary
-line prints your points, and `--grade-json results.json` writes them in Gradescope's format. The tests compare against references written in the tests
-(loops, exact enumeration, chi-square tests with fixed seeds), never against the library.
+line prints your points, and `--grade-json results.json` writes them in Gradescope's format. The tests
+compare against references written in the tests (loops, exact enumeration, chi-square tests with fixed
+seeds), never against the library.
 
 ## Your assignment-1 model (not graded)
 
