@@ -17,6 +17,7 @@ import torch
 
 import guard
 import implementation
+import sandbox
 
 from cs336_inference.device import default_dtype, get_device, seed_everything
 from cs336_inference.generation import decode_one_token, generate, prefill
@@ -25,13 +26,25 @@ from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, 
 
 
 def _graded(name: str, returns="any"):
-    """NAME in the implementation under test, as a guarded callable (tests/guard.py): it raises "not
-    implemented: NAME" if the package has none, and its result must be of the kind `returns` names
+    """NAME in the implementation under test, as a guarded callable (tests/guard.py; a student's package
+    runs in a process of its own, tests/sandbox.py): it raises "not implemented: NAME" if the package has
+    none, and its result must be of the kind `returns` names
     ("tensor", "int", "number", "bool", "dict", "list", a tuple of those, or {member: kind} for an object)."""
     def graded_call(*args):
+        if implementation.isolated():                  # a student's package: in its worker process
+            return sandbox.call(name, args, returns=returns)
         fn = guard.call(name, implementation.get, (name,), returns="raw")
         return guard.call(name, fn, guard.private_copies(args), returns=returns)
     return graded_call
+
+
+def watching(watcher_class):
+    """A context in which every graded call runs under `watcher_class()` (a torch dispatch or function mode of a
+    module in tests/, with `findings()` and `merge(findings)`, e.g. write_checks.DuplicateWrites); yields the
+    instance. With a student's package the mode runs in the worker process, around each graded call."""
+    if implementation.isolated():
+        return sandbox.watching(watcher_class())
+    return watcher_class()
 
 
 T, T2, T3 = "tensor", ("tensor", "tensor"), ("tensor", "tensor", "tensor")

@@ -7,12 +7,21 @@ the tests in DIR (points from `@pytest.mark.points(n)`, default 1; visibility fr
 `@pytest.mark.visibility("...")`, default "after_due_date"). A test that is skipped is left out of the
 total (it could not run here, e.g. a GPU test on a CPU machine).
 
-Every graded test runs under a timeout (`--graded-timeout`, default 60 s): a graded function that
-never returns fails that test with "timed out after N s in NAME" and the run goes on. Graded code
-that swallows the timeout (it is raised again every second) is abandoned after a grace period: the
-results so far are written, that test and the ones not yet run are failed, and the process exits.
-After every graded test the interpreter is compared with its state before the implementation was
-imported (tests/tamper.py); what graded code changed fails that test and is restored.
+A student's package (`--impl`) never runs in this process (tests/sandbox.py): it is imported once, before
+any test runs, in a process of its own (a package that cannot be imported is reported once, loudly, and
+scores 0), and each graded test's calls run in a fresh worker process forked from there, killed with
+everything it started when the test ends. Every graded test has a deadline (`--graded-timeout`, default
+60 s): a worker that has not answered by then is killed and the test fails with "timed out after N s in
+NAME"; the run goes on, so it ends within (tests x timeout + a margin) whatever the package does.
+
+results.json cannot lie: before anything of the package runs, a "not graded" results.json is written (its
+folder created); at the end it is replaced, atomically, by this process's own records. The exit status is
+this process's (1 if a graded test failed), and the score is the last line printed.
+
+The reference solution (no `--impl`) runs in this process, under SIGALRM (raised again every second until
+disarmed, and a watchdog thread that ends a run whose code ignores it). As a second line of defence,
+after every graded test the interpreter is compared with its state before the run (tests/tamper.py);
+what changed fails that test and is restored.
 
 Options (registered by tests/conftest.py):
   --impl SPEC          grade this package (see tests/implementation.py); default: the reference
@@ -26,8 +35,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,6 +49,8 @@ import torch
 
 import guard
 import implementation
+import sandbox
+import tamper
 
 GRADED_DIR = Path(__file__).resolve().parent / "graded"
 POINTS_FILE = GRADED_DIR / "points.py"
@@ -59,8 +72,7 @@ def add_options(parser) -> None:
                     help=f"seconds one graded test may take before it fails as timed out (default {DEFAULT_TIMEOUT:g})")
 
 
-class GradedTimeout(Exception):
-    """A graded test ran past --graded-timeout (raised in the main thread by SIGALRM)."""
+GradedTimeout = guard.GradedTimeout
 
 
 class Tampered(AssertionError):
@@ -83,7 +95,7 @@ class Record:
     max_score: float
     visibility: str
     hidden: bool
-    outcome: str = "passed"           # passed / failed / skipped
+    outcome: str = "pending"          # pending (not run yet) / passed / failed / skipped
     output: list[str] = field(default_factory=list)
     not_implemented: str | None = None
 
@@ -122,6 +134,15 @@ class Grader:
             if not self.hidden_dir.is_dir():
                 raise pytest.UsageError(f"--hidden-tests {hidden}: not a folder")
             config.args.append(str(self.hidden_dir))
+        self.sandbox: sandbox.Sandbox | None = None
+        self.import_error: str | None = None       # the package under test could not be imported
+        self.snapshot: tamper.Snapshot | None = None
+        self.write_failed: str | None = None
+        if self.json_path:                          # before anything of the package runs
+            self.write_results({"score": 0.0, "execution_time": 0.0, "visibility": "visible",
+                                "stdout_visibility": "hidden", "tests": [],
+                                "output": "not graded: the grading run did not finish (this file is replaced by the "
+                                          "results when it does)", "extra_data": {"graded": False}})
 
     @pytest.fixture(autouse=True)
     def _seed(self):
@@ -164,13 +185,82 @@ class Grader:
                 name = case.nodeid.split("::", 1)[1]
                 self.records[case.nodeid] = Record(f"{case.path.name}::{name}", total / len(group), visibility,
                                                    kind == "hidden")
+        if self.records and implementation.isolated():
+            self._start_sandbox(items)
+
+    def _start_sandbox(self, items) -> None:
+        """Import the package under test in its own process, once; if that fails, no graded test runs."""
+        spec = implementation.selected()
+        tamper.import_lazy_modules()             # torch imports some modules lazily: not a change
+        self.snapshot = tamper.Snapshot.take()
+        try:
+            request = implementation.locate(spec)
+            self.sandbox = sandbox.Sandbox(request, self.timeout)
+            error = self.sandbox.start()
+        except ImportError as err:
+            error = str(err)
+        if error is None:
+            sandbox.activate(self.sandbox)
+            return
+        if "request" in locals() and request["kind"] == "module" and error.startswith("ModuleNotFoundError"):
+            error += (f" (--impl takes the path of a package folder or .py file, absolute or relative to "
+                      f"{os.getcwd()}, or the name of a module on sys.path)")
+        where = request["path"] if "request" in locals() and request.get("path") else spec
+        self.import_error = f"cannot import the implementation {where}: {error}"
+        graded = [item for item in items if item.nodeid in self.records]
+        for item in graded:
+            record = self.records[item.nodeid]
+            record.outcome = "failed"
+            record.output.append(f"not run: {self.import_error}")
+        items[:] = [item for item in items if item.nodeid not in self.records]
+        self.config.hook.pytest_deselected(items=graded)
 
     # --- running a graded test: timeout, tampering -------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item):
+        if item.nodeid in self.records and self.sandbox is not None:
+            self.sandbox.begin_test()               # the deadline covers the graded fixtures too
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        try:
+            return (yield)
+        finally:
+            if item.nodeid in self.records and self.sandbox is not None:
+                self.sandbox.end_test()             # the worker and everything it started
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
         if item.nodeid not in self.records:
             return (yield)
+        if self.sandbox is not None:
+            return (yield from self._isolated_call(item))
+        return (yield from self._in_process_call(item))
+
+    def _isolated_call(self, item):
+        """The test's graded calls run in its worker (tests/sandbox.py); a failure of the worker (timed out,
+        ended, broke the protocol) fails the test even if the test caught the exception."""
+        box = self.sandbox
+        previous = self._arm(slack=1.0)             # a backstop for the test's own code on what came back
+        try:
+            result = yield
+        finally:
+            self._disarm(previous)
+            if box.output:
+                item.add_report_section("call", "graded code's output", "".join(box.output)[-OUTPUT_LIMIT:])
+            changed = self.snapshot.changes() if self.snapshot is not None else []
+            if changed:
+                self.snapshot.restore()
+        if box.failure is not None:
+            raise (GradedTimeout if box.failure.startswith("timed out") else guard.GradedCallError)(box.failure)
+        if changed:
+            raise Tampered(f"the grader's interpreter changed during this test ({'; '.join(changed)}); it was "
+                           f"restored, and the test fails")
+        return result
+
+    def _in_process_call(self, item):
         implementation.prepare()
         self.running = (item.nodeid, time.monotonic())
         self._start_watchdog()
@@ -185,7 +275,7 @@ class Grader:
                 raise Tampered(f"graded code changed the grader's interpreter during this test "
                                f"({'; '.join(changed)}); it was restored, and the test fails")
 
-    def _arm(self):
+    def _arm(self, slack: float = 0.0):
         if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
             return None
         timeout = self.timeout
@@ -195,7 +285,7 @@ class Grader:
             raise GradedTimeout(f"timed out after {timeout:g} s in "
                                 f"{where if where else 'the test itself, between graded calls'}")
         previous = signal.signal(signal.SIGALRM, on_alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout, 1.0)   # raised again every second until disarmed
+        signal.setitimer(signal.ITIMER_REAL, timeout + slack, 1.0)   # raised again every second until disarmed
         return previous
 
     @staticmethod
@@ -233,7 +323,7 @@ class Grader:
                 record.outcome = "failed"
                 record.output.append(f"not run: the grading run was stopped when {where} hung")
         if self.json_path:
-            Path(self.json_path).write_text(json.dumps(self.results_json(), indent=2))
+            self.write_results(self.results_json())
         capture = self.config.pluginmanager.getplugin("capturemanager")
         if capture is not None:          # write past pytest's capture of the hung test's output
             capture.suspend_global_capture(in_=False)
@@ -264,16 +354,26 @@ class Grader:
         if report.failed:
             record.outcome = "failed"
             record.output.append(f"[{report.when}] {report.longreprtext}"[:OUTPUT_LIMIT])
-        elif report.skipped and record.outcome == "passed":
+        elif report.when == "call" and report.passed and record.outcome == "pending":
+            record.outcome = "passed"
+        elif report.skipped and record.outcome in ("pending", "passed"):
             record.outcome = "skipped"
             record.output.append(f"skipped: {report.longrepr[-1] if isinstance(report.longrepr, tuple) else ''}")
 
     # --- the report -----------------------------------------------------------------------------------
 
     def totals(self) -> tuple[float, float, int, int]:
+        self._close_pending()
         counted = [r for r in self.records.values() if r.outcome != "skipped"]
         return (sum(r.score for r in counted), sum(r.max_score for r in counted),
                 sum(r.outcome == "passed" for r in counted), len(counted))
+
+    def _close_pending(self) -> None:
+        """A graded test that never ran (the run stopped early: -x, an interrupt) fails: it earned nothing."""
+        for record in self.records.values():
+            if record.outcome == "pending":
+                record.outcome = "failed"
+                record.output.append(f"not run: {self.import_error or 'the grading run stopped before this test'}")
 
     def missing(self) -> list[str]:
         return sorted({r.not_implemented.split(".")[0] for r in self.records.values() if r.not_implemented})
@@ -284,6 +384,8 @@ class Grader:
                 f"({passed}/{total} graded tests passed)")
         if self.missing():
             line += f"; not implemented: {', '.join(self.missing())}"
+        if self.import_error:
+            line += f"; NOT GRADED: {self.import_error}"
         return line
 
     def pytest_terminal_summary(self, terminalreporter):
@@ -292,12 +394,13 @@ class Grader:
         verbose = (self.json_path or self.hidden_dir or self.config.getoption("impl")
                    or self.config.getoption("verbose") > 0)
         terminalreporter.section("grading")
-        if verbose:
+        if verbose and not self.import_error:
             for record in self.records.values():
                 if record.outcome != "skipped":
                     mark = "PASS" if record.outcome == "passed" else "FAIL"
                     terminalreporter.write_line(f"{mark} {record.score:5.2f} / {record.max_score:5.2f}  {record.name}")
-        terminalreporter.write_line(self.summary_line())
+        if self.import_error:
+            terminalreporter.write_line(f"NOT GRADED: {self.import_error}", red=True, bold=True)
 
     def results_json(self) -> dict:
         score, max_score, _, _ = self.totals()
@@ -306,12 +409,66 @@ class Grader:
             "status": "passed" if r.outcome == "passed" else "failed",
             "output": "\n".join(r.output) if r.output else "passed", "visibility": r.visibility,
         } for r in self.records.values() if r.outcome != "skipped"]
+        output = self.summary_line() if not self.import_error else f"{self.import_error}\n{self.summary_line()}"
         return {"score": round(score, 6), "execution_time": round(time.time() - self.start, 3),
-                "output": self.summary_line(), "visibility": "visible", "stdout_visibility": "hidden",
+                "output": output, "visibility": "visible", "stdout_visibility": "hidden",
                 "tests": tests, "extra_data": {"max_score": round(max_score, 6)}}
 
-    def pytest_sessionfinish(self, session):
-        if self.json_path:
-            path = Path(self.json_path)
+    def write_results(self, results: dict, retry: bool = False) -> None:
+        """results.json replaced atomically (a temporary file in the same folder, then os.replace); whatever
+        is at the path (a folder, a link) is removed first if the replace fails. A failure is reported and
+        makes the exit status 3 (pytest's internal error)."""
+        path = Path(self.json_path)
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.results_json(), indent=2))
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+            os.fchmod(fd, 0o644)
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(results, indent=2))
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.replace(tmp, path)
+            except OSError:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
+                os.replace(tmp, path)
+            self.write_failed = None
+        except PermissionError:
+            if not retry:                   # graded code may have made the folder read-only: it is ours again
+                try:
+                    os.chmod(path.parent, os.stat(path.parent).st_mode | 0o700)
+                except OSError:
+                    pass
+                return self.write_results(results, retry=True)
+            self.write_failed = f"could not write {path}: permission denied"
+            sys.stderr.write(f"\ngrading: {self.write_failed}\n")
+        except OSError as err:
+            self.write_failed = f"could not write {path}: {err}"
+            sys.stderr.write(f"\ngrading: {self.write_failed}\n")
+
+    def pytest_sessionfinish(self, session):
+        if self.sandbox is not None:
+            sandbox.activate(None)
+            self.sandbox.stop()                     # every process of the package's, before the results
+        if self.records and self.import_error:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if self.json_path:
+            self.write_results(self.results_json())
+            if self.write_failed:
+                session.exitstatus = pytest.ExitCode.INTERNAL_ERROR
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_unconfigure(self, config):
+        if self.sandbox is not None:
+            sandbox.activate(None)
+            self.sandbox.stop()
+        if self.records:                            # the score is the last line of a grading run
+            reporter = config.pluginmanager.getplugin("terminalreporter")
+            line = self.summary_line()
+            if reporter is not None:
+                reporter.write_line(line, bold=True)
+            else:
+                print(line)

@@ -34,6 +34,10 @@ class GradedCallError(AssertionError):
     """A graded call misbehaved (a control-flow exception, an exception type of its own, a bad result)."""
 
 
+class GradedTimeout(Exception):
+    """A graded test ran past --graded-timeout (SIGALRM in-process; the test's deadline in a worker process)."""
+
+
 def current() -> str | None:
     """The innermost graded call in progress (None between calls)."""
     return _calls[-1] if _calls else None

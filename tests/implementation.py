@@ -6,18 +6,15 @@ blank SPEC is an error (an unset shell variable must not grade the reference). `
 asks `get(NAME)` for each graded function at call time (through tests/guard.py), so nothing else
 changes between grading the reference and grading a student.
 
-Failures stay local to the test that needs the missing piece, never the whole run and never a silent
-fallback to the reference: a name the package does not define raises `NotImplementedGraded`
-("not implemented: NAME"); a package that cannot be imported fails every graded test with the import
-error (the run and its results.json still complete). So does a package that
-
-- is named like a module the grader already uses or could import (`torch`, `json`, `adapters`, ...):
-  importing it would shadow that module (grading one named `torch` used to remove the grader's own);
-- changes the grader's interpreter while it is imported (tests/tamper.py: replaced comparisons,
-  builtins, torch functions or modes, `sys.modules` entries, ...): everything is restored first.
-
-A package folder is imported under its own name without putting its parent folder on `sys.path`,
-so other folders next to it cannot shadow anything either.
+A student's package (any SPEC) is never imported in the grader's process: tests/sandbox.py imports it
+once per run in a process of its own (`locate` says what to import, without running any of it) and every
+graded call runs in a worker process forked from there; this module imports only the reference. Failures
+stay local to the test that needs the missing piece, never a silent fallback to the reference: a name the
+package does not define raises `NotImplementedGraded` ("not implemented: NAME"). A package that cannot be
+imported is reported once, before any test runs (tests/grading.py), and scores 0; so is one named like a
+module the grader already uses or could import (`torch`, `json`, `adapters`, ...). A package folder is
+imported under its own name without putting its parent folder on `sys.path`, so other folders next to it
+cannot shadow anything either.
 """
 
 from __future__ import annotations
@@ -71,6 +68,33 @@ def selected() -> str:
 
 def is_reference() -> bool:
     return _spec is None
+
+
+def isolated() -> bool:
+    """A student's package (any --impl): it runs only in worker processes (tests/sandbox.py), never here."""
+    return _spec is not None
+
+
+def locate(spec: str) -> dict:
+    """What a worker process imports for `spec` (tests/sandbox_worker.py), found without running any of it:
+    {"spec", "kind": module / package / file, "name", "path", "sys_path"}. Raises ImportError (naming the
+    path) for a folder or file that is missing, not a package, badly named, or named like a module it would
+    shadow."""
+    if not _looks_like_path(spec):
+        return {"spec": spec, "kind": "module", "name": spec, "path": None, "sys_path": list(sys.path)}
+    path = Path(spec).resolve()
+    if path.is_dir():
+        if not (path / "__init__.py").exists():
+            raise ImportError(f"{path} is a folder without __init__.py (not a Python package)")
+        name, kind, where = path.name, "package", path
+    elif path.is_file():
+        name, kind, where = path.stem, "file", path.parent
+    else:
+        raise ImportError(f"no such file or folder: {path}")
+    if not name.isidentifier():
+        raise ImportError(f"{path}: a package or module name must be a Python identifier, got {name!r}")
+    _refuse_shadowing(name, where)
+    return {"spec": spec, "kind": kind, "name": name, "path": str(path), "sys_path": list(sys.path)}
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -166,8 +190,12 @@ def _import(spec: str):
 
 
 def module():
-    """The implementation's module, imported once (the import error, if any, is re-raised on every call)."""
+    """The implementation's module, imported once (the import error, if any, is re-raised on every call).
+    Only the reference is imported here: a student's package runs in worker processes (tests/sandbox.py)."""
     global _module, _error, _snapshot
+    if isolated():
+        raise RuntimeError(f"the grader does not import {selected()!r} in its own process; graded calls go "
+                           f"through tests/sandbox.py")
     if _module is None and _error is None:
         interrupts = guard._user_interrupts
         try:

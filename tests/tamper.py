@@ -1,6 +1,7 @@
 """What a graded implementation must not change: the interpreter state the grader itself relies on.
 
-A student's package runs in the grader's process, so at import (or inside a graded call) it could
+A student's package runs in worker processes (tests/sandbox.py), so these checks are the second line of
+defence: code running in the grader's process (the reference; anything that got past the sandbox) could
 replace `torch.testing.assert_close`, `torch.equal`, `math.isclose`, a builtin, `pytest.approx`, a
 `torch.Tensor` method, a function's code, the tolerance table of `assert_close`, the module behind
 `import torch`, push a torch function mode that answers every comparison, or disarm the grader's

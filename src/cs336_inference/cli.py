@@ -462,7 +462,7 @@ def _homework_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_homework(args) -> int:
-    from .homework.skeleton import write_skeleton
+    from .homework.skeleton import grade_command, write_skeleton
 
     try:
         files = write_skeleton(args.dir, force=args.force)
@@ -470,7 +470,7 @@ def _run_homework(args) -> int:
         print(f"homework init: {err}", file=sys.stderr)
         return 2
     print(f"wrote {len(files)} files to {args.dir}: {', '.join(f.name for f in files)}")
-    print(f"grade it with: python -m pytest tests/graded --impl {args.dir}")
+    print(f"grade it with (from any folder): {grade_command(args.dir)}")
     return 0
 
 

@@ -3,8 +3,8 @@ written here: which position each ring slot holds (slot p % capacity), and every
 
 import pytest
 import torch
-from adapters import make_rolling_kv_buffer
-from torch.utils._python_dispatch import TorchDispatchMode
+from adapters import make_rolling_kv_buffer, watching
+from write_checks import DuplicateWrites
 
 B, K, H = 2, 2, 4
 
@@ -123,32 +123,12 @@ def test_the_ring_holds_capacity_slots_however_long_the_sequence(window, capacit
         assert buffer.nbytes == want, "the ring's memory must not grow with the sequence"
 
 
-class _DuplicateWrites(TorchDispatchMode):
-    """Records indexed writes (index_put_, index_copy_, scatter) that hit one slot twice in one op: which
-    value lands there is undefined (it differs between devices), so a long append must write each slot once."""
-
-    def __init__(self):
-        super().__init__()
-        self.duplicates = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name in ("index_put_", "index_put", "_index_put_impl_"):
-            for index in args[1]:
-                if index is not None and index.numel() != torch.unique(index).numel():
-                    self.duplicates.append(name)
-        elif name in ("index_copy_", "index_copy") and args[2].numel() != torch.unique(args[2]).numel():
-            self.duplicates.append(name)
-        return func(*args, **kwargs)
-
-
 def test_an_append_longer_than_the_ring_writes_each_slot_once():
     g = torch.Generator().manual_seed(4)
     buffer, ref = make_rolling_kv_buffer(B, K, H, 3, 5), RefRing(3, 5)
     for T in (2, 12, 1, 9):
         kv = _kv(T, g)
-        with _DuplicateWrites() as mode:
+        with watching(DuplicateWrites) as mode:
             buffer.append(*kv)
         ref.append(*kv)
         assert not mode.duplicates, f"appending {T} positions to 5 slots wrote a slot twice in one {mode.duplicates[0]}"

@@ -8,6 +8,7 @@ import inspect
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -122,14 +123,22 @@ def test_results_json_has_gradescopes_structure_points_and_hidden_tests(tmp_path
     assert "PASS" in log and results["output"] in log         # per-test points and the summary line are printed
 
 
-def test_the_skeleton_scores_zero_with_one_not_implemented_message_per_graded_function(tmp_path, capsys):
-    from cs336_inference import cli
-    package = tmp_path / "my_solution"
-    assert cli.main(["homework", "init", str(package)]) == 0
-    assert "tests/graded --impl" in capsys.readouterr().out
-    out = tmp_path / "results.json"
-    rc, log = grade(GRADED_DIR, "--impl", package, "--grade-json", out)
-    assert rc == 1, log[-3000:]                               # test failures, not a crash or a usage error
+def test_the_skeleton_graded_with_the_printed_command_from_another_folder_scores_zero(tmp_path):
+    """`homework init` prints the command that grades the package; run as printed (plus --grade-json), from a
+    folder that is neither the checkout nor the package's, it grades: 0 points, each graded function named
+    "not implemented", the score on the last line."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    init = subprocess.run([sys.executable, "-m", "cs336_inference", "homework", "init", "my_solution"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert init.returncode == 0, init.stderr
+    command = init.stdout.strip().splitlines()[-1].split(": ", 1)[1]
+    assert str(tmp_path / "my_solution") in command and f"cd {ROOT}" in command, command
+    assert command in (tmp_path / "my_solution" / "README.md").read_text()
+    out = tmp_path / "results" / "results.json"
+    proc = subprocess.run(f"{command} --grade-json {out} -p no:cacheprovider", shell=True, cwd=elsewhere,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]   # test failures, not a crash
     results = json.loads(out.read_text())
     jsonschema.validate(results, GRADESCOPE_SCHEMA)
     assert results["score"] == 0 and all(t["status"] == "failed" for t in results["tests"])
@@ -139,6 +148,22 @@ def test_the_skeleton_scores_zero_with_one_not_implemented_message_per_graded_fu
         names.add(t["output"].removeprefix("[call] not implemented: ").split(".")[0])
     assert names == set(graded_names()), "every graded function must fail some test as not implemented"
     assert f"not implemented: {', '.join(sorted(graded_names()))}" in results["output"]
+    from grading import load_points
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last == results["output"] and f"0.00 / {sum(load_points().values()):.2f} points" in last, last
+
+
+def test_the_readme_states_the_points_that_points_py_gives():
+    """README.md's sentence about the graded suite's points, and its example summary line, carry the total of
+    tests/graded/points.py (the one source)."""
+    from grading import load_points
+    total = sum(load_points().values())
+    text = (ROOT / "README.md").read_text()
+    stated = re.findall(r"`tests/graded/points\.py`,\s*(\d+(?:\.\d+)?) in all", text)
+    examples = re.findall(r"graded my_solution: [\d.]+ / (\d+(?:\.\d+)?) points", text)
+    assert stated, "README.md must say '(weights: `tests/graded/points.py`, N in all; ...' with N the total"
+    assert [float(n) for n in stated + examples] == [total] * len(stated + examples), \
+        f"README.md states {stated + examples} points; tests/graded/points.py totals {total:g}"
 
 
 def test_a_missing_function_fails_only_its_own_tests_and_the_env_var_selects_the_package(tmp_path):
@@ -168,6 +193,17 @@ def test_an_unimportable_package_fails_every_graded_test_without_crashing_the_ru
     assert results["score"] == 0
     assert all("cannot import the implementation" in t["output"] and "SyntaxError" in t["output"]
                for t in results["tests"])
+    assert log.count("SyntaxError") == 2, log[-3000:]           # once loudly, once on the last line: no test ran
+
+
+def test_a_module_name_that_is_not_importable_is_reported_once_with_what_impl_takes(tmp_path):
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_batch_sampler.py", "--impl", "no_such_solution", "--grade-json", out)
+    assert rc == 1, log[-3000:]
+    last = log.strip().splitlines()[-1]
+    assert "0.00 / " in last and "cannot import the implementation no_such_solution: ModuleNotFoundError" in last
+    assert "--impl takes the path of a package folder" in last and log.count("ModuleNotFoundError") == 2, log[-3000:]
+    assert json.loads(out.read_text())["score"] == 0
 
 
 def test_every_graded_test_has_points_and_every_points_entry_is_a_graded_test():

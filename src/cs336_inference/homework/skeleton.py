@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import shlex
 import sys
 import textwrap
 from pathlib import Path
@@ -128,15 +129,17 @@ torch, einops and sympy, and add helpers; keep the names and signatures.
 
 ## Grade yourself
 
-From a checkout of cs336-inference (after `bash .ci/setup`):
+From any folder (the grader runs in the checkout of cs336-inference that wrote this package):
 
-    .venv/bin/python -m pytest tests/graded --impl {path}
+    {command}
 
 (`--impl` takes a path to this folder, or the package name `{name}` when its parent folder is on
-PYTHONPATH; `CS336_INFERENCE_IMPL={path}` works too.) A function you have not written yet fails only its own
-tests, with `not implemented: NAME`; the summary line prints your points, and `--grade-json results.json`
-writes them in Gradescope's format. The tests compare against references written in the tests
-(loops, exact enumeration, chi-square tests with fixed seeds), never against the library.
+PYTHONPATH; `CS336_INFERENCE_IMPL={path}` works too.) Your package runs in a process of its own, one per
+graded test; a package that cannot be imported is reported once, and the score is the last line printed.
+A function you have not written yet fails only its own tests, with `not implemented: NAME`; the summary
+line prints your points, and `--grade-json results.json` writes them in Gradescope's format. The tests
+compare against references written in the tests (loops, exact enumeration, chi-square tests with fixed
+seeds), never against the library.
 
 ## Your assignment-1 model (not graded)
 
@@ -147,7 +150,25 @@ library (`key_map="auto"`) and checks with `verify_checkpoint` that it computes 
 
 # the grader's own test modules (tests/): a package named like one would shadow it
 GRADER_MODULES = ("adapters", "conftest", "grading", "guard", "implementation", "tamper", "reference_model",
-                  "reference_quantization", "smollm2_reference", "tests", "graded", "mutation")
+                  "reference_quantization", "smollm2_reference", "tests", "graded", "mutation", "sandbox",
+                  "sandbox_worker")
+
+
+def checkout() -> Path | None:
+    """The checkout of cs336-inference this package was imported from (it holds tests/graded), or None when it
+    was installed without its tests."""
+    root = Path(__file__).resolve().parents[3]
+    return root if (root / "tests" / "graded" / "points.py").is_file() else None
+
+
+def grade_command(directory: str | Path) -> str:
+    """The shell command that grades the package in `directory` from any current folder: absolute paths, run
+    from the checkout (pytest finds the grader's options in tests/conftest.py only there)."""
+    package = shlex.quote(str(Path(directory).resolve()))
+    root = checkout()
+    if root is None:
+        return f"cd /path/to/cs336-inference && .venv/bin/python -m pytest tests/graded --impl {package}"
+    return f"cd {shlex.quote(str(root))} && {shlex.quote(sys.executable)} -m pytest tests/graded --impl {package}"
 
 
 def shadowed_module(name: str, directory: Path) -> str | None:
@@ -215,7 +236,8 @@ def write_skeleton(directory: str | Path, force: bool = False) -> list[Path]:
     sources = module_sources()
     areas = "".join(f"- `{AREAS[a][0]}.py`: {AREAS[a][1]}\n"
                     for a in dict.fromkeys(e.area for e in _entries()))
-    sources["README.md"] = README.format(name=name, areas=areas, path=str(directory))
+    sources["README.md"] = README.format(name=name, areas=areas, path=str(directory.resolve()),
+                                         command=grade_command(directory))
     sources["my_assignment1_model.py"] = A1_LOADER.format(name=name)
     directory.mkdir(parents=True, exist_ok=True)
     written = []

@@ -1,0 +1,757 @@
+"""Graded code runs in processes of its own: the grader's process never imports a student's package.
+
+With `--impl`, every graded call of tests/adapters.py goes through `call`: the arguments are pickled to a
+worker process (tests/sandbox_worker.py), which calls the student's function and sends back plain data;
+`decode` turns that into tensors, numbers, lists, tuples, dicts and sympy expressions without running any
+code it was sent (no pickle from the worker is ever loaded), and tests/guard.py checks the kind the adapter
+asked for. Comparisons, points and results.json stay in this process.
+
+The processes: a *supervisor* spawned once per grader process (`python -I`, its own argv and an environment
+without the grader's options: it never learns where results.json goes) imports torch and the library and is
+the child subreaper of everything below it; per grading run it forks a *package root* (a new session) that
+imports the package once; per graded test that root forks a *worker* with only the socket the grader gave it
+(and /dev/null) open and its address space limited. When a test ends, every process below the supervisor
+but the package root is killed (a double fork or a new session does not escape: orphans are re-parented to
+the supervisor); when the run ends, the package root goes too. A reply has until the test's deadline
+(`--graded-timeout` from the start of the test): a worker that does not answer is killed and the test
+fails as timed out, so a run ends within (tests x timeout + a margin) whatever the package does.
+
+Per test a worker keeps what graded calls returned as objects (`RemoteObject`: attribute reads and method
+calls are graded calls of their own) and the autograd graphs of results that need gradients (their backward
+runs in the worker, `_RemoteGrad`). torch's global RNG state and the state of every torch.Generator argument
+travel with each call and come back, so graded code draws exactly the numbers it would draw in-process.
+"""
+
+from __future__ import annotations
+
+__mutable__ = ("_supervisor",)   # bookkeeping tests/tamper.py skips
+
+import atexit
+import builtins
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import guard
+import sandbox_worker
+from sandbox_worker import HEADER, GeneratorArg, GradArg, TensorArg
+
+WORKER = Path(sandbox_worker.__file__).resolve()
+MAX_MESSAGE = 1 << 28                   # bytes of one reply
+START_TIMEOUT = 120.0                   # seconds the supervisor may take to import torch and the library
+MEMORY_BYTES = 8 << 30                  # address space a worker may add to what it starts with
+# imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
+PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference")
+KILL_ROUNDS = 50
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (the supervisor could not start): a problem of the grader, not the package."""
+
+
+class WorkerGone(AssertionError):
+    """The worker ended (exited, crashed, was killed) or broke the protocol during a graded call."""
+
+
+_supervisor: Supervisor | None = None
+
+
+# --- the supervisor (trusted: runs no student code) -----------------------------------------------------------
+
+
+class Supervisor:
+    def __init__(self):
+        ours, theirs = socket.socketpair()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CS336_INFERENCE_IMPL"))}
+        self.proc = subprocess.Popen([sys.executable, "-I", str(WORKER), str(theirs.fileno())],
+                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, env=env, start_new_session=True)
+        theirs.close()
+        self.sock = ours
+        self.sock.settimeout(START_TIMEOUT)
+        _send(self.sock, {"sys_path": list(sys.path), "preload": PRELOAD})
+        ready = _recv(self.sock, time.monotonic() + START_TIMEOUT, "the sandbox's supervisor")
+        if not isinstance(ready, dict) or ready.get("ready") != self.proc.pid:
+            raise SandboxError(f"the sandbox's supervisor did not start: {ready!r}")
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork_package_root(self, request: dict) -> tuple[int, socket.socket]:
+        ours, theirs = socket.socketpair()
+        try:
+            self.sock.settimeout(START_TIMEOUT)
+            socket.send_fds(self.sock, [pickle.dumps(request)], [theirs.fileno()])
+            reply = restricted_loads(self.sock.recv(1 << 16))
+        finally:
+            theirs.close()
+        return reply["pid"], ours
+
+    def stop(self) -> None:
+        kill_tree(self.pid, keep=())
+        try:
+            self.sock.close()
+            os.killpg(self.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        self.proc.wait()
+
+
+def supervisor() -> Supervisor:
+    """The supervisor of this grader process (started on first use, reused by every run in the process)."""
+    global _supervisor
+    if _supervisor is None or not _supervisor.alive():
+        _supervisor = Supervisor()
+    return _supervisor
+
+
+@atexit.register
+def _stop_supervisor() -> None:
+    if _supervisor is not None:
+        _supervisor.stop()
+
+
+# --- processes ------------------------------------------------------------------------------------------------
+
+
+def _children() -> tuple[dict[int, list[int]], set[int]]:
+    """(ppid -> pids, the pids that are zombies), from /proc (Linux)."""
+    tree: dict[int, list[int]] = {}
+    zombies: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        pid = int(entry.name)
+        tree.setdefault(int(fields[1]), []).append(pid)
+        if fields[0] == b"Z":
+            zombies.add(pid)
+    return tree, zombies
+
+
+def _below(tree: dict[int, list[int]], pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below `pid` (zombies are dead already)."""
+    if not os.path.isdir("/proc"):
+        return []
+    tree, zombies = _children()
+    return [p for p in _below(tree, pid) if p not in zombies]
+
+
+def kill_tree(root: int, keep: tuple[int, ...] = ()) -> None:
+    """SIGKILL every live descendant of `root` but the pids in `keep` (their own descendants are not spared), and
+    what graded code left re-parented to the grader (`sweep_orphans`), until none is left (a process that forks
+    while this runs is caught on the next round)."""
+    if not os.path.isdir("/proc"):
+        return
+    me = os.getpid()
+    for _ in range(KILL_ROUNDS):
+        tree, zombies = _children()
+        victims = [p for p in _below(tree, root) if p not in keep and p not in zombies]
+        orphans = [] if _own_children is None else [
+            p for p in tree.get(me, ()) if p not in _own_children and p != root
+            and (_supervisor is None or p != _supervisor.pid)]
+        for orphan in orphans:
+            victims += [orphan] + [p for p in _below(tree, orphan) if p not in zombies]
+        if not victims:
+            return
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        for orphan in orphans:                 # the grader's children now: reap them
+            try:
+                os.waitpid(orphan, 0)
+            except OSError:
+                pass
+        time.sleep(0.002)
+
+
+# The grader is a child subreaper too (Linux), as a backup: if graded code kills the supervisor, the processes
+# below it are re-parented here instead of to init, and `sweep_orphans` kills them. The grader's own children
+# from before (servers of other tests, ...) are left alone.
+_own_children: set[int] | None = None
+
+
+def become_subreaper() -> None:
+    """At the start of a run (the previous run's orphans are already swept): the grader's children now are its
+    own (started by the grader or by other tests of the same session), never swept."""
+    global _own_children
+    if not os.path.isdir("/proc"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(sandbox_worker.PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    _own_children = set(_children()[0].get(os.getpid(), ()))
+
+
+def sweep_orphans() -> None:
+    """Kill (and reap) what graded code left re-parented to the grader: its children that are neither the
+    supervisor nor children it had before the run."""
+    if _supervisor is not None and _supervisor.alive():
+        kill_tree(_supervisor.pid, keep=tuple(descendants(_supervisor.pid)))   # the orphans only
+    else:
+        kill_tree(-1)
+
+
+# --- one grading run ----------------------------------------------------------------------------------------
+
+
+def _is_child(pid: int, parent: int) -> bool:
+    """`pid` is a live child of `parent` (one read of /proc; elsewhere: assume so)."""
+    if not os.path.isdir("/proc"):
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0] != b"Z" and int(fields[1]) == parent
+
+
+class Sandbox:
+    """The package root of one grading run and the worker of the graded test in progress."""
+
+    def __init__(self, request: dict, timeout: float, memory_bytes: int = MEMORY_BYTES):
+        self.package, self.timeout, self.memory_bytes = request, timeout, memory_bytes
+        self.root: int | None = None
+        self.control: socket.socket | None = None
+        self.worker: socket.socket | None = None
+        self.generation = 0                  # bumped each time a worker is started (handles name theirs)
+        self.deadline = float("inf")
+        self.failure: str | None = None      # why the test in progress must fail, whatever it caught
+        self.output: list[str] = []          # what graded code printed during the test in progress
+        self.rng_known = None                # torch's RNG state the worker holds (after its last reply)
+
+    # the package --------------------------------------------------------------------------------------------
+
+    def start(self) -> str | None:
+        """Fork the package root and import the package there; None, or why it could not be imported."""
+        become_subreaper()
+        self._kill_all()
+        sup = supervisor()
+        self.root, self.control = sup.fork_package_root(self.package)
+        try:
+            report = _recv(self.control, self._deadline(), "importing it")
+        except TimeoutError:
+            self._kill_all()
+            return f"timed out after {self.timeout:g} s while being imported"
+        except (WorkerGone, OSError, pickle.UnpicklingError, EOFError, ValueError) as err:
+            self._kill_all()
+            return str(err)
+        if type(report) is not dict or report.get("imported") is not True:
+            error = report.get("error") if type(report) is dict else None
+            self._kill_all()
+            return error if type(error) is str else "the package root sent no report"
+        return None
+
+    def stop(self) -> None:
+        """The end of the run: every process of the package's."""
+        self._kill_all()
+        self.deadline = float("inf")
+
+    def _kill_all(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if self.root is not None and _supervisor is not None:
+            kill_tree(_supervisor.pid, keep=())
+        else:
+            sweep_orphans()
+        if self.control is not None:
+            self.control.close()
+        self.root = self.control = None
+
+    # tests --------------------------------------------------------------------------------------------------
+
+    def rng_to_send(self):
+        """torch's global RNG state for the worker, or None when the worker already has it (it keeps the state it
+        returned last; a new worker starts from nothing it could have)."""
+        state = torch.get_rng_state()
+        if self.worker is not None and self.rng_known is not None and torch.equal(state, self.rng_known):
+            return None
+        return state
+
+    def _deadline(self) -> float:
+        """The test's deadline (a graded call outside a graded test gets the timeout from now)."""
+        return min(self.deadline, time.monotonic() + self.timeout)
+
+    def begin_test(self) -> None:
+        self.deadline = time.monotonic() + self.timeout
+        self.failure, self.output = None, []
+
+    def end_test(self) -> None:
+        """Kill the test's worker and everything it started (the package root stays)."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if _supervisor is not None and self.root is not None:
+            kill_tree(_supervisor.pid, keep=(self.root,))      # and the orphans re-parented to the grader
+        else:
+            sweep_orphans()
+        self.deadline = float("inf")
+
+    def _fail(self, message: str, timeout: bool = False):
+        self.failure = message
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+        if _supervisor is not None:
+            kill_tree(_supervisor.pid, keep=(self.root,) if self.root is not None else ())
+        return (guard.GradedTimeout if timeout else WorkerGone)(message)
+
+    def _worker(self) -> socket.socket:
+        if self.worker is not None:
+            return self.worker
+        if _supervisor is None or not _supervisor.alive():
+            started = time.monotonic()         # graded code killed the supervisor: starting a new one is the
+            supervisor()                       # grader's time, not the test's
+            self.deadline += time.monotonic() - started
+        if self.root is None or self.control is None or not _is_child(self.root, _supervisor.pid):
+            error = self.start()               # the package root was killed: import the package again
+            if error is not None:
+                raise self._fail(f"cannot import the implementation again: {error}")
+        ours, theirs = socket.socketpair()
+        try:
+            self.control.settimeout(max(0.001, self._deadline() - time.monotonic()))
+            socket.send_fds(self.control, [pickle.dumps({"memory_bytes": self.memory_bytes,
+                                                         "num_threads": torch.get_num_threads()})],
+                            [theirs.fileno()])
+        except OSError as err:
+            ours.close()
+            raise self._fail(f"the package's process did not start a worker ({err})") from None
+        finally:
+            theirs.close()
+        self.worker, self.generation = ours, self.generation + 1
+        return ours
+
+    def request(self, name: str, message: dict):
+        """Send one request, wait for its reply until the test's deadline, decode it."""
+        if self.failure is not None:
+            raise WorkerGone(f"not run: {self.failure}")
+        sock = self._worker()
+        deadline = self._deadline()
+        try:
+            sock.settimeout(max(0.001, deadline - time.monotonic()))
+            _send(sock, message)
+            reply = _recv(sock, deadline, name)
+        except (TimeoutError, guard.GradedTimeout):     # the deadline, or the grader's SIGALRM backstop
+            raise self._fail(f"timed out after {self.timeout:g} s in {name}", timeout=True) from None
+        except (OSError, WorkerGone, pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise self._fail(f"{name} ended the process it ran in, or broke its protocol ({err}); graded code "
+                             f"must not exit, kill or write to the grader's channel") from None
+        if type(reply) is not dict:
+            raise self._fail(f"{name}: the worker sent {type(reply).__name__}, not a reply")
+        if type(reply.get("output")) is str:
+            self.output.append(reply["output"][-sandbox_worker.OUTPUT_LIMIT:])
+        return reply
+
+
+def _send(sock, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(HEADER.pack(len(data)) + data)
+
+
+def _recv(sock, deadline: float, what: str):
+    """One reply, read until `deadline` (TimeoutError) and loaded without running code."""
+    header = _exactly(sock, HEADER.size, deadline, what)
+    size = HEADER.unpack(header)[0]
+    if size > MAX_MESSAGE:
+        raise WorkerGone(f"{what}: a reply of {size} bytes (at most {MAX_MESSAGE})")
+    return restricted_loads(_exactly(sock, size, deadline, what))
+
+
+def _exactly(sock, n: int, deadline: float, what: str) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(what)
+        sock.settimeout(remaining)
+        chunk = sock.recv(min(n - got, 1 << 22))
+        if not chunk:
+            raise WorkerGone(f"the process ended while {what} ran")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+class _NoClasses(pickle.Unpickler):
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"the worker sent a {module}.{name}; only plain data is accepted")
+
+
+def restricted_loads(data: bytes):
+    """Lists, tuples, dicts, str, bytes, numbers, None: a pickle that names any class or function is refused."""
+    import io
+    return _NoClasses(io.BytesIO(data)).load()
+
+
+# --- the parent's side of a graded call -------------------------------------------------------------------------
+
+_active: Sandbox | None = None
+
+
+def activate(sandbox: Sandbox | None) -> None:
+    global _active
+    _active = sandbox
+
+
+def active() -> Sandbox | None:
+    return _active
+
+
+_watchers: list = []
+
+
+class watching:
+    """Graded calls inside this context run under a fresh instance of the watcher's class in the worker; its
+    findings come back after each call and are merged into `watcher` (yielded)."""
+
+    def __init__(self, watcher):
+        self.watcher = watcher
+
+    def __enter__(self):
+        _watchers.append(self.watcher)
+        return self.watcher
+
+    def __exit__(self, *exc):
+        _watchers.remove(self.watcher)
+        return False
+
+
+def _watch_request() -> list:
+    return [(type(w).__module__, type(w).__qualname__) for w in _watchers]
+
+
+def _merge_findings(name: str, reply: dict, watchers: list) -> None:
+    found = reply.get("watch")
+    if not watchers:
+        return
+    if type(found) is not list or len(found) != len(watchers):
+        raise guard.GradedCallError(f"{name}: the worker did not report what the grader watched")
+    for watcher, findings in zip(watchers, found):
+        watcher.merge(decode(name, findings))
+
+
+def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", handle=None, attr=None):
+    """The graded call `name` in the worker; its result decoded and checked against `returns`."""
+    sandbox = _active
+    if sandbox is None:
+        raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    generators: list = []
+    grad_inputs: list = []
+    message = {"op": "call" if handle is None else "method", "name": name, "handle": handle, "attr": attr,
+               "args": _prepare(args, generators, grad_inputs), "kwargs": _prepare(kwargs or {}, generators,
+                                                                                   grad_inputs),
+               "object": isinstance(returns, dict), "rng": sandbox.rng_to_send(), "watch": _watch_request()}
+    watchers = list(_watchers)
+    guard._calls.append(name)
+    try:
+        reply = sandbox.request(name, message)
+    finally:
+        guard._calls.pop()
+    value = _outcome(name, reply, sandbox)
+    _merge_findings(name, reply, watchers)
+    _restore_rng(name, reply, generators)
+    if isinstance(returns, dict):
+        if value != ("o", value[1] if type(value) is tuple and len(value) == 2 else None):
+            raise guard.GradedCallError(f"{name}: the worker did not keep the object it returned")
+        return RemoteObject(name, sandbox, sandbox.generation, value[1], returns)
+    graph = reply.get("graph")
+    if graph is not None:
+        return guard.check(name, _attach_graph(name, sandbox, value, graph, grad_inputs), returns)
+    return guard.check(name, decode(name, value), returns)
+
+
+def _prepare(value, generators: list, grad_inputs: list, depth: int = 0):
+    """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked."""
+    if isinstance(value, torch.Generator):
+        generators.append(value)
+        return GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            grad_inputs.append(value)
+            return GradArg(len(grad_inputs) - 1, value.detach().clone())
+        if type(value) is torch.Tensor and value.layout == torch.strided:
+            return TensorArg(value)
+        return value.detach()
+    if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
+        return type(value)(_prepare(v, generators, grad_inputs, depth + 1) for v in value)
+    if depth < guard.MAX_DEPTH and type(value) is dict:
+        return {k: _prepare(v, generators, grad_inputs, depth + 1) for k, v in value.items()}
+    return value
+
+
+def _outcome(name: str, reply: dict, sandbox: Sandbox):
+    kind = reply.get("kind")
+    if kind == "value":
+        return reply.get("value")
+    if kind == "missing":
+        import implementation
+        raise implementation.NotImplementedGraded(f"not implemented: {name} ({sandbox.package['spec']} defines no "
+                                                  f"{name})")
+    if kind == "control":
+        raise guard.GradedCallError(f"{name} raised {_text(reply.get('type'), 100)}: graded code must not skip, "
+                                    f"fail, exit or end the run")
+    if kind == "refused":
+        raise guard.GradedCallError(f"{name} {_text(reply.get('message'), 500)}")
+    sandbox.rng_known = None                 # the call may have drawn numbers: send the state again next time
+    if kind == "error":
+        raise _exception(name, reply)
+    raise sandbox._fail(f"{name}: the worker sent a reply of unknown kind {_text(kind, 60)!r}")
+
+
+def _text(value, limit: int) -> str:
+    return value[:limit] if type(value) is str else "?"
+
+
+def _exception(name: str, reply: dict) -> BaseException:
+    """The worker's exception as the nearest builtin exception (pytest.raises(ValueError) still catches it)."""
+    where = reply.get("not_implemented")
+    if type(where) is str:
+        import implementation
+        return implementation.NotImplementedGraded(f"not implemented: {where[:200]}")
+    message = _text(reply.get("message"), 2000)
+    if reply.get("builtin") is not True:
+        message = f"{_text(reply.get('type'), 200)}: {message}"
+    bases = reply.get("bases") if type(reply.get("bases")) is list else []
+    cls = next((getattr(builtins, b) for b in bases if type(b) is str and isinstance(getattr(builtins, b, None), type)
+                and issubclass(getattr(builtins, b), Exception)), Exception)
+    try:
+        err = cls(message)
+    except Exception:   # noqa: BLE001  (bases with other signatures: UnicodeDecodeError, ...)
+        err = guard.GradedCallError(message)
+    trace = reply.get("traceback")
+    if type(trace) is str and trace:
+        err.add_note(f"(raised in {name}, in the worker process; its traceback:)\n{trace[-3000:]}")
+    return err
+
+
+def _restore_rng(name: str, reply: dict, generators: list) -> None:
+    state = reply.get("rng")
+    if state is not None:
+        torch.set_rng_state(_state(name, state, torch.get_rng_state()))
+    if _active is not None:
+        _active.rng_known = torch.get_rng_state()
+    returned = reply.get("generators") or {}
+    if type(returned) is not dict:
+        raise guard.GradedCallError(f"{name}: a bad generator state came back")
+    for slot, state in returned.items():
+        if type(slot) is not int or not 0 <= slot < len(generators):
+            raise guard.GradedCallError(f"{name}: a bad generator state came back")
+        generators[slot].set_state(_state(name, state, generators[slot].get_state()))
+
+
+def _state(name: str, encoded, like: torch.Tensor) -> torch.Tensor:
+    state = decode(name, encoded) if type(encoded) is tuple else None
+    if type(state) is not torch.Tensor or state.dtype != like.dtype or state.shape != like.shape:
+        raise guard.GradedCallError(f"{name}: a bad random generator state came back")
+    return state
+
+
+# --- decoding (nothing the worker sends runs here) -----------------------------------------------------------
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def decode(name: str, value, depth: int = 0, slots: dict | None = None):
+    """The worker's tagged data as Python values; `slots` collects the tensors marked as needing gradients."""
+    if type(value) is not tuple or not value or depth > guard.MAX_DEPTH + 1:
+        raise guard.GradedCallError(f"{name}: the worker sent malformed data")
+    tag = value[0]
+    if tag == "v" and len(value) == 2 and type(value[1]) in _SCALARS:
+        return value[1]
+    if tag == "T" and len(value) == 5:
+        tensor = _tensor(name, *value[1:4])
+        if value[4] is not None:
+            if slots is None or type(value[4]) is not int or value[4] in slots:
+                raise guard.GradedCallError(f"{name}: the worker sent a malformed autograd graph")
+            slots[value[4]] = tensor
+        return tensor
+    if tag in ("l", "t") and len(value) == 2 and type(value[1]) is list:
+        items = [decode(name, v, depth + 1, slots) for v in value[1]]
+        return items if tag == "l" else tuple(items)
+    if tag == "d" and len(value) == 2 and type(value[1]) is list:
+        out = {}
+        for item in value[1]:
+            if type(item) is not tuple or len(item) != 2 or type(item[0]) not in (str, int):
+                raise guard.GradedCallError(f"{name}: the worker sent a malformed dict")
+            out[item[0]] = decode(name, item[1], depth + 1, slots)
+        return out
+    if tag == "S" and len(value) == 2:
+        import sympy
+        return _sympy(name, value[1], sympy, [0])
+    raise guard.GradedCallError(f"{name}: the worker sent malformed data (tag {str(tag)[:20]!r})")
+
+
+def _tensor(name: str, dtype_name, shape, raw) -> torch.Tensor:
+    dtype = getattr(torch, dtype_name, None) if type(dtype_name) is str and dtype_name.isidentifier() else None
+    if not isinstance(dtype, torch.dtype) or type(shape) is not tuple or type(raw) is not bytes \
+            or not all(type(s) is int and s >= 0 for s in shape) or len(shape) > 64:
+        raise guard.GradedCallError(f"{name}: the worker sent a malformed tensor")
+    numel = 1
+    for s in shape:
+        numel *= s
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if numel * itemsize != len(raw):
+        raise guard.GradedCallError(f"{name}: the worker sent a tensor of shape {shape} and dtype {dtype} in "
+                                    f"{len(raw)} bytes")
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _sympy(name: str, node, sympy, count: list):
+    count[0] += 1
+    if count[0] > sandbox_worker.MAX_NODES or type(node) is not tuple or not node or type(node[0]) is not str:
+        raise guard.GradedCallError(f"{name}: the worker sent a malformed sympy expression")
+    kind, rest = node[0], node[1:]
+    try:
+        if kind == "Symbol" and len(rest) == 2 and type(rest[0]) is str and type(rest[1]) is dict:
+            assumptions = {k: v for k, v in rest[1].items() if type(k) is str and k.isidentifier() and len(k) < 40
+                           and type(v) is bool}
+            return sympy.Symbol(rest[0], **assumptions)
+        if kind == "Integer" and len(rest) == 1 and type(rest[0]) is int:
+            return sympy.Integer(rest[0])
+        if kind == "Rational" and len(rest) == 2 and all(type(r) is int for r in rest) and rest[1] != 0:
+            return sympy.Rational(rest[0], rest[1])
+        if kind == "Float" and len(rest) == 2 and type(rest[0]) is str and type(rest[1]) is int \
+                and len(rest[0]) < 200 and 1 <= rest[1] <= 10000:
+            return sympy.Float(rest[0], precision=rest[1])
+        cls = getattr(sympy, kind, None) if kind.isidentifier() and not kind.startswith("_") else None
+        if not (isinstance(cls, type) and issubclass(cls, sympy.Basic)) or len(rest) != 1 or type(rest[0]) is not list:
+            raise guard.GradedCallError(f"{name} returned a sympy {kind[:60]}, which the grader does not rebuild")
+        args = [_sympy(name, a, sympy, count) for a in rest[0]]
+        return cls(*args) if args else cls()
+    except guard.GradedCallError:
+        raise
+    except Exception as err:   # noqa: BLE001  (sympy refusing the arguments)
+        raise guard.GradedCallError(f"{name}: its sympy {kind[:60]} could not be rebuilt ({type(err).__name__})") \
+            from None
+
+
+# --- objects and gradients ---------------------------------------------------------------------------------------
+
+
+class RemoteObject:
+    """An object graded code returned, kept in the worker: each attribute read or method call is a graded call."""
+
+    __slots__ = ("_name", "_sandbox", "_generation", "_handle", "_members")
+
+    def __init__(self, name, sandbox, generation, handle, members):
+        for key, value in (("_name", name), ("_sandbox", sandbox), ("_generation", generation),
+                           ("_handle", handle), ("_members", members)):
+            object.__setattr__(self, key, value)
+
+    def __getattr__(self, attr: str):
+        name, sandbox, members = self._name, self._sandbox, self._members
+        if attr not in members:
+            raise AttributeError(f"the grader does not use {name}.{attr}")
+        full = f"{name}.{attr}"
+        if sandbox.generation != self._generation or sandbox.worker is None:
+            raise guard.GradedCallError(f"{full}: the process that held this object is gone")
+        guard._calls.append(full)
+        try:
+            reply = sandbox.request(full, {"op": "getattr", "handle": self._handle, "attr": attr,
+                                           "rng": sandbox.rng_to_send()})
+        finally:
+            guard._calls.pop()
+        if reply.get("kind") == "callable":
+            handle, kind = self._handle, members[attr]
+            return lambda *args, **kwargs: call(full, args, kwargs, kind, handle=handle, attr=attr)
+        value = _outcome(full, reply, sandbox)
+        return guard.check(full, decode(full, value), members[attr])
+
+    def __setattr__(self, attr, value):
+        raise AttributeError("the grader never sets attributes of a graded object")
+
+    def __repr__(self) -> str:
+        return f"<graded {self._name} object in a worker process>"
+
+
+
+
+class _Box:
+    __slots__ = ("name", "sandbox", "generation", "graph", "outputs", "inputs")
+
+
+class _RemoteGrad(torch.autograd.Function):
+    """Outputs whose gradient the worker computes: backward sends the output grads and receives the input grads."""
+
+    @staticmethod
+    def forward(ctx, box, *inputs):
+        ctx.box = box
+        return tuple(o.clone() for o in box.outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        box = ctx.box
+        if box.sandbox.generation != box.generation or box.sandbox.worker is None:
+            raise guard.GradedCallError(f"{box.name}: the process that holds its autograd graph is gone")
+        reply = box.sandbox.request(f"{box.name} (backward)", {
+            "op": "backward", "graph": box.graph, "grads": [None if g is None else g.detach() for g in grads]})
+        got = decode(box.name, _outcome(box.name, reply, box.sandbox))
+        if type(got) is not list or len(got) != len(box.inputs):
+            raise guard.GradedCallError(f"{box.name}: its backward sent {len(got)} gradients")
+        out = []
+        for g, x in zip(got, box.inputs):
+            if g is not None and (type(g) is not torch.Tensor or g.shape != x.shape):
+                raise guard.GradedCallError(f"{box.name}: a gradient of the wrong shape came back")
+            out.append(None if g is None else g.to(x.dtype))
+        return (None, *out)
+
+
+def _attach_graph(name: str, sandbox: Sandbox, encoded, graph, grad_inputs: list):
+    """The result with each tensor that needs gradients (marked by the worker) an output of a _RemoteGrad over the
+    test's own input tensors, so the test's backward reaches its inputs through the worker's graph."""
+    if type(graph) is not tuple or len(graph) != 2 or type(graph[0]) is not int or type(graph[1]) is not list \
+            or sorted(graph[1]) != list(range(len(grad_inputs))):
+        raise guard.GradedCallError(f"{name}: the worker sent a malformed autograd graph")
+    slots: dict[int, torch.Tensor] = {}
+    value = decode(name, encoded, slots=slots)
+    if sorted(slots) != list(range(len(slots))) or not slots:
+        raise guard.GradedCallError(f"{name}: the worker sent a malformed autograd graph")
+    box = _Box()
+    box.name, box.sandbox, box.generation, box.graph = name, sandbox, sandbox.generation, graph[0]
+    box.outputs, box.inputs = [slots[i] for i in range(len(slots))], grad_inputs
+    outs = _RemoteGrad.apply(box, *grad_inputs)
+    swap = {id(t): out for t, out in zip(box.outputs, outs)}
+
+    def fill(v, depth=0):
+        if type(v) is torch.Tensor:
+            return swap.get(id(v), v)
+        if depth < guard.MAX_DEPTH + 1 and type(v) in (list, tuple):
+            return type(v)(fill(x, depth + 1) for x in v)
+        if depth < guard.MAX_DEPTH + 1 and type(v) is dict:
+            return {k: fill(x, depth + 1) for k, x in v.items()}
+        return v
+    return fill(value)

@@ -1,0 +1,470 @@
+"""The processes a student's package runs in (tests/sandbox.py is the grader's side; read it first).
+
+Three kinds of process, all started from this file:
+- the *supervisor* (`python -I tests/sandbox_worker.py FD`, spawned by the grader): imports torch and the
+  library (never the student's package), is the child subreaper of everything below it (an orphan of a
+  student's process is re-parented here, so it can always be found and killed), and forks a package root
+  on request. It runs no student code, so the grader may trust the pids it reports;
+- the *package root* (forked by the supervisor, one per grading run): a new session, imports the student's
+  package once and reports how that went, then forks one worker per graded test;
+- a *worker* (forked by the package root): closes every inherited fd but the socket the grader gave it,
+  limits its address space, silences fds 1 and 2 (its prints are collected and sent back as text), and
+  answers the grader's requests: call a graded function, read an attribute of or call a method on an
+  object it returned, run the backward pass of a result that needs gradients.
+
+Everything sent back is plain data the grader decodes without running code (see `encode`): tensors as
+raw bytes with dtype and shape, numbers, strings, lists, tuples, dicts, sympy trees, object handles.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import resource
+import signal
+import socket
+import struct
+import sys
+import traceback
+
+HEADER = struct.Struct(">Q")
+MAX_DEPTH = 8
+MAX_NODES = 10_000                  # of a sympy expression (the course's formulas have tens)
+PR_SET_CHILD_SUBREAPER = 36
+OUTPUT_LIMIT = 4000                 # characters of a worker's prints kept per reply
+CONTROL_FLOW = ("Skipped", "Exit", "Failed", "XFailed", "OutcomeException")
+
+
+class GeneratorArg:
+    """A torch.Generator of the test's arguments: its device and state (bytes) go to the worker, its state comes
+    back."""
+
+    __slots__ = ("slot", "device", "state")
+
+    def __init__(self, slot, device, state):
+        self.slot, self.device, self.state = slot, device, state
+
+
+class TensorArg:
+    """A tensor argument as raw bytes (much cheaper to pickle than torch's own reduction of a tensor)."""
+
+    __slots__ = ("dtype", "shape", "raw")
+
+    def __init__(self, tensor):
+        t = tensor.detach().cpu().contiguous()
+        self.dtype, self.shape = str(t.dtype).removeprefix("torch."), tuple(t.shape)
+        self.raw = t.reshape(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b""
+
+    def tensor(self):
+        import torch
+        dtype = getattr(torch, self.dtype)
+        if not self.raw:
+            return torch.empty(self.shape, dtype=dtype)
+        return torch.frombuffer(bytearray(self.raw), dtype=torch.uint8).view(dtype).reshape(self.shape)
+
+
+class GradArg:
+    """A tensor argument that requires grad: the worker makes it a leaf that requires grad again."""
+
+    __slots__ = ("slot", "tensor")
+
+    def __init__(self, slot, tensor):
+        self.slot, self.tensor = slot, tensor
+
+
+# --- framing: an 8-byte length, then a pickle ------------------------------------------------------------
+
+
+def send(sock, obj) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(HEADER.pack(len(data)) + data)
+
+
+def recv(sock):
+    """The next message from the grader (trusted: plain pickle), or None at end of stream."""
+    header = _exactly(sock, HEADER.size)
+    if header is None:
+        return None
+    body = _exactly(sock, HEADER.unpack(header)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _exactly(sock, n: int):
+    chunks, got = [], 0
+    while got < n:
+        chunk = sock.recv(min(n - got, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+# --- the supervisor ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    control = socket.socket(fileno=int(sys.argv[1]))
+    setup = recv(control)
+    if setup is None:
+        os._exit(0)
+    sys.path[:] = setup["sys_path"]
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass                                              # not Linux: process groups only (tests/sandbox.py)
+    for name in setup.get("preload", ()):
+        try:
+            __import__(name)
+        except Exception:   # noqa: BLE001  (a preload is only a head start)
+            pass
+    import torch                                          # noqa: F401  (every package root starts with it)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)         # the supervisor reaps whatever ends below it
+    send(control, {"ready": os.getpid()})
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        except OSError:
+            os._exit(0)
+        if not msg or not fds:
+            os._exit(0)                                    # the grader is gone
+        request = pickle.loads(msg)
+        pid = os.fork()
+        if pid == 0:
+            control.close()
+            _package_root(socket.socket(fileno=fds[0]), request)
+            os._exit(0)
+        os.close(fds[0])
+        control.sendall(pickle.dumps({"pid": pid}))
+
+
+# --- the package root -------------------------------------------------------------------------------------
+
+
+def _package_root(control, request) -> None:
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    os.setsid()
+    _quiet_fds()
+    sys.path[:] = request["sys_path"]
+    import importlib
+    import importlib.util
+
+    import torch
+    torch.set_num_threads(1)     # torch ops at import start no thread pool a forked worker would inherit broken
+    spec, kind = request["spec"], request["kind"]
+    try:
+        if kind == "module":
+            module = importlib.import_module(spec)
+        else:
+            name, path = request["name"], request["path"]
+            if kind == "package":
+                found = importlib.util.spec_from_file_location(name, os.path.join(path, "__init__.py"),
+                                                               submodule_search_locations=[path])
+            else:
+                found = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(found)
+            sys.modules[name] = module
+            found.loader.exec_module(module)
+        report = {"imported": True}
+    except BaseException as err:   # noqa: B036  (a student's module may raise anything at import time)
+        module, report = None, {"imported": False, "error": _one_line(err)}
+    try:
+        send(control, report)
+    except OSError:
+        os._exit(0)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    while True:
+        try:
+            msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
+        except OSError:
+            os._exit(0)
+        if not msg or not fds:
+            os._exit(0)
+        options = pickle.loads(msg)
+        if os.fork() == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            _worker(control, fds[0], module, options)
+            os._exit(0)
+        os.close(fds[0])
+
+
+def _quiet_fds() -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def _one_line(err: BaseException) -> str:
+    try:
+        return "".join(traceback.format_exception_only(type(err), err)).strip().splitlines()[-1][:500]
+    except BaseException:   # noqa: B036  (an exception whose message raises)
+        return f"it raised {type(err).__qualname__} while being imported"
+
+
+# --- a worker ---------------------------------------------------------------------------------------------
+
+
+def _worker(control, fd: int, module, options) -> None:
+    control.close()
+    os.dup2(fd, 3)
+    if fd != 3:
+        os.close(fd)
+    os.closerange(4, 65536)                       # no fd of the grader's beyond the socket
+    sock = socket.socket(fileno=3)
+    limit = options.get("memory_bytes")
+    if limit:
+        try:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            used = 0
+        try:
+            resource.setrlimit(resource.RLIMIT_AS, (used + limit, used + limit))
+        except (ValueError, OSError):
+            pass
+    import torch
+    torch.set_num_threads(1)       # graded tensors are tiny: a second thread would only wait for a shared core
+    out = io.StringIO()
+    sys.stdout = sys.stderr = out
+    Worker(sock, module, out).serve()
+
+
+class Worker:
+    def __init__(self, sock, module, out):
+        self.sock, self.module, self.out = sock, module, out
+        self.objects: dict[int, object] = {}
+        self.graphs: dict[int, tuple] = {}
+        self.rng_before = None
+
+    def serve(self) -> None:
+        while True:
+            try:
+                request = recv(self.sock)
+            except OSError:
+                os._exit(0)
+            if request is None:
+                os._exit(0)
+            reply = self.answer(request)
+            text = self.out.getvalue()
+            if text:
+                reply["output"] = text[-OUTPUT_LIMIT:]
+                self.out.seek(0)
+                self.out.truncate()
+            try:
+                send(self.sock, reply)
+            except OSError:
+                os._exit(0)
+
+    def answer(self, request) -> dict:
+        import torch
+        op = request["op"]
+        if op == "backward":
+            return self.backward(request)
+        if request.get("rng") is not None:            # sent when the grader's state differs from what it last got
+            torch.set_rng_state(request["rng"])
+        self.rng_before = torch.get_rng_state()
+        generators: dict[int, object] = {}
+        grads: dict[int, object] = {}
+        try:
+            if op == "call":
+                fn = getattr(self.module, request["name"], None) if self.module is not None else None
+                if fn is None:
+                    return {"kind": "missing"}
+                target = fn
+            else:
+                obj = self.objects[request["handle"]]
+                target = getattr(obj, request["attr"])
+                if op == "getattr":
+                    if callable(target) and not isinstance(target, (int, float, bool, torch.Tensor)):
+                        return {"kind": "callable"}
+                    return self.result(target, False, {}, None)
+            args = _restore(request["args"], generators, grads)
+            kwargs = _restore(request.get("kwargs") or {}, generators, grads)
+            watchers = [_watcher(module, qualname) for module, qualname in request.get("watch") or ()]
+            value = _under(watchers, target, args, kwargs)
+        except BaseException as err:   # noqa: B036  (graded code may raise anything)
+            return _error(err)
+        reply = self.result(value, request.get("object", False), generators, grads)
+        if watchers and reply.get("kind") == "value":
+            try:
+                reply["watch"] = [encode(w.findings()) for w in watchers]
+            except BaseException as err:   # noqa: B036
+                return _error(err)
+        return reply
+
+    def result(self, value, as_object: bool, generators, grads) -> dict:
+        import torch
+        rng = torch.get_rng_state()
+        reply = {"kind": "value", "rng": None if torch.equal(rng, self.rng_before) else encode(rng),
+                 "generators": {slot: encode(g.get_state()) for slot, g in generators.items()}}
+        try:
+            if as_object:
+                handle = len(self.objects) + 1
+                self.objects[handle] = value
+                reply["value"] = ("o", handle)
+                return reply
+            outputs: list = []
+            reply["value"] = encode(value, outputs if grads else None)
+            if outputs:
+                graph = len(self.graphs) + 1
+                slots = sorted(grads)
+                self.graphs[graph] = (outputs, [grads[s] for s in slots])
+                reply["graph"] = (graph, slots)
+        except BaseException as err:   # noqa: B036
+            return _error(err)
+        return reply
+
+    def backward(self, request) -> dict:
+        import torch
+        outputs, inputs = self.graphs[request["graph"]]
+        pairs = [(o, g) for o, g in zip(outputs, request["grads"]) if g is not None]
+        try:
+            got = torch.autograd.grad([o for o, _ in pairs], inputs, [g for _, g in pairs], allow_unused=True)
+            return {"kind": "value", "value": encode([g.detach() if g is not None else None for g in got])}
+        except BaseException as err:   # noqa: B036
+            return _error(err)
+
+
+def _watcher(module: str, qualname: str):
+    """A fresh instance of the grader's watcher class (a module of tests/, named by the grader)."""
+    import importlib
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj()
+
+
+def _under(watchers: list, target, args, kwargs):
+    if not watchers:
+        return target(*args, **kwargs)
+    with watchers[0]:
+        return _under(watchers[1:], target, args, kwargs)
+
+
+def _restore(value, generators: dict, grads: dict):
+    """The test's arguments as graded code sees them (generators rebuilt, grad leaves marked)."""
+    import torch
+    if type(value) is GeneratorArg:
+        g = torch.Generator(device=value.device)
+        g.set_state(torch.frombuffer(bytearray(value.state), dtype=torch.uint8))
+        generators[value.slot] = g
+        return g
+    if type(value) is TensorArg:
+        return value.tensor()
+    if type(value) is GradArg:
+        t = value.tensor.requires_grad_()
+        grads[value.slot] = t
+        return t
+    if type(value) in (list, tuple):
+        return type(value)(_restore(v, generators, grads) for v in value)
+    if type(value) is dict:
+        return {k: _restore(v, generators, grads) for k, v in value.items()}
+    return value
+
+
+class Refused(Exception):
+    """A result the grader cannot take (the message says why, in the grader's words)."""
+
+
+def _error(err: BaseException) -> dict:
+    kind = type(err)
+    if isinstance(err, (SystemExit, KeyboardInterrupt, GeneratorExit)) or kind.__name__ in CONTROL_FLOW \
+            or not isinstance(err, Exception):
+        return {"kind": "control", "type": kind.__name__[:100]}
+    if isinstance(err, Refused):
+        return {"kind": "refused", "message": str(err)}
+    try:
+        text = str(err)[:2000]
+    except BaseException:   # noqa: B036  (a __str__ that raises)
+        text = "<its message could not be printed>"
+    where = None
+    if isinstance(err, NotImplementedError):
+        tb = err.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None:
+            code = tb.tb_frame.f_code
+            where = getattr(code, "co_qualname", code.co_name).replace(".__init__", "")
+    try:
+        trace = "".join(traceback.format_exception(kind, err, err.__traceback__))[-3000:]
+    except BaseException:   # noqa: B036
+        trace = ""
+    return {"kind": "error", "bases": [c.__name__ for c in kind.__mro__ if c.__module__ == "builtins"],
+            "type": kind.__qualname__[:200], "builtin": kind.__module__ == "builtins", "message": text,
+            "not_implemented": where, "traceback": trace}
+
+
+# --- results as plain data ----------------------------------------------------------------------------------
+
+
+def _kind(value) -> str:
+    kind = type(value)
+    if kind in (int, float, bool, str) or value is None:
+        return f"{kind.__name__} {value!r:.60}"
+    return f"a {kind.__module__}.{kind.__qualname__}" if kind.__module__ != "builtins" else f"a {kind.__name__}"
+
+
+def encode(value, outputs: list | None = None, depth: int = 0):
+    """value as nested tagged tuples of plain Python data (see tests/sandbox.py's `decode`)."""
+    import torch
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str):
+        return ("v", value)
+    if kind is torch.Tensor:
+        t = value.detach()
+        if t.layout != torch.strided:
+            raise Refused(f"returned a {t.layout} tensor; return a dense (strided) torch.Tensor")
+        t = t.cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        slot = None
+        if outputs is not None and value.requires_grad:
+            slot = len(outputs)
+            outputs.append(value)
+        return ("T", str(t.dtype).removeprefix("torch."), tuple(t.shape), raw, slot)
+    if isinstance(value, torch.Tensor):
+        raise Refused(f"returned a torch.Tensor subclass ({kind.__qualname__}); return a plain torch.Tensor")
+    if depth >= MAX_DEPTH and kind in (list, tuple, dict):
+        raise Refused(f"returned lists or dicts nested deeper than {MAX_DEPTH}")
+    if kind in (list, tuple):
+        return ("l" if kind is list else "t", [encode(v, outputs, depth + 1) for v in value])
+    if kind is dict:
+        items = []
+        for k, v in value.items():
+            if type(k) not in (str, int):
+                raise Refused(f"returned a dict with a {_kind(k)} key; use str keys")
+            items.append((k, encode(v, outputs, depth + 1)))
+        return ("d", items)
+    sympy = sys.modules.get("sympy")
+    if sympy is not None and isinstance(value, sympy.Basic):
+        return ("S", _sympy(value, sympy, [0]))
+    if kind.__module__ == "numpy" and hasattr(value, "item") and getattr(value, "ndim", None) == 0:
+        item = value.item()
+        if type(item) in (bool, int, float):
+            return ("v", item)
+    raise Refused(f"returned {_kind(value)}; return plain tensors, numbers, lists, tuples and dicts")
+
+
+def _sympy(expr, sympy, count: list):
+    count[0] += 1
+    if count[0] > MAX_NODES:
+        raise Refused(f"returned a sympy expression of more than {MAX_NODES} nodes")
+    name = type(expr).__name__
+    if isinstance(expr, sympy.Symbol):
+        return ("Symbol", expr.name, {k: v for k, v in expr.assumptions0.items() if type(v) is bool and type(k) is str})
+    if isinstance(expr, sympy.Integer):
+        return ("Integer", int(expr.p))
+    if isinstance(expr, sympy.Rational):
+        return ("Rational", int(expr.p), int(expr.q))
+    if isinstance(expr, sympy.Float):
+        return ("Float", str(expr), int(expr._prec))
+    return (name, [_sympy(a, sympy, count) for a in expr.args])
+
+
+if __name__ == "__main__":
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    import sandbox_worker   # the classes pickled by the grader live in the module of this name
+    sandbox_worker.main()
