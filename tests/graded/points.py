@@ -4,7 +4,7 @@ cases of a test share its points equally. Hidden tests added at grading time car
 list the same tests."""
 
 POINTS = {
-    # --- layers (4) ---------------------------------------------------------------------------------------
+    # --- layers (5) ---------------------------------------------------------------------------------------
     "test_norm_and_ffn.py::test_rmsnorm_matches_the_definition": 2,
     "test_norm_and_ffn.py::test_rmsnorm_keeps_the_input_dtype_and_computes_in_float32": 1,
     "test_norm_and_ffn.py::test_swiglu_gates_the_w3_branch_with_silu_of_w1": 2,
@@ -12,7 +12,7 @@ POINTS = {
     "test_generation_loop.py::test_a_ragged_batch_decodes_as_each_prompt_alone": 2,
     "test_generation_loop.py::test_a_stop_token_ends_its_sequence_and_is_part_of_the_output": 2,
     "test_generation_loop.py::test_zero_new_tokens_and_no_stop_tokens": 1,
-    # --- sampling (18) ------------------------------------------------------------------------------------
+    # --- sampling (21) ------------------------------------------------------------------------------------
     "test_sampling_rules.py::test_temperature_zero_is_greedy": 1,
     "test_sampling_rules.py::test_temperature_scales_the_logits_before_the_softmax": 1,
     "test_sampling_rules.py::test_top_k_keeps_exactly_the_k_largest": 3,
@@ -25,7 +25,7 @@ POINTS = {
     "test_sampling_rules.py::test_sampling_frequencies_match_the_distribution": 2,
     "test_sampling_rules.py::test_one_row_gives_one_token_and_seeds_reproduce": 1,
     "test_sampling_rules.py::test_generation_with_the_students_sampler_greedy_and_sampled": 1,
-    # --- speculative sampling: the accept/resample rule (5) ----------------------------------------------
+    # --- speculative sampling: the accept/resample rule (13) ---------------------------------------------
     "test_speculative_accept.py::test_outcomes_for_fixed_drafts_match_the_exact_enumeration": 2,
     "test_speculative_accept.py::test_the_first_emitted_token_follows_the_target": 2,
     "test_speculative_accept.py::test_cases_without_randomness": 1,
@@ -33,7 +33,7 @@ POINTS = {
     "test_speculative_accept.py::test_every_draw_comes_from_the_generator_argument": 2,
     "test_speculative_accept.py::test_the_residual_is_the_normalised_positive_part_of_q_minus_p": 2,
     "test_speculative_accept.py::test_greedy_verification_keeps_drafts_while_they_are_the_argmax": 2,
-    # --- attention: GQA, KV cache, MLA, sliding window, rolling buffer (24) -------------------------------
+    # --- attention: GQA, KV cache, MLA, sliding window, rolling buffer (35) -------------------------------
     "test_attention_kernels.py::test_grouped_query_attention_matches_a_loop_over_heads": 4,
     "test_attention_kernels.py::test_prefill_then_decode_with_a_kv_cache_equals_the_full_layer": 4,
     "test_attention_kernels.py::test_decode_at_a_late_position_rotates_by_that_position": 2,
@@ -49,7 +49,7 @@ POINTS = {
     "test_rolling_buffer.py::test_random_appends_and_rollbacks_match_the_slot_simulation": 3,
     "test_rolling_buffer.py::test_the_ring_holds_capacity_slots_however_long_the_sequence": 1,
     "test_rolling_buffer.py::test_an_append_longer_than_the_ring_writes_each_slot_once": 1,
-    # --- quantization (25) --------------------------------------------------------------------------------
+    # --- quantization (35) --------------------------------------------------------------------------------
     "test_quantization_kernels.py::test_lecture_worked_example": 1,
     "test_quantization_kernels.py::test_dequantize_by_hand": 1,
     "test_quantization_kernels.py::test_quantize_clamps_codes_to_the_integer_range": 2,
@@ -69,7 +69,7 @@ POINTS = {
     "test_quantization_kernels.py::test_gptq_beats_round_to_nearest_on_the_layer_output": 2,
     "test_awq_and_qat.py::test_awq_scales_equal_the_grid_search": 3,
     "test_awq_and_qat.py::test_fake_quantization_rounds_forward_and_passes_gradients_straight_through": 3,
-    # --- serving: block allocator, paged attention, continuous batching (11) ------------------------------
+    # --- serving: block allocator, paged attention, continuous batching (22) ------------------------------
     "test_paged_serving.py::test_allocate_every_block_then_refuse": 2,
     "test_paged_serving.py::test_free_blocks_are_handed_out_first_in_first_out": 1,
     "test_paged_serving.py::test_shared_blocks_are_freed_by_their_last_holder": 2,
@@ -83,7 +83,7 @@ POINTS = {
     "test_block_manager.py::test_random_operations_match_the_table_model": 2,
     "test_block_manager.py::test_a_run_to_completion_follows_the_rules_step_by_step": 2,
     "test_block_manager.py::test_random_runs_match_the_rules": 1,
-    # --- accounting, numeric and symbolic (14) ------------------------------------------------------------
+    # --- accounting, numeric and symbolic (16) ------------------------------------------------------------
     "test_accounting_formulas.py::test_kv_cache_bytes_by_hand": 1,
     "test_accounting_formulas.py::test_a_sliding_window_caps_the_local_layers": 1,
     "test_accounting_formulas.py::test_mla_caches_one_latent_and_one_rope_key_per_position": 1,
@@ -97,7 +97,7 @@ POINTS = {
     "test_accounting_formulas.py::test_the_lectures_intensity_limits": 1,
     "test_accounting_formulas.py::test_generation_flops_against_a_loop_over_steps": 1,
     "test_accounting_formulas.py::test_decode_step_memory_latency_and_throughput": 2,
-    # --- data: the batch sampler (3) ----------------------------------------------------------------------
+    # --- data: the batch sampler (4) ----------------------------------------------------------------------
     "test_batch_sampler.py::test_windows_are_slices_and_targets_are_shifted_by_one": 1,
     "test_batch_sampler.py::test_the_only_window_of_a_stream_of_seq_len_plus_one_tokens": 1,
     "test_batch_sampler.py::test_every_valid_start_is_drawn_uniformly": 1,
