@@ -125,7 +125,10 @@ def grade_paths(impl: str, workdir: Path, paths: list[str], stop_at_first_failur
 
 
 def failed_tests(results: dict) -> list[str]:
-    return [t["name"] for t in results["tests"] if t["status"] == "failed"]
+    """The graded tests that failed, less those that -x stopped before they ran (recorded as failed with 0
+    points: they say nothing about the mutant; a package that cannot be imported still fails every test)."""
+    return [t["name"] for t in results["tests"]
+            if t["status"] == "failed" and "the grading run stopped before this test" not in t.get("output", "")]
 
 
 def run_library_stub(name: str, test_file: str) -> list[str]:
