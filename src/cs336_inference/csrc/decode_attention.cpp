@@ -79,18 +79,33 @@ void scores_of(const c10::BFloat16* q, const c10::BFloat16* kp, int64_t ks, int6
   }
 }
 
-// the same in fp32: one fused multiply-add per 16 values (q rows are re-read from L1, not kept in registers)
-void scores_of(const float* q, const float* kp, int64_t ks, int64_t R, int64_t H, int64_t S, float scale,
-               float* scores) {
-  const int64_t C = H / 16, S16 = (S + 15) / 16 * 16;
+// the same in fp32: one fused multiply-add per 16 values. C = H / 16 is a constant here, so a key row
+// and each query row stay in registers.
+template <int C>
+void scores_f32(const float* q, const float* kp, int64_t ks, int64_t R, int64_t S, float scale, float* scores) {
+  const int64_t S16 = (S + 15) / 16 * 16;
   for (int64_t s = 0; s < S; ++s) {
-    __m512 kv[2 * kMaxChunks];
-    for (int64_t c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kp + s * ks + 16 * c);
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kp + s * ks + 16 * c);
     for (int64_t r = 0; r < R; ++r) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t c = 0; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * H + 16 * c), kv[c], acc);
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * 16 * C), kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * 16 * C + 16 * c), kv[c], acc);
       scores[r * S16 + s] = _mm512_reduce_add_ps(acc) * scale;
     }
+  }
+}
+
+void scores_of(const float* q, const float* kp, int64_t ks, int64_t R, int64_t H, int64_t S, float scale,
+               float* scores) {
+  switch (H / 32) {   // H % 32 == 0, H <= 256 (checked by the caller)
+    case 1: return scores_f32<2>(q, kp, ks, R, S, scale, scores);
+    case 2: return scores_f32<4>(q, kp, ks, R, S, scale, scores);
+    case 3: return scores_f32<6>(q, kp, ks, R, S, scale, scores);
+    case 4: return scores_f32<8>(q, kp, ks, R, S, scale, scores);
+    case 5: return scores_f32<10>(q, kp, ks, R, S, scale, scores);
+    case 6: return scores_f32<12>(q, kp, ks, R, S, scale, scores);
+    case 7: return scores_f32<14>(q, kp, ks, R, S, scale, scores);
+    default: return scores_f32<16>(q, kp, ks, R, S, scale, scores);
   }
 }
 
