@@ -10,6 +10,8 @@
 // needs. Here one task is one (batch, head): each key row is read once for all R queries (one
 // `vdpbf16ps` per 32 values: bf16 products are exact in fp32, so the only rounding is fp32
 // accumulation), the softmax runs 16 scores at a time in fp32, then each value row is read once.
+// An fp32 model (q, k, v all fp32, fp32 out) runs the same algorithm with fp32 products (one fused
+// multiply-add per 16 values) and no rounding of the output.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -52,15 +54,21 @@ inline __m512bh load_bf16x32(const c10::BFloat16* p) {
   return (__m512bh)_mm512_loadu_si512(p);
 }
 
-// One (batch, head): q (R, H) contiguous; k rows at kp + s * ks, v rows at vp + s * vs; out (R, Hv).
-void one_head(const c10::BFloat16* q, const c10::BFloat16* kp, int64_t ks, const c10::BFloat16* vp,
-              int64_t vs, int64_t R, int64_t H, int64_t S, int64_t Hv, float scale, float* scores,
-              c10::BFloat16* out) {
+inline __m512 load16(const c10::BFloat16* p) { return bf16x16_to_fp32(p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline void store16(c10::BFloat16* p, __m512 x) {   // round to bf16 (nearest even)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(x));
+}
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+
+// scores (R, S16) = q k^T * scale, bf16: one `vdpbf16ps` per 32 values of a row pair
+void scores_of(const c10::BFloat16* q, const c10::BFloat16* kp, int64_t ks, int64_t R, int64_t H, int64_t S,
+               float scale, float* scores) {
   const int64_t C = H / 32, S16 = (S + 15) / 16 * 16;
   __m512bh qv[kMaxRows][kMaxChunks];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t c = 0; c < C; ++c) qv[r][c] = load_bf16x32(q + r * H + 32 * c);
-  for (int64_t s = 0; s < S; ++s) {                   // scores: each key row read once for all rows
+  for (int64_t s = 0; s < S; ++s) {                   // each key row read once for all rows
     __m512bh kv[kMaxChunks];
     for (int64_t c = 0; c < C; ++c) kv[c] = load_bf16x32(kp + s * ks + 32 * c);
     for (int64_t r = 0; r < R; ++r) {
@@ -69,6 +77,45 @@ void one_head(const c10::BFloat16* q, const c10::BFloat16* kp, int64_t ks, const
       scores[r * S16 + s] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
+}
+
+// the same in fp32: one fused multiply-add per 16 values. C = H / 16 is a constant here, so a key row
+// and each query row stay in registers.
+template <int C>
+void scores_f32(const float* q, const float* kp, int64_t ks, int64_t R, int64_t S, float scale, float* scores) {
+  const int64_t S16 = (S + 15) / 16 * 16;
+  for (int64_t s = 0; s < S; ++s) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = _mm512_loadu_ps(kp + s * ks + 16 * c);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * 16 * C), kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * 16 * C + 16 * c), kv[c], acc);
+      scores[r * S16 + s] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+}
+
+void scores_of(const float* q, const float* kp, int64_t ks, int64_t R, int64_t H, int64_t S, float scale,
+               float* scores) {
+  switch (H / 32) {   // H % 32 == 0, H <= 256 (checked by the caller)
+    case 1: return scores_f32<2>(q, kp, ks, R, S, scale, scores);
+    case 2: return scores_f32<4>(q, kp, ks, R, S, scale, scores);
+    case 3: return scores_f32<6>(q, kp, ks, R, S, scale, scores);
+    case 4: return scores_f32<8>(q, kp, ks, R, S, scale, scores);
+    case 5: return scores_f32<10>(q, kp, ks, R, S, scale, scores);
+    case 6: return scores_f32<12>(q, kp, ks, R, S, scale, scores);
+    case 7: return scores_f32<14>(q, kp, ks, R, S, scale, scores);
+    default: return scores_f32<16>(q, kp, ks, R, S, scale, scores);
+  }
+}
+
+// One (batch, head): q (R, H) contiguous; k rows at kp + s * ks, v rows at vp + s * vs; out (R, Hv).
+// T is c10::BFloat16 (bf16 q, k, v and out) or float (all fp32); the softmax and sums are fp32 either way.
+template <typename T>
+void one_head(const T* q, const T* kp, int64_t ks, const T* vp, int64_t vs, int64_t R, int64_t H, int64_t S,
+              int64_t Hv, float scale, float* scores, T* out) {
+  const int64_t S16 = (S + 15) / 16 * 16;
+  scores_of(q, kp, ks, R, H, S, scale, scores);
   for (int64_t r = 0; r < R; ++r) {                   // softmax, 16 scores at a time, in fp32
     float* row = scores + r * S16;
     __m512 top = _mm512_set1_ps(-INFINITY);
@@ -94,31 +141,20 @@ void one_head(const c10::BFloat16* q, const c10::BFloat16* kp, int64_t ks, const
     __m512 acc[kMaxRows];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t s = 0; s < S; ++s) {
-      const __m512 vj = bf16x16_to_fp32(vp + s * vs + j);
+      const __m512 vj = load16(vp + s * vs + j);
       for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(scores[r * S16 + s]), vj, acc[r]);
     }
-    for (int64_t r = 0; r < R; ++r)   // round to bf16 (nearest even)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * Hv + j), (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    for (int64_t r = 0; r < R; ++r) store16(out + r * Hv + j, acc[r]);
   }
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D (B, K, rows, H)");
+template <typename T>
+void run_heads(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, float scale, at::Tensor& out) {
   const int64_t B = q.size(0), K = q.size(1), R = q.size(2), H = q.size(3), S = k.size(2), Hv = v.size(3);
-  TORCH_CHECK(k.size(0) == B && k.size(1) == K && k.size(3) == H && v.size(0) == B && v.size(1) == K &&
-                  v.size(2) == S && S >= 1,
-              "decode_attention: q (B, K, R, H), k (B, K, S, H), v (B, K, S, Hv) must agree, S >= 1");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-                  v.scalar_type() == at::kBFloat16, "decode_attention: q, k, v must be bfloat16");
-  TORCH_CHECK(H % 32 == 0 && H <= 32 * kMaxChunks && Hv % 16 == 0 && R >= 1 && R <= kMaxRows,
-              "decode_attention: H % 32 == 0 and <= 256, Hv % 16 == 0, 1 <= rows <= 16");
-  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v rows must be contiguous");
-  const at::Tensor qc = q.contiguous();
-  at::Tensor out = at::empty({B, K, R, Hv}, q.options());
-  const auto* qp = qc.data_ptr<c10::BFloat16>();
-  const auto* kp = k.data_ptr<c10::BFloat16>();
-  const auto* vp = v.data_ptr<c10::BFloat16>();
-  auto* op = out.data_ptr<c10::BFloat16>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t S16 = (S + 15) / 16 * 16;
   // a few heads of a short cache are less work than waking another thread: split only larger work
   const int64_t grain = std::max<int64_t>(1, 4096 / (S * R));
@@ -127,10 +163,30 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / K, h = t % K;
       one_head(qp + t * R * H, kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
-               vp + b * v.stride(0) + h * v.stride(1), v.stride(2), R, H, S, Hv, static_cast<float>(scale),
-               scores.data(), op + t * R * Hv);
+               vp + b * v.stride(0) + h * v.stride(1), v.stride(2), R, H, S, Hv, scale, scores.data(),
+               op + t * R * Hv);
     }
   });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "decode_attention: q, k, v must be 4-D (B, K, rows, H)");
+  const int64_t B = q.size(0), K = q.size(1), R = q.size(2), H = q.size(3), S = k.size(2), Hv = v.size(3);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == K && k.size(3) == H && v.size(0) == B && v.size(1) == K &&
+                  v.size(2) == S && S >= 1,
+              "decode_attention: q (B, K, R, H), k (B, K, S, H), v (B, K, S, Hv) must agree, S >= 1");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kBFloat16 || dt == at::kFloat) && k.scalar_type() == dt && v.scalar_type() == dt,
+              "decode_attention: q, k, v must all be bfloat16 or all float32");
+  TORCH_CHECK(H % 32 == 0 && H <= 32 * kMaxChunks && Hv % 16 == 0 && R >= 1 && R <= kMaxRows,
+              "decode_attention: H % 32 == 0 and <= 256, Hv % 16 == 0, 1 <= rows <= 16");
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "decode_attention: k and v rows must be contiguous");
+  const at::Tensor qc = q.contiguous();
+  at::Tensor out = at::empty({B, K, R, Hv}, q.options());
+  if (dt == at::kFloat)
+    run_heads<float>(qc, k, v, static_cast<float>(scale), out);
+  else
+    run_heads<c10::BFloat16>(qc, k, v, static_cast<float>(scale), out);
   return out;
 }
 

@@ -14,7 +14,7 @@ from . import cpu_kernels
 
 # "reference": the hand-written softmax(q k^T) v below, the definition; "sdpa": torch's fused
 # F.scaled_dot_product_attention (one kernel, no (T, S) score tensor in Python), checked against it;
-# "cpu": sdpa, except a step whose keys are all visible (a plain decode step) in bf16 on a CPU with
+# "cpu": sdpa, except a step whose keys are all visible (a plain decode step) in bf16 or fp32 on a CPU with
 # AVX512-BF16, which runs our own kernel (`cpu_kernels.attention`).
 ATTENTION_KERNELS = ("reference", "sdpa", "cpu")
 

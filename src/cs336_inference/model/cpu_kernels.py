@@ -5,7 +5,7 @@
   decode step's full-precision linears on it (`tune_for_cpu`).
 - `decode_attention`: the attention of a decode step's few query rows over every cached key; the
   attention kernel "cpu" (`TransformerLM.set_attention_kernel`) runs it where every key is visible,
-  and torch's fused kernel everywhere else (a prefill's masked attention, fp32, other shapes).
+  and torch's fused kernel everywhere else (a prefill's masked attention, other dtypes and shapes).
 
 They build only where they can run: an x86 CPU whose flags include avx512_bf16 (Zen 4, Sapphire
 Rapids and newer), a C++ compiler (the one torch.compile uses on a CPU) and torch with OpenMP. The
@@ -113,10 +113,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
               scale: float | None) -> torch.Tensor:
     """softmax(q k^T * scale) v: q (B, K, R, H), k (B, K, S, H), v (B, K, S, Hv) -> (B, K, R, Hv).
 
-    Our `decode_attention` where it applies (every key visible, bf16 on the CPU, H % 32 == 0, Hv % 16
+    Our `decode_attention` where it applies (every key visible, bf16 or fp32 on the CPU, H % 32 == 0, Hv % 16
     == 0, at most 16 query rows per head: a decode step), torch's fused kernel otherwise. Under
     torch.compile the choice is made once, when the step is traced (it reads only shapes and dtypes)."""
-    if (mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.bfloat16
+    if (mask is None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype
+            and q.dtype in (torch.bfloat16, torch.float32)
             and q.shape[-1] % 32 == 0 and q.shape[-1] <= 256 and v.shape[-1] % 16 == 0 and q.shape[-2] <= 16):
         return torch.ops.cs336.decode_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
