@@ -203,3 +203,39 @@ def test_a_changed_type_field_is_refused_naming_tensor_and_file(tmp_path):
     It used to be refused as "qt.scale contains NaN/Inf", which named neither the tensor nor the file."""
     path = _edited_copy(tmp_path, "blk.0.attn_q.weight", qtype=Q.Q8_0)
     _both_paths_refuse(path, "blk.0.attn_q.weight", "NaN/Inf")
+
+
+def _compiler_imported(code: str) -> bool:
+    """Run `code` in a fresh interpreter (this one's import path and environment); whether `torch._dynamo`,
+    torch's compiler, was imported by then (and, as a check of the probe, not already by `import torch`)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\nassert 'torch._dynamo' not in sys.modules, 'imported by torch itself'\n"
+             f"{code}\nprint('compiler imported:', 'torch._dynamo' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1] == "compiler imported: True"
+
+
+def test_building_the_exact_model_does_not_import_torchs_compiler(tmp_path):
+    """The plain load never compiles, so it must not pay for importing torch's compiler (a meta tensor's random
+    init or copy would import it); a `normal_` on a meta tensor, run the same way, does (the probe can fail)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    load = (f"from cs336_inference.model.real_models import load_gguf_tensors\n"
+            f"from cs336_inference.quantization import gguf_exact_model\n"
+            f"config, stored = load_gguf_tensors({str(tmp_path / 'tiny.gguf')!r})\n"
+            f"model = gguf_exact_model(config, stored, dtype=torch.float32)\n"
+            f"model(torch.tensor([[1, 2, 3]]))")
+    assert not _compiler_imported(load)
+    assert _compiler_imported("torch.empty(4, device='meta').normal_()")
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_loading_smollm2_exact_does_not_import_torchs_compiler():
+    load = ("from cs336_inference import load_pretrained\n"
+            "load_pretrained('smollm2-135m', weights='gguf-exact')")
+    assert not _compiler_imported(load)
