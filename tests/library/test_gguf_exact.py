@@ -239,3 +239,41 @@ def test_loading_smollm2_exact_does_not_import_torchs_compiler():
     load = ("from cs336_inference import load_pretrained\n"
             "load_pretrained('smollm2-135m', weights='gguf-exact')")
     assert not _compiler_imported(load)
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_smollm2_from_the_packed_cache_equals_a_plain_load_and_a_damaged_cache_file_is_rebuilt(tmp_path, monkeypatch):
+    """The fast path's packed-layout cache (kernel layouts and packed codes, `startup.cached_packed_weights`):
+    a load that fills it, one that takes everything from it and one after a byte of the file was flipped
+    (warned about, rebuilt) all give the logits of a load without any cache, to the bit."""
+    from adapters import run_load_pretrained
+
+    from cs336_inference.model import disk_cache
+    from cs336_inference.startup import cached_packed_weights
+
+    monkeypatch.setattr(disk_cache, "cache_entry", lambda name, source: tmp_path)   # not the user's cache
+    ids = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])
+
+    def logits(model):
+        with torch.inference_mode():
+            return model(ids)
+
+    reference = logits(run_load_pretrained("smollm2-135m", dtype=torch.float32, weights="gguf-exact"))
+
+    def cached():
+        with cached_packed_weights("smollm2-135m", torch.device("cpu"), torch.float32) as store:
+            model = run_load_pretrained("smollm2-135m", dtype=torch.float32, weights="gguf-exact")
+        return logits(model), store
+
+    first, store = cached()
+    assert store.reused == 0 and any("tensor" in e for e in store.made)   # packed codes are kept too
+    again, store = cached()
+    assert store.reused == len(store.made) and torch.equal(again, reference) and torch.equal(first, reference)
+    (path,) = tmp_path.glob("packed-*.pt")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="damaged cache file"):
+        rebuilt, store = cached()
+    assert store.reused == 0 and torch.equal(rebuilt, reference)
