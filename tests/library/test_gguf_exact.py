@@ -277,3 +277,24 @@ def test_smollm2_from_the_packed_cache_equals_a_plain_load_and_a_damaged_cache_f
     with pytest.warns(UserWarning, match="damaged cache file"):
         rebuilt, store = cached()
     assert store.reused == 0 and torch.equal(rebuilt, reference)
+
+
+def test_skipping_init_touches_only_models_built_on_the_meta_device():
+    """`uninitialized()` (the exact loader's skeleton): a model built on the CPU inside it is initialized
+    exactly as outside (same seed, same weights); one built on the meta device gets every parameter, each
+    shaped as a normal build's, and fusing its projections works there too."""
+    from cs336_inference.model import ModelConfig, TransformerLM
+    from cs336_inference.model.transformer import uninitialized
+
+    config = ModelConfig.from_name("tiny")
+    torch.manual_seed(0)
+    outside = TransformerLM(config)
+    with uninitialized():
+        torch.manual_seed(0)
+        inside = TransformerLM(config)
+        skeleton = TransformerLM(config, device="meta").fuse_projections()
+    assert all(torch.equal(a, b) for a, b in zip(outside.state_dict().values(), inside.state_dict().values()))
+    expected = {k: v.shape for k, v in outside.state_dict().items()}
+    assert {k: v.shape for k, v in skeleton.state_dict().items()} == expected
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    assert skeleton.rope.cos.is_meta and skeleton.rope.cos.shape == outside.rope.cos.shape
