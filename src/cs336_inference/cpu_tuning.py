@@ -48,7 +48,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .device import cpu_has_amx
 from .timing import num_threads
@@ -99,6 +98,16 @@ def streaming_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (...,
     rows = x.reshape(-1, x.shape[-1])                                     # (M, d_in)
     out = (w.float()[:, None, :] * rows.float()[None]).sum(-1)             # (d_out, M)
     return out.t().reshape(*x.shape[:-1], w.shape[0]).to(x.dtype)
+
+
+def statically_known_true(x) -> bool:   # noqa: F811 - rebinds itself to torch's at the first call
+    """torch's `statically_known_true`, imported at the first call, which then puts it in this name's
+    place: its module imports sympy, a slow import that a load which never compiles need not pay."""
+    global statically_known_true
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    statically_known_true = known
+    return known(x)
 
 
 class CPULinear(nn.Linear):

@@ -203,3 +203,98 @@ def test_a_changed_type_field_is_refused_naming_tensor_and_file(tmp_path):
     It used to be refused as "qt.scale contains NaN/Inf", which named neither the tensor nor the file."""
     path = _edited_copy(tmp_path, "blk.0.attn_q.weight", qtype=Q.Q8_0)
     _both_paths_refuse(path, "blk.0.attn_q.weight", "NaN/Inf")
+
+
+def _compiler_imported(code: str) -> bool:
+    """Run `code` in a fresh interpreter (this one's import path and environment); whether `torch._dynamo`,
+    torch's compiler, was imported by then (and, as a check of the probe, not already by `import torch`)."""
+    import os
+    import subprocess
+    import sys
+
+    probe = ("import sys, torch\nassert 'torch._dynamo' not in sys.modules, 'imported by torch itself'\n"
+             f"{code}\nprint('compiler imported:', 'torch._dynamo' in sys.modules)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1] == "compiler imported: True"
+
+
+def test_building_the_exact_model_does_not_import_torchs_compiler(tmp_path):
+    """The plain load never compiles, so it must not pay for importing torch's compiler (a meta tensor's random
+    init or copy would import it); a `normal_` on a meta tensor, run the same way, does (the probe can fail)."""
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    load = (f"from cs336_inference.model.real_models import load_gguf_tensors\n"
+            f"from cs336_inference.quantization import gguf_exact_model\n"
+            f"config, stored = load_gguf_tensors({str(tmp_path / 'tiny.gguf')!r})\n"
+            f"model = gguf_exact_model(config, stored, dtype=torch.float32)\n"
+            f"model(torch.tensor([[1, 2, 3]]))")
+    assert not _compiler_imported(load)
+    assert _compiler_imported("torch.empty(4, device='meta').normal_()")
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_loading_smollm2_exact_does_not_import_torchs_compiler():
+    load = ("from cs336_inference import load_pretrained\n"
+            "load_pretrained('smollm2-135m', weights='gguf-exact')")
+    assert not _compiler_imported(load)
+
+
+@requires_smollm2
+@pytest.mark.slow
+def test_smollm2_from_the_packed_cache_equals_a_plain_load_and_a_damaged_cache_file_is_rebuilt(tmp_path, monkeypatch):
+    """The fast path's packed-layout cache (kernel layouts and packed codes, `startup.cached_packed_weights`):
+    a load that fills it, one that takes everything from it and one after a byte of the file was flipped
+    (warned about, rebuilt) all give the logits of a load without any cache, to the bit."""
+    from adapters import run_load_pretrained
+
+    from cs336_inference.model import disk_cache
+    from cs336_inference.startup import cached_packed_weights
+
+    monkeypatch.setattr(disk_cache, "cache_entry", lambda name, source: tmp_path)   # not the user's cache
+    ids = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])
+
+    def logits(model):
+        with torch.inference_mode():
+            return model(ids)
+
+    reference = logits(run_load_pretrained("smollm2-135m", dtype=torch.float32, weights="gguf-exact"))
+
+    def cached():
+        with cached_packed_weights("smollm2-135m", torch.device("cpu"), torch.float32) as store:
+            model = run_load_pretrained("smollm2-135m", dtype=torch.float32, weights="gguf-exact")
+        return logits(model), store
+
+    first, store = cached()
+    assert store.reused == 0 and any("tensor" in e for e in store.made)   # packed codes are kept too
+    again, store = cached()
+    assert store.reused == len(store.made) and torch.equal(again, reference) and torch.equal(first, reference)
+    (path,) = tmp_path.glob("packed-*.pt")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match="damaged cache file"):
+        rebuilt, store = cached()
+    assert store.reused == 0 and torch.equal(rebuilt, reference)
+
+
+def test_skipping_init_touches_only_models_built_on_the_meta_device():
+    """`uninitialized()` (the exact loader's skeleton): a model built on the CPU inside it is initialized
+    exactly as outside (same seed, same weights); one built on the meta device gets every parameter, each
+    shaped as a normal build's, and fusing its projections works there too."""
+    from cs336_inference.model import ModelConfig, TransformerLM
+    from cs336_inference.model.transformer import uninitialized
+
+    config = ModelConfig.from_name("tiny")
+    torch.manual_seed(0)
+    outside = TransformerLM(config)
+    with uninitialized():
+        torch.manual_seed(0)
+        inside = TransformerLM(config)
+        skeleton = TransformerLM(config, device="meta").fuse_projections()
+    assert all(torch.equal(a, b) for a, b in zip(outside.state_dict().values(), inside.state_dict().values()))
+    expected = {k: v.shape for k, v in outside.state_dict().items()}
+    assert {k: v.shape for k, v in skeleton.state_dict().items()} == expected
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    assert skeleton.rope.cos.is_meta and skeleton.rope.cos.shape == outside.rope.cos.shape

@@ -171,3 +171,25 @@ def test_quantized_model_decodes_on_cuda_with_packed_kernels():
             adapters.run_set_quantized_kernel(q, "reference")
             slow = adapters.run_model(q, ids).float()
         assert (fast - slow).abs().max() <= 0.05 * slow.abs().max()
+
+
+def test_marking_a_layout_static_without_the_compiler_sets_what_torchs_mark_static_sets(monkeypatch):
+    """`kernels.mark_static` skips importing torch's compiler when nothing did yet; it must leave the very
+    marks `torch._dynamo.mark_static` leaves (a compiled step reads them), for any number of dims."""
+    import sys
+
+    import torch._dynamo
+
+    from cs336_inference.quantization import kernels
+
+    def marks(t):
+        return {k: v for k, v in t.__dict__.items() if "dynamo" in k}
+
+    for shape in [(3, 4), (5,), (2, 3, 4), ()]:
+        theirs, ours = torch.zeros(shape), torch.zeros(shape)
+        torch._dynamo.mark_static(theirs)
+        with monkeypatch.context() as m:
+            m.delitem(sys.modules, "torch._dynamo")
+            kernels.mark_static(ours)
+            assert "torch._dynamo" not in sys.modules
+        assert marks(ours) == marks(theirs) and (marks(ours) or shape == ())

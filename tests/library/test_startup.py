@@ -309,34 +309,40 @@ def _int4_target(store):
 
 def test_packed_layouts_kept_from_one_build_are_reused_by_the_next_through_the_disk_cache(tmp_path):
     """A build inside `reuse_packed` records every layer's kernel layout; one more, fed those records after a
-    round trip through the verified disk cache (memory-mapped), packs nothing and runs the same numbers;
-    a record whose key does not match its layer (another shape or layout) is packed again instead."""
+    round trip through the verified disk cache (memory-mapped), packs nothing (neither the kernel layouts nor
+    the stored codes) and runs the same numbers; a record whose key does not match its layer (another shape
+    or layout) is packed again instead."""
     from cs336_inference.model.disk_cache import read_verified, write_verified
-    from cs336_inference.quantization import kernels
+    from cs336_inference.quantization import kernels, linear
     from cs336_inference.quantization.linear import QuantizedLinear
 
     first = _int4_target(kernels.PackedStore())
     layers = [m for m in first.modules() if isinstance(m, QuantizedLinear) and m._packed is not None]
     store = kernels.PackedStore()
     first = _int4_target(store)
-    assert layers and store.reused == 0 and len(store.made) == len(layers)
+    # per int4 layer two records: its stored codes (`qweight`), then its kernel layout
+    assert layers and store.reused == 0 and len(store.made) == 2 * len(layers)
     path = tmp_path / "packed.pt"
     write_verified(path, lambda p: torch.save(store.made, p))
     entries = read_verified(path, lambda p: torch.load(p, mmap=True, weights_only=True))
 
-    packs = []
-    real_pack = kernels.pack_weight
+    packs, codes = [], []
+    real_pack, real_codes = kernels.pack_weight, linear.pack_int4
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels, "pack_weight", lambda *a, **k: packs.append(1) or real_pack(*a, **k))
+        mp.setattr(linear, "pack_int4", lambda *a, **k: codes.append(1) or real_codes(*a, **k))
         again = kernels.PackedStore(entries)
         second = _int4_target(again)
-        assert packs == [] and again.reused == len(layers)
-        entries[0]["key"] = entries[0]["key"].replace("x", "y")          # a record for another shape
+        assert packs == [] and codes == [] and again.reused == 2 * len(layers)
+        layout = next(i for i, e in enumerate(entries) if "layout" in e)
+        entries[layout]["key"] = entries[layout]["key"].replace("x", "y")          # a record for another shape
+        entries[0]["key"] = entries[0]["key"].replace("x", "y")
         third_store = kernels.PackedStore(entries)
         _int4_target(third_store)
-        assert len(packs) == 1 and third_store.reused == len(layers) - 1
+        assert len(packs) == 1 and len(codes) == 1 and third_store.reused == 2 * len(layers) - 2
     for a, b in zip(layers, [m for m in second.modules() if isinstance(m, QuantizedLinear) and m._packed is not None]):
         assert torch.equal(a._packed.weight, b._packed.weight) and torch.equal(a._packed.scales, b._packed.scales)
+        assert torch.equal(a.qweight, b.qweight)
         assert a._packed.kernel == b._packed.kernel and a._packed.max_rows == b._packed.max_rows
     ids = torch.tensor([[5, 17, 42, 9, 3]])
     with torch.inference_mode():

@@ -26,8 +26,9 @@ class FusedLinear(nn.Module):
         self.splits = tuple(p.out_features for p in parts.values())
         w = first.weight
         self.proj = type(first)(first.in_features, sum(self.splits), bias=False, device=w.device, dtype=w.dtype)
-        with torch.no_grad():
-            self.proj.weight.copy_(torch.cat([p.weight for p in parts.values()]))  # (sum O, I)
+        if not w.is_meta:   # a meta weight holds no values to copy (and torch traces meta ops through its compiler)
+            with torch.no_grad():
+                self.proj.weight.copy_(torch.cat([p.weight for p in parts.values()]))  # (sum O, I)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # (..., I) -> one (..., O_i) per part
         return self.proj(x).split(self.splits, dim=-1)
@@ -160,6 +161,8 @@ def rope_angles(head_dim: int, max_seq_len: int, theta: float = 10000.0,
     """cos, sin tables of shape (max_seq_len, head_dim // 2): angle(i, k) = i * theta^(-2k/H)."""
     if head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if device is not None and torch.device(device).type == "meta":   # shapes only: torch would trace these ops
+        return tuple(t.to("meta") for t in rope_angles(head_dim, max_seq_len, theta))   # through its compiler
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64, device=device), inv_freq)
     return angles.cos().float(), angles.sin().float()

@@ -75,6 +75,31 @@ class PostNormBlock(TransformerBlock):
 
 BLOCKS = {"pre": TransformerBlock, "post": PostNormBlock}   # by config.norm_position
 
+# The in-place initializers the modules' constructors run (nn.init's, and the Tensor methods they call)
+_INIT_OPS = frozenset({n for n in dir(nn.init) if n.endswith("_") and not n.startswith("_")}
+                      | {"normal_", "uniform_", "fill_", "zero_"})
+
+
+class _SkipMetaInit(torch.overrides.TorchFunctionMode):
+    """Inside: an initializer (`_INIT_OPS`) called on a meta tensor returns it untouched. A meta tensor has
+    no values to set, yet torch traces some initializers there through its reference implementations,
+    which import its compiler (`normal_`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _INIT_OPS:
+            target = args[0] if args else kwargs.get("tensor")   # nn.init's functions pass it by name
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+def uninitialized() -> _SkipMetaInit:
+    """A context (this thread only) in which modules built on the meta device skip their random init:
+    for a loader that builds `TransformerLM(config, device="meta")` and replaces every parameter and
+    buffer (`quantization.gguf_exact`). Modules built on any other device initialize as usual."""
+    return _SkipMetaInit()
+
 
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):

@@ -12,6 +12,7 @@ The plain `load_pretrained(name)` instead dequantizes everything once to fp32 (t
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -19,7 +20,7 @@ from ..model.config import ModelConfig
 from ..model.gguf import GGUFBlocks, check_stored_finite, gguf_blocks, gguf_names
 from ..model.layers import RotaryEmbedding
 from ..model.real_models import register_weights
-from ..model.transformer import TransformerLM
+from ..model.transformer import TransformerLM, uninitialized
 from .core import QuantizedTensor
 from .kernels import collect_fallbacks
 from .linear import QuantizedLinear
@@ -43,14 +44,21 @@ def exact_linear(blocks: GGUFBlocks, device=None) -> QuantizedLinear:
     return QuantizedLinear(qt, scale_dtype=torch.float16, out_dtype=torch.float32)
 
 
-def _stack(parts: list[GGUFBlocks], names: list[str] | None = None) -> GGUFBlocks:
-    """Row-concatenated blocks (a fused q/k/v or w1/w3 projection): exact, each row keeps its blocks."""
-    if len({p.qtype for p in parts}) != 1:
-        stored = [p.qtype for p in parts] if names is None else dict(zip(names, (p.qtype for p in parts)))
-        raise ValueError(f"cannot fuse projections stored as {stored}: fused parts need one block type")
-    cat = lambda ts: None if ts[0] is None else torch.cat(ts)   # noqa: E731
-    return GGUFBlocks(parts[0].qtype, cat([p.codes for p in parts]), cat([p.scale for p in parts]),
-                      cat([p.minimum for p in parts]))
+def _stacked_blocks(data: dict, qtypes: dict, names: list[str]) -> GGUFBlocks:
+    """The blocks of stored tensors `names` concatenated by rows (a fused q/k/v or w1/w3 projection): exact,
+    each row keeps its blocks. The stored bytes are joined first and unpacked once (joining the unpacked
+    codes would copy every code once more)."""
+    kinds = {qtypes[n] for n in names}
+    if len(kinds) != 1:
+        raise ValueError(f"cannot fuse projections stored as {dict(zip(names, (qtypes[n] for n in names)))}: "
+                         f"fused parts need one block type")
+    if len(names) == 1:
+        return gguf_blocks(data[names[0]], qtypes[names[0]], names[0])
+    parts = [np.asarray(data[n], dtype=np.uint8) for n in names]
+    if len({p.shape[1:] for p in parts}) != 1 or any(p.ndim != 2 for p in parts):
+        raise ValueError(f"cannot fuse projections {names}: their stored rows differ "
+                         f"({[tuple(p.shape) for p in parts]} bytes)")
+    return gguf_blocks(np.concatenate(parts), kinds.pop(), " + ".join(names))
 
 
 def _linear_parts(model: nn.Module, name: str) -> list[str]:
@@ -76,13 +84,13 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
     by_key = {key: name for name, key in gguf_names(qtypes, config).items()}
     check_stored_finite(qtypes, data, "the stored tensors")   # `load_gguf_tensors` names the file
 
-    def blocks(key: str) -> GGUFBlocks:
-        name = by_key[key]
-        return gguf_blocks(data[name], qtypes[name], name)
+    def blocks(*keys: str) -> GGUFBlocks:
+        return _stacked_blocks(data, qtypes, [by_key[k] for k in keys])
 
-    model = TransformerLM(config, device="meta", dtype=dtype)
-    if fuse:
-        model.fuse_projections()
+    with uninitialized():   # every weight is replaced below: no random init (nor the compiler it would import)
+        model = TransformerLM(config, device="meta", dtype=dtype)
+        if fuse:
+            model.fuse_projections()
     with collect_fallbacks():   # announced once for the whole model by set_quantized_kernel
         table = exact_linear(blocks("token_embeddings.weight"), device)
         model.token_embeddings = QuantizedEmbedding(table, dtype=dtype)
@@ -91,7 +99,7 @@ def gguf_exact_model(config: ModelConfig, stored: dict, device=None, dtype: torc
         for name, module in list(model.named_modules()):
             if isinstance(module, nn.Linear):
                 keys = _linear_parts(model, name)
-                _set(model, name, exact_linear(_stack([blocks(k) for k in keys], [by_key[k] for k in keys]), device))
+                _set(model, name, exact_linear(blocks(*keys), device))
     for name, _ in list(model.named_parameters()):           # the norms (F32 in the file)
         module_name, _, attr = name.rpartition(".")
         weight = data[by_key[name]].to(device=device, dtype=dtype)

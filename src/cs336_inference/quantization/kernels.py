@@ -36,6 +36,7 @@ a prompt and the tokens decoded after it see the same weights.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from dataclasses import dataclass
 
@@ -156,7 +157,7 @@ class PackedWeight:
         # every step (thousands of them on SmolLM2).
         for t in (self.weight, self.scales, self.zero_term, self.blocks):
             if t is not None:
-                torch._dynamo.mark_static(t)
+                mark_static(t)
 
     @property
     def nbytes(self) -> int:
@@ -165,6 +166,19 @@ class PackedWeight:
             return self.weight.nbytes + self.blocks.nbytes
         extra = 0 if self.zero_term is None else self.zero_term.nbytes
         return self.weight.nbytes + self.scales.nbytes + extra
+
+
+def mark_static(t: torch.Tensor) -> None:
+    """`torch._dynamo.mark_static(t)` (every dim of `t` static in a compiled step), without importing
+    torch's compiler where nothing imported it yet: a plain load never compiles, and the import is
+    slow. The marks are the attributes `mark_static` sets outside a compile (`test_quantized_kernels`
+    checks that they agree)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.mark_static(t)
+    elif t.dim():
+        t._dynamo_static_indices = set(range(t.dim()))
+        t._has_dynamo_dim_marking = True
 
 
 def _inner_k_tiles(in_features: int) -> int:
@@ -252,6 +266,19 @@ class PackedStore:
         self.made.append({"key": key, **{f: getattr(packed, f) for f in PackedWeight.__dataclass_fields__}})
         return packed
 
+    def tensor(self, key: str, make) -> torch.Tensor:
+        """The tensor an earlier build kept at this position under `key` (its shape and dtype in the key),
+        else `make()`; recorded in `made` either way (a layer's packed codes: `packed_codes_for`)."""
+        i = len(self.made)
+        entry = self.entries[i] if i < len(self.entries) else None
+        if entry is not None and entry.get("key") == key and isinstance(entry.get("tensor"), torch.Tensor):
+            t = entry["tensor"]
+            self.reused += 1
+        else:
+            t = make()
+        self.made.append({"key": key, "tensor": t})
+        return t
+
 
 _store: list[PackedStore] = []
 
@@ -275,6 +302,16 @@ def packed_weight_for(inputs, bits: int, group_size: int, layout: str, device, d
         return make()
     key = f"{layout}|{shape[0]}x{shape[1]}|{bits}|g{group_size}|{dtype}|{torch.device(device)}"
     return _store[-1].get(key, make)
+
+
+def packed_codes_for(make, bits: int, signed: bool, shape: tuple[int, int]) -> torch.Tensor:
+    """`make()`, a layer's codes packed for storage (`QuantizedLinear.qweight`), or, inside `reuse_packed`,
+    the ones its store kept for this layer (then `make` is never called). The store's file is keyed by
+    the model file and this code, and checksummed (`startup.cached_packed_weights`)."""
+    if not _store:
+        return make()
+    key = f"codes|{shape[0]}x{shape[1]}|{bits}|{'signed' if signed else 'unsigned'}"
+    return _store[-1].tensor(key, make)
 
 
 def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int, signed: bool) -> torch.Tensor:
