@@ -4,32 +4,12 @@ and the `generate`/`chat` commands on a shipped toy model."""
 
 import pytest
 from adapters import get_tokenizer, make_chat_session, make_conversation_cache, run_generate
+from chat_tokenizers import ChatMLBytes
 
 from cs336_inference.generation import TextStream
 from cs336_inference.model import checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-class ChatMLBytes:
-    """A byte tokenizer with a ChatML-style template written here (the session must use it as given);
-    the toy model's one special token, <|endoftext|>, ends a message."""
-
-    chat_template = "test"
-
-    def __init__(self):
-        self.inner = get_tokenizer()
-        self.stop_ids = [self.inner.eot_id]
-
-    def encode(self, text):
-        return self.inner.encode(text)
-
-    def decode(self, ids):
-        return self.inner.decode(ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        text = "".join(f"[{m['role']}] {m['content']}<|endoftext|>\n" for m in messages)
-        return text + ("[assistant] " if add_generation_prompt else "")
 
 
 @pytest.fixture(scope="module")

@@ -15,34 +15,14 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from adapters import get_tokenizer, make_chat_session, make_conversation_cache
+from adapters import make_chat_session, make_conversation_cache
+from chat_tokenizers import ChatMLBytes
 
 from cs336_inference import chat_repl, cli
 from cs336_inference.model import checkpoints
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 ROOT = Path(__file__).resolve().parents[2]
-
-
-class TemplateBytes:
-    """The toy models' byte tokenizer with a chat template written here; <|endoftext|> ends a message."""
-
-    chat_template = "test"
-
-    def __init__(self):
-        self.inner = get_tokenizer()
-        self.stop_ids = [self.inner.eot_id]
-        self.vocab_size = self.inner.vocab_size
-
-    def encode(self, text):
-        return self.inner.encode(text)
-
-    def decode(self, ids):
-        return self.inner.decode(ids)
-
-    def apply_chat_template(self, messages, add_generation_prompt=True):
-        text = "".join(f"[{m['role']}] {m['content']}<|endoftext|>\n" for m in messages)
-        return text + ("[assistant] " if add_generation_prompt else "")
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +69,7 @@ def streams(kind, model):
 
 
 def repl(model, screen, max_new_tokens=60, kind="conversation cache"):
-    session = make_chat_session(model, TemplateBytes(), max_seq_len=512, streams=streams(kind, model))
+    session = make_chat_session(model, ChatMLBytes(), max_seq_len=512, streams=streams(kind, model))
     return chat_repl.ChatREPL(session, dict(max_new_tokens=max_new_tokens), seed=0, stats_line=cli._stats_line,
                               out=screen, editing=False)
 
@@ -110,9 +90,9 @@ def test_ctrl_c_stops_the_answer_keeps_it_and_the_next_answer_is_a_fresh_session
     # the part shown is the assistant's turn: exactly what the user saw
     assert session.messages[:2] == [{"role": "user", "content": "Tell me a story"},
                                      {"role": "assistant", "content": first}]
-    assert len(first) == 8 and second.reused_tokens > len(TemplateBytes().encode("[user] Tell me a story"))
+    assert len(first) == 8 and second.reused_tokens > len(ChatMLBytes().encode("[user] Tell me a story"))
     # the next answer is the one a fresh session (a fresh cache, the whole conversation prefilled) gives
-    fresh = make_chat_session(target, TemplateBytes(), max_seq_len=512, messages=copy.deepcopy(session.messages[:2]),
+    fresh = make_chat_session(target, ChatMLBytes(), max_seq_len=512, messages=copy.deepcopy(session.messages[:2]),
                               streams=streams(kind, target))
     want = "".join(fresh.send("And then?", max_new_tokens=60, seed=1))
     assert session.messages[3] == {"role": "assistant", "content": want} and want in printed
@@ -223,7 +203,7 @@ def test_chat_refuses_a_model_without_a_chat_template_before_loading_it(monkeypa
 def test_the_chat_command_runs_the_loop_on_a_toy_model_with_a_template(monkeypatch, capsys):
     import cs336_inference.model as model_package
 
-    monkeypatch.setattr(model_package, "load_tokenizer", lambda name: TemplateBytes())
+    monkeypatch.setattr(model_package, "load_tokenizer", lambda name: ChatMLBytes())
     feed(monkeypatch, "Hello there", "/stats", "Again", EOFError())
     assert cli.main(["chat", "--model", "target", "--max-new-tokens", "10", "--no-compile"]) == 0
     out = capsys.readouterr().out
