@@ -14,7 +14,8 @@ more than 5 s").
 
 Cold: every cache folder is a fresh, empty one ($CS336_CACHE_DIR: converted weights, our C++ kernels,
 inductor's kernels); warm: the second start with the same folders. A `--quick` run takes the toy
-target and times a cold start of `generate` only, then the warm starts.
+target and times a cold start of `generate` only, then the warm starts (not `chat`: the toy models have
+no chat template).
 """
 
 from __future__ import annotations
@@ -180,6 +181,9 @@ def measure(run, model: str | None = None) -> dict:
     try:
         shared = None
         for command in COMMANDS:
+            if command == "chat" and not chat_template:   # chat refuses a model without a chat template
+                print(f"chat skipped: {model} has no chat template", flush=True)
+                continue
             if run.quick and shared is not None:
                 folder, modes = shared, ("warm",)   # --quick: one cold start (generate), then warm ones
             else:
