@@ -241,10 +241,7 @@ def _run_generate(args) -> int:
     from .generation.chat import TurnStats
     from .progress import mark
 
-    model, tokenizer, generator = _load_model(args)
-    if args.chat and not getattr(tokenizer, "chat_template", None):
-        print(f"--chat: {args.model} has no chat template; drop --chat to continue the prompt as text", file=sys.stderr)
-        return 2
+    model, tokenizer, generator = _load_model(args)   # refuses --chat for a model without a chat template
     text = (tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt)
     ids = tokenizer.encode(text)
     room = min(model.config.context_length, len(ids) + args.max_new_tokens)
