@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/_openmp.py)
+import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/openmp.py)
 import math  # noqa: E402
 
 import sympy as sp  # noqa: E402

@@ -730,7 +730,7 @@ def run_int4pack_dense(layer):
 
 
 def run_compile_dense_prefill(model, **kwargs):
-    from cs336_inference.quantization.dense_prefill import compile_dense_prefill
+    from cs336_inference.workshop.kernels.dense_prefill import compile_dense_prefill
     return compile_dense_prefill(model, **kwargs)
 
 

@@ -1,4 +1,4 @@
-import cs336_inference  # noqa: F401  (before torch: OpenMP's passive wait policy, see cs336_inference/_openmp.py)
+import cs336_inference  # noqa: F401  (before torch: OpenMP's passive wait policy, see cs336_inference/openmp.py)
 # isort: split
 import os
 import subprocess

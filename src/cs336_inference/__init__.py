@@ -15,7 +15,7 @@ One sub-package per part of the lecture, imports pointing downward only:
     benchmarks/                    one module per `python -m cs336_inference bench NAME`
 """
 
-from . import _openmp  # noqa: F401  (first: sets OpenMP's wait policy before torch is imported)
+from .workshop import openmp  # noqa: F401  (first: sets OpenMP's wait policy before torch is imported)
 from .device import apply_thread_policy, default_dtype, get_device, seed_everything
 from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
                          prefill, sample_next_token, speculative_accept, speculative_generate)

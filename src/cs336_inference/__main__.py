@@ -1,4 +1,4 @@
 from .cli import main
-from .startup import exit_code
+from .workshop.startup import exit_code
 
 raise SystemExit(exit_code(main()))   # exit_code: ends at once while a background compile still runs

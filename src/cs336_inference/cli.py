@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import cli_args as check  # argument types: one-line errors naming the option
 # light: the fast path imports torch and the model at call time
-from .fast_path import PRECISIONS, compiled_decode_step, compiled_engine_decode, load_for_inference
+from .workshop.fast_path import PRECISIONS, compiled_decode_step, compiled_engine_decode, load_for_inference
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,7 +81,7 @@ def benchmark(name: str):
     """The `Benchmark` of `bench NAME` (benchmarks/NAME.py's BENCHMARK), imported on demand."""
     import importlib
 
-    return importlib.import_module(f"cs336_inference.benchmarks.{name}").BENCHMARK
+    return importlib.import_module(f"cs336_inference.workshop.benchmarks.{name}").BENCHMARK
 
 
 def _run_bench(args) -> int:
@@ -248,7 +248,7 @@ def _run_generate(args) -> int:
     if len(ids) >= room:
         print(f"the prompt has {len(ids)} tokens; {args.model} holds {model.config.context_length}", file=sys.stderr)
         return 2
-    from .startup import SHORT_ANSWER_TOKENS
+    from .workshop.startup import SHORT_ANSWER_TOKENS
 
     if args.no_compile or args.max_new_tokens < SHORT_ANSWER_TOKENS:   # a short answer is done before a compile
         decode, how = None, f"eager decode ({'--no-compile' if args.no_compile else 'a short answer'})"
@@ -277,9 +277,9 @@ def _compile_first(how: str, decode, warm_up, model=None) -> None:
     `startup.BackgroundCompile`) starts doing so, and the model answers eagerly until it is ready; any
     other compiled `decode` compiles now (`warm_up()`, and the model's compiled prefill dequantization,
     `warm_dense_prefill`), with a line counting the seconds."""
-    from .fast_path import _quiet_inductor
+    from .workshop.fast_path import _quiet_inductor
     from .progress import mark, ticker
-    from .quantization.dense_prefill import warm_dense_prefill
+    from .workshop.kernels.dense_prefill import warm_dense_prefill
 
     if decode is None:
         print(how, file=sys.stderr)
@@ -420,7 +420,7 @@ def _run_info(args) -> int:
     print(f"torch: {torch.__version__}")
     for key, value in thread_report().items():
         print(f"{key}: {value}")
-    from .startup import describe_caches
+    from .workshop.startup import describe_caches
 
     print(describe_caches())
     if args.model is not None:   # each layer's kernel, chosen when the model was built (model.describe())

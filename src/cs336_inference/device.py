@@ -6,7 +6,7 @@ CPU first (fp32: the CPUs we teach on have no fast bf16 matmul), CUDA when prese
 Thread policy (`apply_thread_policy`): small work (toy models, unit tests, the lecture's demos) runs on
 one thread, because its ops are too small to split and a second thread only adds synchronisation;
 large work (the ~90M benchmark model, big matmuls) runs on every core with OpenMP's passive wait
-policy (`_openmp`), so a worker that has nothing to do sleeps instead of spinning on a core someone
+policy (`openmp`), so a worker that has nothing to do sleeps instead of spinning on a core someone
 else needs. CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for both.
 """
 
@@ -23,7 +23,8 @@ import warnings
 import numpy as np
 import torch
 
-from . import _checks, _openmp
+from . import _checks
+from .workshop import openmp
 
 _KNOWN = ("cuda", "mps", "cpu")
 THREAD_ENV_VARS = ("CS336_NUM_THREADS", "OMP_NUM_THREADS")
@@ -95,7 +96,7 @@ def apply_thread_policy(parallel: bool = False) -> int:
     """
     n = thread_policy(parallel)
     torch.set_num_threads(n)
-    if n > 1 and _openmp.wait_policy() != "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
+    if n > 1 and openmp.wait_policy() != "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
         warnings.warn("torch was imported before cs336_inference, so its OpenMP threads spin while idle and "
                       "stall when another process holds a core; import cs336_inference before torch, or "
                       "export OMP_WAIT_POLICY=PASSIVE", RuntimeWarning, stacklevel=2)
@@ -105,8 +106,8 @@ def apply_thread_policy(parallel: bool = False) -> int:
 def thread_report() -> dict:
     """What the CPU threading looks like in this process (for `python -m cs336_inference info`)."""
     return {"torch_threads": torch.get_num_threads(), "policy_small": thread_policy(False),
-            "policy_large": thread_policy(True), "omp_wait_policy": _openmp.wait_policy(),
-            "gomp_spincount": _openmp.spin_count(),
+            "policy_large": thread_policy(True), "omp_wait_policy": openmp.wait_policy(),
+            "gomp_spincount": openmp.spin_count(),
             **{var.lower(): os.environ.get(var) for var in THREAD_ENV_VARS}}
 
 
@@ -132,7 +133,7 @@ def describe_machine(device: torch.device) -> dict:
     """What a reader needs to judge a number: the CPU, cores, threads, OpenMP's wait policy, the load
     average, torch and the device (and the GPU's name and memory on CUDA)."""
     d = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-         "omp_wait_policy": _openmp.wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
+         "omp_wait_policy": openmp.wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
          "python": sys.version.split()[0], "platform": platform.platform(), "device": str(device)}
     if device.type == "cuda":
         d["gpu"] = torch.cuda.get_device_name(device)

@@ -17,7 +17,7 @@ import torch
 
 torch.set_num_threads(1)   # before any op: no OpenMP pool exists when we fork
 
-from cs336_inference.quantization import cpu_int4  # noqa: E402
+from cs336_inference.workshop.kernels import cpu_int4  # noqa: E402
 from cs336_inference.quantization.kernels import pack_weight, packed_layout, packed_matmul  # noqa: E402
 
 # Load once, here, what every forked case would load again: our CPU kernels, and torch.compile's

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from cs336_inference.accounting.fixed_state import HYBRIDS
-from cs336_inference.benchmarks import alternatives as bench
+from cs336_inference.workshop.benchmarks import alternatives as bench
 from cs336_inference.model import TransformerLM
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from cs336_inference import cli
-from cs336_inference.benchmarks.inference import (SPARSE_RATE, SweepConfig, bench_inference, operating_points,
+from cs336_inference.workshop.benchmarks.inference import (SPARSE_RATE, SweepConfig, bench_inference, operating_points,
                                                   run_benchmark)
 from cs336_inference.serving import Workload
 

@@ -2,7 +2,7 @@
 accounting-only part at real scale (`accounting.kv_variants`)."""
 
 from cs336_inference.accounting.kv_variants import cache_bytes_vs_context
-from cs336_inference.benchmarks import kv_variants as bench
+from cs336_inference.workshop.benchmarks import kv_variants as bench
 from cs336_inference.model import TransformerLM
 
 

@@ -5,7 +5,7 @@ import importlib.util
 
 import pytest
 
-from cs336_inference.benchmarks import llamacpp
+from cs336_inference.workshop.benchmarks import llamacpp
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 

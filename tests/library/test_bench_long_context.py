@@ -9,7 +9,7 @@ import pytest
 import torch
 from adapters import get_tokenizer, run_generate, run_passkey_trials, run_quantize_kv_cache, run_with_attention
 
-from cs336_inference.benchmarks import long_context as bench
+from cs336_inference.workshop.benchmarks import long_context as bench
 from cs336_inference.data.passkey import prefill_trial, score_trial
 from cs336_inference.model import checkpoints
 

@@ -9,7 +9,7 @@ import pytest
 @pytest.mark.slow
 def test_bench_serving_quick_writes_json_and_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.benchmarks.serving import bench_serving
+    from cs336_inference.workshop.benchmarks.serving import bench_serving
     bench_serving(quick=True, device="cpu")
     written = {p.name for p in tmp_path.iterdir()}
     assert {"serving_quick.json", "serving_quick.png", "serving_memory_quick.png",

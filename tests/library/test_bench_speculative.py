@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from cs336_inference.benchmarks import speculative as bench
+from cs336_inference.workshop.benchmarks import speculative as bench
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ def test_generate_compiles_before_the_clock_starts(capsys, monkeypatch):
         return decode, "fake compiled decode"
 
     monkeypatch.setattr(cli, "compiled_decode_step", fake_compiled)
-    monkeypatch.setattr("cs336_inference.startup.SHORT_ANSWER_TOKENS", 5)   # 5 tokens: not "a short answer"
+    monkeypatch.setattr("cs336_inference.workshop.startup.SHORT_ANSWER_TOKENS", 5)   # 5 tokens: not "a short answer"
     assert cli.main(["generate", "--model", "target", "--prompt", "Once upon a time", "--max-new-tokens", "5"]) == 0
     err = capsys.readouterr().err
     assert "fake compiled decode: compiling... done (" in err and "5 tokens" in err
@@ -164,7 +164,7 @@ def test_generate_compiles_before_the_clock_starts(capsys, monkeypatch):
 
 
 def test_precision_chooses_the_weights_and_the_banner_says_so(capsys):
-    from cs336_inference.fast_path import load_for_inference
+    from cs336_inference.workshop.fast_path import load_for_inference
 
     model, _, banner = load_for_inference("target", precision="int8")
     assert banner.startswith("target: int8 weights") and "CPU tuning" in banner

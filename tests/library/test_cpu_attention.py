@@ -1,4 +1,4 @@
-"""Our decode-attention kernel (`model.cpu_kernels`, attention kernel "cpu"): against a float64 softmax
+"""Our decode-attention kernel (`workshop.kernels.cpu_attention`, attention kernel "cpu"): against a float64 softmax
 written here, routed only where it applies, inside the model against torch's fused attention, and
 compiled. Skipped where the CPU cannot run it.
 
@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 import adapters
 from decode_checks import OpCalls, assert_compiled_decode_matches_eager
-from cs336_inference.model import cpu_kernels
+from cs336_inference.workshop.kernels import cpu_attention
 
-why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
+why_not = cpu_attention.build()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels cannot run here: {why_not}")
 
 
@@ -77,7 +77,7 @@ def test_only_unmasked_bf16_and_fp32_steps_run_our_kernel():
                        ((q.half(), k.half(), v.half(), None), False),
                        ((q[..., :48], k[..., :48], v, None), False)):
         with OpCalls() as calls:
-            out = cpu_kernels.attention(*args, scale=None)
+            out = cpu_attention.attention(*args, scale=None)
         assert ("cs336.decode_attention" in calls.names) == ours, (args[0].dtype, args[3] is None, args[0].shape)
         if not ours:   # torch's fused kernel, unchanged
             sdpa = F.scaled_dot_product_attention(*args[:3], attn_mask=args[3])
@@ -126,7 +126,7 @@ def test_a_compiled_decode_step_on_the_cpu_kernel_matches_eager(dtype, atol):
 
 
 def test_the_cpu_kernel_is_refused_where_it_cannot_build(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "build", lambda: "the CPU has no AVX512-BF16 (needs e.g. Zen 4)")
+    monkeypatch.setattr(cpu_attention, "build", lambda: "the CPU has no AVX512-BF16 (needs e.g. Zen 4)")
     model = _bf16_model()
     before = [block.attn.attention_kernel for block in model.layers]
     with pytest.raises(ValueError, match="attention kernel 'cpu' cannot run here: the CPU has no AVX512-BF16"):

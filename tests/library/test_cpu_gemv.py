@@ -1,4 +1,4 @@
-"""Our few-row dense matmul (`model.cpu_kernels`' `dense_gemv`, run by `cpu_tuning.CPULinear`): against a
+"""Our few-row dense matmul (`workshop.kernels.cpu_attention`' `dense_gemv`, run by `cpu_tuning.CPULinear`): against a
 float64 product written here, routed only where it applies, inside a model against torch's matmuls, and
 compiled. Skipped where the CPU cannot run it.
 
@@ -14,10 +14,10 @@ import torch
 
 import adapters
 from decode_checks import OpCalls, assert_compiled_decode_matches_eager
-from cs336_inference import cpu_tuning
-from cs336_inference.model import cpu_kernels
+from cs336_inference.workshop import cpu_tuning
+from cs336_inference.workshop.kernels import cpu_attention
 
-why_not = cpu_kernels.build()   # builds it here once, where the CPU can run it
+why_not = cpu_attention.build()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our CPU kernels cannot run here: {why_not}")
 
 
@@ -210,7 +210,7 @@ def test_a_compiled_decode_step_on_our_kernel_matches_eager():
 
 
 def test_tune_for_cpu_says_where_our_kernel_cannot_run(monkeypatch):
-    monkeypatch.setattr(cpu_kernels, "build", lambda: "the CPU has no AVX512-BF16 (needs e.g. Zen 4)")
+    monkeypatch.setattr(cpu_attention, "build", lambda: "the CPU has no AVX512-BF16 (needs e.g. Zen 4)")
     tuned = cpu_tuning.tune_for_cpu(_model(), split=False, threads=False)
     assert not any(m.gemv for m in tuned.modules() if isinstance(m, cpu_tuning.CPULinear))
     assert "our few-row kernel cannot run here: the CPU has no AVX512-BF16" in cpu_tuning.describe(tuned)

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cs336_inference.quantization import QuantizedLinear, cpu_int4
+from cs336_inference.quantization import QuantizedLinear
+from cs336_inference.workshop.kernels import cpu_int4
 
 why_not = cpu_int4.why_unavailable()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our int4 kernel cannot run here: {why_not}")

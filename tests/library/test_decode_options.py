@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import adapters
-from cs336_inference.model import cpu_kernels
+from cs336_inference.workshop.kernels import cpu_attention
 
 CFG = dict(vocab_size=97, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
 VARIANTS = {"gqa": {}, "mha": dict(num_kv_heads=4), "window": dict(sliding_window=6),
@@ -106,7 +106,7 @@ def test_the_fast_paths_step_passes_bad_input_errors_on_and_stays_compiled(monke
     """The CLI's step falls back to eager after a compiler failure; a refused input is not one: its
     ValueError reaches the caller, nothing says "torch.compile failed", and the next step still runs
     the compiled function (here a stand-in that records its calls, so nothing compiles)."""
-    from cs336_inference import fast_path
+    from cs336_inference.workshop import fast_path
 
     calls = []
 
@@ -286,7 +286,8 @@ def test_the_fast_path_guards_only_the_inputs_of_its_compiled_step(monkeypatch):
     Each step still equals eager decoding, compiles a new graph for a new batch size (a cache guard
     fails) rather than running the batch-1 graph on it, and models compiled in one process (one of
     them int8, with other modules; one bf16, on other compile options) never run each other's graphs."""
-    from cs336_inference import cpu_tuning, fast_path
+    from cs336_inference.workshop import cpu_tuning
+    from cs336_inference.workshop import fast_path
     from cs336_inference.generation import compiled
 
     decided = []
@@ -377,7 +378,7 @@ def test_compiled_decode_with_cuda_graphs_matches_eager_and_never_syncs():
 
 def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
     """The formula on controlled samples: (all CPUs' busy seconds - ours) / wall seconds."""
-    from cs336_inference.cpu_tuning import _OtherLoad
+    from cs336_inference.workshop.cpu_tuning import _OtherLoad
 
     meter = _OtherLoad(interval=0.0)
     samples = iter([(10.0, 100.0, 5.0), (12.0, 103.0, 6.5), (13.0, 104.0, 7.0)])   # (wall, all busy, ours)
@@ -388,7 +389,7 @@ def test_other_cpu_load_subtracts_our_own_cpu_time(monkeypatch):
 
 
 def test_a_busy_process_is_seen_as_contention():
-    from cs336_inference.cpu_tuning import _OtherLoad
+    from cs336_inference.workshop.cpu_tuning import _OtherLoad
     from cs336_inference.timing import busy_cpu
 
     meter = _OtherLoad(interval=0.0)
@@ -405,7 +406,7 @@ def test_a_busy_process_is_seen_as_contention():
 def test_streaming_matmul_equals_a_float64_matmul(dtype, tol):
     """The compiled batch-1 linear's formula against x W^T in float64 (bf16: inputs rounded to bf16,
     then one rounding of the fp32-accumulated output, so ~2^-8 relative)."""
-    from cs336_inference.cpu_tuning import streaming_matmul
+    from cs336_inference.workshop.cpu_tuning import streaming_matmul
 
     torch.manual_seed(0)
     w = torch.randn(48, 40).to(dtype)
@@ -419,7 +420,7 @@ def test_streaming_matmul_equals_a_float64_matmul(dtype, tol):
 def test_a_compiled_graph_routes_only_one_row_inference_linears_to_streaming_matmul():
     """What `CPULinear` does while a graph is traced (is_compiling patched on, eagerly): one row without
     autograd -> streaming_matmul; several rows, or autograd on -> F.linear."""
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
 
     seen = []
 
@@ -450,7 +451,7 @@ def test_tune_for_cpu_keeps_the_few_row_split_only_where_it_measured_faster(monk
     """split="auto" (the default) follows `calibrate_split`'s timing on the model's own linears (one
     thread: nothing to split, nothing timed); either way every linear is a `CPULinear` computing x W^T,
     and describe() says what was measured and chosen."""
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
     from cs336_inference.timing import num_threads
 
     plain = _model()
@@ -478,7 +479,7 @@ def test_tune_for_cpu_keeps_the_few_row_split_only_where_it_measured_faster(monk
 
 def test_calibrate_split_times_both_kernels_over_every_linear(monkeypatch):
     """Both kernels are timed on every weight, once per round after a warm-up round, alternating."""
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
 
     linears = [torch.nn.Linear(16, 8, bias=False), torch.nn.Linear(8, 24, bias=False).to(torch.bfloat16)]
     seen = []
@@ -491,8 +492,8 @@ def test_calibrate_split_times_both_kernels_over_every_linear(monkeypatch):
 
 
 def test_decode_threads_drops_to_one_thread_only_under_contention(monkeypatch):
-    from cs336_inference import cpu_tuning
-    from cs336_inference.cpu_tuning import decode_threads
+    from cs336_inference.workshop import cpu_tuning
+    from cs336_inference.workshop.cpu_tuning import decode_threads
     from cs336_inference.timing import num_threads
 
     with num_threads(2):
@@ -509,7 +510,7 @@ def test_tune_for_cpu_is_opt_in_reversible_and_changes_no_result(monkeypatch):
     """The plain model has plain `nn.Linear`s and no hooks; `tune_for_cpu` swaps in `CPULinear` (same state
     dict), makes a decode step under contention run on one thread (restored after, also when the forward
     raises), says what it did, is idempotent, and `untune_cpu` gives the plain model back."""
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
     from cs336_inference.timing import num_threads
 
     plain = _model()
@@ -556,7 +557,8 @@ def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkey
     """A bf16 model's tuned linears stream inside the compiled step where our few-row kernel is off, and
     only there does the fast path ask inductor to store each norm's output rather than recompute it per
     weight row; fp32, int4 and our kernel's steps (library matmuls) compile with the default options."""
-    from cs336_inference import cpu_tuning, fast_path
+    from cs336_inference.workshop import cpu_tuning
+    from cs336_inference.workshop import fast_path
     from cs336_inference.generation import compiled
 
     seen = []
@@ -567,7 +569,7 @@ def test_the_fast_path_stores_the_norm_once_only_where_its_linears_stream(monkey
     for model, gemv in ((_model().to(torch.bfloat16), False), (_model().to(torch.bfloat16), True), (fp32, True),
                         (int4.to(torch.bfloat16), True)):
         fast_path.compile_fast(cpu_tuning.tune_for_cpu(model, gemv=gemv))
-    ours = cpu_kernels.build() is None   # where our kernel cannot run, a bf16 model streams either way
+    ours = cpu_attention.build() is None   # where our kernel cannot run, a bf16 model streams either way
     assert [kwargs["options"].get("realize_cpu_opcount_threshold") for kwargs in seen] == [1, None if ours else 1,
                                                                                           None, None]
     assert all(kwargs["frozen"] is True and kwargs["options"]["cpp_wrapper"] is True for kwargs in seen)

@@ -18,7 +18,8 @@ from adapters import (make_config, make_model, run_compile_dense_prefill, run_in
                       run_quantize_model)
 
 from cs336_inference.quantization import QuantizedLinear, SlowKernelWarning, quantize_tensor
-from cs336_inference.quantization import cpu_int4, dense_prefill
+from cs336_inference.workshop.kernels import cpu_int4
+from cs336_inference.workshop.kernels import dense_prefill
 from cs336_inference.quantization.kernels import PACKED_MAX_ROWS, int4pack_dense
 
 CFG = dict(vocab_size=257, context_length=48, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128)
@@ -161,7 +162,8 @@ def test_the_compiled_dequantization_equals_the_eager_one_bit_for_bit():
 
 
 def test_the_fast_path_applies_it_to_an_int4_model_and_compiles_it_in_the_warm_up(monkeypatch, capsys):
-    from cs336_inference import cli, fast_path
+    from cs336_inference import cli
+    from cs336_inference.workshop import fast_path
 
     compiles = _Compiles()
     monkeypatch.setattr(torch, "compile", compiles)
@@ -183,7 +185,7 @@ def test_layers_on_our_kernel_keep_their_own_bar_and_get_the_compiled_dequantiza
     model = _int4_model(torch_kernel=False)
     layers = dense_prefill.int4pack_layers(model)
     assert layers and all(layer.packed_weight().kernel == cpu_int4.NAME for layer in layers)
-    how = __import__("cs336_inference.fast_path", fromlist=["_"])._dense_prefill(model)
+    how = __import__("cs336_inference.workshop.fast_path", fromlist=["_"])._dense_prefill(model)
     assert how == f", prefill above {cpu_int4.dense_rows()} rows: compiled int4 dequantization + dense matmul"
     assert all(layer.dense_above() == cpu_int4.dense_rows() and isinstance(layer.dense_fn, dense_prefill.CompiledDense)
                for layer in layers)

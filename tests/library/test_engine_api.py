@@ -315,7 +315,7 @@ def test_compiled_engine_decode_matches_the_eager_engine(model, text):
     """The fast path's compiled decode (`serve`'s default): the same greedy tokens as the eager engine,
     after a warm-up that compiled one graph for a single sequence and one for several, shared by every
     block (not one per layer), with no recompilation after it and the model's blocks left eager."""
-    from cs336_inference.fast_path import compiled_engine_decode
+    from cs336_inference.workshop.fast_path import compiled_engine_decode
 
     torch._dynamo.reset()
     decode, how = compiled_engine_decode(model)
@@ -334,7 +334,7 @@ def test_compiled_engine_decode_matches_the_eager_engine(model, text):
 def test_compiled_engine_decode_falls_back_to_eager_and_restores_the_blocks(model, text, monkeypatch, capsys):
     """A compiler failure inside a decode step: said once, the step and the rest run eagerly with the same
     tokens, and no block keeps the compiled forward (the model is the user's)."""
-    from cs336_inference import fast_path
+    from cs336_inference.workshop import fast_path
 
     calls = []
 

@@ -14,7 +14,7 @@ import pytest
 from cs336_inference import figures
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCHMARKS = ROOT / "src" / "cs336_inference" / "benchmarks"
+BENCHMARKS = ROOT / "src" / "cs336_inference" / "workshop" / "benchmarks"
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_load_result_reads_only_committed_results(checkout):
 
 
 def test_a_quick_benchmark_leaves_the_committed_folder_alone(checkout):
-    from cs336_inference.benchmarks.accounting import bench_accounting
+    from cs336_inference.workshop.benchmarks.accounting import bench_accounting
     bench_accounting(quick=True)
     committed = sorted(p.name for p in (checkout / "figures").iterdir())
     assert committed == ["scratch"], committed
@@ -73,7 +73,7 @@ def test_figures_redraws_every_committed_plot_from_its_json(tmp_path, monkeypatc
     """`python -m cs336_inference figures` redraws from the committed JSON alone (so a schema change
     that breaks a plot fails here), to the committed PNG names. Rendering the pixels is skipped."""
     from cs336_inference import cli
-    from cs336_inference.benchmarks import base
+    from cs336_inference.workshop.benchmarks import base
 
     drawn = []
     monkeypatch.setattr(base, "save_figure", lambda fig, name, **kw: drawn.append(f"{name}.png") or Path(name))

@@ -94,7 +94,7 @@ def test_the_tiny_gguf_runs_exactly_on_its_blocks(tmp_path):
     # On torch's kernel, a full forward of many rows takes the dense path: exactly the dequantized reference's
     # numbers. Our kernel takes fp32 activations at every row count (two bf16 halves): close to them.
     from cs336_inference.model.checkpoints import from_state_dict
-    from cs336_inference.quantization import cpu_int4
+    from cs336_inference.workshop.kernels import cpu_int4
 
     reference = from_state_dict(ref_config, state)
     with cpu_int4.torch_kernel_only():
@@ -250,7 +250,7 @@ def test_smollm2_from_the_packed_cache_equals_a_plain_load_and_a_damaged_cache_f
     from adapters import run_load_pretrained
 
     from cs336_inference.model import disk_cache
-    from cs336_inference.startup import cached_packed_weights
+    from cs336_inference.workshop.startup import cached_packed_weights
 
     monkeypatch.setattr(disk_cache, "cache_entry", lambda name, source: tmp_path)   # not the user's cache
     ids = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])

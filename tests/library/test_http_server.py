@@ -205,7 +205,7 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
 
     if real_model_missing("smollm2-135m"):
         pytest.skip(real_model_missing("smollm2-135m"))
-    from cs336_inference.fast_path import load_for_inference
+    from cs336_inference.workshop.fast_path import load_for_inference
 
     # The server's own weights (int4-exact, on whichever int4 kernel runs here): the fp32 model's answer is
     # no reference, its first token is a near tie with another (logits 25.33 vs 25.24 for "The" and "L")
@@ -226,7 +226,7 @@ def test_smollm2_chat_through_the_openai_client_equals_generate():
 
 
 def test_bench_inference_endpoint_counts_the_tokens_the_server_reports(toy_server, git_tree_unchanged):
-    from cs336_inference.benchmarks.inference import bench_inference
+    from cs336_inference.workshop.benchmarks.inference import bench_inference
 
     result = bench_inference(quick=True, endpoint=toy_server.url, model="target", preset="batch", progress=False)
     (row,) = result["rows"]

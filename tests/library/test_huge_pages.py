@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import adapters
-from cs336_inference import cpu_tuning
-from cs336_inference import huge_pages as hp
+from cs336_inference.workshop import cpu_tuning
+from cs336_inference.workshop import huge_pages as hp
 from cs336_inference.quantization import quantize_model
 
 why_not = hp.unavailable()

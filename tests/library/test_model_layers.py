@@ -69,7 +69,7 @@ def test_sdpa_rejects_bad_mask_and_shapes():
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 65])
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_linear_few_row_path_equals_plain_matmul(rows, threads):
-    from cs336_inference.cpu_tuning import CPULinear
+    from cs336_inference.workshop.cpu_tuning import CPULinear
 
     old = torch.get_num_threads()
     torch.set_num_threads(threads)

@@ -12,7 +12,7 @@ from adapters import run_save_checkpoint
 from student_layouts import LAYOUTS, Arch, StudentLM
 
 from cs336_inference import cli
-from cs336_inference.fast_path import load_for_inference
+from cs336_inference.workshop.fast_path import load_for_inference
 from cs336_inference.model import ByteTokenizer, ModelConfig, TransformerLM
 from cs336_inference.model_source import TokenizerFile, resolve
 

@@ -15,7 +15,7 @@ CFG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads
 @pytest.mark.parametrize("tied", [False, True])
 def test_peer_computes_the_same_logits_and_greedy_tokens(tied):
     pytest.importorskip("transformers", reason='the Hugging Face peer needs: pip install -e ".[peer]"')
-    from cs336_inference.model import hf_peer as peer
+    from cs336_inference.workshop.peers import hf_peer as peer
 
     model = adapters.make_model(adapters.make_config(**CFG, tie_embeddings=tied), seed=0).eval()
     hf = peer.hf_llama_from(model)
@@ -36,7 +36,7 @@ def test_peer_computes_the_same_logits_and_greedy_tokens(tied):
 
 
 def test_peer_refuses_models_it_cannot_express():
-    from cs336_inference.model import hf_peer as peer
+    from cs336_inference.workshop.peers import hf_peer as peer
 
     window = adapters.make_model(adapters.make_config(**CFG, sliding_window=4), seed=0)
     if not peer.transformers_available():
@@ -66,7 +66,7 @@ def test_weight_bytes_per_step_counts_what_decode_reads():
 @pytest.mark.slow
 def test_bench_generation_quick_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.benchmarks.generation import bench_generation
+    from cs336_inference.workshop.benchmarks.generation import bench_generation
 
     result = bench_generation(quick=True, device="cpu")
     data = json.loads((tmp_path / "generation_quick.json").read_text())
@@ -82,7 +82,7 @@ def test_bench_generation_quick_runs(tmp_path, monkeypatch):
 def test_each_timing_is_paired_with_the_bandwidth_sampled_right_beside_it():
     """The host's bandwidth swings within seconds, so `bench generation` samples it just before and just
     after every timing, and a row's fraction is the median of per-round ratios, not a ratio of medians."""
-    from cs336_inference.benchmarks.generation import _time_rounds
+    from cs336_inference.workshop.benchmarks.generation import _time_rounds
 
     events, bandwidths = [], iter([10.0, 30.0, 50.0, 70.0, 1.0, 3.0, 5.0, 7.0])
 
@@ -104,6 +104,6 @@ def test_each_timing_is_paired_with_the_bandwidth_sampled_right_beside_it():
     assert _time_rounds({"a": maker("a")}, torch.device("cpu"), rounds=1, steps=1)["a"][0] > 0   # no probe: seconds
     # 100 bytes in rounds of (1 s, 100 B/s), (2 s, 10 B/s), (4 s, 10 B/s): each round at 1.0, 5.0 and 2.5 of its
     # bandwidth, median 2.5; the ratio of the medians (100 B / 2 s over 10 B/s) would say 5.0
-    from cs336_inference.benchmarks.base import fraction_of_bandwidth
+    from cs336_inference.workshop.benchmarks.base import fraction_of_bandwidth
 
     assert fraction_of_bandwidth(100, [(1.0, 100.0), (2.0, 10.0), (4.0, 10.0)]) == 2.5

@@ -7,7 +7,7 @@ import adapters
 
 
 def test_a_prefill_under_contention_runs_on_one_thread_by_its_own_threshold(monkeypatch):
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
     from cs336_inference.timing import num_threads
 
     config = adapters.make_config(vocab_size=64, d_model=32, num_heads=2, d_ff=64, num_layers=1, context_length=32)
@@ -31,7 +31,7 @@ def test_a_tuned_model_can_be_copied_and_the_copy_restores_its_own_threads(monke
     to restore are not shared with the original, and the copy computes what the original computes."""
     import copy
 
-    from cs336_inference import cpu_tuning
+    from cs336_inference.workshop import cpu_tuning
     from cs336_inference.timing import num_threads
 
     config = adapters.make_config(vocab_size=64, d_model=32, num_heads=2, d_ff=64, num_layers=1, context_length=32)

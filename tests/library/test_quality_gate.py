@@ -74,7 +74,7 @@ def test_grade_and_strip_stop():
 
 @pytest.fixture(scope="module")
 def default_path():
-    from cs336_inference.fast_path import load_for_inference
+    from cs336_inference.workshop.fast_path import load_for_inference
 
     model, tokenizer, banner = load_for_inference(MODEL)
     return model, tokenizer, banner
@@ -85,7 +85,8 @@ def test_the_default_weights_and_activations_say_paris():
     """The README's first question, on the default path's model (int4-exact weights, the activations
     `fast_path` picks for them: fp32), without the CPU tuning (slow to set up): the first token is a
     near-tie (fp32 logits "The" 25.325, "L" 25.243) that bf16 activations rounded together."""
-    from cs336_inference import fast_path, load_pretrained, load_tokenizer
+    from cs336_inference import load_pretrained, load_tokenizer
+    from cs336_inference.workshop import fast_path
 
     dtype = getattr(torch, fast_path.EXACT_ACTIVATIONS)
     assert dtype == torch.float32
@@ -105,7 +106,7 @@ def test_the_banner_says_what_runs(default_path):
 @pytest.mark.slow
 @requires_smollm2
 def test_the_default_path_is_as_right_as_fp32_on_everyday_questions(default_path):
-    from cs336_inference.fast_path import load_for_inference
+    from cs336_inference.workshop.fast_path import load_for_inference
 
     model, tokenizer, _ = default_path
     fp32, _, _ = load_for_inference(MODEL, precision="fp32")
@@ -122,7 +123,7 @@ def test_the_default_path_is_as_right_as_fp32_on_everyday_questions(default_path
 def test_a_request_answers_the_same_alone_and_batched_with_15_others(default_path):
     """Batch invariance on the serving engine (eager, as `serve --no-compile`): 16 questions served one at
     a time, then admitted together (their prompts prefilled in one forward, decoded 16 at a time)."""
-    from cs336_inference.benchmarks.quality import serve_alone_and_together
+    from cs336_inference.workshop.benchmarks.quality import serve_alone_and_together
 
     model, tokenizer, _ = default_path
     alone, together = serve_alone_and_together(model, tokenizer, QUESTIONS[:16], 24)

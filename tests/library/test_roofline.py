@@ -95,7 +95,7 @@ def test_roofline_sweep_refuses_nonsense(kwargs, error, match):
 
 def test_bench_accounting_writes_json_and_figures(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.benchmarks.accounting import bench_accounting
+    from cs336_inference.workshop.benchmarks.accounting import bench_accounting
     bench_accounting(quick=False)   # formulas only: the full run is fast
     names = {p.name for p in tmp_path.iterdir()}
     assert {"accounting.json", "accounting_latency_throughput.png", "accounting_kv_memory.png"} <= names
@@ -107,7 +107,7 @@ def test_bench_accounting_writes_json_and_figures(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_bench_roofline_quick_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
-    from cs336_inference.benchmarks.roofline import bench_roofline
+    from cs336_inference.workshop.benchmarks.roofline import bench_roofline
     data = bench_roofline(quick=True, device="cpu")
     assert (tmp_path / "roofline_cpu_quick.json").exists() and (tmp_path / "roofline_matmul_cpu_quick.png").exists()
     assert all(d["seconds"] > 0 for d in data["model"]["decode"])

@@ -13,9 +13,11 @@ import time
 import pytest
 import torch
 
-from cs336_inference import progress, startup
+from cs336_inference import progress
+from cs336_inference.workshop import startup
 from cs336_inference.generation import extend, stream
-from cs336_inference.model import checkpoints, cpu_kernels
+from cs336_inference.model import checkpoints
+from cs336_inference.workshop.kernels import cpu_attention
 from smollm2_reference import smollm2_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -77,7 +79,8 @@ def test_the_inductor_cache_goes_to_the_package_cache_folder_unless_the_user_cho
 
 
 def test_importing_the_package_and_its_fast_path_sets_no_cache_folder():
-    code = ("import os; import cs336_inference.cli, cs336_inference.fast_path, cs336_inference.startup; "
+    code = ("import os; import cs336_inference.cli, cs336_inference.workshop.fast_path, "
+            "cs336_inference.workshop.startup; "
             "print('TORCHINDUCTOR_CACHE_DIR' in os.environ)")
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -89,15 +92,15 @@ def test_our_kernels_build_folder_is_named_by_the_sources_and_flags(tmp_path, mo
     a, b = tmp_path / "a.cpp", tmp_path / "b.h"
     a.write_text("int f() { return 1; }")
     b.write_text("#define X 1")
-    monkeypatch.setattr(cpu_kernels, "SOURCES", [a])
-    monkeypatch.setattr(cpu_kernels, "HEADERS", [b])
-    key = cpu_kernels._build_key()
-    assert key == cpu_kernels._build_key() and len(key) == 12
+    monkeypatch.setattr(cpu_attention, "SOURCES", [a])
+    monkeypatch.setattr(cpu_attention, "HEADERS", [b])
+    key = cpu_attention._build_key()
+    assert key == cpu_attention._build_key() and len(key) == 12
     b.write_text("#define X 2")                      # a header changed: another folder
-    assert cpu_kernels._build_key() != key
+    assert cpu_attention._build_key() != key
     b.write_text("#define X 1")
-    monkeypatch.setattr(cpu_kernels, "_FLAGS", [*cpu_kernels._FLAGS, "-DMORE"])
-    assert cpu_kernels._build_key() != key
+    monkeypatch.setattr(cpu_attention, "_FLAGS", [*cpu_attention._FLAGS, "-DMORE"])
+    assert cpu_attention._build_key() != key
 
 
 def _eager(model):
@@ -175,7 +178,7 @@ def test_a_background_compile_never_started_is_the_compiled_step():
 def test_the_fast_paths_step_compiles_in_the_background_and_answers_as_before(target, tmp_path, monkeypatch):
     """`compiled_decode_step` + `start()` (what chat and generate do): eager answers at once, the compiled
     step after it is ready, and the inductor cache under the package's cache folder; the same greedy tokens."""
-    from cs336_inference import fast_path
+    from cs336_inference.workshop import fast_path
 
     monkeypatch.setenv("CS336_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
@@ -217,7 +220,7 @@ def test_compiling_in_the_background_is_said_and_the_cli_does_not_wait(capsys):
 
 
 def test_watched_output_times_the_first_token_and_the_longest_silence():
-    from cs336_inference.benchmarks import startup as bench
+    from cs336_inference.workshop.benchmarks import startup as bench
 
     code = "import time, sys; print('a', flush=True); time.sleep(0.3); print('model> hi', flush=True)"
     child = bench.Watched([sys.executable, "-c", code], dict(os.environ))
@@ -237,7 +240,7 @@ def test_bench_startup_times_a_real_start_of_each_command(command):
     """One start of each command with the user's caches (the toy target; chat, which refuses a model without
     a chat template, on SmolLM2): its phases in order and a first token (or /health) after them."""
     pytest.importorskip("uvicorn") if command == "serve" else None
-    from cs336_inference.benchmarks import startup as bench
+    from cs336_inference.workshop.benchmarks import startup as bench
     from cs336_inference.model.disk_cache import cache_dir
 
     model = "target"
@@ -259,7 +262,7 @@ def test_the_servers_decode_steps_compile_in_the_background_and_serve_the_same_t
     """`compiled_engine_decode` + `start()` (what `serve` does): a warm-up engine of its own compiles in a
     background thread while the server's engine steps eagerly; afterwards its decode-only steps run the
     compiled blocks, with the eager engine's tokens, and no block keeps a patched forward."""
-    from cs336_inference import fast_path
+    from cs336_inference.workshop import fast_path
     from cs336_inference.serving import Engine
     from cs336_inference.serving.request import SamplingParams
 
@@ -373,7 +376,7 @@ def test_a_ticker_inside_another_takes_the_line_and_the_outer_one_resumes_after_
 
 def test_the_command_line_ends_at_once_with_its_code_while_a_background_compile_runs():
     assert startup.exit_code(3) == 3                       # nothing compiling: the usual SystemExit
-    code = ("import time; from cs336_inference import startup; "
+    code = ("import time; from cs336_inference.workshop import startup; "
             "step = startup.BackgroundCompile(len, len, lambda: (lambda: time.sleep(60))).start(); "
             "print('answered', flush=False); raise SystemExit(startup.exit_code(3))")
     t0 = time.monotonic()

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import adapters
-from cs336_inference import cpu_tuning
+from cs336_inference.workshop import cpu_tuning
 from cs336_inference.accounting.model_roofline import decode_step_fn, weight_bytes_per_step
-from cs336_inference.benchmarks.step_anatomy import part_of, step_anatomy
-from cs336_inference.model import cpu_kernels
+from cs336_inference.workshop.benchmarks.step_anatomy import part_of, step_anatomy
+from cs336_inference.workshop.kernels import cpu_attention
 
 
 def test_each_profiler_event_lands_in_its_part():
@@ -47,7 +47,8 @@ def test_python_time_is_everything_else_and_matmul_calls_are_counted():
     assert a["matmul_GBps"] == pytest.approx(3 * w.nbytes / (a["ms"]["matmuls, torch's"] / 1e3) / 1e9)
 
 
-@pytest.mark.skipif(cpu_kernels.build() is not None, reason=f"our CPU kernels cannot run here: {cpu_kernels.build()}")
+@pytest.mark.skipif(cpu_attention.build() is not None,
+                    reason=f"our CPU kernels cannot run here: {cpu_attention.build()}")
 def test_a_tuned_decode_step_is_one_kernel_call_per_linear():
     config = adapters.make_config(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4,
                                   num_kv_heads=2, d_ff=128)

@@ -28,7 +28,7 @@ def _info(*args, **env) -> dict:
 def test_the_cli_applies_passive_waiting_and_one_thread_for_small_work():
     info = _info()
     assert info["omp_wait_policy"] == "PASSIVE"
-    assert info["gomp_spincount"] == "300000"            # a spin, then sleep (see _openmp)
+    assert info["gomp_spincount"] == "300000"            # a spin, then sleep (see openmp)
     assert info["torch_threads"] == "1" == info["policy_small"]
     assert int(info["policy_large"]) >= 1
 
@@ -56,7 +56,7 @@ def test_thread_counts_from_the_environment_are_checked(monkeypatch):
 
 def test_the_wait_policy_module_does_not_import_torch():
     """It must run before torch loads OpenMP; importing torch itself would make that impossible."""
-    tree = ast.parse((SRC / "cs336_inference" / "_openmp.py").read_text())
+    tree = ast.parse((SRC / "cs336_inference" / "workshop" / "openmp.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported <= {"__future__", "os", "sys"}, imported
@@ -67,7 +67,7 @@ def test_bench_thread_policy_runs_each_policy_in_its_own_process(tmp_path, monke
     """Smoke run of two policies (each child process compiles a model: all four would double the time):
     each policy's process reports back the OpenMP settings it ran under; the others are left out."""
     from cs336_inference import figures
-    from cs336_inference.benchmarks.thread_policy import POLICIES, bench_thread_policy
+    from cs336_inference.workshop.benchmarks.thread_policy import POLICIES, bench_thread_policy
 
     monkeypatch.setattr(figures, "scratch_dir", lambda: tmp_path)
     monkeypatch.setenv("PYTHONPATH", str(SRC) + os.pathsep + os.environ.get("PYTHONPATH", ""))

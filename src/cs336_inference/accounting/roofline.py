@@ -10,7 +10,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .. import _checks, huge_pages
+from .. import _checks
+from ..workshop import huge_pages
 from ..device import cpu_model, default_dtype, get_device
 from ..timing import median_seconds
 from .hardware import HardwareSpec

@@ -10,19 +10,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernels
+from ..workshop.kernels import cpu_attention
 
 # "reference": the hand-written softmax(q k^T) v below, the definition; "sdpa": torch's fused
 # F.scaled_dot_product_attention (one kernel, no (T, S) score tensor in Python), checked against it;
 # "cpu": sdpa, except a step whose keys are all visible (a plain decode step) in bf16 or fp32 on a CPU with
-# AVX512-BF16, which runs our own kernel (`cpu_kernels.attention`).
+# AVX512-BF16, which runs our own kernel (`cpu_attention.attention`).
 ATTENTION_KERNELS = ("reference", "sdpa", "cpu")
 
 
 def check_attention_kernel(kernel) -> str:
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
-    if kernel == "cpu" and (why_not := cpu_kernels.build()) is not None:
+    if kernel == "cpu" and (why_not := cpu_attention.build()) is not None:
         raise ValueError(f"attention kernel 'cpu' cannot run here: {why_not}; use 'sdpa'")
     return kernel
 
@@ -81,7 +81,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q (B, N, T, H) over k (B, K, S, H), v (B, K, S, Hv) with N = K * G, without copying K/V G times.
 
     kernel: "reference" (`scaled_dot_product_attention` above), "sdpa" (torch's fused kernel) or "cpu"
-    (sdpa, or our decode kernel where it applies: `cpu_kernels.attention`)."""
+    (sdpa, or our decode kernel where it applies: `cpu_attention.attention`)."""
     B, N, T, H = q.shape
     G = N // k.shape[1]
     q = q.reshape(B, N // G, G * T, H)                                     # (B, K, G*T, H): a group's rows
@@ -91,7 +91,7 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if kernel == "sdpa":
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     elif kernel == "cpu":
-        out = cpu_kernels.attention(q, k, v, mask, scale)
+        out = cpu_attention.attention(q, k, v, mask, scale)
     elif kernel == "reference":
         out = scaled_dot_product_attention(q, k, v, mask, scale)
     else:   # a misspelt kernel must not silently run the reference one

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import cpu_int4
+from ..workshop.kernels import cpu_int4
 
 KERNELS = ("auto", "reference", "packed")
 INT4_GROUP_SIZES = (256, 128, 64, 32)   # what the int4pack kernels accept (largest first)

@@ -16,7 +16,7 @@ import functools
 import sys
 import threading
 
-from .progress import mark
+from ..progress import mark
 from .startup import BackgroundCompile, cached_packed_weights, inductor_cache_dir, use_cache_dirs
 
 PRECISIONS = ("int4-exact", "int8", "bf16", "fp32")
@@ -34,7 +34,7 @@ EXACT_ACTIVATIONS = "float32"
 #   even when it passes: 0.07-0.2 ms of a SmolLM2 step on a 2-core Xeon (in-process A/B). The inputs
 #   are checked already, before the call, by the compiled step's guards (the ids and the cache), or
 #   are the frozen model's own weights; our kernels' output shapes are tested against their declared
-#   ones (`cpu_kernels.build`).
+#   ones (`cpu_attention.build`).
 CPU_INDUCTOR = {"cpp_wrapper": True, "size_asserts": False}
 
 
@@ -52,9 +52,9 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
     """
     import torch
 
-    from .device import apply_thread_policy, default_dtype, get_device
-    from .model import load_pretrained
-    from .model_source import ModelSource, resolve
+    from ..device import apply_thread_policy, default_dtype, get_device
+    from ..model import load_pretrained
+    from ..model_source import ModelSource, resolve
 
     source = name if isinstance(name, ModelSource) else resolve(name)
     name, real = source.name, source.is_real
@@ -77,7 +77,7 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
         base = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(precision) or dtype or default_dtype(device)
         model = source.load(device=device, dtype=dtype or base).fuse_projections()
         if precision == "int8":
-            from .quantization import quantize_model
+            from ..quantization import quantize_model
 
             model = quantize_model(model, "rtn", bits=8, group_size=None, symmetric=True, quantize_lm_head=True)
     mark("loaded")
@@ -99,7 +99,8 @@ def _int4_matmuls(model) -> str:
     """How an int4 model's matmuls take its activations, in words for the banner ("" for other models)."""
     import torch
 
-    from .quantization import QuantizedLinear, cpu_int4
+    from ..quantization import QuantizedLinear
+    from .kernels import cpu_int4
 
     packed = [m.packed_weight() for m in model.modules() if isinstance(m, QuantizedLinear)]
     packed = [p for p in packed if p is not None and p.layout != "int8pack"]
@@ -114,9 +115,9 @@ def _int4_matmuls(model) -> str:
 
 def attention_kernel(device) -> str:
     """The attention the fast path runs: "cpu" (torch's fused kernel, and ours for decode steps:
-    `cpu_kernels`) on a CPU where our kernels build, else "sdpa"."""
-    from .model.cpu_kernels import build
-    from .device import get_device
+    `cpu_attention`) on a CPU where our kernels build, else "sdpa"."""
+    from .kernels.cpu_attention import build
+    from ..device import get_device
 
     return "cpu" if get_device(device).type == "cpu" and build() is None else "sdpa"
 
@@ -135,7 +136,7 @@ def compile_fast(model):
     import torch
 
     from .cpu_tuning import CPULinear
-    from .generation.compiled import compile_decode
+    from ..generation.compiled import compile_decode
 
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
@@ -174,8 +175,8 @@ def _prepare_warm_up(model, raw_step):
     (`warm_dense_prefill`), under inference mode as `generate` and `chat` decode."""
     import torch
 
-    from .generation import extend
-    from .quantization.dense_prefill import warm_dense_prefill
+    from ..generation import extend
+    from .kernels.dense_prefill import warm_dense_prefill
 
     cache = model.new_cache(1, min(model.config.context_length, 2048))
     extend(model, cache, [0])
@@ -214,7 +215,7 @@ def compiled_engine_decode(model):
     import torch
     from torch.fx.experimental import _config as shapes
 
-    from .generation.compiled import compile_settings
+    from ..generation.compiled import compile_settings
 
     if why_not := _cannot_compile(model):
         return None, why_not
@@ -266,8 +267,8 @@ def _prepare_engine_warm_up(model, run):
     sequence and several), then the compiled prefill dequantization."""
     import time
 
-    from .quantization.dense_prefill import warm_dense_prefill
-    from .serving import Engine
+    from .kernels.dense_prefill import warm_dense_prefill
+    from ..serving import Engine
 
     engine = Engine(model, clock=time.monotonic, max_num_seqs=2, num_blocks=8, decode=run)
 
@@ -282,11 +283,11 @@ def _dense_prefill(model) -> str:
     """On a CPU, an int4 model's prefill goes through a compiled dequantization + a dense matmul above
     `DENSE_ROWS` rows, or `cpu_int4.DENSE_ROWS` on our kernel (`quantization.compile_dense_prefill`;
     `warm_dense_prefill` compiles it): what that adds to the description, or "" where it does not apply."""
-    from .quantization.dense_prefill import compile_dense_prefill, int4pack_layers
+    from .kernels.dense_prefill import compile_dense_prefill, int4pack_layers
 
     import torch
 
-    from .quantization import cpu_int4
+    from .kernels import cpu_int4
 
     layers = int4pack_layers(model) if model.device.type == "cpu" else []
     if not layers:

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..device import describe_machine, get_device, load_avg, seed_everything, thread_policy
-from ..figures import load_result, result_path, save_figure, save_json
-from ..timing import num_threads
+from ...device import describe_machine, get_device, load_avg, seed_everything, thread_policy
+from ...figures import load_result, result_path, save_figure, save_json
+from ...timing import num_threads
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from .. import _checks
+from ... import _checks
 
 # part -> the profiler event names (or, ending in "*", name prefixes) whose self time it sums
 PARTS = {

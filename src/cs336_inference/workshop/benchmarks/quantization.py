@@ -22,18 +22,18 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 
-from ..accounting.model_roofline import decode_step_seconds
+from ...accounting.model_roofline import decode_step_seconds
 from ..cpu_tuning import tune_for_cpu
-from ..data.corpus import load_corpus
-from ..data.evaluation import compare_on_text
-from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
-from ..model import load_pretrained, load_tokenizer
-from ..model.gguf import gguf_round_trip
-from ..quantization.kv import quantize_kv_cache
-from ..quantization.linear import QuantizedLinear, model_nbytes
-from ..quantization.llm_int8 import count_activation_outliers
-from ..quantization.model import quantize_model
-from ..tables import print_table, quantization_smollm2_table
+from ...data.corpus import load_corpus
+from ...data.evaluation import compare_on_text
+from ...data.real_text import bytes_per_token, pydoc_documents, token_stream
+from ...model import load_pretrained, load_tokenizer
+from ...model.gguf import gguf_round_trip
+from ...quantization.kv import quantize_kv_cache
+from ...quantization.linear import QuantizedLinear, model_nbytes
+from ...quantization.llm_int8 import count_activation_outliers
+from ...quantization.model import quantize_model
+from ...tables import print_table, quantization_smollm2_table
 from .base import Benchmark, alternate
 
 MODEL = "smollm2-135m"

@@ -11,7 +11,7 @@ remedies answer host-side facts (thread count, machine load, this BLAS) that the
   depends on the BLAS, so by default `tune_for_cpu` measures it on the model's own weights (one
   batch-1 pass over every linear, split against plain `F.linear`, alternated) and keeps it only where
   it wins (`calibrate_split`; `describe` prints what it measured);
-- our few-row kernel: where `model.cpu_kernels` builds (a CPU with AVX512-BF16), up to
+- our few-row kernel: where `workshop.kernels.cpu_attention` builds (a CPU with AVX512-BF16), up to
   `GEMV_MAX_ROWS` rows of fp32 or bf16 (2 of bf16 where the CPU has AMX: `gemv_max_rows`) go through
   its `dense_gemv` instead, eagerly and compiled: each thread streams its own share of W's rows once,
   where torch's few-row products are built for larger problems (`bench generation` measures both);
@@ -31,7 +31,7 @@ idempotent; `untune_cpu` undoes it; `describe(model)` says what is applied. A co
 outside the model's hooks' reach, so wrap its calls in `decode_threads()` yourself (`bench generation`).
 
 OpenMP's wait policy is the one CPU setting this module cannot apply: it must be set before torch
-loads, so `_openmp` sets it when the package is imported (see there for why).
+loads, so `openmp` sets it when the package is imported (see there for why).
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from einops import rearrange
 
-from .device import cpu_has_amx
-from .timing import num_threads
+from ..device import cpu_has_amx
+from ..timing import num_threads
 
 # Rows at or below which the CPU few-row split beats one MKL gemm call (on the weights of the ~90M
 # benchmark model, `bench generation`); above it the gemm's own blocking wins.
@@ -342,7 +342,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
     the split against `F.linear` on these weights with the current thread count (`calibrate_split`, a
     fraction of a second) and splits only if it is faster; threads: a decode step runs on one thread
     while another process holds a core; gemv: up to `gemv_max_rows(dtype)` rows run our `dense_gemv` where
-    `model.cpu_kernels` builds (compiling it the first time on a machine); huge_pages: the weights a
+    `workshop.kernels.cpu_attention` builds (compiling it the first time on a machine); huge_pages: the weights a
     decode step streams move into one block of 2 MB pages (`huge_pages.place_on_huge_pages`, Linux).
     A model off the CPU is left as it is. Apply it after `fuse_projections` (fusing builds new linears),
     after any dtype change (the timing depends on it) and after quantizing (a quantized layer keeps its
@@ -362,7 +362,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
                 record.calibration = calibrate_split(linears)
                 split = record.calibration["split"] < record.calibration["gemm"]
         if gemv and linears:
-            from .model.cpu_kernels import build
+            from .kernels.cpu_attention import build
 
             record.gemv_unavailable = build()
             gemv = record.gemv_unavailable is None

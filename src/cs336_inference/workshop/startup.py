@@ -25,7 +25,7 @@ import threading
 import time
 from pathlib import Path
 
-from .progress import mark
+from ..progress import mark
 
 INDUCTOR_DIR = "inductor"
 
@@ -37,7 +37,7 @@ def inductor_cache_dir() -> Path:
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if chosen and not _torch_default(chosen):
         return Path(chosen)
-    from .model.disk_cache import cache_dir
+    from ..model.disk_cache import cache_dir
 
     return cache_dir() / INDUCTOR_DIR
 
@@ -59,7 +59,7 @@ def use_cache_dirs() -> Path:
 
 
 # What a layout kept on disk depends on, besides the model file: the code that packs it.
-_PACKING_CODE = ("quantization/kernels.py", "quantization/cpu_int4.py", "quantization/linear.py",
+_PACKING_CODE = ("quantization/kernels.py", "workshop/kernels/cpu_int4.py", "quantization/linear.py",
                  "quantization/gguf_exact.py", "model/gguf.py")
 
 
@@ -68,9 +68,9 @@ def _packing_key(device, dtype) -> str:
 
     import torch
 
-    from .model.cpu_kernels import cpu_supports
+    from .kernels.cpu_attention import cpu_supports
 
-    root = Path(__file__).parent
+    root = Path(__file__).parents[1]   # the package
     digest = hashlib.sha256(f"{torch.__version__}|{device}|{dtype}|{cpu_supports()}".encode())
     for name in _PACKING_CODE:
         digest.update((root / name).read_bytes())
@@ -85,9 +85,9 @@ def cached_packed_weights(name: str, device, dtype):
     as usual and saves them there (`disk_cache`: atomic writes, checksums; a damaged file is rebuilt)."""
     import torch
 
-    from .model.disk_cache import cache_entry, read_verified, write_verified
-    from .model.real_models import REAL_MODELS, gguf_path
-    from .quantization.kernels import PackedStore, reuse_packed
+    from ..model.disk_cache import cache_entry, read_verified, write_verified
+    from ..model.real_models import REAL_MODELS, gguf_path
+    from ..quantization.kernels import PackedStore, reuse_packed
 
     if name not in REAL_MODELS:
         yield None
@@ -102,7 +102,7 @@ def cached_packed_weights(name: str, device, dtype):
 
 def describe_caches() -> str:
     """One line: where the fast path keeps what it converts and compiles."""
-    from .model.disk_cache import cache_dir
+    from ..model.disk_cache import cache_dir
 
     return (f"caches: {cache_dir()} (converted weights, our C++ kernels); inductor's compiled steps in "
             f"{inductor_cache_dir()}")

@@ -19,11 +19,11 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from ..data.everyday_questions import QUESTIONS, answer, chat_prompt, grade, strip_stop
+from ...data.everyday_questions import QUESTIONS, answer, chat_prompt, grade, strip_stop
 from ..fast_path import compiled_engine_decode, load_for_inference
-from ..model.real_models import real_model_missing
-from ..serving import Engine, Request, SamplingParams
-from ..tables import print_table
+from ...model.real_models import real_model_missing
+from ...serving import Engine, Request, SamplingParams
+from ...tables import print_table
 from .base import Benchmark, grouped_bars
 
 MODEL = "smollm2-135m"

@@ -31,8 +31,8 @@ import threading
 import time
 import urllib.request
 
-from ..progress import STARTUP_LOG, read_marks
-from ..tables import format_table
+from ...progress import STARTUP_LOG, read_marks
+from ...tables import format_table
 from .base import Benchmark
 
 NAME = "startup"
@@ -125,7 +125,7 @@ def _reply_started(out: str) -> bool:
 def start_once(command: str, model: str, cache_root: str, chat_template: bool = True,
                timeout: float = TIMEOUT_S) -> dict:
     """Start `command` once with every cache in `cache_root`; what it took (seconds from the launch)."""
-    from ..serving.http.launch import free_port
+    from ...serving.http.launch import free_port
 
     if command not in COMMANDS:
         raise ValueError(f"command must be one of {COMMANDS}, got {command!r}")
@@ -171,8 +171,8 @@ def start_once(command: str, model: str, cache_root: str, chat_template: bool = 
 
 
 def measure(run, model: str | None = None) -> dict:
-    from ..model import REAL_MODELS, load_tokenizer
-    from ..model.disk_cache import cache_dir
+    from ...model import REAL_MODELS, load_tokenizer
+    from ...model.disk_cache import cache_dir
 
     model = model or ("target" if run.quick else "smollm2-135m")
     chat_template = bool(getattr(load_tokenizer(model), "chat_template", None))

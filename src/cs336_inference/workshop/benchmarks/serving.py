@@ -16,15 +16,15 @@ import statistics
 import matplotlib.pyplot as plt
 import torch
 
-from ..data.corpus import load_corpus
-from ..data.real_text import pydoc_documents, token_stream
-from ..model.checkpoints import load_pretrained
-from ..model.tokenizer import load_tokenizer
-from ..serving import Engine, TraceConfig, make_chat_trace, make_trace
-from ..serving.plots import plot_batch_size, plot_memory, plot_timeline
-from ..serving.workload import INSTRUCTION
-from ..tables import print_table
-from ..device import load_avg
+from ...data.corpus import load_corpus
+from ...data.real_text import pydoc_documents, token_stream
+from ...model.checkpoints import load_pretrained
+from ...model.tokenizer import load_tokenizer
+from ...serving import Engine, TraceConfig, make_chat_trace, make_trace
+from ...serving.plots import plot_batch_size, plot_memory, plot_timeline
+from ...serving.workload import INSTRUCTION
+from ...tables import print_table
+from ...device import load_avg
 from .base import Benchmark, alternate, grouped_bars
 
 NEWLINE = 10  # byte tokenizer: an answer ends with its line

@@ -3,7 +3,7 @@
 OpenMP reads its wait policy once, when torch loads, so each policy runs in a fresh process (this
 module as a script) that times the ~90M model's decode step, eager and compiled, idle and while a busy
 loop holds a core, in alternating rounds. Policies: "sleep" (PASSIVE, GOMP_SPINCOUNT=0), a spin of
-10000 (the package's earlier setting) and of 300000 (its setting, `_openmp.SPIN_COUNT`) before
+10000 (the package's earlier setting) and of 300000 (its setting, `openmp.SPIN_COUNT`) before
 sleeping, each also without `cpu_tuning`'s drop to one thread under contention, and "spin forever"
 (ACTIVE).
 """
@@ -16,12 +16,12 @@ import subprocess
 import sys
 import time
 
-import torch   # after the package (and its `_openmp`), also in the child processes: `-m cs336_inference...`
+import torch   # after the package (and its `openmp`), also in the child processes: `-m cs336_inference...`
 
-from .. import _checks
-from .._openmp import SPIN_COUNT
-from ..tables import print_table
-from ..timing import load_average
+from ... import _checks
+from ..openmp import SPIN_COUNT
+from ...tables import print_table
+from ...timing import load_average
 from .base import Benchmark, grouped_bars, spread
 
 def _passive(spins: str, switch: bool = True) -> dict:
@@ -48,7 +48,7 @@ def measure(run, policies: tuple[str, ...] | None = None) -> dict:
             continue
         env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
         env |= policy["env"] | {"CS336_NUM_THREADS": str(threads)}
-        args = [sys.executable, "-m", "cs336_inference.benchmarks.thread_policy", "--child",
+        args = [sys.executable, "-m", "cs336_inference.workshop.benchmarks.thread_policy", "--child",
                 "--quick" if quick else "--full", "switch" if policy["switch"] else "no-switch"]
         out = subprocess.run(args, env=env, capture_output=True, text=True, check=True, timeout=1800).stdout
         result["policies"][name] = json.loads(out.strip().splitlines()[-1])
@@ -61,12 +61,12 @@ def _child(quick: bool, switch: bool) -> dict:
     """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
     import contextlib
 
-    from .._openmp import spin_count, wait_policy
-    from ..accounting.model_roofline import decode_step_fn
+    from ..openmp import spin_count, wait_policy
+    from ...accounting.model_roofline import decode_step_fn
     from ..cpu_tuning import tune_for_cpu
-    from ..device import apply_thread_policy
-    from ..model.transformer import TransformerLM
-    from ..timing import busy_cpu, median_seconds
+    from ...device import apply_thread_policy
+    from ...model.transformer import TransformerLM
+    from ...timing import busy_cpu, median_seconds
     from .generation import bench_config, timed_compiled_step
 
     apply_thread_policy(parallel=True)

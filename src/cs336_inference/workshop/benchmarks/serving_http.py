@@ -18,16 +18,16 @@ from functools import partial
 
 import torch
 
-from ..data.corpus import load_corpus
-from ..model.checkpoints import load_pretrained
-from ..model.tokenizer import load_tokenizer
-from ..serving import Engine, Workload
-from ..serving.async_engine import AsyncEngine
-from ..serving.client import EndpointRequest, StreamResult, run_load, serve_over_http, stream_metrics
-from ..serving.http.launch import running_server
-from ..serving.request import SamplingParams
-from ..tables import format_table
-from ..device import load_avg
+from ...data.corpus import load_corpus
+from ...model.checkpoints import load_pretrained
+from ...model.tokenizer import load_tokenizer
+from ...serving import Engine, Workload
+from ...serving.async_engine import AsyncEngine
+from ...serving.client import EndpointRequest, StreamResult, run_load, serve_over_http, stream_metrics
+from ...serving.http.launch import running_server
+from ...serving.request import SamplingParams
+from ...tables import format_table
+from ...device import load_avg
 from .base import Benchmark, alternate, grouped_bars, median_repeat
 
 NAME = "serving_http"

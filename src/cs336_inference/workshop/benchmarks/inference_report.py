@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from ..tables import print_table
+from ...tables import print_table
 
 
 def _ms(key: str, header: str):

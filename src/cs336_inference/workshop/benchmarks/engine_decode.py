@@ -18,11 +18,11 @@ from functools import partial
 import matplotlib.pyplot as plt
 import torch
 
-from ..data.real_text import eval_text_tokens
+from ...data.real_text import eval_text_tokens
 from ..fast_path import compiled_engine_decode, load_for_inference
-from ..model.real_models import real_model_missing
-from ..serving import Engine, Request, SamplingParams
-from ..tables import print_table
+from ...model.real_models import real_model_missing
+from ...serving import Engine, Request, SamplingParams
+from ...tables import print_table
 from .base import Benchmark, alternate, grouped_bars, spread
 
 MODEL = "smollm2-135m"

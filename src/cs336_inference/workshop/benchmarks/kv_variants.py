@@ -15,13 +15,13 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from ..accounting import formulas as accounting
-from ..accounting.kv_variants import SCALE_MODELS, SCALE_VARIANTS, cache_bytes_vs_context
-from ..accounting.model_roofline import decode_step_seconds
-from ..accounting.plots import plot_cache_vs_context
-from ..model.config import ModelConfig
-from ..model.transformer import TransformerLM
-from ..tables import kv_variants_table, ordered_variants
+from ...accounting import formulas as accounting
+from ...accounting.kv_variants import SCALE_MODELS, SCALE_VARIANTS, cache_bytes_vs_context
+from ...accounting.model_roofline import decode_step_seconds
+from ...accounting.plots import plot_cache_vs_context
+from ...model.config import ModelConfig
+from ...model.transformer import TransformerLM
+from ...tables import kv_variants_table, ordered_variants
 from .base import Benchmark
 
 # The small models: a byte-level 4-layer model, N = 4 heads of H = 16 dims.
@@ -52,8 +52,8 @@ def variant_config(overrides: dict, base: dict = BASE, budget: int | None = None
 
 def _train_and_measure(name: str, config: ModelConfig, train_config, train_data, val_data, distances,
                        num_trials: int) -> dict:
-    from ..data.evaluation import evaluate_lm, long_range_recall, recall_digit_scores
-    from ..data.training import train_lm
+    from ...data.evaluation import evaluate_lm, long_range_recall, recall_digit_scores
+    from ...data.training import train_lm
 
     t0 = time.perf_counter()
     model, history = train_lm(config, train_config, train_data, val_data, desc=name)
@@ -100,8 +100,8 @@ def measure_decode_latency(configs: dict[str, ModelConfig], latency: dict, devic
 
 def measure(run) -> dict:
     """Train every variant with the same budget, measure quality / cache bytes / decode latency."""
-    from ..data.corpus import load_corpus
-    from ..data.training import TrainConfig
+    from ...data.corpus import load_corpus
+    from ...data.training import TrainConfig
 
     quick, device = run.quick, run.device
     steps = 20 if quick else 100   # 2 shared CPU cores: each variant trains for a minute or two

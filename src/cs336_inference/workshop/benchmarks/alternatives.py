@@ -15,11 +15,11 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from ..data.mqar import MQARTask, MQARTraining, mqar_recall, train_mqar
-from ..model.config import ModelConfig
-from ..model.transformer import TransformerLM
-from ..tables import alternatives_table
-from ..timing import median_seconds
+from ...data.mqar import MQARTask, MQARTraining, mqar_recall, train_mqar
+from ...model.config import ModelConfig
+from ...model.transformer import TransformerLM
+from ...tables import alternatives_table
+from ...timing import median_seconds
 from .base import Benchmark, alternate
 from .kv_variants import variant_config as budgeted_config
 
@@ -107,7 +107,7 @@ def measure(run) -> dict:
         print(f"  {name:<30} params {results[name]['params']:>6,}  recall {[round(r, 2) for r in recall.values()]}",
               flush=True)
         if name in SHIPPED and not quick:
-            from ..model.checkpoints import ASSETS, save
+            from ...model.checkpoints import ASSETS, save
             save(ASSETS / f"mqar-{SHIPPED[name]}.pt", model.cpu(), extra={
                 "task": TASK.__dict__, "training": training.__dict__, "recall": recall, "bench": "alternatives"})
     configs.update({n: variant_config(VARIANTS[n], budget) for n in LATENCY_VARIANTS if n not in configs})

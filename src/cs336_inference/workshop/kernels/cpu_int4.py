@@ -1,5 +1,5 @@
 """Our own int4 matmul for few rows on CPUs with AVX512-BF16 (`csrc/int4_gemv.cpp`, built by
-`cpu_kernels`), beside torch's.
+`cpu_attention`), beside torch's.
 
 torch's int4pack CPU kernel spends most of a decode step turning 4-bit codes into numbers. Ours
 multiplies the same grid, w = (u - 8) * scale + zero per group, by turning a code u into the bf16
@@ -25,8 +25,8 @@ import warnings
 
 import torch
 
-from ..device import cpu_has_amx
-from ..model.cpu_kernels import build, cpu_supports
+from ...device import cpu_has_amx
+from .cpu_attention import build, cpu_supports
 
 NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
 # Rows (tokens x batch) up to which this kernel beats dequantizing through `compile_dense_prefill` and

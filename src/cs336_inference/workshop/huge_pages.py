@@ -53,7 +53,7 @@ def _owned_tensors(model: nn.Module):
     Not streamed: tables a step reads a row of (token embeddings: a table tied to the output head is
     read through the head; RoPE's angles) and a quantized layer's codes when a kernel layout (derived
     data, not in the state dict) is what its kernel reads."""
-    from .model.layers import RotaryEmbedding
+    from ..model.layers import RotaryEmbedding
 
     for module in model.modules():
         packed = getattr(module, "_packed", None)

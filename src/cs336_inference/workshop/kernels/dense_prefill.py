@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks
-from ..generation.compiled import _own_code, compile_settings
-from .kernels import announce_fallback, int4pack_dense
-from .linear import QuantizedLinear
+from ... import _checks
+from ...generation.compiled import _own_code, compile_settings
+from ...quantization.kernels import announce_fallback, int4pack_dense
+from ...quantization.linear import QuantizedLinear
 
 # Rows (tokens x batch) above which the compiled dequantization + dense matmul beats the int4pack
 # kernel: where the two crossed on SmolLM2's layers here, at one and at two threads.

@@ -10,11 +10,11 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from ..data.corpus import load_corpus
-from ..data.evaluation import compare_to_reference, evaluate_lm, long_range_recall, recall_nll
-from ..model import checkpoints
-from ..shipped_models import EVAL
-from ..tables import print_table
+from ...data.corpus import load_corpus
+from ...data.evaluation import compare_to_reference, evaluate_lm, long_range_recall, recall_nll
+from ...model import checkpoints
+from ...shipped_models import EVAL
+from ...tables import print_table
 from .base import Benchmark
 
 MODELS = ("target", "draft", "draft-scratch")

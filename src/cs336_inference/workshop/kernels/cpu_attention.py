@@ -72,8 +72,8 @@ def build() -> str | None:
     reason = cpu_supports()
     if reason is not None:
         return reason
-    from ..progress import ticker
-    from .disk_cache import cache_dir
+    from ...progress import ticker
+    from ...model.disk_cache import cache_dir
 
     folder = cache_dir() / "torch_extensions" / f"cpu_kernels-torch{torch.__version__}-{_build_key()}"
     library = folder / "cs336_cpu_kernels.so"

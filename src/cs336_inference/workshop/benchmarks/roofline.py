@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import torch
 
-from ..accounting.model_roofline import matvec_bandwidth, measure_decode, measure_prefill
-from ..accounting.plots import plot_model, plot_roofline
-from ..accounting.roofline import RooflineSweep, measure_hardware, roofline_sweep
+from ...accounting.model_roofline import matvec_bandwidth, measure_decode, measure_prefill
+from ...accounting.plots import plot_model, plot_roofline
+from ...accounting.roofline import RooflineSweep, measure_hardware, roofline_sweep
 from ..cpu_tuning import tune_for_cpu
-from ..device import default_dtype
-from ..model.config import ModelConfig
-from ..model.transformer import TransformerLM
-from ..tables import print_table
+from ...device import default_dtype
+from ...model.config import ModelConfig
+from ...model.transformer import TransformerLM
+from ...tables import print_table
 from .base import Benchmark
 
 

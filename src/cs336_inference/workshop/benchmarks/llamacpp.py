@@ -17,17 +17,17 @@ import time
 
 import torch
 
-from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
-from ..accounting.roofline import bandwidth_probe
+from ...accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
+from ...accounting.roofline import bandwidth_probe
 from ..cpu_tuning import tune_for_cpu
-from ..data.evaluation import decode_kl_to_reference
-from ..data.real_text import eval_text_tokens
+from ...data.evaluation import decode_kl_to_reference
+from ...data.real_text import eval_text_tokens
 from ..fast_path import EXACT_ACTIVATIONS, attention_kernel
-from ..model.checkpoints import load_pretrained
-from ..model.real_models import gguf_path, real_model_missing
-from ..quantization.dense_prefill import compile_dense_prefill
-from ..tables import print_table
-from ..timing import median_seconds, num_threads
+from ...model.checkpoints import load_pretrained
+from ...model.real_models import gguf_path, real_model_missing
+from ..kernels.dense_prefill import compile_dense_prefill
+from ...tables import print_table
+from ...timing import median_seconds, num_threads
 from .base import Benchmark, beside_bandwidth, fraction_of_bandwidth, grouped_bars, spread
 from .generation import timed_compiled_step
 
@@ -173,7 +173,7 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
 
 def _gguf_bytes_per_step() -> int:
     """llama.cpp reads every stored tensor once per decode step (the tied table as the output matmul)."""
-    from ..model.gguf import read_gguf
+    from ...model.gguf import read_gguf
 
     return sum(int(t.n_bytes) for t in read_gguf(gguf_path(MODEL)).tensors.values())
 

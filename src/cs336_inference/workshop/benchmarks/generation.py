@@ -24,23 +24,23 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 
-from .._openmp import spin_count, wait_policy
-from ..accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
-from ..accounting.roofline import bandwidth_probe
+from ..openmp import spin_count, wait_policy
+from ...accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
+from ...accounting.roofline import bandwidth_probe
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
-from ..data.evaluation import decode_kl_to_reference
-from ..data.real_text import eval_text_tokens
-from ..device import bf16_matmul_unit
+from ...data.evaluation import decode_kl_to_reference
+from ...data.real_text import eval_text_tokens
+from ...device import bf16_matmul_unit
 from ..fast_path import attention_kernel
-from ..generation.generate import generate
-from ..model import hf_peer as peer
-from ..model.checkpoints import load_pretrained
-from ..model.config import ModelConfig
-from ..model.real_models import gguf_path, load_gguf_weights
-from ..model.transformer import TransformerLM
-from ..quantization.model import quantize_model
-from ..tables import print_table
-from ..timing import busy_cpu, load_average, median_seconds, rss_bytes
+from ...generation.generate import generate
+from ..peers import hf_peer as peer
+from ...model.checkpoints import load_pretrained
+from ...model.config import ModelConfig
+from ...model.real_models import gguf_path, load_gguf_weights
+from ...model.transformer import TransformerLM
+from ...quantization.model import quantize_model
+from ...tables import print_table
+from ...timing import busy_cpu, load_average, median_seconds, rss_bytes
 from .base import Benchmark, alternate, beside_bandwidth, fraction_of_bandwidth, spread
 from .step_anatomy import PARTS, step_anatomy
 
@@ -122,7 +122,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         config = bench_config(preset, quick)
         model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
     else:
-        from ..model.real_models import real_model_missing
+        from ...model.real_models import real_model_missing
 
         if missing := real_model_missing(model):
             raise ValueError(f"bench generation --model {model}: {missing}")

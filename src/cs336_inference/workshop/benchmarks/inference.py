@@ -26,22 +26,22 @@ import torch
 import torch.nn as nn
 from tqdm.auto import tqdm
 
-from .. import _checks
+from ... import _checks
 from ..cpu_tuning import tune_for_cpu
-from ..data.corpus import load_corpus
-from ..data.evaluation import compare_on_text
-from ..data.real_text import bytes_per_token, pydoc_documents, token_stream
-from ..device import default_dtype, load_avg
-from ..model.checkpoints import available_pretrained, load_pretrained
-from ..model.real_models import REAL_MODELS
-from ..model.tokenizer import ByteTokenizer, load_tokenizer
-from ..quantization.linear import model_nbytes
-from ..quantization.model import quantize_model
-from ..serving import Engine, benchmark_metrics, flat_metrics, request_metrics, serve_one_at_a_time
-from ..serving.client import base_url, count_tokens, serve_over_http, served_models, stream_metrics
-from ..serving.request import Request
-from ..serving.workload import Workload
-from ..timing import PeakMemory
+from ...data.corpus import load_corpus
+from ...data.evaluation import compare_on_text
+from ...data.real_text import bytes_per_token, pydoc_documents, token_stream
+from ...device import default_dtype, load_avg
+from ...model.checkpoints import available_pretrained, load_pretrained
+from ...model.real_models import REAL_MODELS
+from ...model.tokenizer import ByteTokenizer, load_tokenizer
+from ...quantization.linear import model_nbytes
+from ...quantization.model import quantize_model
+from ...serving import Engine, benchmark_metrics, flat_metrics, request_metrics, serve_one_at_a_time
+from ...serving.client import base_url, count_tokens, serve_over_http, served_models, stream_metrics
+from ...serving.request import Request
+from ...serving.workload import Workload
+from ...timing import PeakMemory
 from .base import Benchmark, median_repeat
 from .generation import int4_group
 from .inference_report import plot_operating_points, plot_ttft, print_endpoint, print_inference

@@ -23,18 +23,18 @@ import torch
 from matplotlib.lines import Line2D
 from matplotlib.ticker import MaxNLocator
 
-from ..compression import distill, importance_scores, prune_model
-from ..data.corpus import corpus_documents
-from ..data.real_text import prose_paragraphs
-from ..data.training import TrainConfig
-from ..generation.generate import generate
-from ..generation.speculative import SpeculativeResult, speculative_generate
-from ..generation.speculative_costs import CLOCKS, measure_costs, predicted_speedup, timed
-from ..generation.speculative_theory import expected_speedup, optimal_gamma
-from ..model.checkpoints import load_pretrained
-from ..model.real_models import real_model_missing
-from ..model.tokenizer import load_tokenizer
-from ..tables import print_table
+from ...compression import distill, importance_scores, prune_model
+from ...data.corpus import corpus_documents
+from ...data.real_text import prose_paragraphs
+from ...data.training import TrainConfig
+from ...generation.generate import generate
+from ...generation.speculative import SpeculativeResult, speculative_generate
+from ...generation.speculative_costs import CLOCKS, measure_costs, predicted_speedup, timed
+from ...generation.speculative_theory import expected_speedup, optimal_gamma
+from ...model.checkpoints import load_pretrained
+from ...model.real_models import real_model_missing
+from ...model.tokenizer import load_tokenizer
+from ...tables import print_table
 from .base import Benchmark
 
 TEMPERATURES = (0.0, 1.0)

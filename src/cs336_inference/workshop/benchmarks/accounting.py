@@ -4,10 +4,10 @@ accelerators. Nothing is measured: every number comes from the `accounting` form
 
 from __future__ import annotations
 
-from ..accounting.formulas import (HARDWARE, REAL_MODELS, batch_sweep, kv_cache_bytes_per_token, max_batch_size,
+from ...accounting.formulas import (HARDWARE, REAL_MODELS, batch_sweep, kv_cache_bytes_per_token, max_batch_size,
                                    num_parameters, transformer_performance_stats, with_kv_heads)
-from ..accounting.plots import plot_kv_memory, plot_latency_throughput
-from ..tables import print_table
+from ...accounting.plots import plot_kv_memory, plot_latency_throughput
+from ...tables import print_table
 from .base import Benchmark
 
 MODEL, HW, SEQ_LEN = "llama2-13b", "H100", 1024

@@ -18,14 +18,14 @@ import time
 import matplotlib.pyplot as plt
 import torch
 
-from ..accounting import kv_cache_bytes
+from ...accounting import kv_cache_bytes
 from ..cpu_tuning import tune_for_cpu
-from ..data.passkey import passkey_trials, prefill_trial, score_trial
-from ..model import load_pretrained, load_tokenizer
-from ..model.convert import mean_pool_kv_heads, with_attention
-from ..quantization.kv import quantize_kv_cache
-from ..tables import long_context_table
-from ..timing import alternating_timings
+from ...data.passkey import passkey_trials, prefill_trial, score_trial
+from ...model import load_pretrained, load_tokenizer
+from ...model.convert import mean_pool_kv_heads, with_attention
+from ...quantization.kv import quantize_kv_cache
+from ...tables import long_context_table
+from ...timing import alternating_timings
 from .base import Benchmark, spread
 
 MODEL = "smollm2-135m"

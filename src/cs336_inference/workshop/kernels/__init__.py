@@ -1,0 +1,1 @@
+"""Python wrappers of our C++ kernels (`../csrc/`), compiled once per machine on first use."""
