@@ -112,8 +112,10 @@ def render(directory: Path | None = None) -> str:
              f"Generated from the committed results in [`figures/`](../figures/) by `{COMMAND}` (a test fails "
              "when this page is stale). Each section is one result: what it measures, where it ran, the tables "
              "its `bench NAME` prints, and its plots. `python -m cs336_inference bench NAME` measures again on "
-             "your machine (`--quick` for a smoke run into `figures/scratch/`); the machines these ran on are "
-             "shared and noisy, so compare variants measured side by side in one run, not numbers across runs.",
+             "your machine (`--quick` for a smoke run into `figures/scratch/`; `CS336_FIGURES=DIR` sends every "
+             "output to DIR), and `python -m cs336_inference figures` redraws every plot from its JSON. The "
+             "machines these ran on are shared and noisy: compare variants measured side by side in one run, "
+             "not numbers across runs. Earlier runs and the experiments behind the defaults: [log.md](log.md).",
              "", "| result | benchmark | what it measures |", "| --- | --- | --- |"]
     for name in results:
         bench = owners.get(name)
