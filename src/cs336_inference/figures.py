@@ -1,7 +1,7 @@
 """Where outputs go: committed benchmark results in `figures/`, everything else in a scratch folder.
 
 - `result=True, quick=False` (a full `bench NAME` run): `figures/NAME.json` / `.png` of the checkout,
-  the committed results the README, lecture and notebooks quote.
+  the committed results docs/benchmarks.md, the lecture and the notebooks quote.
 - `result=True, quick=True` (a `--quick` smoke run): the scratch folder, as `NAME_quick.*`.
 - anything else (notebooks, the lecture, ad-hoc plots): the scratch folder.
 The scratch folder is `figures/scratch/` of the checkout (git-ignored), so running the notebooks, the

@@ -1,7 +1,7 @@
-"""Session fixtures for the slow lecture tests: the README's two ways of running the lecture (the CLI,
-and edtrace's trace), each run once per session (the tests that read them are one `xdist_group`, so
-under pytest-xdist they share a worker). test_lecture.py and test_lecture_trace.py share them, and the
-determinism test compares the two runs' live numbers."""
+"""Session fixtures for the slow lecture tests: the two ways of running the lecture (the CLI, the README's
+command, and edtrace's trace, docs/lecture.md's), each run once per session (the tests that read them are
+one `xdist_group`, so under pytest-xdist they share a worker). test_lecture.py and test_lecture_trace.py
+share them, and the determinism test compares the two runs' live numbers."""
 
 from __future__ import annotations
 

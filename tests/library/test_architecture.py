@@ -1,6 +1,6 @@
 """The package's import graph: no cycles between modules, and sub-packages only import downward.
 
-Not graded: this checks the library's own layout (see the README's "where things live").
+Not graded: this checks the library's own layout (see docs/architecture.md, "Where things live").
 """
 
 from __future__ import annotations

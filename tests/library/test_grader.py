@@ -153,17 +153,20 @@ def test_the_skeleton_graded_with_the_printed_command_from_another_folder_scores
     assert last == results["output"] and f"0.00 / {sum(load_points().values()):.2f} points" in last, last
 
 
-def test_the_readme_states_the_points_that_points_py_gives():
-    """README.md's sentence about the graded suite's points, and its example summary line, carry the total of
-    tests/graded/points.py (the one source)."""
+def test_the_grading_page_states_the_points_that_points_py_gives():
+    """docs/grading.md's sentence about the graded suite's points, its example summary line and the reference's
+    score carry the total of tests/graded/points.py (the one source)."""
     from grading import load_points
     total = sum(load_points().values())
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "grading.md").read_text()
     stated = re.findall(r"`tests/graded/points\.py`,\s*(\d+(?:\.\d+)?) in all", text)
     examples = re.findall(r"graded my_solution: [\d.]+ / (\d+(?:\.\d+)?) points", text)
-    assert stated, "README.md must say '(weights: `tests/graded/points.py`, N in all; ...' with N the total"
-    assert [float(n) for n in stated + examples] == [total] * len(stated + examples), \
-        f"README.md states {stated + examples} points; tests/graded/points.py totals {total:g}"
+    reference = re.findall(r"The reference scores (\d+(?:\.\d+)?)", text)
+    assert stated, "docs/grading.md must say '(weights: `tests/graded/points.py`, N in all; ...' with N the total"
+    assert examples and reference, "docs/grading.md must show a summary line and the reference's score"
+    numbers = stated + examples + reference
+    assert [float(n) for n in numbers] == [total] * len(numbers), \
+        f"docs/grading.md states {numbers} points; tests/graded/points.py totals {total:g}"
 
 
 def test_a_missing_function_fails_only_its_own_tests_and_the_env_var_selects_the_package(tmp_path):

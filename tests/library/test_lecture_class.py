@@ -352,7 +352,7 @@ def test_class_path_renders_as_written_and_shows_every_official_image(lecture_cl
 
 
 def test_the_notebook_extra_installs_jupyterlab_and_ci_stays_lean():
-    """`pip install -e .[notebook]` gives the README's `jupyter lab`; .ci/setup (the tests run the notebooks
+    """`pip install -e .[notebook]` gives docs/lecture.md's `jupyter lab`; .ci/setup (the tests run the notebooks
     through nbclient + ipykernel) does not install it."""
     import tomllib
 

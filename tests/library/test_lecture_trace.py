@@ -1,4 +1,4 @@
-"""The lecture as an edtrace trace: `python -m edtrace.execute -m lecture_10 -o DIR` (the README's
+"""The lecture as an edtrace trace: `python -m edtrace.execute -m lecture_10 -o DIR` (docs/lecture.md's
 command) writes a trace with a heading and steps for every section, every `# @inspect` resolves,
 images resolve from any working directory; and the lecture steps like the official one: its sections in
 the official order, a link to the source of every figure the official lecture shows, short `text()`
@@ -293,7 +293,7 @@ def _trace(run) -> dict:
 
 @pytest.mark.slow
 def test_trace_has_a_heading_and_steps_for_every_section(lecture_trace_run):
-    """The README's command, from the repository root (the venv has lecture/ on its path, see .ci/setup)."""
+    """docs/lecture.md's command, from the repository root (the venv has lecture/ on its path, see .ci/setup)."""
     trace = _trace(lecture_trace_run)
     assert list(trace["files"]) == ["lecture/lecture_10.py"]
     steps = trace["steps"]

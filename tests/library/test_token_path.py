@@ -1,7 +1,8 @@
 """The path a token takes stays lean and never stalls a GPU.
 
 - package calls per generated token (`decode_one_token` then `sample_next_token`), counted with
-  `sys.setprofile` on a 4-layer GQA model, at 1 and 2 threads: at most 60 (gpt-fast's is ~41);
+  `sys.setprofile` on a 4-layer GQA model, at 1 and 2 threads: at most 60 (gpt-fast's `model.py`
+  makes 59 under the same counter);
 - host syncs (a value read back from the device) in a decode step and in the serving model
   runner's step: none (`host_syncs.HostSyncCounter`).
 Not graded (properties of the library's own decode path).

@@ -20,7 +20,7 @@ from .hardware import HardwareSpec
 def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
     """Streaming read bandwidth in bytes/s: time a reduction over an `nbytes` fp32 tensor (on a CPU, on
     2 MB pages where Linux grants them, as `tune_for_cpu` puts the weights: on 4 KB pages a reduction
-    spends part of its time walking page tables, 45 against 63 GB/s on the 2-core Zen 4 here)."""
+    spends part of its time walking page tables and reads measurably slower; see docs/benchmarks.md)."""
     return bandwidth_probe(device, nbytes, repeats)()
 
 

@@ -56,12 +56,12 @@ from ..timing import num_threads
 # benchmark model, `bench generation`); above it the gemm's own blocking wins.
 SPLIT_MAX_ROWS = 64
 # Rows up to which our `dense_gemv` runs: on SmolLM2's weights it is far ahead of `F.linear` at one row,
-# about even at 16 and behind at 32, where a gemm's blocking reuses each weight for more rows (README).
+# about even at 16 and behind at 32, where a gemm's blocking reuses each weight for more rows
+# (`bench generation`, docs/benchmarks.md).
 GEMV_MAX_ROWS = 16
 # ... except bf16 on a CPU with AMX tiles, where torch's bf16 matmul (oneDNN) multiplies 16-row tiles
-# at once: over 64 separate 3072x576 bf16 weights at 2 threads on a 2-core Xeon, ours took 12.4 ms for
-# 1 row against torch's 18.4, 15.6 against 19.4 for 2, 19.2 against 19.8 for 3 and 39.9 against 19.5
-# for 8 (a batch-8 bf16 step was slower than fp32's). There it keeps 2 rows.
+# at once: timed over many separate bf16 weights, ours stays ahead only for the first few rows and
+# falls well behind by 8 (a batch-8 bf16 step was slower than fp32's). There it keeps 2 rows.
 GEMV_MAX_ROWS_AMX_BF16 = 2
 
 

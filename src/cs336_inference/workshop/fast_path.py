@@ -31,7 +31,7 @@ EXACT_ACTIVATIONS = "float32"
 #   Python it costs a few ms per step.
 # - size_asserts off: that code would check the size and stride of every input and every custom op's
 #   output (~400 checks on SmolLM2), and each check builds an error message (a std::stringstream)
-#   even when it passes: 0.07-0.2 ms of a SmolLM2 step on a 2-core Xeon (in-process A/B). The inputs
+#   even when it passes: a small but measurable part of a SmolLM2 step (in-process A/B). The inputs
 #   are checked already, before the call, by the compiled step's guards (the ids and the cache), or
 #   are the frozen model's own weights; our kernels' output shapes are tested against their declared
 #   ones (`cpu_attention.build`).

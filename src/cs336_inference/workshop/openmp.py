@@ -6,8 +6,8 @@ can steal the core another process, or our own main thread, needs; with OMP_WAIT
 workers sleep instead, but waking a sleeping worker costs tens of microseconds per region, and a
 batch-1 decode step is a chain of short regions with serial work (attention, norms, Python between
 steps) in the gaps. So we set PASSIVE with a spin, GOMP_SPINCOUNT=300000 (GNU OpenMP, which torch's
-Linux wheels use; ~3 ms by its own estimate of ~100 spins per microsecond, and the count it uses when
-no policy is set): long enough that a worker does not fall asleep inside a decode step, then it sleeps.
+Linux wheels use; a few milliseconds by its own estimate of spins per microsecond, and the count it uses
+when no policy is set): long enough that a worker does not fall asleep inside a decode step, then it sleeps.
 An earlier, shorter spin (10000) let workers fall asleep between the regions of a step, which made
 the 2-thread step slower, idle and busy (`bench thread_policy` compares the policies in one run). What keeps
 a spinning worker off a contended core is `cpu_tuning.tune_for_cpu`: a tuned model drops a decode step

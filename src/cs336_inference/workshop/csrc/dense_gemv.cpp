@@ -30,11 +30,10 @@ namespace {
 
 constexpr int kTile = 4;   // rows of x per pass over a row of W (while it sits in L1)
 // Before reading a row of W, ask for the bytes 8 KiB further on into L2 (one prefetch per 64-byte line):
-// the hardware's own prefetcher alone left two threads streaming at ~33 GB/s on a 2-core Xeon with AMX,
-// with these at ~40 (4-32 KiB ahead all did; into L1 less so, and `prefetchnta` halved the speed); with
-// the host in a slow phase, 23.8 against 24.5-25.3. Measured there only (on Zen 4, see the README).
-// SmolLM2's compiled step at 2 threads, 12 rounds alternated in one process: bf16 11.06 -> 9.85 ms,
-// fp32 20.31 -> 19.37, faster in 12/12 rounds each; at 1 thread, no change (bf16 27.74 -> 27.70).
+// on a 2-core Xeon with AMX the hardware's own prefetcher alone left two threads streaming slower than
+// with these (4-32 KiB ahead all did as well; into L1 less so, and `prefetchnta` was far slower), and
+// SmolLM2's compiled step at 2 threads got faster in every alternated round; at 1 thread, no change.
+// Measured on that Xeon only (on Zen 4 an earlier software prefetch did not move the kernel).
 constexpr int64_t kPrefetchAhead = 8 << 10;
 
 // The elements one load holds, the product-sum step and the final sum, per dtype and load width (256 or
@@ -156,10 +155,9 @@ void rows(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K, int64_t
 
 // The load width `dense_gemv` streams with: 256 bits on Zen 4 (AMD family 25), which splits a 512-bit
 // load in two and read faster with 256-bit ones; 512 elsewhere. Intel's cores with AVX512-BF16 load 64
-// bytes at once: SmolLM2's compiled step on a 2-core Xeon with AMX at 2 threads, 256 -> 512-bit loads
-// alternated in one process: batch 1 bf16 12.30 -> 11.85 ms (faster in 11 of 12 rounds), fp32 22.33 ->
-// 21.11 (12 of 12); bf16 batch 2 16.49 -> 15.34 (8 of 8), fp32 batch 8 36.00 -> 34.81 (8 of 8). Before
-// the 8 KiB prefetch into L2 (above), 512-bit loads had been slower there (README). Zen 5, whose server
+// bytes at once: SmolLM2's compiled step on a 2-core Xeon with AMX at 2 threads, 256 against 512-bit
+// loads alternated in one process, was faster with 512 at batch 1, 2 and 8, bf16 and fp32. Before
+// the 8 KiB prefetch into L2 (above), 512-bit loads had been slower there. Zen 5, whose server
 // cores load 512 bits at once, is unmeasured. `dense_gemv_load_bits` reads or overrides the choice
 // (tests run both widths on any CPU).
 std::atomic<int> forced_bits{0};   // 0: the CPU's default
@@ -184,8 +182,8 @@ int load_bits() {
 template <typename T>
 void gemv(const T* x, const T* w, T* y, int64_t M, int64_t N, int64_t K) {
   // at least ~64 KiB of weights per thread, taken 16 KiB at a time (parallel_rows.h: SmolLM2's compiled
-  // bf16 step at 2 threads, 10 rounds alternated in one process against equal shares and no taking
-  // over, ~2% faster: 13.41 -> 13.11 ms in 10/10 and 12.99 -> 12.78 in 9/10)
+  // bf16 step at 2 threads, alternated in one process against equal shares and no taking over, was a
+  // little faster in most rounds)
   const int64_t row_bytes = K * static_cast<int64_t>(sizeof(T));
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (row_bytes + 1));
   cs336::parallel_rows(N, std::min<int64_t>(at::get_num_threads(), (N + grain - 1) / grain),

@@ -121,8 +121,8 @@ void run_blocks(const uint16_t* cp, const c10::BFloat16* sp, const c10::BFloat16
                 const float* xsum, int64_t M, int64_t K, int64_t G, int64_t blocks, Out* yp) {
   const int64_t N = 16 * blocks, group = K / G;
   // each thread streams its own blocks, 16 KiB at a time, then takes over the back of a slower one's
-  // (parallel_rows.h; SmolLM2's compiled exact-int4 step at 2 threads, 12 rounds alternated in one
-  // process against equal shares and no taking over: 8.28 -> 8.13 ms in 11/12, 8.46 -> 8.21 in 9/12)
+  // (parallel_rows.h; SmolLM2's compiled exact-int4 step at 2 threads, alternated in one process
+  // against equal shares and no taking over, was a little faster in most rounds)
   const int64_t block_bytes = 16 * (K / 2) + 16 * G * 2 * 2;
   cs336::parallel_rows(blocks, at::get_num_threads(), std::max<int64_t>(1, (16 << 10) / block_bytes),
                        [&](int64_t b0, int64_t b1) {

@@ -34,9 +34,8 @@ NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
 # weight per call, so it wins a 128-token prefill and the two cross a few hundred rows on.
 DENSE_ROWS = 512
 # ... except where the CPU has AMX: there the dense route's bf16 matmul runs on AMX tiles and wins
-# sooner. SmolLM2's exact-int4 prefill on a 2-core Xeon with AMX, 2 threads, ours against the dense
-# route, 8 rounds alternated in one process: 54 against 130 ms for 16 tokens, 91/149 for 32, 169/192
-# for 64, 249/232 for 96 and 312/249 for 128 (at 1 thread: 303/309 for 64, 583/420 for 128).
+# sooner: on SmolLM2's exact-int4 prefill, alternated in one process, ours is ahead for a few dozen rows,
+# about even near 64 and behind from there on, at 1 and 2 threads.
 DENSE_ROWS_AMX = 64
 
 
