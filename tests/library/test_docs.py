@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PKG_DIR = ROOT / "src" / "cs336_inference"
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
-DOCS_COMMAND = "python -m cs336_inference.benchmarks.docs_page"
+DOCS_COMMAND = "python -m cs336_inference.workshop.benchmarks.docs_page"
 
 # --- no measured timings in library comments and docstrings ----------------------------------------
 
@@ -38,7 +38,7 @@ TIMING = re.compile(
 SETTINGS = {
     ("serving/http/prometheus.py", "finer ones below 10 ms"),       # histogram bucket bounds
     ("serving/http/server.py", "Python's default is 5 ms"),         # the interpreter's switch interval
-    ("startup.py", "default up to 5 ms each time"),                 # the same interval
+    ("workshop/startup.py", "default up to 5 ms each time"),                 # the same interval
 }
 
 
@@ -207,7 +207,7 @@ def test_the_link_check_catches_a_missing_file_and_an_outside_link(tmp_path):
 
 
 def test_docs_benchmarks_md_is_generated_fresh_from_the_figures():
-    from cs336_inference.benchmarks import docs_page
+    from cs336_inference.workshop.benchmarks import docs_page
 
     assert docs_page.COMMAND == DOCS_COMMAND
     page = DOCS / "benchmarks.md"
@@ -229,7 +229,7 @@ def test_the_benchmarks_page_shows_what_a_figure_says(tmp_path):
     result's machine and date come from the JSON's own fields."""
     import json
 
-    from cs336_inference.benchmarks import docs_page
+    from cs336_inference.workshop.benchmarks import docs_page
 
     result = json.loads((ROOT / "figures" / "llamacpp.json").read_text())
     result["machine"].update(cpu="Test CPU 9000", cpu_count=64)
@@ -243,7 +243,7 @@ def test_the_benchmarks_page_shows_what_a_figure_says(tmp_path):
 
 
 def test_the_readme_names_the_generator_command():
-    from cs336_inference.benchmarks import docs_page
+    from cs336_inference.workshop.benchmarks import docs_page
 
     assert f"`{docs_page.COMMAND}`" in README.read_text()
 

@@ -6,8 +6,8 @@ benchmark's own tables as `bench NAME` prints them, and links to its plots. The 
 outside figures/ where measured numbers live; a test regenerates it and fails when the committed page
 is stale.
 
-    python -m cs336_inference.benchmarks.docs_page            # rewrite docs/benchmarks.md
-    python -m cs336_inference.benchmarks.docs_page --check    # exit 1 if it is stale
+    python -m cs336_inference.workshop.benchmarks.docs_page            # rewrite docs/benchmarks.md
+    python -m cs336_inference.workshop.benchmarks.docs_page --check    # exit 1 if it is stale
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ import re
 import sys
 from pathlib import Path
 
-from ..figures import figures_dir
+from ...figures import figures_dir
 
-COMMAND = "python -m cs336_inference.benchmarks.docs_page"
+COMMAND = "python -m cs336_inference.workshop.benchmarks.docs_page"
 
 
 def benchmarks() -> dict[str, object]:
