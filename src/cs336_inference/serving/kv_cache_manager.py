@@ -252,7 +252,8 @@ def _unknown(seq_id) -> ValueError:
 def _check_tokens(token_ids) -> list[int]:
     if not isinstance(token_ids, (list, tuple)) or not token_ids:
         raise ValueError(f"token_ids must be a non-empty list of ints, got {token_ids!r:.80}")
-    if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in token_ids):
+    kinds = {type(t) for t in token_ids}   # one pass in C, then a check per kind (not per token)
+    if any(not issubclass(k, int) or issubclass(k, bool) for k in kinds) or min(token_ids) < 0:
         raise ValueError(f"token_ids must hold non-negative ints, got {list(token_ids)!r:.80}")
     return list(token_ids)
 
