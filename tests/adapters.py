@@ -20,6 +20,7 @@ import implementation
 import sandbox
 
 from cs336_inference.device import default_dtype, get_device, seed_everything
+from cs336_inference.homework.registry import FORMER_NAMES
 from cs336_inference.generation import decode_one_token, generate, prefill
 from cs336_inference.model import (ByteTokenizer, ModelConfig, RMSNorm, SwiGLU, TransformerLM, apply_rope, checkpoints,
                                    rope_angles, scaled_dot_product_attention)
@@ -29,12 +30,28 @@ def _graded(name: str, returns="any"):
     """NAME in the implementation under test, as a guarded callable (tests/guard.py; a student's package
     runs in a process of its own, tests/sandbox.py): it raises "not implemented: NAME" if the package has
     none, and its result must be of the kind `returns` names
-    ("tensor", "int", "number", "bool", "dict", "list", a tuple of those, or {member: kind} for an object)."""
-    def graded_call(*args):
+    ("tensor", "int", "number", "bool", "dict", "list", a tuple of those, or {member: kind} for an object).
+    A package written to an older skeleton may define NAME under its former name (registry.FORMER_NAMES)."""
+    former = [old for old, new in FORMER_NAMES.items() if new == name]
+
+    def call(graded_name, args):
         if implementation.isolated():                  # a student's package: in its worker process
-            return sandbox.call(name, args, returns=returns)
-        fn = guard.call(name, implementation.get, (name,), returns="raw")
-        return guard.call(name, fn, guard.private_copies(args), returns=returns)
+            return sandbox.call(graded_name, args, returns=returns)
+        fn = guard.call(graded_name, implementation.get, (graded_name,), returns="raw")
+        return guard.call(graded_name, fn, guard.private_copies(args), returns=returns)
+
+    def graded_call(*args):
+        try:
+            return call(name, args)
+        except implementation.NotImplementedGraded as missing:
+            if not former or f"defines no {name}" not in str(missing):
+                raise
+            try:
+                return call(former[0], args)
+            except implementation.NotImplementedGraded as also_missing:
+                if f"defines no {former[0]}" in str(also_missing):
+                    raise missing from None        # under neither name: report the current one
+                raise
     return graded_call
 
 
@@ -130,21 +147,27 @@ def run_mla_attention(x, weights, num_heads, rope_theta=10000.0) -> torch.Tensor
 KV_CACHE = {"length": "int", "nbytes": "int", "bytes_per_token": "int", "append": T2, "truncate": "any"}
 
 
-def make_graded_kv_cache(batch_size, num_kv_heads, head_dim, max_seq_len):
-    """An object with .length, .nbytes, .bytes_per_token, .append(k, v) -> (keys, values), .truncate(n)."""
-    return _graded("KVCache", KV_CACHE)(batch_size, num_kv_heads, head_dim, max_seq_len)
+def make_graded_contiguous_kv_cache(batch_size, num_kv_heads, head_dim, max_seq_len):
+    """One layer's cache: .length, .nbytes, .bytes_per_token, .append(k, v) -> (keys, values), .truncate(n)."""
+    return _graded("ContiguousKVCache", KV_CACHE)(batch_size, num_kv_heads, head_dim, max_seq_len)
+
+
+make_graded_kv_cache = make_graded_contiguous_kv_cache   # deprecated: its former name (graded `KVCache`)
 
 
 def run_sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
     return _graded("sliding_window_mask", T)(num_new, start, window)
 
 
-ROLLING_BUFFER = {"length": "int", "nbytes": "int", "append": "any", "context": T2, "truncate": "any"}
+ROLLING_KV_CACHE = {"length": "int", "nbytes": "int", "append": "any", "context": T2, "truncate": "any"}
 
 
-def make_rolling_kv_buffer(batch_size, num_kv_heads, head_dim, window, capacity):
+def make_graded_rolling_kv_cache(batch_size, num_kv_heads, head_dim, window, capacity):
     """An object with .length, .nbytes, .append(k, v), .context() -> (k, v), .truncate(n)."""
-    return _graded("RollingKVBuffer", ROLLING_BUFFER)(batch_size, num_kv_heads, head_dim, window, capacity)
+    return _graded("RollingKVCache", ROLLING_KV_CACHE)(batch_size, num_kv_heads, head_dim, window, capacity)
+
+
+make_rolling_kv_buffer = make_graded_rolling_kv_cache    # deprecated: its former name (graded `RollingKVBuffer`)
 
 
 # --- alternatives to the Transformer: fixed-state layers ---
@@ -211,13 +234,16 @@ def make_block_allocator(num_blocks: int, block_size: int):
     return _graded("BlockAllocator", BLOCK_ALLOCATOR)(num_blocks, block_size)
 
 
-BLOCK_MANAGER = {"num_free_blocks": "int", "allocate": "list", "block_table": "list", "ref_count": "int",
+KV_CACHE_MANAGER = {"num_free_blocks": "int", "allocate": "list", "block_table": "list", "ref_count": "int",
                  "append_needs_block": "bool", "append_slot": "any", "fork": "any", "free": "any"}
 
 
-def make_paged_block_manager(num_blocks: int, block_size: int):
+def make_graded_kv_cache_manager(num_blocks: int, block_size: int):
     """Block tables over one pool: .allocate(seq, n), .append_slot(seq), .fork(a, b), .free(seq), ..."""
-    return _graded("BlockManager", BLOCK_MANAGER)(num_blocks, block_size)
+    return _graded("KVCacheManager", KV_CACHE_MANAGER)(num_blocks, block_size)
+
+
+make_paged_block_manager = make_graded_kv_cache_manager  # deprecated: its former name (graded `BlockManager`)
 
 
 def run_paged_attention(q, k_pool, v_pool, block_tables, context_lens, query_lens) -> torch.Tensor:
@@ -859,8 +885,9 @@ def run_speculative_output_distribution(p, q) -> dict:
 # --- serving: paged KV memory (blocks, prefix sharing, copy-on-write), paged attention, schedulers ---
 
 
-def make_block_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
-    """Block tables of many sequences: allocate / allocate_slots / fork / free / cache_blocks."""
+def make_kv_cache_manager(num_blocks: int, block_size: int, prefix_caching: bool = True, hash_fn=None):
+    """The library's `KVCacheManager` (block tables of many sequences: allocate / allocate_slots / fork / free /
+    cache_blocks, with prefix caching; the graded one is `make_graded_kv_cache_manager`)."""
     from cs336_inference.serving import KVCacheManager, chained_block_hash
     return KVCacheManager(num_blocks, block_size, prefix_caching, hash_fn or chained_block_hash)
 

@@ -10,7 +10,7 @@ A graded call:
   Python ints / floats / bools / strings, sympy expressions, and lists, tuples and dicts of those. A
   result of the wrong kind fails with a message naming the function, what it returned and what was
   expected (tests never call a method of a student's object they did not ask for);
-- class instances (BlockAllocator, RollingKVBuffer, ...) come back wrapped (`GuardedObject`): each
+- class instances (BlockAllocator, RollingKVCache, ...) come back wrapped (`GuardedObject`): each
   method call and attribute read is a graded call of its own.
 """
 

@@ -1,9 +1,9 @@
-"""Graded: a preallocated KV cache with rollback (KVCache). The reference is a Python list of every
+"""Graded: a preallocated KV cache with rollback (ContiguousKVCache: one layer). The reference is a Python list of every
 position's key and value, cut on rollback."""
 
 import pytest
 import torch
-from adapters import make_graded_kv_cache
+from adapters import make_graded_contiguous_kv_cache
 
 B, K, H, MAX = 2, 3, 4, 12
 
@@ -18,7 +18,7 @@ def _stack(kept):
 
 def test_appends_return_every_position_so_far_and_truncate_rolls_back():
     g = torch.Generator().manual_seed(0)
-    cache, kept = make_graded_kv_cache(B, K, H, MAX), []
+    cache, kept = make_graded_contiguous_kv_cache(B, K, H, MAX), []
     for op in [("append", 3), ("append", 1), ("append", 2), ("truncate", 4), ("append", 1), ("truncate", 0),
                ("append", 5), ("append", 1), ("truncate", 5), ("truncate", 5), ("append", 7)]:
         if op[0] == "append":
@@ -38,7 +38,7 @@ def test_appends_return_every_position_so_far_and_truncate_rolls_back():
 
 def test_overflow_and_bad_rollbacks_are_refused_and_change_nothing():
     g = torch.Generator().manual_seed(1)
-    cache = make_graded_kv_cache(B, K, H, MAX)
+    cache = make_graded_contiguous_kv_cache(B, K, H, MAX)
     k, v = _kv(10, g)
     cache.append(k, v)
     for bad in (lambda: cache.append(*_kv(3, g)), lambda: cache.truncate(11), lambda: cache.truncate(-1)):
@@ -51,6 +51,6 @@ def test_overflow_and_bad_rollbacks_are_refused_and_change_nothing():
 
 @pytest.mark.parametrize("batch, heads, dim, max_len", [(2, 3, 4, 12), (1, 8, 64, 100), (4, 1, 2, 7)])
 def test_bytes_of_the_preallocated_buffers(batch, heads, dim, max_len):
-    cache = make_graded_kv_cache(batch, heads, dim, max_len)
+    cache = make_graded_contiguous_kv_cache(batch, heads, dim, max_len)
     assert cache.nbytes == 2 * batch * heads * max_len * dim * 4, "keys and values, preallocated, float32"
     assert cache.bytes_per_token == 2 * heads * dim * 4, "one position of one sequence: K and V of every head"

@@ -1,9 +1,9 @@
-"""Graded: the sliding-window layer's rolling buffer (RollingKVBuffer). The reference is a simulation
+"""Graded: the sliding-window layer's rolling buffer (RollingKVCache). The reference is a simulation
 written here: which position each ring slot holds (slot p % capacity), and every value ever written."""
 
 import pytest
 import torch
-from adapters import make_rolling_kv_buffer, watching
+from adapters import make_graded_rolling_kv_cache, watching
 from write_checks import DuplicateWrites
 
 B, K, H = 2, 2, 4
@@ -53,7 +53,7 @@ def _kv(T, g):
 
 def test_appends_wrap_around_and_the_context_is_the_last_window():
     g = torch.Generator().manual_seed(0)
-    buffer, ref = make_rolling_kv_buffer(B, K, H, 4, 4), RefRing(4, 4)
+    buffer, ref = make_graded_rolling_kv_cache(B, K, H, 4, 4), RefRing(4, 4)
     for T in [1, 2, 3, 1, 1, 5, 1, 9, 1]:     # T = 9 > capacity: only the last 4 positions survive
         k, v = _kv(T, g)
         buffer.append(k, v)
@@ -66,7 +66,7 @@ def test_a_second_rollback_after_the_ring_wrapped_is_refused():
     positions 4-6. Rolling back to 10 is fine (7-9 intact); after one more token, rolling back to 8 needs
     position 5 again, whose slot now holds the rejected position 11: refused, nothing changes."""
     g = torch.Generator().manual_seed(1)
-    buffer, ref = make_rolling_kv_buffer(B, K, H, 4, 6), RefRing(4, 6)
+    buffer, ref = make_graded_rolling_kv_cache(B, K, H, 4, 6), RefRing(4, 6)
     for T in (10, 3):
         kv = _kv(T, g)
         buffer.append(*kv)
@@ -88,7 +88,7 @@ def test_a_second_rollback_after_the_ring_wrapped_is_refused():
 @pytest.mark.parametrize("window, capacity", [(4, 4), (4, 6), (3, 7), (1, 3)])
 def test_random_appends_and_rollbacks_match_the_slot_simulation(window, capacity):
     g = torch.Generator().manual_seed(window * 10 + capacity)
-    buffer, ref = make_rolling_kv_buffer(B, K, H, window, capacity), RefRing(window, capacity)
+    buffer, ref = make_graded_rolling_kv_cache(B, K, H, window, capacity), RefRing(window, capacity)
     refused = accepted = 0
     for step in range(60):
         if ref.length > 0 and torch.rand(1, generator=g).item() < 0.4:
@@ -115,7 +115,7 @@ def test_random_appends_and_rollbacks_match_the_slot_simulation(window, capacity
 @pytest.mark.parametrize("window, capacity", [(4, 4), (4, 6), (3, 7)])
 def test_the_ring_holds_capacity_slots_however_long_the_sequence(window, capacity):
     g = torch.Generator().manual_seed(3)
-    buffer = make_rolling_kv_buffer(B, K, H, window, capacity)
+    buffer = make_graded_rolling_kv_cache(B, K, H, window, capacity)
     want = 2 * B * K * capacity * H * 4
     assert buffer.nbytes == want, f"nbytes {buffer.nbytes}, want 2 B K capacity H x 4 bytes = {want}"
     for T in (1, capacity + 5, 2, 3 * capacity):
@@ -125,7 +125,7 @@ def test_the_ring_holds_capacity_slots_however_long_the_sequence(window, capacit
 
 def test_an_append_longer_than_the_ring_writes_each_slot_once():
     g = torch.Generator().manual_seed(4)
-    buffer, ref = make_rolling_kv_buffer(B, K, H, 3, 5), RefRing(3, 5)
+    buffer, ref = make_graded_rolling_kv_cache(B, K, H, 3, 5), RefRing(3, 5)
     for T in (2, 12, 1, 9):
         kv = _kv(T, g)
         with watching(DuplicateWrites) as mode:

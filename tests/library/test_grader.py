@@ -172,7 +172,7 @@ def test_the_grading_page_states_the_points_that_points_py_gives():
 def test_a_missing_function_fails_only_its_own_tests_and_the_env_var_selects_the_package(tmp_path):
     partial = tmp_path / "partial_solution.py"
     partial.write_text("from cs336_inference.homework.reference import *  # noqa\n"
-                       "from cs336_inference.homework.reference import RollingKVBuffer  # noqa\n"
+                       "from cs336_inference.homework.reference import RollingKVCache  # noqa\n"
                        "del get_batch\n")
     out = tmp_path / "results.json"
     rc, log = grade(GRADED_DIR / "test_batch_sampler.py", GRADED_DIR / "test_rolling_buffer.py",
@@ -184,6 +184,18 @@ def test_a_missing_function_fails_only_its_own_tests_and_the_env_var_selects_the
             assert t["status"] == "failed" and "not implemented: get_batch" in t["output"], t
         else:
             assert t["status"] == "passed", t                 # never a fallback, never collateral damage
+
+
+def test_a_package_written_to_the_old_skeleton_is_graded_under_the_former_names(tmp_path):
+    """registry.FORMER_NAMES: a student's `RollingKVBuffer` (now `RollingKVCache`) is still found, in the sandbox."""
+    old = tmp_path / "old_skeleton_solution.py"
+    old.write_text("from cs336_inference.homework.reference import *  # noqa\n"
+                   "from cs336_inference.homework.reference import RollingKVCache as RollingKVBuffer  # noqa\n"
+                   "del RollingKVCache\n")
+    out = tmp_path / "results.json"
+    rc, log = grade(GRADED_DIR / "test_rolling_buffer.py", "--grade-json", out, env={"CS336_INFERENCE_IMPL": str(old)})
+    assert rc == 0, log[-3000:]
+    assert all(t["status"] == "passed" for t in json.loads(out.read_text())["tests"])
 
 
 def test_an_unimportable_package_fails_every_graded_test_without_crashing_the_run(tmp_path):

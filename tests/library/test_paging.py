@@ -66,7 +66,7 @@ def _snapshot(m):
 
 
 def test_fork_then_copy_on_write_keeps_the_parent_intact():
-    m = adapters.make_block_manager(8, 4)
+    m = adapters.make_kv_cache_manager(8, 4)
     m.allocate("p", [1, 2, 3, 4, 5])            # blocks: [full, 1 token]
     m.fork("p", "c")
     assert m.tables["c"].blocks == m.tables["p"].blocks
@@ -82,7 +82,7 @@ def test_fork_then_copy_on_write_keeps_the_parent_intact():
 
 
 def test_prefix_sharing_reuses_full_blocks_and_skips_them():
-    m = adapters.make_block_manager(16, 4)
+    m = adapters.make_kv_cache_manager(16, 4)
     system = list(range(10, 22))                 # 12 tokens = 3 full blocks
     assert m.allocate("a", system + [1, 2]) == 0
     m.cache_blocks("a", system + [1, 2])
@@ -100,7 +100,7 @@ def test_prefix_sharing_reuses_full_blocks_and_skips_them():
 
 
 def test_prefix_cache_never_shares_on_hash_collision():
-    m = adapters.make_block_manager(16, 2, hash_fn=lambda parent, tokens: 0)  # every block collides
+    m = adapters.make_kv_cache_manager(16, 2, hash_fn=lambda parent, tokens: 0)  # every block collides
     m.allocate("a", [1, 2, 3, 4, 5])
     m.cache_blocks("a", [1, 2, 3, 4, 5])
     assert m.allocate("b", [7, 8, 3, 4, 5]) == 0  # same second block, different first: no share
@@ -109,7 +109,7 @@ def test_prefix_cache_never_shares_on_hash_collision():
 
 
 def test_manager_errors_leave_state_intact():
-    m = adapters.make_block_manager(3, 2)
+    m = adapters.make_kv_cache_manager(3, 2)
     m.allocate("a", [1, 2, 3])                   # 2 blocks
     before = _snapshot(m)
     with pytest.raises(OutOfBlocksError):
@@ -154,7 +154,7 @@ def test_block_manager_invariants_under_random_operations(seed, mode):
     rng = random.Random(seed)
     num_blocks, bs = 24, rng.choice([1, 2, 4])
     hash_fn = (lambda parent, tokens: len(tokens)) if mode == "colliding_hash" else None
-    m = adapters.make_block_manager(num_blocks, bs, prefix_caching=mode != "no_prefix", hash_fn=hash_fn)
+    m = adapters.make_kv_cache_manager(num_blocks, bs, prefix_caching=mode != "no_prefix", hash_fn=hash_fn)
     pool = [None] * (num_blocks * bs)
     expected: dict[int, list[int]] = {}         # the test's own record of every live sequence
     history: list[list[int]] = [[rng.randrange(3) for _ in range(9)]]
@@ -255,7 +255,7 @@ def test_contiguous_allocator_fragments_and_refuses_cleanly():
 
 def test_paged_memory_waste_is_below_one_block_per_sequence():
     rng = random.Random(0)
-    m = adapters.make_block_manager(200, 16, prefix_caching=False)
+    m = adapters.make_kv_cache_manager(200, 16, prefix_caching=False)
     lengths = [rng.randint(1, 100) for _ in range(20)]
     for i, n in enumerate(lengths):
         m.allocate(i, [1] * n)
@@ -267,7 +267,7 @@ def test_paged_memory_waste_is_below_one_block_per_sequence():
 
 
 def test_memory_stats_count_shared_blocks_once():
-    m = adapters.make_block_manager(16, 4)
+    m = adapters.make_kv_cache_manager(16, 4)
     m.allocate("a", list(range(10)))
     m.fork("a", "b")
     stats = m.memory_stats()

@@ -3,6 +3,9 @@
 - package calls per generated token (`decode_one_token` then `sample_next_token`), counted with
   `sys.setprofile` on a 4-layer GQA model, at 1 and 2 threads: at most 60 (gpt-fast's `model.py`
   makes 59 under the same counter);
+- package calls in one serving decode step of 4 running requests (schedule -> run -> sample ->
+  postprocess): at most 130, of which paging (`KVCacheManager` and its `BlockPool`) at most 20
+  (issue 47 measured 274 before paging became one pool validated at the manager's edge);
 - host syncs (a value read back from the device) in a decode step and in the serving model
   runner's step: none (`host_syncs.HostSyncCounter`).
 Not graded (properties of the library's own decode path).
@@ -23,10 +26,27 @@ from host_syncs import HostSyncCounter
 PACKAGE = str(Path(cs336_inference.__file__).parent)
 CFG = dict(vocab_size=257, context_length=64, d_model=64, num_layers=4, num_heads=4, num_kv_heads=2, d_ff=128)
 MAX_CALLS_PER_TOKEN = 60
+MAX_CALLS_PER_SERVING_STEP = 130      # 4 requests decoding; 121 measured when set
+MAX_PAGING_CALLS_PER_SERVING_STEP = 20
 
 
 def _model(**overrides):
     return adapters.make_model(adapters.make_config(**{**CFG, **overrides}), seed=0).eval()
+
+
+def _count_package_calls(fn) -> collections.Counter:
+    """Calls of functions whose code lives in the package while `fn()` runs, by file:function."""
+    calls = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
+            calls[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls
 
 
 def _calls_per_token(model, threads: int) -> collections.Counter:
@@ -38,16 +58,8 @@ def _calls_per_token(model, threads: int) -> collections.Counter:
             token = model(torch.randint(0, 257, (1, 8)), cache=cache)[:, -1].argmax(-1)
             for _ in range(3):   # warm: nothing cached lazily on the first steps is counted
                 token = sample_next_token(decode_one_token(model, token, cache), temperature=0)
-            calls = collections.Counter()
-
-            def profile(frame, event, arg):
-                if event == "call" and frame.f_code.co_filename.startswith(PACKAGE):
-                    calls[f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}"] += 1
-            sys.setprofile(profile)
-            try:
-                token = sample_next_token(decode_one_token(model, token, cache), temperature=0)
-            finally:
-                sys.setprofile(None)
+            last = token
+            calls = _count_package_calls(lambda: sample_next_token(decode_one_token(model, last, cache), temperature=0))
     finally:
         torch.set_num_threads(previous)
     return calls
@@ -59,6 +71,31 @@ def test_a_generated_token_costs_at_most_60_package_calls(threads):
     total = sum(calls.values())
     assert total <= MAX_CALLS_PER_TOKEN, f"{total} calls per token: {calls.most_common()}"
     assert calls["generate.py:decode_one_token"] == 1 and calls["transformer.py:forward"] == 5   # model + 4 blocks
+
+
+def test_a_serving_decode_step_of_4_requests_costs_at_most_130_package_calls():
+    """One engine step while 4 requests decode (one of them fills a block, so a block is allocated and
+    named in the prefix cache): the bookkeeping around the forward stays small, and paging costs a few
+    calls per sequence, not a validation per block id at every level."""
+    from cs336_inference.serving import Engine, SamplingParams
+
+    engine = Engine(_model(), block_size=4)
+    for i in range(4):
+        engine.add_request(list(range(1, 6 + i)), SamplingParams(max_tokens=20))
+    for _ in range(3):   # the prefills, then decode steps: nothing lazily built on a first step is counted
+        engine.step()
+    assert len(engine.scheduler.running) == 4 and not engine.scheduler.waiting
+    outputs = []
+    with torch.inference_mode():
+        calls = _count_package_calls(lambda: outputs.extend(engine.step()))
+    assert len(engine.last_step.tokens_per_sequence) == 4 and engine.last_step.num_prefills == 0
+    assert sorted(len(o.new_token_ids) for o in outputs) == [1, 1, 1, 1]
+    total = sum(calls.values())
+    paging = sum(n for name, n in calls.items() if name.split(":")[0] in ("kv_cache_manager.py", "block_pool.py"))
+    assert total <= MAX_CALLS_PER_SERVING_STEP, f"{total} calls in a serving step: {calls.most_common()}"
+    assert paging <= MAX_PAGING_CALLS_PER_SERVING_STEP, f"{paging} paging calls: {calls.most_common()}"
+    assert calls["block_pool.py:allocate"] == 1, "one sequence crossed into a new block"
+    assert calls["transformer.py:forward"] == 5   # one forward: the model and its 4 blocks
 
 
 @pytest.mark.parametrize("variant", [{}, dict(sliding_window=4), dict(kv_share_group=2),

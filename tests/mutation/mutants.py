@@ -41,7 +41,7 @@ FORMULAS = "accounting/formulas.py"
 SYMBOLIC = "accounting/symbolic.py"
 CORPUS = "data/corpus.py"
 REFERENCE = "homework/reference/attention.py"
-ALLOCATOR = "serving/block_allocator.py"
+ALLOCATOR = "serving/block_pool.py"
 PAGED = "serving/paged_attention.py"
 SCHEDULER = "serving/scheduler.py"
 LAYERS = "model/layers.py"
@@ -213,10 +213,11 @@ MUTANTS: tuple[Mutant, ...] = (
              "torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=False)"),),
            "GPTQ takes the lower Cholesky factor of H^-1 (the wrong rows of the inverse)"),
     Mutant("allocator_incref_sets_two", ALLOCATOR,
-           (("self._ref_counts[block] += 1", "self._ref_counts[block] = 2"),),
+           (("before sharing it\")\n        self.ref_counts[block] += 1",
+             "before sharing it\")\n        self.ref_counts[block] = 2"),),
            "sharing a block sets its count to 2 instead of adding one (a third holder is lost)"),
     Mutant("allocator_no_out_of_blocks_error", ALLOCATOR,
-           (("        if not self._free:\n", "        if False:\n"),),
+           (("        if not self.free_queue:\n", "        if False:\n"),),
            "allocate does not check for an empty free list (fails with a KeyError, not a clear refusal)"),
     Mutant("paged_slots_in_the_wrong_order", PAGED,
            (('"(B n) s K H -> B K (n s) H"', '"(B n) s K H -> B K (s n) H"'),),
@@ -270,8 +271,9 @@ MUTANTS: tuple[Mutant, ...] = (
            "targets equal the inputs (not shifted by one)"),
     # --- the bug classes of issue 24 that survived the graded suite (one mutant per class) ---------------
     Mutant("manager_append_needs_block_ignores_sharing", MANAGER,
-           (("return table.num_tokens == table.capacity or self.pool.ref_count(table.blocks[-1]) > 1",
-             "return table.num_tokens == table.capacity"),),
+           (("return table.num_tokens == len(table.blocks) * self.block_size "
+             "or self.pool.ref_counts[table.blocks[-1]] > 1",
+             "return table.num_tokens == len(table.blocks) * self.block_size"),),
            "append_needs_block ignores a shared last block (no block reserved for its copy-on-write)"),
     Mutant("left_padded_prompts_keep_absolute_positions", GENERATE,
            (("pad_arg = pad.to(model.device) if max(prompt_lengths) > min(prompt_lengths) else None",
@@ -303,21 +305,21 @@ MUTANTS: tuple[Mutant, ...] = (
            (("if top_k is not None and top_k < logits.shape[-1]:", "if top_k is not None:"),),
            "top_k > V is passed to torch.topk (which raises) instead of disabling the filter"),
     Mutant("manager_append_slot_writes_into_a_shared_block", MANAGER,
-           (("shared_last = table.num_tokens < table.capacity and self.pool.ref_count(table.blocks[-1]) > 1",
+           (("shared_last = table.num_tokens < len(blocks) * bs and pool.ref_counts[blocks[-1]] > 1",
              "shared_last = False"),),
            "append_slot writes into a shared last block (no copy-on-write)"),
     Mutant("manager_fork_without_incref", MANAGER,
            (("        for block in parent.blocks:\n            self.pool.incref(block)\n", ""),),
            "fork copies the block table without incrementing the blocks' reference counts"),
     Mutant("manager_copy_on_write_keeps_the_shared_block", MANAGER,
-           (("            self.pool.free(shared)  # one holder fewer; the others keep it unchanged\n", ""),),
+           (("            pool.free(shared)  # one holder fewer; the others keep it unchanged\n", ""),),
            "copy-on-write takes a private block but keeps holding the shared one (its count never drops)"),
     Mutant("scheduler_finished_stays_running", SCHEDULER,
            (("        self.running.remove(seq)\n        seq.status = SequenceStatus.FINISHED\n",
              "        seq.status = SequenceStatus.FINISHED\n"),),
            "a finished sequence frees its blocks but stays in the running list"),
     Mutant("allocator_lifo_reuse", ALLOCATOR,
-           (("block, _ = self._free.popitem(last=False)", "block, _ = self._free.popitem(last=True)"),),
+           (("block, _ = self.free_queue.popitem(last=False)", "block, _ = self.free_queue.popitem(last=True)"),),
            "allocate hands out the most recently freed block (LIFO) instead of the one free the longest"),
     Mutant("gptq_group_index_within_the_block", GPTQ,
            (("group = int(col_of[j]) // g", "group = i // g"),),

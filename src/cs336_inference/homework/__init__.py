@@ -5,9 +5,9 @@ uses by default), `skeleton` (`homework init DIR`). The autograder itself is `py
 (`--impl PACKAGE` grades a student's package; see tests/adapters.py and tests/grading.py).
 """
 
-from .registry import AREAS, GRADED, GradedEntry, graded
+from .registry import AREAS, FORMER_NAMES, GRADED, GradedEntry, graded
 
-__all__ = ["AREAS", "GRADED", "GradedEntry", "graded", "graded_names"]
+__all__ = ["AREAS", "FORMER_NAMES", "GRADED", "GradedEntry", "graded", "graded_names"]
 
 
 def graded_names() -> list[str]:

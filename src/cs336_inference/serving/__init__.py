@@ -1,9 +1,9 @@
 """Serving dynamic workloads: paged KV memory, schedulers (static / continuous batching), an online engine.
 
-Paging (vLLM, Kwon et al. 2023): `BlockAllocator` (free list + reference counts), `BlockPool` (the
-allocator plus the `PrefixCache` naming full blocks), `BlockTable`, `KVCacheManager` (the tables of
-many sequences: prefix sharing, fork, copy-on-write), `paged_attention`, and the
-`ContiguousAllocator` baseline (`ContiguousManager`) with `KVMemoryStats` for both.
+Paging (vLLM, Kwon et al. 2023): one `BlockPool` (free queue, reference counts, the prefix hash map
+naming full blocks; `BlockAllocator` is its old name) under `KVCacheManager` (the `BlockTable`s of many
+sequences: prefix sharing, fork, copy-on-write; the one place paging checks its inputs),
+`paged_attention`, and the `ContiguousAllocator` baseline (`ContiguousManager`) with `KVMemoryStats` for both.
 Scheduling (Orca, Yu et al. 2022; chunked prefill, Sarathi): `Request`, `StaticScheduler`,
 `ContinuousScheduler`, one `ScheduledBatch` per step.
 Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add_request`, `step`,
@@ -18,21 +18,18 @@ HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in 
 
 from ..generation.sampling_params import SamplingParams
 from .async_engine import AsyncEngine
-from .block_allocator import BlockAllocator, OutOfBlocksError
-from .block_pool import BlockPool
-from .block_table import BlockTable, blocks_for
+from .block_pool import BlockAllocator, BlockPool, OutOfBlocksError, chained_block_hash
 from .chat import ChatSession, RequestStreams
 from .contiguous_allocator import ContiguousAllocator
 from .contiguous_manager import ContiguousManager
 from .engine import Engine
 from .engine_records import EngineConfig, EngineResult, StepRecord
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import BlockTable, KVCacheManager, blocks_for
 from .memory_stats import KVMemoryStats
 from .metrics import RequestMetrics, benchmark_metrics, distribution, flat_metrics, request_metrics, summarize
 from .paged_attention import paged_attention
 from .paged_kv_cache import PagedKVCache, PagedLayerCache, PagedStep
 from .one_at_a_time import serve_one_at_a_time
-from .prefix_cache import PrefixCache, chained_block_hash
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
@@ -43,7 +40,7 @@ __all__ = [
     "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
     "ContiguousManager",
     "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
-    "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PrefixCache", "Request",
+    "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
     "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "Workload",
     "benchmark_metrics", "blocks_for", "chained_block_hash", "distribution", "flat_metrics", "make_chat_trace",

@@ -20,7 +20,7 @@ from typing import Hashable, Iterator
 
 from ..generation.chat import ConversationCache, TextStream, TurnStats
 from ..generation.sampling_params import SamplingParams
-from .block_table import blocks_for
+from .kv_cache_manager import blocks_for
 from .engine import Engine
 from .request import RequestOutput
 

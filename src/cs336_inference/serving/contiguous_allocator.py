@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Hashable
 
 from .. import _checks
-from .block_allocator import OutOfBlocksError
+from .block_pool import OutOfBlocksError
 from .memory_stats import KVMemoryStats
 
 

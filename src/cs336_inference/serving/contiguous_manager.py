@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Hashable
 
-from .block_allocator import OutOfBlocksError
-from .block_table import BlockTable
+from .block_pool import OutOfBlocksError
+from .kv_cache_manager import BlockTable
 from .contiguous_allocator import ContiguousAllocator
 from .memory_stats import KVMemoryStats
 
@@ -76,8 +76,8 @@ class ContiguousManager:
         self.tables[seq_id] = BlockTable(1, list(range(start, start + len(token_ids))), len(token_ids))
         return 0
 
-    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int = 1) -> list[tuple[int, int]]:
-        """The next slots of the reservation (nothing to copy: nothing is shared)."""
+    def allocate_slots(self, seq_id: Hashable, num_new_tokens: int = 1, token_ids=None) -> list[tuple[int, int]]:
+        """The next slots of the reservation (nothing to copy: nothing is shared; no prefix cache)."""
         table = self.table(seq_id)
         self.allocator.append(seq_id, num_new_tokens)  # refuses to pass the reservation
         start = table.blocks[0]

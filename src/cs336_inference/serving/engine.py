@@ -174,7 +174,7 @@ class Engine:
             if waiting and self._clock is None:
                 self.now = max(self.now, waiting[0].request.arrival_time)  # idle: jump to the next arrival
             return outputs
-        padding = sum(s.status is SequenceStatus.FINISHED for s in batch.decodes)  # before postprocess
+        padding = [s.status for s in batch.decodes].count(SequenceStatus.FINISHED)  # before postprocess
         for seq in batch.prefills:
             live = self._live[seq.request.request_id]
             live.first_scheduled_time = start if live.first_scheduled_time is None else live.first_scheduled_time
@@ -279,8 +279,8 @@ class Engine:
                     self._pending.append(_output(live.request, seq.sample_index, [], "error", error=message,
                                                  seq=seq, live=live))
         pool = getattr(self.manager, "pool", None)
-        if pool is not None and pool.prefix_cache is not None:
-            pool.prefix_cache.clear()
+        if pool is not None:
+            pool.clear_prefix_cache()
 
 
 @dataclasses.dataclass
@@ -302,7 +302,7 @@ def _output(request: Request, index: int, new_token_ids: list[int], finish_reaso
     return RequestOutput(
         request_id=request.request_id, new_token_ids=new_token_ids, finished=finish_reason is not None,
         finish_reason=finish_reason, error=error, index=index, num_prompt_tokens=len(request.prompt),
-        num_output_tokens=len(seq.output) if seq is not None else 0,
+        num_output_tokens=len(seq.token_ids) - seq.prompt_len if seq is not None else 0,
         num_cached_tokens=seq.num_cached_tokens if seq is not None else 0,
         num_preemptions=seq.num_preemptions if seq is not None else 0, arrival_time=request.arrival_time,
         first_scheduled_time=first, time=time if time is not None else (first or request.arrival_time))

@@ -60,11 +60,11 @@ class ModelRunner:
         for seq in batch.prefills:  # prefills first, then decodes (the order of the logits)
             start, n = seq.num_computed_tokens, batch.num_scheduled_tokens[seq.seq_id]
             ids.extend(seq.token_ids[start:start + n])
-            tables.append(manager.table(seq.seq_id).blocks)
+            tables.append(manager.tables[seq.seq_id].blocks)
             context_lens.append(start + n)
             query_lens.append(n)
         for seq in batch.decodes:  # the last sampled token, at the slot just reserved for it
-            table = manager.table(seq.seq_id)
+            table = manager.tables[seq.seq_id]   # the scheduler's own sequences: no check needed
             ids.append(seq.token_ids[-1])
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)

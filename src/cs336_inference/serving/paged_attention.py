@@ -23,6 +23,7 @@ anything back from the device, and every layer reuses it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from einops import rearrange
@@ -91,24 +92,25 @@ class PagedLayout:
         """Python lists in (what the engine has; `paged_attention` checks a caller's arguments first):
         block_tables B lists of block ids, context_lens S_b, query_lens T_b (None: all 1)."""
         query_lens = [1] * len(context_lens) if query_lens is None else list(query_lens)
-        starts = [sum(query_lens[:i]) for i in range(len(query_lens))]        # first query row of each
-        members = [[i for i, T in enumerate(query_lens) if T == 1], [i for i, T in enumerate(query_lens) if T > 1]]
-        members = [m for m in members if m]
-        groups = []
-        for m in members:
-            group = _PaddedGroup.build([block_tables[i] for i in m], [context_lens[i] for i in m],
-                                       [query_lens[i] for i in m], block_size, device)
-            rows = None if len(members) == 1 else torch.tensor(
-                [r for i in m for r in range(starts[i], starts[i] + query_lens[i])], device=device)
-            groups.append((rows, group))
-        last_rows = torch.tensor([s + T - 1 for s, T in zip(starts, query_lens)], device=device)
-        return cls(last_rows, groups, block_size, sum(query_lens))
+        ends = list(accumulate(query_lens))                                  # one past the last query row of each
+        decodes = [i for i, T in enumerate(query_lens) if T == 1]
+        if len(decodes) in (0, len(query_lens)):   # one kind of sequence: one group of all of them
+            groups = [(None, _PaddedGroup.build(block_tables, context_lens, query_lens, block_size, device))]
+        else:
+            groups = []
+            for m in (decodes, [i for i, T in enumerate(query_lens) if T > 1]):
+                group = _PaddedGroup.build([block_tables[i] for i in m], [context_lens[i] for i in m],
+                                           [query_lens[i] for i in m], block_size, device)
+                rows = torch.tensor([r for i in m for r in range(ends[i] - query_lens[i], ends[i])], device=device)
+                groups.append((rows, group))
+        last_rows = torch.tensor(ends, device=device) - 1
+        return cls(last_rows, groups, block_size, ends[-1] if ends else 0)
 
     def attend(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
         """q (sum T, N, H) over pools (num_blocks, block_size, K, H) -> (sum T, N, H); kernel as in
-        `grouped_attention` ("reference" or torch's fused "sdpa")."""
-        _check_shapes(q, k_pool, v_pool, self)
+        `grouped_attention` ("reference" or torch's fused "sdpa"). Shapes are the caller's: `paged_attention`
+        checks a user's; the engine's follow from the layout it built (every layer reuses it)."""
         if len(self.groups) == 1:
             return self.groups[0][1].attend(q, k_pool, v_pool, scale, kernel)
         out = torch.empty_like(q)
@@ -141,6 +143,7 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     tables = _check_tables(block_tables, len(context_lens), k_pool.shape[0])
     _check_lengths(tables, context_lens, query_lens, k_pool.shape[1])
     layout = PagedLayout.build(tables, context_lens, query_lens, k_pool.shape[1], q.device)
+    _check_shapes(q, k_pool, v_pool, layout)
     return layout.attend(q, k_pool, v_pool, scale, kernel)
 
 

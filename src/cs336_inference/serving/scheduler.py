@@ -58,9 +58,11 @@ class ScheduledBatch:
     def samples_wanted(self, seq: Sequence) -> int:
         """Tokens to sample from `seq`'s row: one per sample once its prefill is complete, else none
         (a prefill chunk that leaves part of the prompt, or a finished row of a static batch)."""
-        if seq.status is SequenceStatus.FINISHED or seq.num_uncomputed > self.num_scheduled_tokens[seq.seq_id]:
+        # (seq.num_uncomputed and seq.num_samples, written out: this runs for every row of every step)
+        if seq.status is SequenceStatus.FINISHED or \
+                len(seq.token_ids) - seq.num_computed_tokens > self.num_scheduled_tokens[seq.seq_id]:
             return 0
-        return seq.num_samples
+        return 1 + len(seq.pending_forks)
 
     def __bool__(self) -> bool:
         return bool(self.prefills or self.decodes)
@@ -151,10 +153,12 @@ class Scheduler:
             if seq.status is SequenceStatus.FINISHED:
                 continue  # a padding row of a static batch: its token is discarded
             seq.num_computed_tokens += batch.num_scheduled_tokens[seq.seq_id]
-            if seq.num_uncomputed:
+            if seq.num_computed_tokens < len(seq.token_ids):
                 continue  # a prefill chunk: the rest of the prompt runs next step
-            family = [seq] + [self._fork(seq, k + 1, gen) for k, gen in enumerate(seq.pending_forks)]
-            seq.pending_forks = []
+            family = [seq]
+            if seq.pending_forks:
+                family += [self._fork(seq, k + 1, gen) for k, gen in enumerate(seq.pending_forks)]
+                seq.pending_forks = []
             for member, token in zip(family, tokens, strict=True):
                 got.append(member)
                 if member.append(token, now):
@@ -180,27 +184,30 @@ class Scheduler:
     def _reserve_decode_slots(self, batch: ScheduledBatch) -> list[Sequence]:
         """A slot for the last sampled token of every running sequence, oldest first; preempt the
         youngest while no block is free. Returns the running prefills that still have prompt left."""
-        queue, partial = deque(self.running), []
+        manager, queue, partial = self.manager, deque(self.running), []
         while queue:
             seq = queue.popleft()
-            table = self.manager.table(seq.seq_id)
+            table = manager.tables[seq.seq_id]   # a running sequence always holds a table
             if seq.status is SequenceStatus.FINISHED:  # a padding row of a static batch
                 if table.num_tokens < seq.max_len:  # within its reservation
-                    self.manager.allocate_slots(seq.seq_id)
-                    self._schedule_decode(seq, batch)
+                    manager.allocate_slots(seq.seq_id)
+                    batch.decodes.append(seq)
+                    batch.num_scheduled_tokens[seq.seq_id] = 1
                 continue
             if table.num_tokens == len(seq.token_ids):  # every slot reserved: a prefill cut short
                 partial.append(seq)
                 continue
-            while self.manager.append_needs_block(seq.seq_id) and self.manager.num_free_blocks == 0:
+            while manager.append_needs_block(seq.seq_id) and manager.num_free_blocks == 0:
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
-            else:
-                batch.copies.extend(self.manager.allocate_slots(seq.seq_id))
-                self._schedule_decode(seq, batch)
-                self.manager.cache_blocks(seq.seq_id, seq.token_ids)
+            else:  # its slot, and the name of a block its last token fills (one manager call)
+                copies = manager.allocate_slots(seq.seq_id, 1, seq.token_ids)
+                if copies:
+                    batch.copies.extend(copies)
+                batch.decodes.append(seq)
+                batch.num_scheduled_tokens[seq.seq_id] = 1
         return partial
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
@@ -211,10 +218,6 @@ class Scheduler:
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)  # it arrived before everything still waiting
         batch.preempted.append(seq)
-
-    def _schedule_decode(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        batch.decodes.append(seq)
-        batch.num_scheduled_tokens[seq.seq_id] = 1
 
     def _schedule_prefill(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> None:
         batch.prefills.append(seq)

@@ -41,14 +41,12 @@ class Sequence:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     num_preemptions: int = 0
+    prompt_len: int = field(init=False)   # len(request.prompt), kept: the hot loop reads it every step
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.request.prompt)
-
-    @property
-    def prompt_len(self) -> int:
-        return len(self.request.prompt)
+        self.prompt_len = len(self.request.prompt)
 
     @property
     def output(self) -> list[int]:
@@ -74,7 +72,7 @@ class Sequence:
         self.token_times.append(time)
         if token in self.request.sampling.stop_token_ids:
             self.finish_reason = "stop"
-        elif len(self.output) >= self.request.sampling.max_tokens:
+        elif len(self.token_ids) - self.prompt_len >= self.request.sampling.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason is not None
 

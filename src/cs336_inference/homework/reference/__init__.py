@@ -14,13 +14,13 @@ from .layers import post_norm_block, qk_norm_attention, rmsnorm, swiglu
 from .sampling import logits_to_probs, sample_next_token
 from .generation import greedy_generate
 from .speculative import greedy_verify, residual_distribution, speculative_accept
-from .attention import (KVCache, RollingKVBuffer, attention_with_kv_cache, grouped_query_attention,
+from .attention import (ContiguousKVCache, RollingKVCache, attention_with_kv_cache, grouped_query_attention,
                         mla_absorbed_attention, mla_attention, sliding_window_mask)
 from .alternatives import fixed_state_step
 from .quantization import (awq_search_scales, dequantize, gptq_quantize, llm_int8_matmul, pack_int4, quantize,
                            quantize_kv_int8, quantize_tensor, ste_fake_quantize, unpack_int4)
-from .serving import (BlockAllocator, BlockManager, continuous_batching_run, continuous_batching_step, paged_attention,
-                      postprocess_step)
+from .serving import (BlockAllocator, KVCacheManager, continuous_batching_run, continuous_batching_step,
+                      paged_attention, postprocess_step)
 from .accounting import (attention_cost, decode_cost, generation_flops, inference_stats, kv_cache_bytes,
                          latent_kv_cache_bytes, matmul_cost, mlp_cost, window_kv_cache_bytes)
 from .data import bits_per_byte, get_batch
@@ -32,11 +32,11 @@ __all__ = [
     "greedy_generate",
     "speculative_accept", "residual_distribution", "greedy_verify",
     "grouped_query_attention", "attention_with_kv_cache", "mla_absorbed_attention", "mla_attention",
-    "KVCache", "sliding_window_mask", "RollingKVBuffer",
+    "ContiguousKVCache", "sliding_window_mask", "RollingKVCache",
     "fixed_state_step",
     "quantize", "dequantize", "quantize_tensor", "pack_int4", "unpack_int4", "quantize_kv_int8", "llm_int8_matmul",
     "gptq_quantize", "awq_search_scales", "ste_fake_quantize",
-    "BlockAllocator", "BlockManager", "paged_attention", "continuous_batching_step", "continuous_batching_run",
+    "BlockAllocator", "KVCacheManager", "paged_attention", "continuous_batching_step", "continuous_batching_run",
     "postprocess_step",
     "kv_cache_bytes", "window_kv_cache_bytes", "latent_kv_cache_bytes", "inference_stats", "matmul_cost", "mlp_cost",
     "attention_cost", "generation_flops", "decode_cost",

@@ -117,8 +117,9 @@ def mla_attention(x: torch.Tensor, weights: dict[str, torch.Tensor], num_heads: 
 
 
 @graded("attention")
-class KVCache:
-    """One attention layer's keys and values, preallocated for max_seq_len positions (gpt-fast's cache).
+class ContiguousKVCache:
+    """One attention layer's keys and values, preallocated for max_seq_len positions (gpt-fast's cache; the
+    library's layer cache of the same name, which the model-wide `KVCache` drives for every layer).
 
     Buffers of shape (B, K, max_seq_len, H) in float32 (or `dtype`); attribute `length` (int): positions
     written so far. `nbytes`: the bytes of both buffers as allocated (keys and values); `bytes_per_token`:
@@ -173,7 +174,7 @@ def sliding_window_mask(num_new: int, start: int, window: int) -> torch.Tensor:
 
 
 @graded("attention")
-class RollingKVBuffer:
+class RollingKVCache:
     """A sliding-window layer's keys and values in a ring of `capacity` slots (Mistral 7B).
 
     Position p lives in slot p % capacity, so memory stays flat however long the sequence grows. A query at

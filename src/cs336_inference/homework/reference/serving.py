@@ -47,12 +47,12 @@ class BlockAllocator:
 
 
 @graded("serving")
-class BlockManager:
+class KVCacheManager:
     """The block tables of many sequences over one pool of num_blocks blocks of block_size token slots
-    (vLLM's block manager, no prefix caching). Position p of a sequence lives in block
-    block_table(seq)[p // block_size]. Blocks come from a `BlockAllocator` (first in, first out).
-    Attribute (or property) `num_free_blocks` (int). Every refused call (no free block: RuntimeError;
-    an unknown or already present sequence: ValueError) raises before changing anything.
+    (vLLM v1's KVCacheManager, nano-vllm's BlockManager; here without prefix caching). Position p of a
+    sequence lives in block block_table(seq)[p // block_size]. Blocks come from a `BlockAllocator` (first in,
+    first out). Attribute (or property) `num_free_blocks` (int). Every refused call (no free block:
+    RuntimeError; an unknown or already present sequence: ValueError) raises before changing anything.
     """
 
     def __init__(self, num_blocks: int, block_size: int):
