@@ -1382,7 +1382,12 @@ def speculative_on_our_models():
     assert 1 < e4 < 5 and best > 4
     text(f"With alpha = {alpha_draft:.2f} and gamma = 4: E = {e4:.2f} tokens per target pass.")
     text(f"A draft costing c = 0.05 of the target would pay best at gamma = {best}, for {expected_speedup(alpha_draft, best, 0.05):.1f}x.")
+    speculative_committed_bench()
 
+
+@deep_dive
+def speculative_committed_bench():
+    """`bench speculative`'s committed run: the best gamma per drafter against the prediction; why the toy pair gains less."""
     text("`bench speculative` (committed run, figures/speculative.json): decode speed-up over the target alone.")
     text("Best gamma per drafter at temperature 0, next to the prediction from the measured alpha and costs.")
     text("(c: draft token / target token; v: target pass over gamma + 1 tokens / one decode step.)")
@@ -1403,28 +1408,34 @@ def speculative_on_our_models():
     text(f"So decode is not memory-bound: verifying 9 tokens costs {v8:.1f} decode steps, not 1.")
     text(f"And the draft, with 8x fewer FLOPs, still costs c = {c_draft:.2f} of a target step.")
     text("Per-layer overheads do not shrink with width, and the two models evict each other's weights from cache.")
-    real = {(r["temperature"], r["gamma"]): r for r in bench["rows"] if r["workload"] == "smollm2-grounded"}
-    if real:
-        greedy = [r for (t, _), r in real.items() if t == 0]
-        best = max(greedy, key=lambda r: r["measured_speedup"])
-        ratio = [r["measured_over_predicted"] for r in greedy]
-        ratio_lo, ratio_hi = min(ratio), max(ratio)  # @inspect ratio_lo ratio_hi
-        sampled = [r for (t, _), r in real.items() if t == 1]
-        hot = max([r["alpha"] for r in sampled])  # @inspect hot
-        hot_best = max([r["measured_speedup"] for r in sampled])  # @inspect hot_best
-        assert best["measured_speedup"] > 1.5 and hot < best["alpha"] and hot_best < best["measured_speedup"]
-        assert abs(best["measured_over_predicted"] - 1) < 0.15
-        assert sum([r["measured_speedup"] < 1 for r in sampled]) > len(sampled) / 2
-        text("A real model: SmolLM2-135M-Instruct rewriting or summarising a given passage (its answer copies the input).")
-        text(f"Prompt lookup drafts for free: alpha {best['alpha']:.2f}, {best['tokens_per_pass']:.1f} tokens per target pass at gamma = {best['gamma']}.")
-        text(f"Greedy decoding {best['measured_speedup']:.1f}x faster on the committed run's CPU (predicted {best['predicted_speedup']:.1f}x), the same tokens.")
-        text(f"Over gamma = 1..8, measured / predicted is {ratio_lo:.2f}-{ratio_hi:.2f}: the theory, fed measured costs, explains it.")
-        text(f"Even here a verification pass costs {best['verify_cost']:.1f} decode steps, not 1 (one CPU core is not a GPU).")
-        text(f"Sampled at temperature 1 the model paraphrases instead: alpha falls to {hot:.2f} or less.")
-        text(f"Speculation then gains at most {hot_best:.2f}x and mostly loses.")
-    else:
-        text("With SmolLM2-135M installed, the benchmark adds prompt lookup on chat tasks whose answer copies a passage.")
+    speculative_on_a_real_model(bench)
     image("figures/speculative.png", width=900)
+
+
+@deep_dive
+def speculative_on_a_real_model(bench: dict):
+    """The committed run's SmolLM2 rows (prompt lookup on answers that copy a passage), where it has them."""
+    real = {(r["temperature"], r["gamma"]): r for r in bench["rows"] if r["workload"] == "smollm2-grounded"}
+    if not real:
+        text("With SmolLM2-135M installed, the benchmark adds prompt lookup on chat tasks whose answer copies a passage.")
+        return
+    greedy = [r for (t, _), r in real.items() if t == 0]
+    best = max(greedy, key=lambda r: r["measured_speedup"])
+    ratio = [r["measured_over_predicted"] for r in greedy]
+    ratio_lo, ratio_hi = min(ratio), max(ratio)  # @inspect ratio_lo ratio_hi
+    sampled = [r for (t, _), r in real.items() if t == 1]
+    hot = max([r["alpha"] for r in sampled])  # @inspect hot
+    hot_best = max([r["measured_speedup"] for r in sampled])  # @inspect hot_best
+    assert best["measured_speedup"] > 1.5 and hot < best["alpha"] and hot_best < best["measured_speedup"]
+    assert abs(best["measured_over_predicted"] - 1) < 0.15
+    assert sum([r["measured_speedup"] < 1 for r in sampled]) > len(sampled) / 2
+    text("A real model: SmolLM2-135M-Instruct rewriting or summarising a given passage (its answer copies the input).")
+    text(f"Prompt lookup drafts for free: alpha {best['alpha']:.2f}, {best['tokens_per_pass']:.1f} tokens per target pass at gamma = {best['gamma']}.")
+    text(f"Greedy decoding {best['measured_speedup']:.1f}x faster on the committed run's CPU (predicted {best['predicted_speedup']:.1f}x), the same tokens.")
+    text(f"Over gamma = 1..8, measured / predicted is {ratio_lo:.2f}-{ratio_hi:.2f}: the theory, fed measured costs, explains it.")
+    text(f"Even here a verification pass costs {best['verify_cost']:.1f} decode steps, not 1 (one CPU core is not a GPU).")
+    text(f"Sampled at temperature 1 the model paraphrases instead: alpha falls to {hot:.2f} or less.")
+    text(f"Speculation then gains at most {hot_best:.2f}x and mostly loses.")
 
 
 

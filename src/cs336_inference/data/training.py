@@ -151,15 +151,7 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
 
     optimizer = make_optimizer(model, cfg)
     generator = torch.Generator().manual_seed(cfg.seed + 1)
-    history, start = _empty_history(), 0
-    if resume:
-        state = load_training_state(cfg.checkpoint_path)
-        if state["model_config"] != model.config.to_dict():
-            raise ValueError(f"checkpoint {cfg.checkpoint_path} was made for a different model config")
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        generator.set_state(state["generator"])
-        history, start = state["history"], state["step"]
+    history, start = _resume(cfg.checkpoint_path, model, optimizer, generator) if resume else (_empty_history(), 0)
 
     model.train()
     last = cfg.steps if stop_at is None else min(stop_at, cfg.steps)
@@ -167,15 +159,7 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
     t_start = time.perf_counter() - history["train_time_s"]
     for step in bar:
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, generator, device=model.device)
-        loss = loss_fn(model, x, y)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
+        x, loss = _optimizer_step(model, optimizer, loss_fn, train_data, generator, cfg, lr)
         history["step"].append(step + 1)
         history["train_loss"].append(loss.item())
         history["lr"].append(lr)
@@ -194,6 +178,32 @@ def train_model(model: TransformerLM, train_config: TrainConfig, train_data: tor
     bar.close()
     model.eval()
     return model, history
+
+
+def _resume(path, model: TransformerLM, optimizer, generator: torch.Generator) -> tuple[dict, int]:
+    """Load the model, optimizer and batch generator saved at `path` in place; return (history, step)."""
+    state = load_training_state(path)
+    if state["model_config"] != model.config.to_dict():
+        raise ValueError(f"checkpoint {path} was made for a different model config")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    generator.set_state(state["generator"])
+    return state["history"], state["step"]
+
+
+def _optimizer_step(model, optimizer, loss_fn: Callable, train_data: torch.Tensor, generator: torch.Generator,
+                    cfg: TrainConfig, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step at learning rate `lr` on the next batch (clipped to `cfg.grad_clip`); return (inputs, loss)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    x, y = get_batch(train_data, cfg.batch_size, cfg.seq_len, generator, device=model.device)
+    loss = loss_fn(model, x, y)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    return x, loss
 
 
 def train_lm(model_config: ModelConfig, train_config: TrainConfig, train_data: torch.Tensor | None = None,

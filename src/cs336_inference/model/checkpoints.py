@@ -205,6 +205,23 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None, 
     expected = shapes.state_dict()
     if config.tie_embeddings:
         expected.pop("lm_head.weight")
+    state = _discard_allowed(state, original, dropped, expected, config, allowed, allow_dropped)
+    try:
+        check_state_dict(state, shapes)
+    except ValueError as err:   # name every key (as check_state_dict does) and say what the layout looks like
+        hints = diagnose(state, expected, config) + _auto_hint(original, config, key_map)
+        raise ValueError("\n".join([str(err), *(f"hint: {h}" for h in hints)])) from None
+    _check_finite(state)
+    model = from_state_dict(config, state, device, dtype, copy=True)
+    if verify is not None:
+        verify_checkpoint(model, verify)
+    return model
+
+
+def _discard_allowed(state: dict, original: dict, dropped: list[str], expected: dict, config: ModelConfig,
+                     allowed, allow_dropped) -> dict:
+    """`state` without the keys the model has no place for that `allowed` lets go, after refusing any tensor
+    the key map discarded that it does not allow; every discarded tensor is named in one warning."""
     extra = [k for k in state if k not in expected and allowed(k)]
     refused = [k for k in dropped if not allowed(k)]
     if refused:
@@ -216,18 +233,9 @@ def load_cs336_checkpoint(path_or_state_dict, config: ModelConfig, device=None, 
         gone = {k: tuple(original[k].shape) if k in original else tuple(state[k].shape) if k in state else ""
                 for k in [*dropped, *extra]}
         warnings.warn(f"load_cs336_checkpoint discarded {len(gone)} tensor(s) (allow_dropped={allow_dropped!r}): "
-                      + ", ".join(f"{k} {s}" for k, s in gone.items()), UserWarning, stacklevel=2)
+                      + ", ".join(f"{k} {s}" for k, s in gone.items()), UserWarning, stacklevel=3)
         state = {k: v for k, v in state.items() if k not in extra}
-    try:
-        check_state_dict(state, shapes)
-    except ValueError as err:   # name every key (as check_state_dict does) and say what the layout looks like
-        hints = diagnose(state, expected, config) + _auto_hint(original, config, key_map)
-        raise ValueError("\n".join([str(err), *(f"hint: {h}" for h in hints)])) from None
-    _check_finite(state)
-    model = from_state_dict(config, state, device, dtype, copy=True)
-    if verify is not None:
-        verify_checkpoint(model, verify)
-    return model
+    return state
 
 
 def _auto_steps(key_map):

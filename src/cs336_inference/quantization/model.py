@@ -103,14 +103,14 @@ def _target_linears(model: nn.Module, quantize_lm_head: bool) -> list[str]:
 
 
 def _check_args(model, method, bits, group_size, calibration, quantize_embedding, quantize_lm_head):
+    """The layers to quantize and the calibration batches (None where the method needs none), after
+    refusing, in this order: a model that is not a full-precision TransformerLM, a method or bits it
+    does not support, a group size or int4 packing the layers' input dimensions do not allow, and
+    weights that are not finite."""
     if not isinstance(model, nn.Module) or not hasattr(model, "layers") or not hasattr(model, "lm_head"):
         raise TypeError(f"model must be a TransformerLM, got {type(model).__name__}")
     _checks.one_of("method", method, METHODS)
-    done = [n for n, m in model.named_modules() if isinstance(m, QUANTIZED_LINEAR_TYPES + (QuantizedEmbedding,))]
-    if done or getattr(model, "quantization", None):
-        raise ValueError(f"model is already quantized ({getattr(model, 'quantization', None) or done[:3]}); "
-                         f"quantize the full-precision model instead (quantizing twice compounds the error "
-                         f"and mislabels the bits)")
+    _refuse_quantized(model)
     if method in ("fp8", "llm_int8"):
         if bits != 8:
             raise ValueError(f"method {method!r} stores 8-bit weights; bits must be 8, got {bits!r}")
@@ -120,6 +120,26 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
     dims = {model.get_submodule(n).in_features for n in names}
     if quantize_embedding:
         dims.add(model.token_embeddings.embedding_dim)
+    _check_input_dims(dims, method, bits, group_size)
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            raise ValueError(f"weight {name} contains NaN/Inf; refusing to quantize a broken model")
+    if method in NEEDS_CALIBRATION:
+        return names, _check_calibration(calibration, model.config.vocab_size)
+    return names, None
+
+
+def _refuse_quantized(model: nn.Module) -> None:
+    done = [n for n, m in model.named_modules() if isinstance(m, QUANTIZED_LINEAR_TYPES + (QuantizedEmbedding,))]
+    if done or getattr(model, "quantization", None):
+        raise ValueError(f"model is already quantized ({getattr(model, 'quantization', None) or done[:3]}); "
+                         f"quantize the full-precision model instead (quantizing twice compounds the error "
+                         f"and mislabels the bits)")
+
+
+def _check_input_dims(dims: set[int], method: str, bits: int, group_size) -> None:
+    """group_size must divide every input dimension to quantize (per channel for fp8/llm_int8: any size
+    goes), and int4 packs two values a byte, so every input dimension must be even."""
     if group_size is not None:
         _checks.optional_positive_int("group_size", group_size)
         bad = [] if method in ("fp8", "llm_int8") else sorted(d for d in dims if d % group_size)   # per channel
@@ -128,12 +148,6 @@ def _check_args(model, method, bits, group_size, calibration, quantize_embedding
                              f"layers to quantize; choose a common divisor of {sorted(dims)} or None")
     if bits == 4 and any(d % 2 for d in dims):
         raise ValueError("int4 packing needs even input dimensions")
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            raise ValueError(f"weight {name} contains NaN/Inf; refusing to quantize a broken model")
-    if method in NEEDS_CALIBRATION:
-        return names, _check_calibration(calibration, model.config.vocab_size)
-    return names, None
 
 
 class _Stop(Exception):

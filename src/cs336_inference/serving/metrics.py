@@ -143,17 +143,22 @@ def benchmark_metrics(records: list[RequestRecord], duration: float | None = Non
         raise ValueError(f"duration must be > 0 seconds, got {duration!r}")
     input_tokens = sum(m.prompt_tokens for m in per_request)
     output_tokens = sum(m.output_tokens for m in per_request)
-    values = {
-        "ttft": [m.ttft for m in per_request], "tpot": [m.tpot for m in per_request if m.tpot is not None],
-        "itl": [gap for m in per_request for gap in m.itls], "e2el": [m.e2el for m in per_request],
-        "queueing": [m.queueing for m in per_request], "prefill": [m.prefill for m in per_request],
-        "decode": [m.decode for m in per_request]}
+    values = _latencies(per_request)
     return {"completed": len(per_request), "failed": len(records) - len(outputs), "duration_s": duration,
             "input_tokens": input_tokens,
             "output_tokens": output_tokens, "request_throughput": len(per_request) / duration,
             "output_throughput": output_tokens / duration,
             "total_token_throughput": (input_tokens + output_tokens) / duration,
             **{name: distribution(values[name]) for name in _DISTRIBUTIONS}}
+
+
+def _latencies(per_request: list[RequestMetrics]) -> dict[str, list[float]]:
+    """Each latency's values over the requests (TPOT: those with more than one token; ITL: every gap)."""
+    return {
+        "ttft": [m.ttft for m in per_request], "tpot": [m.tpot for m in per_request if m.tpot is not None],
+        "itl": [gap for m in per_request for gap in m.itls], "e2el": [m.e2el for m in per_request],
+        "queueing": [m.queueing for m in per_request], "prefill": [m.prefill for m in per_request],
+        "decode": [m.decode for m in per_request]}
 
 
 def flat_metrics(metrics: dict) -> dict:

@@ -118,86 +118,43 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     """model: None times a random-init `preset` model; "smollm2-135m" the real pretrained model instead
     (results in figures/generation_smollm2_135m.*; greedy check and KL on real text; loading times)."""
     device, quick = run.device, run.quick
-    if model is None:
-        config = bench_config(preset, quick)
-        model = TransformerLM(config, device=device).eval()   # fp32: the variants derive from it
-    else:
-        from ...model.real_models import real_model_missing
-
-        if missing := real_model_missing(model):
-            raise ValueError(f"bench generation --model {model}: {missing}")
-        run.name, preset = f"generation_{model.replace('-', '_')}", model
-        loading = measure_loading(model, device)
-        model = load_pretrained(model, device=device, dtype=torch.float32).eval()
-        config = model.config
+    model, preset, loading = _reference_model(run, model, preset)
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
               "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(),
               "parameters": model.num_parameters(), "cpu_bf16_matmul": bf16_matmul_unit(device),
               "load_average_start": load_average()}
-    if run.name != "generation":
-        result["loading"] = loading
-    models, compiled_variants, real = build_variants(model), COMPILED, run.name != "generation"
+    real = run.name != "generation"
+    models, compiled_variants = build_variants(model), COMPILED
     if real:   # its published GGUF blocks too, with no re-quantization
-        exact = load_pretrained(preset, device=device, weights="gguf-exact")
-        exact.set_attention_kernel(attention_kernel(device))
-        models["int4 exact"], compiled_variants = tune_for_cpu(exact), COMPILED + ("int4 exact",)
-        result["int4_exact"] = exact.describe()
+        result["loading"] = loading
+        result["int4_exact"] = _add_exact_gguf(models, preset, device)
+        compiled_variants = COMPILED + ("int4 exact",)
     result["cpu_tuning"] = describe(models["fp32"])
     print(f"{result['cpu_tuning']} (every variant but fp32 plain)")
-    hf = peer.hf_llama_from(model) if peer.transformers_available() else None
-    if hf is None:
-        print(f"peer row skipped: transformers is not installed ({peer.INSTALL_HINT})")
-    result["peer"] = "transformers " + __import__("transformers").__version__ if hf is not None else None
-
-    # Same greedy tokens from our readable path, our fast path and the peer; the greedy check and the
-    # KL read random ids for a random-init model, real text for a real one.
-    width, n_check = (32, 16) if quick else (64, 32)
-    text = eval_text_tokens(preset, 4 * width) if real else torch.randint(0, config.vocab_size, (4 * width,))
-    prompt = text[None, :16].to(device)
-    greedy = {name: generate(models[name], prompt.tolist(), n_check).tokens for name in ("fp32 plain", "fp32")}
-    result["greedy_fast_equals_plain"] = greedy["fp32"] == greedy["fp32 plain"]
-    if hf is not None:
-        result["greedy_equals_peer"] = greedy["fp32"] == peer.hf_greedy(hf, prompt, n_check)
-    quality = {name: decode_kl_to_reference(m, model, text.view(4, width).to(device)) for name, m in models.items()}
+    hf = _peer(model, result)
+    quality = _check_tokens_and_quality(models, model, device, hf, preset if real else None, quick, result)
     quality |= {f"{name} compiled": quality[name] for name in compiled_variants}   # same graph, same numbers
 
     fns = {f"{name} B={B}": (lambda m=m, B=B: decode_step_fn(m, B, 32, steps + 4))
            for name, m in models.items() for B in batches}
     result["compile_seconds"] = {}   # one graph for all positions and batch sizes, compiled once here
     for name in compiled_variants if not quick else ():   # a smoke run skips the minutes of compiling
-        t0 = time.perf_counter()
-        decode = timed_compiled_step(models[name])
-        decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
-        result["compile_seconds"][name] = time.perf_counter() - t0
-        models[f"{name} compiled"] = models[name]
-        fns |= {f"{name} compiled B={B}": (lambda m=models[name], B=B, d=decode: decode_step_fn(m, B, 32, steps + 4, d))
-                for B in batches}
+        fns |= _compile_variant(models, name, batches, steps, result["compile_seconds"])
     if hf is not None:
         fns |= {f"HF fp32 B={B}": (lambda B=B: peer.hf_decode_step_fn(hf, B, 32)) for B in batches}
     samples = _time_rounds(fns, device, rounds, steps, bandwidth_probe(device))
-    times = {name: [t for t, _ in pairs] for name, pairs in samples.items()}
     bandwidths = [b for pairs in samples.values() for _, b in pairs]
     result["measured_bandwidth_GBps"] = statistics.median(bandwidths) / 1e9
     result["measured_bandwidth_GBps_range"] = [min(bandwidths) / 1e9, max(bandwidths) / 1e9]
     result["load_average_decode"] = load_average()
+    result["rows"] = _rows(samples, models, model, quality)
+    return _after_the_rounds(result, fns, models, device, rounds, steps, quick)
 
-    rows = []
-    for name, ts in times.items():
-        variant, B = name.rsplit(" B=", 1)
-        seconds, weight_bytes = statistics.median(ts), weight_bytes_per_step(models.get(variant, model))
-        row = dict(zip(("variant", "batch", "ms_per_step", "ms_min", "ms_max"), (variant, int(B), *spread(ts, 1e3))))
-        row |= dict(tok_per_s=int(B) / seconds, weight_bytes_per_step=weight_bytes, GBps=weight_bytes / seconds / 1e9)
-        row["fraction_of_bandwidth"] = fraction_of_bandwidth(weight_bytes, samples[name])
-        row["bandwidth_GBps"] = statistics.median(b for _, b in samples[name]) / 1e9
-        row["kl_to_fp32"], row["top1_agreement"] = quality.get(variant, (None, None))
-        rows.append(row)
-    for row in rows:
-        same_b = {r["variant"]: r["ms_per_step"] for r in rows if r["batch"] == row["batch"]}
-        row["speedup_vs_fp32"] = same_b["fp32"] / row["ms_per_step"]
-        if "HF fp32" in same_b:
-            row["speedup_vs_hf_fp32"] = same_b["HF fp32"] / row["ms_per_step"]
-    result["rows"] = rows
+
+def _after_the_rounds(result: dict, fns: dict, models: dict, device, rounds: int, steps: int, quick: bool) -> dict:
+    """`result` with what the timed rounds do not give: each profiled batch-1 step's anatomy, the busy-core
+    repeat, the goals, prefill speed, and cached against naive generation."""
     # where the batch-1 step's time goes (`step_anatomy`): the compiled rows, or a quick run's eager ones
     profiled = [n.removesuffix(" B=1") for n in fns if n.endswith(" compiled B=1")] or ["fp32", "bf16"]
     result["anatomy"] = {variant: step_anatomy(fns[f"{variant} B=1"](), steps, weight_bytes_per_step(models[variant]))
@@ -212,6 +169,88 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     return result | dict(new_tokens=new_tokens, cached_generation_s=cached.total_time,
                          naive_generation_s=naive.total_time, naive_over_cached=naive.total_time / cached.total_time,
                          load_average_end=load_average())
+
+
+def _reference_model(run, name: str | None, preset: str) -> tuple[TransformerLM, str, dict | None]:
+    """(the fp32 model every variant derives from, the preset it is reported as, the real model's loading
+    times or None). name None: a random-init `preset` (smaller where `run.quick`); a real model's name
+    loads it, after timing its loading, and renames the run so that its results have their own files."""
+    if name is None:
+        return TransformerLM(bench_config(preset, run.quick), device=run.device).eval(), preset, None
+    from ...model.real_models import real_model_missing
+
+    if missing := real_model_missing(name):
+        raise ValueError(f"bench generation --model {name}: {missing}")
+    run.name = f"generation_{name.replace('-', '_')}"
+    loading = measure_loading(name, run.device)
+    return load_pretrained(name, device=run.device, dtype=torch.float32).eval(), name, loading
+
+
+def _add_exact_gguf(models: dict, preset: str, device) -> str:
+    """Add the real model's published GGUF blocks, with no re-quantization, as "int4 exact"; describe them."""
+    exact = load_pretrained(preset, device=device, weights="gguf-exact")
+    exact.set_attention_kernel(attention_kernel(device))
+    models["int4 exact"] = tune_for_cpu(exact)
+    return exact.describe()
+
+
+def _peer(model: TransformerLM, result: dict):
+    """Hugging Face's Llama on `model`'s weights (its version into `result`), or None without transformers."""
+    hf = peer.hf_llama_from(model) if peer.transformers_available() else None
+    if hf is None:
+        print(f"peer row skipped: transformers is not installed ({peer.INSTALL_HINT})")
+    result["peer"] = "transformers " + __import__("transformers").__version__ if hf is not None else None
+    return hf
+
+
+def _check_tokens_and_quality(models: dict, model: TransformerLM, device, hf, real_preset: str | None, quick: bool,
+                              result: dict) -> dict:
+    """Same greedy tokens from our readable path, our fast path and the peer (recorded in `result`), and each
+    variant's (KL to fp32, top-1 agreement). Both read random ids for a random-init model (`real_preset`
+    None), real text for a real one."""
+    width, n_check = (32, 16) if quick else (64, 32)
+    text = (eval_text_tokens(real_preset, 4 * width) if real_preset is not None
+            else torch.randint(0, model.config.vocab_size, (4 * width,)))
+    prompt = text[None, :16].to(device)
+    greedy = {name: generate(models[name], prompt.tolist(), n_check).tokens for name in ("fp32 plain", "fp32")}
+    result["greedy_fast_equals_plain"] = greedy["fp32"] == greedy["fp32 plain"]
+    if hf is not None:
+        result["greedy_equals_peer"] = greedy["fp32"] == peer.hf_greedy(hf, prompt, n_check)
+    return {name: decode_kl_to_reference(m, model, text.view(4, width).to(device)) for name, m in models.items()}
+
+
+def _compile_variant(models: dict, name: str, batches, steps: int, compile_seconds: dict) -> dict:
+    """Compile variant `name` (its seconds into `compile_seconds`), add it to `models` as "{name} compiled"
+    and return its step makers, one per batch size."""
+    t0 = time.perf_counter()
+    decode = timed_compiled_step(models[name])
+    decode_step_fn(models[name], 1, 32, 8, decode)()                            # compiles
+    compile_seconds[name] = time.perf_counter() - t0
+    models[f"{name} compiled"] = models[name]
+    return {f"{name} compiled B={B}": (lambda m=models[name], B=B, d=decode: decode_step_fn(m, B, 32, steps + 4, d))
+            for B in batches}
+
+
+def _rows(samples: dict[str, list], models: dict, model: TransformerLM, quality: dict) -> list[dict]:
+    """One table row per timed "{variant} B={batch}": its times, throughput, weight bytes against the
+    bandwidth sampled beside it, quality, and its speed-ups over fp32 (and HF's fp32) at the same batch."""
+    rows = []
+    for name, pairs in samples.items():
+        ts = [t for t, _ in pairs]
+        variant, B = name.rsplit(" B=", 1)
+        seconds, weight_bytes = statistics.median(ts), weight_bytes_per_step(models.get(variant, model))
+        row = dict(zip(("variant", "batch", "ms_per_step", "ms_min", "ms_max"), (variant, int(B), *spread(ts, 1e3))))
+        row |= dict(tok_per_s=int(B) / seconds, weight_bytes_per_step=weight_bytes, GBps=weight_bytes / seconds / 1e9)
+        row["fraction_of_bandwidth"] = fraction_of_bandwidth(weight_bytes, pairs)
+        row["bandwidth_GBps"] = statistics.median(b for _, b in pairs) / 1e9
+        row["kl_to_fp32"], row["top1_agreement"] = quality.get(variant, (None, None))
+        rows.append(row)
+    for row in rows:
+        same_b = {r["variant"]: r["ms_per_step"] for r in rows if r["batch"] == row["batch"]}
+        row["speedup_vs_fp32"] = same_b["fp32"] / row["ms_per_step"]
+        if "HF fp32" in same_b:
+            row["speedup_vs_hf_fp32"] = same_b["HF fp32"] / row["ms_per_step"]
+    return rows
 
 
 def _busy_section(fns: dict, device, rounds: int, steps: int) -> dict:

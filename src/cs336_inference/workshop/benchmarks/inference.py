@@ -331,13 +331,7 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
         run.name, run.committed, run.report = endpoint_name(model, preset), False, ENDPOINT
         return measure_endpoint(endpoint, model, run.quick, preset, changes, tokenizer, arrivals or "poisson",
                                 progress)
-    if tokenizer is not None or arrivals is not None:
-        raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
-    if model != "target" and model not in REAL_MODELS:
-        raise ValueError(f"unknown model {model!r} for the in-process benchmark: use 'target' or one of "
-                         f"{sorted(REAL_MODELS)} (any served model name works with endpoint=URL)")
-    if sweep is not None:
-        _checks.instance("sweep", sweep, SweepConfig)
+    _check_in_process(model, sweep, tokenizer, arrivals)
     device, real = run.device, model in REAL_MODELS
     config = (sweep or sweep_config(real, run.quick)).with_precisions(precision_order(device))
     if "draft" in (config.speculative if preset is None else ()) and model != "target":
@@ -351,34 +345,70 @@ def measure(run, model: str = "target", preset: str | None = None, concurrency: 
     text, stop = source_and_stop(tok, real)
     source, base = text.tolist(), config.precisions[0]
     models = {p: build_precision(reference, p, device) for p in config.precisions}
-    seq_len, count = config.quality_windows   # held-out windows from the end (prompts come from anywhere)
-    windows = text[-count * (seq_len + 1):].view(count, seq_len + 1)
-    quality = {p: {"bits_per_byte": r["bits_per_byte"], "kl_to_fp32": r["kl_to_reference"],
-                   "top1_agreement": r["top1_agreement"], "tokens": r["tokens"]}
-               for p, r in compare_on_text(models, reference.float(), windows, bytes_per_token(tok)).items()}
+    quality, quality_tokens = _quality(models, reference, text, config, tok)
     del reference
-    modes = {s.speculative for s in runs}
-    drafts = {mode: mode for mode in modes & {"prompt_lookup"}}
-    if "draft" in modes:   # the shipped draft model, at the target's precision
-        drafts["draft"] = build_precision(load_pretrained("draft", device=device).eval(), base, device)
-    # untimed: kernel layouts, allocator pools and caches get built here, not in the first timed run
-    warm = config.warmup.requests(source, tok, stop)
-    for m in models.values():
-        run_benchmark(m, warm, config.warmup.concurrency, "paged", device)
-    for draft in [None, *drafts.values()] if drafts else []:
-        run_benchmark(models[base], warm[:1], 1, "contiguous", device, "one_at_a_time", draft)
-    repeats = [[] for _ in runs]
-    order = [i for _ in range(config.repeats) for i in range(len(runs))]   # rounds: every run, then again
-    for i in tqdm(order, desc=f"bench inference ({model})", disable=not progress, unit="run"):
-        repeats[i].append(one_run(runs[i], models[runs[i].precision], source, tok, stop, device, drafts))
-    rows = [median_repeat(r, "duration_s", RANGED) for r in repeats]
+    drafts = _drafters({s.speculative for s in runs}, base, device)
+    _warm_up(models, drafts, config.warmup.requests(source, tok, stop), config.warmup.concurrency, base, device)
+    rows = _in_rounds(runs, config.repeats, lambda spec: one_run(spec, models[spec.precision], source, tok, stop,
+                                                                  device, drafts),
+                      tqdm_desc=f"bench inference ({model})", progress=progress)
     match_plain_greedy(rows)
     return {"benchmark": NAME, "model": model, "device": str(device), "threads": torch.get_num_threads(),
             "load_avg_before": load_before, "load_avg_after": load_avg(), "base_precision": base,
             "precisions": list(config.precisions), "weight_bytes": {p: model_nbytes(m) for p, m in models.items()},
-            "quality": quality, "quality_tokens": int(windows[:, 1:].numel()),
+            "quality": quality, "quality_tokens": quality_tokens,
             "speculative": {"modes": list(config.speculative), "gamma": GAMMA, "drafts": sorted(drafts)},
             "sweep": dataclasses.asdict(config), "rows": rows, "preset": preset}
+
+
+def _in_rounds(runs: list[RunSpec], repeats: int, run_one, tqdm_desc: str, progress: bool) -> list[dict]:
+    """Each run `repeats` times in interleaved rounds (every run, then again), and of each its
+    median-duration repeat (with the RANGED measures' min and max over the repeats)."""
+    done = [[] for _ in runs]
+    order = [i for _ in range(repeats) for i in range(len(runs))]
+    for i in tqdm(order, desc=tqdm_desc, disable=not progress, unit="run"):
+        done[i].append(run_one(runs[i]))
+    return [median_repeat(r, "duration_s", RANGED) for r in done]
+
+
+def _check_in_process(model: str, sweep, tokenizer, arrivals) -> None:
+    """Refuse the endpoint benchmark's options, a model we cannot load and a sweep that is no SweepConfig."""
+    if tokenizer is not None or arrivals is not None:
+        raise ValueError("tokenizer and arrivals are options of the endpoint benchmark: give endpoint too")
+    if model != "target" and model not in REAL_MODELS:
+        raise ValueError(f"unknown model {model!r} for the in-process benchmark: use 'target' or one of "
+                         f"{sorted(REAL_MODELS)} (any served model name works with endpoint=URL)")
+    if sweep is not None:
+        _checks.instance("sweep", sweep, SweepConfig)
+
+
+def _quality(models: dict, reference: nn.Module, text: torch.Tensor, config: SweepConfig, tok) -> tuple[dict, int]:
+    """Each precision's bits per byte, KL to fp32 and top-1 agreement on held-out windows from the end of
+    `text` (prompts come from anywhere), and how many tokens they were measured on."""
+    seq_len, count = config.quality_windows
+    windows = text[-count * (seq_len + 1):].view(count, seq_len + 1)
+    quality = {p: {"bits_per_byte": r["bits_per_byte"], "kl_to_fp32": r["kl_to_reference"],
+                   "top1_agreement": r["top1_agreement"], "tokens": r["tokens"]}
+               for p, r in compare_on_text(models, reference.float(), windows, bytes_per_token(tok)).items()}
+    return quality, int(windows[:, 1:].numel())
+
+
+def _drafters(modes: set[str], base: str, device: torch.device) -> dict:
+    """The drafter of each speculative mode the runs use: prompt lookup by name; the shipped draft model,
+    at the target's precision."""
+    drafts = {mode: mode for mode in modes & {"prompt_lookup"}}
+    if "draft" in modes:
+        drafts["draft"] = build_precision(load_pretrained("draft", device=device).eval(), base, device)
+    return drafts
+
+
+def _warm_up(models: dict, drafts: dict, warm: list[Request], concurrency: int, base: str,
+             device: torch.device) -> None:
+    """Untimed runs: kernel layouts, allocator pools and caches get built here, not in the first timed run."""
+    for m in models.values():
+        run_benchmark(m, warm, concurrency, "paged", device)
+    for draft in [None, *drafts.values()] if drafts else []:
+        run_benchmark(models[base], warm[:1], 1, "contiguous", device, "one_at_a_time", draft)
 
 
 def match_plain_greedy(rows: list[dict]) -> None:

@@ -107,48 +107,62 @@ def plot_operating_points(result: dict):
     if not rows and not points:
         return None
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    _plot_tradeoff(ax1, rows)
+    base = result.get("base_precision", "server")
+    _plot_time_split(ax2, [r for r in points if r["precision"] == base], base)
+    fig.suptitle(f"bench inference: {result['model']} on {result['device']}")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_tradeoff(ax, rows: list[dict]) -> None:
+    """Throughput against TPOT, one curve per precision (min..max bars where runs were repeated), C labels."""
     repeated = any(r.get("repeats", 1) > 1 for r in rows)
     for i, precision in enumerate(dict.fromkeys(r["precision"] for r in rows)):
         pts = sorted((r for r in rows if r["precision"] == precision and r["tpot_median_s"] is not None),
                      key=lambda r: r["concurrency"])
         xs, ys = [1e3 * r["tpot_median_s"] for r in pts], [r["output_throughput"] for r in pts]
-        ax1.plot(xs, ys, "o-", color=f"C{i}", label=precision)
+        ax.plot(xs, ys, "o-", color=f"C{i}", label=precision)
         if repeated and all(r.get("output_throughput_min") is not None for r in pts):
-            ax1.errorbar(xs, ys, yerr=[[y - r["output_throughput_min"] for y, r in zip(ys, pts)],
-                                       [r["output_throughput_max"] - y for y, r in zip(ys, pts)]],
-                         fmt="none", ecolor=f"C{i}", alpha=0.4, capsize=2)
-    # C labels: a point whose label would sit on the same label of a nearby point gets none
-    labelled, placed = [r for r in rows if r["tpot_median_s"] is not None], []
-    if labelled:
-        xs, ys = [1e3 * r["tpot_median_s"] for r in labelled], [r["output_throughput"] for r in labelled]
-        span_x, span_y = (max(xs) - min(xs)) or 1, (max(ys) - min(ys)) or 1
-        for x, y, r in zip(xs, ys, labelled):
-            if not any(c == r["concurrency"] and abs(x - px) < 0.06 * span_x and abs(y - py) < 0.06 * span_y
-                       for c, px, py in placed):
-                placed.append((r["concurrency"], x, y))
-                ax1.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
-    ax1.set(xlabel="time per output token, median (ms): the latency one user sees",
-            ylabel="output tokens / s (all users" + ("; bars: min..max of repeats)" if repeated else ")"),
-            title="concurrency buys throughput with latency (C = sequences at once)")
-    ax1.grid(alpha=0.3)
+            ax.errorbar(xs, ys, yerr=[[y - r["output_throughput_min"] for y, r in zip(ys, pts)],
+                                      [r["output_throughput_max"] - y for y, r in zip(ys, pts)]],
+                        fmt="none", ecolor=f"C{i}", alpha=0.4, capsize=2)
+    _label_concurrency(ax, [r for r in rows if r["tpot_median_s"] is not None])
+    ax.set(xlabel="time per output token, median (ms): the latency one user sees",
+           ylabel="output tokens / s (all users" + ("; bars: min..max of repeats)" if repeated else ")"),
+           title="concurrency buys throughput with latency (C = sequences at once)")
+    ax.grid(alpha=0.3)
     if rows:
-        ax1.legend(title="precision", fontsize=8)
-    base = result.get("base_precision", "server")
-    points = [r for r in points if r["precision"] == base]
+        ax.legend(title="precision", fontsize=8)
+
+
+def _label_concurrency(ax, labelled: list[dict]) -> None:
+    """C labels: a point whose label would sit on the same label of a nearby point gets none."""
+    if not labelled:
+        return
+    placed = []
+    xs, ys = [1e3 * r["tpot_median_s"] for r in labelled], [r["output_throughput"] for r in labelled]
+    span_x, span_y = (max(xs) - min(xs)) or 1, (max(ys) - min(ys)) or 1
+    for x, y, r in zip(xs, ys, labelled):
+        if not any(c == r["concurrency"] and abs(x - px) < 0.06 * span_x and abs(y - py) < 0.06 * span_y
+                   for c, px, py in placed):
+            placed.append((r["concurrency"], x, y))
+            ax.annotate(f"C={r['concurrency']}", (x, y), textcoords="offset points", xytext=(4, -10), fontsize=7)
+
+
+def _plot_time_split(ax, points: list[dict], base: str) -> None:
+    """Each operating point's mean request time, stacked queueing/prefill/decode where measured (else E2E)."""
     split = all(r.get("queueing_mean_s") is not None for r in points)
     bottom = [0.0] * len(points)
     for key, color in (("queueing", "C7"), ("prefill", "C1"), ("decode", "C0")) if split else (("e2el", "C0"),):
         values = [r[f"{key}_mean_s"] for r in points]
-        ax2.bar([r["workload"] for r in points], values, bottom=bottom, color=color, label=key)
+        ax.bar([r["workload"] for r in points], values, bottom=bottom, color=color, label=key)
         bottom = [b + v for b, v in zip(bottom, values)]
     for j, r in enumerate(points):
-        ax2.annotate(f"{r['output_throughput']:,.0f} tok/s", (j, bottom[j]), textcoords="offset points",
-                     xytext=(0, 3), ha="center", fontsize=8)
-    ax2.set(ylabel="mean seconds per request", title=f"operating points ({base}): where a request's time goes")
-    ax2.legend(fontsize=8)
-    fig.suptitle(f"bench inference: {result['model']} on {result['device']}")
-    fig.tight_layout()
-    return fig
+        ax.annotate(f"{r['output_throughput']:,.0f} tok/s", (j, bottom[j]), textcoords="offset points",
+                    xytext=(0, 3), ha="center", fontsize=8)
+    ax.set(ylabel="mean seconds per request", title=f"operating points ({base}): where a request's time goes")
+    ax.legend(fontsize=8)
 
 
 def plot_ttft(result: dict):

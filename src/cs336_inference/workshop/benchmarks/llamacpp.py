@@ -150,25 +150,32 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
           "llama.cpp": 2 * 2 * exact.config.num_layers * exact.config.num_kv_heads * exact.config.head_dim
           * (context + 1)}                                               # its default f16 K and V
     weights = {"ours": weight_bytes_per_step(exact), "llama.cpp": _gguf_bytes_per_step()}
-    rows = []
-    for t in threads:
-        for engine in ("ours", "llama.cpp"):
-            pairs, step_bytes = samples[(engine, "decode", t)], weights[engine] + kv[engine]
-            ts = [s for s, _ in pairs]
-            rows.append(dict(zip(("decode_ms", "decode_ms_min", "decode_ms_max"), spread(ts, 1e3)), engine=engine,
-                             threads=t, decode_tok_s=1 / statistics.median(ts), bytes_per_step=step_bytes,
-                             prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
-                             fraction_of_bandwidth=fraction_of_bandwidth(step_bytes, pairs)))
-    for t in threads:
-        ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
-        ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
-        ours["prefill_vs_llamacpp"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+    rows = _rows(samples, threads, {e: weights[e] + kv[e] for e in ("ours", "llama.cpp")})
     import llama_cpp
 
     return dict(model=MODEL, llama_cpp_python=llama_cpp.__version__, llama_cpp_repacking=repack,
                 prompt_len=prompt_len, context=context,
                 rounds=rounds, steps=steps, compile_seconds=compile_s, measured_bandwidth_GBps=gbps,
                 agreement=agreement, rows=rows, ours=exact.describe())
+
+
+def _rows(samples: dict, threads: tuple[int, ...], step_bytes: dict[str, int]) -> list[dict]:
+    """One row per (thread count, engine) from the (engine, "decode" | "prefill_tok_s", threads) samples, with
+    each decode's bytes per step against the bandwidth sampled beside it; ours also as a ratio to llama.cpp."""
+    rows = []
+    for t in threads:
+        for engine in ("ours", "llama.cpp"):
+            pairs = samples[(engine, "decode", t)]
+            ts = [s for s, _ in pairs]
+            rows.append(dict(zip(("decode_ms", "decode_ms_min", "decode_ms_max"), spread(ts, 1e3)), engine=engine,
+                             threads=t, decode_tok_s=1 / statistics.median(ts), bytes_per_step=step_bytes[engine],
+                             prefill_tok_s=statistics.median(samples[(engine, "prefill_tok_s", t)]),
+                             fraction_of_bandwidth=fraction_of_bandwidth(step_bytes[engine], pairs)))
+    for t in threads:
+        ours, peer = (next(r for r in rows if r["threads"] == t and r["engine"] == e) for e in ("ours", "llama.cpp"))
+        ours["decode_vs_llamacpp"] = peer["decode_ms"] / ours["decode_ms"]
+        ours["prefill_vs_llamacpp"] = ours["prefill_tok_s"] / peer["prefill_tok_s"]
+    return rows
 
 
 def _gguf_bytes_per_step() -> int:

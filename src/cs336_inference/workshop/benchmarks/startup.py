@@ -138,26 +138,10 @@ def start_once(command: str, model: str, cache_root: str, chat_template: bool = 
         if command == "chat":
             child.process.stdin.write((PROMPT + "\n").encode())
             child.process.stdin.flush()
-        ready, deadline = None, time.monotonic() + timeout
-        while ready is None and time.monotonic() < deadline:
-            if command == "serve":
-                ready = time.time() if _healthy(f"http://127.0.0.1:{port}/health") else None
-            elif command == "chat":
-                ready = child.first_time("out", _reply_started)
-            else:
-                ready = child.first_time("out", bool)
-            if ready is None and child.process.poll() is not None:
-                ready = child.first_time("out", _reply_started if command == "chat" else bool)   # a last read
-                break
-            if ready is None:
-                time.sleep(0.05)
-        if command == "generate" and ready is not None:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.process.wait(timeout=timeout)   # generate ends by itself: how long the whole command took
-        elif ready is not None:   # chat, serve: until the background compile ends, so the next start finds it cached
-            while (time.monotonic() < deadline and child.process.poll() is None
-                   and not any(m["phase"] == "compiled" for m in read_marks(log))):
-                time.sleep(0.2)
+        deadline = time.monotonic() + timeout
+        ready = _wait_until_ready(child, command, port, deadline)
+        if ready is not None:
+            _run_on(child, command, log, deadline, timeout)
         end = time.time()
         rc = child.stop()
         marks = {m["phase"]: m["t"] - child.t0 for m in read_marks(log)}
@@ -168,6 +152,35 @@ def start_once(command: str, model: str, cache_root: str, chat_template: bool = 
     if ready is None or rc not in (0, None):
         result["error"] = child.text("err")[-2000:]
     return result
+
+
+def _wait_until_ready(child: Watched, command: str, port: int | None, deadline: float) -> float | None:
+    """The time (time.time()) `child` was ready: serve's /health answers, chat's reply or generate's answer
+    began on stdout; None if it exited or `deadline` (time.monotonic()) passed first."""
+    started = _reply_started if command == "chat" else bool
+    while time.monotonic() < deadline:
+        if command == "serve":
+            ready = time.time() if _healthy(f"http://127.0.0.1:{port}/health") else None
+        else:
+            ready = child.first_time("out", started)
+        if ready is not None:
+            return ready
+        if child.process.poll() is not None:
+            return child.first_time("out", started)   # a last read
+        time.sleep(0.05)
+    return None
+
+
+def _run_on(child: Watched, command: str, log: str, deadline: float, timeout: float) -> None:
+    """After the first token: generate ends by itself (how long the whole command took); chat and serve run
+    until the background compile ends, so that the next start finds it cached."""
+    if command == "generate":
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            child.process.wait(timeout=timeout)
+        return
+    while (time.monotonic() < deadline and child.process.poll() is None
+           and not any(m["phase"] == "compiled" for m in read_marks(log))):
+        time.sleep(0.2)
 
 
 def measure(run, model: str | None = None) -> dict:
