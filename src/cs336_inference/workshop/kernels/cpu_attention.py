@@ -123,4 +123,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-__all__ = ["SOURCES", "attention", "build", "cpu_supports"]
+NAME = "cpu"   # the attention kernel's name in the core's registry
+
+
+def register() -> str:
+    """Add `attention` to the core's attention registry as "cpu" (idempotent): `set_attention_kernel("cpu")`
+    then runs it, where our kernels build (`build` says why not elsewhere, when the name is chosen)."""
+    from ...model.attention import ATTENTION
+
+    ATTENTION.register(NAME, attention, why_unavailable=lambda: build())
+    return NAME
+
+
+__all__ = ["NAME", "SOURCES", "attention", "build", "cpu_supports", "register"]
