@@ -265,3 +265,32 @@ def test_an_int4_kernel_registered_here_runs_the_layers_packed_after_it():
         LINEAR.unregister("test int4")
     later = QuantizedLinear.from_linear(linear, bits=4, group_size=32)
     assert later.packed_weight().kernel != "test int4"                            # unregistered: not chosen
+
+
+def test_tuning_is_an_explicit_call_that_says_what_it_changed():
+    """`workshop.tune` replaces each plain linear by a `CPULinear` holding the same Parameter (as
+    `fuse_projections` replaces modules; no class swapped on a live module), one shared linear by one
+    module, keeps a linear's hooks, and returns the line describing what it applied; `untune_cpu` puts
+    plain linears holding the same Parameters back."""
+    from cs336_inference.workshop import cpu_tuning, tune
+
+    shared = nn.Linear(8, 8, bias=False)
+    model = nn.Sequential(nn.Linear(8, 8, bias=False), shared, nn.Sequential(shared), nn.Linear(8, 4, bias=True))
+    seen = []
+    model[0].register_forward_hook(lambda *a: seen.append("hook"))
+    plain = [model[0], shared, model[3]]
+    weights = [m.weight for m in plain]
+    said = tune(model, split=False, threads=False, huge_pages=False)
+    assert said == cpu_tuning.describe(model) and said.startswith("CPU tuning: ")
+    assert type(model[0]) is cpu_tuning.CPULinear and model[0] is not plain[0] and plain[0].__class__ is nn.Linear
+    assert model[1] is model[2][0] and type(model[1]) is cpu_tuning.CPULinear          # shared: one module
+    assert type(model[3]) is nn.Linear                                                  # a bias: left as it is
+    assert model[0].weight is weights[0] and model[1].weight is weights[1]              # the same Parameters
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        want = x @ weights[0].T @ weights[1].T @ weights[1].T @ weights[2].T + model[3].bias
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    assert seen == ["hook"]
+    cpu_tuning.untune_cpu(model)
+    assert [type(m) for m in (model[0], model[1], model[2][0])] == [nn.Linear] * 3 and model[1] is model[2][0]
+    assert model[0].weight is weights[0] and not hasattr(model, "cpu_tuning")
