@@ -1,4 +1,4 @@
-"""Our own CPU kernels (`cs336_inference/csrc/*.cpp`), compiled once per machine on first use, beside torch's.
+"""Our own CPU kernels (`cs336_inference/workshop/csrc/*.cpp`), compiled once per machine on first use, beside torch's.
 
 - `int4_gemv`: an int4 matmul for a few rows; `quantization.cpu_int4` runs int4 layers on it.
 - `dense_gemv`: the same for fp32 and bf16 weights, read in place; `cpu_tuning.CPULinear` runs a
