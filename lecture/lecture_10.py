@@ -25,7 +25,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-import cs336_inference  # noqa: E402,F401  (before torch: sets OpenMP's wait policy, see cs336_inference/openmp.py)
 import math  # noqa: E402
 
 import sympy as sp  # noqa: E402
@@ -1126,7 +1125,7 @@ def quantization_benchmarks():
     text("Fewer bytes are fewer milliseconds only if the kernel reads the small codes.")
     text("Dequantizing the weight, then an ordinary matmul (kernel='reference'), decodes *slower* than fp32.")
     text("The default kernel hands the packed codes to a matmul that dequantizes in registers:")
-    text("torch's int4pack / int8pack, or, on CPUs with bf16 dot products, our own int4 kernel (`cpu_int4`).")
+    text("torch's int4pack / int8pack, or, on CPUs with bf16 dot products, the workshop's int4 kernel (`cpu_int4`).")
     # Speed needs weights that do not fit in cache: the ~90M-parameter benchmark model (bench generation).
     gen = load_result("generation")
     speed = {(r["variant"], r["batch"]): r for r in gen["rows"]}

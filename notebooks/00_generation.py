@@ -20,8 +20,7 @@
 # one-token forward pass. Then it times them properly, the way a shared machine needs.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import matplotlib.pyplot as plt
 
 import torch

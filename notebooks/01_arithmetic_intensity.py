@@ -20,8 +20,7 @@
 # predictions against a real ~88M-parameter model. Everything comes from `cs336_inference`.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 from dataclasses import replace
 
 import matplotlib.pyplot as plt
@@ -112,12 +111,10 @@ print("saved", save_figure(fig, "01_kv_memory_mha_vs_gqa"))
 # ## 4. This machine's roofline, measured
 # Two numbers describe the machine: peak matmul FLOP/s and streaming memory bandwidth. Their ratio
 # is its accelerator intensity. Then Y = X @ W with a W larger than the caches, for growing B:
-# achieved FLOP/s should follow min(peak, intensity x bandwidth). (We time with every core and
-# OpenMP's passive wait policy, set when `cs336_inference` was imported before torch: threads that
-# spin-wait for each other stall when another program holds a core.) On a shared machine the load
-# changes while we measure, so the roofs are measured before *and* after the sweep and the roof is
-# the best this run saw: a "peak" taken at a busy moment would otherwise sit below what the sweep
-# reaches at a quiet one.
+# achieved FLOP/s should follow min(peak, intensity x bandwidth), timed with every core. On a
+# shared machine the load changes while we measure, so the roofs are measured before *and* after
+# the sweep and the roof is the best this run saw: a "peak" taken at a busy moment would otherwise
+# sit below what the sweep reaches at a quiet one.
 
 # %%
 hw_before = measure_hardware(device)

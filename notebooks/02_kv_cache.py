@@ -31,8 +31,7 @@
 # | CLA | one cache per group of adjacent layers | Brandon et al. 2024 |
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 
 import matplotlib.pyplot as plt
 import torch

@@ -23,8 +23,7 @@
 # pretrained model, SmolLM2-135M, and real English text (`bench quantization_smollm2`).
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import statistics
 import time
 
@@ -232,8 +231,8 @@ save_figure(fig, "03_quantization_kl_vs_bytes")
 # CPU caches. How a quantized layer multiplies matters as much as its bytes: the readable
 # `kernel="reference"` dequantizes the whole weight and then runs an ordinary matmul, writing and
 # re-reading a full-precision matrix every step; the default kernel hands the packed codes to
-# torch's int4pack / int8pack matmuls, which dequantize in registers (with bf16 activations); on a
-# CPU with bf16 dot products (AVX512-BF16) int4 layers run our own such kernel (`cpu_int4`).
+# torch's int4pack / int8pack matmuls, which dequantize in registers (with bf16 activations). (The
+# CLI's fast path adds its own int4 kernel for CPUs with bf16 dot products: `cs336_inference.workshop`.)
 # Variants alternate round by round (the machine is shared) on one thread; medians are printed.
 
 # %%

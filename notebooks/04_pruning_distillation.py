@@ -23,8 +23,7 @@
 # --preset draft`) and `draft-scratch` (same shape, trained from scratch for the same steps).
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import matplotlib.pyplot as plt
 
 from cs336_inference import get_device, seed_everything

@@ -26,8 +26,7 @@
 # speed-up, a small measurement, and why the tiny toy target gains less than a big one would.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 from fractions import Fraction
 
 import matplotlib.pyplot as plt

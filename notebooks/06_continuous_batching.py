@@ -27,8 +27,7 @@
 # looks at who waited, who ran, and what came out.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import matplotlib.pyplot as plt
 
 from cs336_inference import generate, get_device, seed_everything

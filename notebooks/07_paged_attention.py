@@ -26,8 +26,7 @@
 # copy-on-write, prefix sharing, paged attention, and then the memory of a real serving run.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import matplotlib.pyplot as plt
 import torch
 

@@ -28,8 +28,7 @@
 # | hybrid | attention every few layers, fixed-state layers between | Jamba, MiniMax-01 |
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 
 import matplotlib.pyplot as plt
 import torch

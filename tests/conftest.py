@@ -1,4 +1,4 @@
-import cs336_inference  # noqa: F401  (before torch: OpenMP's passive wait policy, see cs336_inference/openmp.py)
+import openmp_first  # noqa: F401  (before torch: the CLI's OpenMP wait policy, see tests/openmp_first.py)
 # isort: split
 import os
 import subprocess

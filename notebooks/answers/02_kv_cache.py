@@ -18,8 +18,7 @@
 # checked against an independent computation by `tests/library/test_notebook_exercises.py`.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import torch
 
 from cs336_inference import ModelConfig, TransformerLM, seed_everything

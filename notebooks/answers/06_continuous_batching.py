@@ -20,8 +20,7 @@
 # so every number below is the same on every run.
 
 # %%
-import cs336_inference  # first, before torch: sets OpenMP's wait policy (see cs336_inference/_openmp.py)
-# isort: split
+import cs336_inference
 import numpy as np
 
 from cs336_inference.data import load_corpus

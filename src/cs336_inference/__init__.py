@@ -12,16 +12,48 @@ One sub-package per part of the lecture, imports pointing downward only:
     data/                          offline corpus, training, evaluation
     compression/                   pruning, distillation
     serving/                       paged KV cache, schedulers, engine
-    benchmarks/                    one module per `python -m cs336_inference bench NAME`
+    homework/                      the graded functions' reference solution and the student skeleton
+    workshop/                      the performance workshop (the core never imports it): the CLI's fast
+                                   path, CPU tuning, OpenMP policy, our C++ kernels, the benchmarks
 """
 
-from .workshop import openmp  # noqa: F401  (first: sets OpenMP's wait policy before torch is imported)
-from .device import apply_thread_policy, default_dtype, get_device, seed_everything
-from .generation import (GenerationResult, decode_one_token, expected_speedup, expected_tokens_per_pass, generate,
-                         prefill, sample_next_token, speculative_accept, speculative_generate)
-from .model import (ByteTokenizer, KVCache, ModelConfig, TransformerLM, load_cs336_checkpoint, load_pretrained,
-                    load_tokenizer, scaled_dot_product_attention, verify_checkpoint)
-from . import quantization  # noqa: F401,E402  (registers load_pretrained's weights="gguf-exact")
+import importlib
+
+# The names below are the package's top level: importing `cs336_inference` itself imports nothing else
+# (no torch, no environment change), so `python -m cs336_inference` can apply OpenMP's wait policy before
+# torch loads (`__main__`, `workshop/openmp.py`). The first of these names a program reads imports them all.
+_EXPORTS = {
+    "device": ("apply_thread_policy", "default_dtype", "get_device", "seed_everything"),
+    "generation": ("GenerationResult", "decode_one_token", "expected_speedup", "expected_tokens_per_pass", "generate",
+                   "prefill", "sample_next_token", "speculative_accept", "speculative_generate"),
+    "model": ("ByteTokenizer", "KVCache", "ModelConfig", "TransformerLM", "load_cs336_checkpoint", "load_pretrained",
+              "load_tokenizer", "scaled_dot_product_attention", "verify_checkpoint"),
+    "quantization": (),   # registers load_pretrained's weights="gguf-exact"
+}
+
+
+def _load_exports() -> None:
+    for part, names in _EXPORTS.items():
+        module = importlib.import_module(f".{part}", __name__)
+        globals().update({name: getattr(module, name) for name in names})
+
+
+def __getattr__(name: str):   # PEP 562: runs only for a name not set yet
+    if any(name in names for names in _EXPORTS.values()):
+        _load_exports()
+        return globals()[name]
+    if not name.startswith("_"):   # a part of the package (`cs336_inference.serving`) imports on first use
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
 
 __version__ = "0.1.0"
 

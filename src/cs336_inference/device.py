@@ -5,9 +5,10 @@ CPU first (fp32: the CPUs we teach on have no fast bf16 matmul), CUDA when prese
 
 Thread policy (`apply_thread_policy`): small work (toy models, unit tests, the lecture's demos) runs on
 one thread, because its ops are too small to split and a second thread only adds synchronisation;
-large work (the ~90M benchmark model, big matmuls) runs on every core with OpenMP's passive wait
-policy (`openmp`), so a worker that has nothing to do sleeps instead of spinning on a core someone
-else needs. CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for both.
+large work (the ~90M benchmark model, big matmuls) runs on every core. OpenMP's wait policy (whether an
+idle worker sleeps or spins on a core someone else needs) is read from the environment when torch loads;
+this module only reports it (`omp_wait_policy`): the CLI applies the package's policy before torch loads
+(`workshop/openmp.py`). CS336_NUM_THREADS, else OMP_NUM_THREADS, overrides the count for both.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import numpy as np
 import torch
 
 from . import _checks
-from .workshop import openmp
 
 _KNOWN = ("cuda", "mps", "cpu")
 THREAD_ENV_VARS = ("CS336_NUM_THREADS", "OMP_NUM_THREADS")
@@ -91,23 +91,37 @@ def thread_policy(parallel: bool = False) -> int:
 def apply_thread_policy(parallel: bool = False) -> int:
     """Set torch's intra-op thread count to `thread_policy(parallel)`; return it.
 
-    Warns when more than one thread will run with OpenMP's spinning wait policy because torch was
-    imported before this package (import cs336_inference first, or export OMP_WAIT_POLICY=PASSIVE).
+    Warns when more than one thread will run without a wait policy in the environment (OpenMP's own
+    spinning default): `python -m cs336_inference` applies the package's, as does
+    `cs336_inference.workshop.apply_openmp_policy()` called before torch is imported.
     """
     n = thread_policy(parallel)
     torch.set_num_threads(n)
-    if n > 1 and openmp.wait_policy() != "PASSIVE" and "OMP_WAIT_POLICY" not in os.environ:
-        warnings.warn("torch was imported before cs336_inference, so its OpenMP threads spin while idle and "
-                      "stall when another process holds a core; import cs336_inference before torch, or "
-                      "export OMP_WAIT_POLICY=PASSIVE", RuntimeWarning, stacklevel=2)
+    if n > 1 and "OMP_WAIT_POLICY" not in os.environ:
+        warnings.warn("OpenMP's threads run with its default wait policy (no OMP_WAIT_POLICY), spinning while "
+                      "idle, which stalls them when another process holds a core; run through `python -m "
+                      "cs336_inference`, call cs336_inference.workshop.apply_openmp_policy() before importing "
+                      "torch, or export OMP_WAIT_POLICY=PASSIVE", RuntimeWarning, stacklevel=2)
     return n
+
+
+def omp_wait_policy() -> str:
+    """The wait policy OpenMP runs with, as the environment says ('PASSIVE', 'ACTIVE', or 'default
+    (spinning)'); the runtime read it when torch was imported."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return policy.upper() if policy else "default (spinning)"
+
+
+def omp_spin_count() -> str:
+    """GNU OpenMP's spin count before an idle worker sleeps (GOMP_SPINCOUNT), or 'default'."""
+    return os.environ.get("GOMP_SPINCOUNT") or "default"
 
 
 def thread_report() -> dict:
     """What the CPU threading looks like in this process (for `python -m cs336_inference info`)."""
     return {"torch_threads": torch.get_num_threads(), "policy_small": thread_policy(False),
-            "policy_large": thread_policy(True), "omp_wait_policy": openmp.wait_policy(),
-            "gomp_spincount": openmp.spin_count(),
+            "policy_large": thread_policy(True), "omp_wait_policy": omp_wait_policy(),
+            "gomp_spincount": omp_spin_count(),
             **{var.lower(): os.environ.get(var) for var in THREAD_ENV_VARS}}
 
 
@@ -133,7 +147,7 @@ def describe_machine(device: torch.device) -> dict:
     """What a reader needs to judge a number: the CPU, cores, threads, OpenMP's wait policy, the load
     average, torch and the device (and the GPU's name and memory on CUDA)."""
     d = {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-         "omp_wait_policy": openmp.wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
+         "omp_wait_policy": omp_wait_policy(), "load_avg": load_avg(), "torch": torch.__version__,
          "python": sys.version.split()[0], "platform": platform.platform(), "device": str(device)}
     if device.type == "cuda":
         d["gpu"] = torch.cuda.get_device_name(device)

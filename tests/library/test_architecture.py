@@ -68,16 +68,6 @@ def _graph() -> dict[str, set[str]]:
     return {name: _imports(name, path, known) for name, path in modules.items()}
 
 
-# Core -> workshop imports left by the move into workshop/, removed when the kernels reach the model
-# through the core's registries.
-PENDING = {
-    "cs336_inference.model.attention -> cs336_inference.workshop.kernels.cpu_attention",
-    "cs336_inference.quantization.kernels -> cs336_inference.workshop.kernels.cpu_int4",
-    "cs336_inference.accounting.roofline -> cs336_inference.workshop.huge_pages",
-    "cs336_inference.device -> cs336_inference.workshop.openmp",
-}
-
-
 def _part(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
@@ -116,8 +106,7 @@ def test_parts_only_import_downward():
         for target in targets:
             src, dst = _part(module), _part(target)
             if src != dst and dst != "__init__" and LAYERS[dst] > LAYERS[src]:
-                if f"{module} -> {target}" not in PENDING:
-                    upward.append(f"{module} -> {target}")
+                upward.append(f"{module} -> {target}")
             if dst == "__init__" and src != "__init__":
                 upward.append(f"{module} -> {target} (import the part, not the top-level package)")
     assert not upward, "imports that point upward:\n  " + "\n  ".join(sorted(upward))

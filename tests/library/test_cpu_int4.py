@@ -1,4 +1,4 @@
-"""Our AVX512-BF16 int4 matmul (`quantization.cpu_int4`): against a float64 matmul written here, inside
+"""Our AVX512-BF16 int4 matmul (`workshop.kernels.cpu_int4`): against a float64 matmul written here, inside
 `QuantizedLinear` against torch's int4pack kernel, and compiled. Skipped where the CPU cannot run it.
 
 Not graded: this checks the library's own kernel.
@@ -6,6 +6,7 @@ Not graded: this checks the library's own kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from cs336_inference.quantization import QuantizedLinear
-from cs336_inference.workshop.kernels import cpu_int4
+from cs336_inference.quantization.kernels import LINEAR
+from cs336_inference.workshop.kernels import cpu_int4   # registers our kernel with the int4 layers
 
 why_not = cpu_int4.why_unavailable()   # builds it here once, where the CPU can run it
 needs_kernel = pytest.mark.skipif(why_not is not None, reason=f"our int4 kernel cannot run here: {why_not}")
@@ -82,13 +84,19 @@ def test_a_row_comes_out_the_same_alone_and_among_other_rows(dtype):
         assert torch.equal(cpu_int4.matmul(x[start:stop].contiguous(), *packed), together[start:stop]), (start, stop)
 
 
+def _count_our_matmuls(monkeypatch, calls: list) -> None:
+    """Our kernel's registry entry, with a matmul that appends to `calls` on each call."""
+    counting = lambda *a, f=cpu_int4.matmul: calls.append(1) or f(*a)   # noqa: E731
+    monkeypatch.setitem(LINEAR.kernels, cpu_int4.NAME, dataclasses.replace(cpu_int4.KERNEL, matmul=counting))
+
+
 @needs_kernel
 def test_an_fp32_layer_runs_our_kernel_at_every_row_count(monkeypatch):
     """With fp32 activations a layer on our kernel never takes the dense route (whose matmul would change
     a row's sums with the row count): fp32 out, close to a float64 matmul, above `dense_rows()` too."""
     layer = QuantizedLinear.from_linear(nn.Linear(192, 48, bias=False), bits=4, group_size=32)
     calls = []
-    monkeypatch.setattr(cpu_int4, "matmul", lambda *a, f=cpu_int4.matmul: calls.append(1) or f(*a))
+    _count_our_matmuls(monkeypatch, calls)
     for rows in (1, layer.dense_above() + 1):
         x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows))
         calls.clear()
@@ -155,7 +163,7 @@ def test_prefill_rows_go_dense_sooner_where_the_cpu_has_amx(monkeypatch, amx):
     bar = 64 if amx else 512
     assert cpu_int4.dense_rows() == bar and layer.dense_above() == bar
     calls = []
-    monkeypatch.setattr(cpu_int4, "matmul", lambda *a, f=cpu_int4.matmul: calls.append(1) or f(*a))
+    _count_our_matmuls(monkeypatch, calls)
     for rows, ours in ((bar, True), (bar + 1, False)):
         x = torch.randn(rows, 192, generator=torch.Generator().manual_seed(rows)).bfloat16()
         calls.clear()

@@ -158,12 +158,13 @@ def test_tune_for_cpu_places_the_weights_or_says_why_not(monkeypatch, tmp_path):
 
 def test_the_bandwidth_probe_reads_a_buffer_on_2mb_pages_where_the_weights_are(monkeypatch, tmp_path):
     """The bandwidth a step is compared with is measured under the same address translation as the
-    weights: on 2 MB pages where they are (a buffer of its own, page-aligned), else ordinary memory."""
+    weights: on 2 MB pages where they are (a buffer of its own, page-aligned), else ordinary memory. The
+    core's probe allocates with torch unless given an allocator: the benchmarks pass `huge_pages.empty`."""
     from cs336_inference.accounting.roofline import bandwidth_probe
 
     x = hp.empty(3 * 2**20 + 5, torch.float32).fill_(2.0)
     assert x.shape == (3 * 2**20 + 5,) and x.dtype == torch.float32 and float(x.sum()) == 2.0 * x.numel()
-    probe = bandwidth_probe(nbytes=2**22, repeats=1)
+    probe = bandwidth_probe(nbytes=2**22, repeats=1, empty=hp.empty)
     buffer = next(c.cell_contents for c in probe.__closure__ if isinstance(c.cell_contents, torch.Tensor))
     assert probe() > 0 and float(buffer.sum()) == buffer.numel()
     if why_not is None:

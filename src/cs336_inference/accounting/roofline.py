@@ -11,28 +11,31 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import _checks
-from ..workshop import huge_pages
 from ..device import cpu_model, default_dtype, get_device
 from ..timing import median_seconds
 from .hardware import HardwareSpec
 
 
-def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7) -> float:
-    """Streaming read bandwidth in bytes/s: time a reduction over an `nbytes` fp32 tensor (on a CPU, on
-    2 MB pages where Linux grants them, as `tune_for_cpu` puts the weights: on 4 KB pages a reduction
-    spends part of its time walking page tables and reads measurably slower; see docs/benchmarks.md)."""
-    return bandwidth_probe(device, nbytes, repeats)()
+def measure_memory_bandwidth(device=None, nbytes: int = 512 * 2**20, repeats: int = 7, empty=None) -> float:
+    """Streaming read bandwidth in bytes/s: time a reduction over an `nbytes` fp32 tensor.
+
+    empty(numel, dtype): allocates the CPU buffer (default `torch.empty`). The workshop passes
+    `huge_pages.empty`, which puts it on 2 MB pages where Linux grants them, as `tune_for_cpu` puts the
+    weights: on 4 KB pages a reduction also spends time walking page tables."""
+    return bandwidth_probe(device, nbytes, repeats, empty)()
 
 
-def bandwidth_probe(device=None, nbytes: int = 512 * 2**20, repeats: int = 3):
+def bandwidth_probe(device=None, nbytes: int = 512 * 2**20, repeats: int = 3, empty=None):
     """`measure_memory_bandwidth` as a function to call again and again on one buffer, allocated once:
     a benchmark samples the bandwidth right beside each timing it compares with it, because on a
     shared host the bandwidth one VM gets can change by half within seconds."""
     device = get_device(device)
     _checks.integer("nbytes", nbytes, 2**20, allowed="an int >= 1 MiB (larger than the caches to mean anything)")
     _checks.positive_int("repeats", repeats)
+    if empty is not None and not callable(empty):
+        raise TypeError(f"empty must be a function (numel, dtype) -> tensor, or None, got {type(empty).__name__}")
     if device.type == "cpu":
-        x = huge_pages.empty(nbytes // 4, torch.float32).fill_(1.0)
+        x = (empty or torch.empty)(nbytes // 4, dtype=torch.float32).fill_(1.0)
     else:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     return lambda: x.nbytes / median_seconds(lambda: x.sum(), device, repeats)
@@ -92,7 +95,8 @@ class HardwareMeasurement:
                 f"accelerator intensity {self.accelerator_intensity:,.1f} {self.intensity_unit}")
 
 
-def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool = False) -> HardwareMeasurement:
+def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool = False,
+                     empty=None) -> HardwareMeasurement:
     """Measure peak matmul FLOP/s and memory bandwidth of `device` (cpu, cuda, mps; default: best).
 
     quick: smaller problems and fewer repeats (a fraction of a second), for the lecture; the full
@@ -107,7 +111,7 @@ def measure_hardware(device=None, dtype: torch.dtype | None = None, quick: bool 
     big = device.type == "cuda"
     nbytes = (128 if quick else 512) * 2**20 * (4 if big else 1)
     n = (4096 if quick else 8192) if big else (1024 if quick else 2048)
-    bandwidth = measure_memory_bandwidth(device, nbytes=nbytes, repeats=3 if quick else 7)
+    bandwidth = measure_memory_bandwidth(device, nbytes=nbytes, repeats=3 if quick else 7, empty=empty)
     flops = measure_matmul_flops(device, n=n, dtype=dtype, repeats=3 if quick else 5)
     return HardwareMeasurement(_device_name(device), str(dtype).removeprefix("torch."), flops, bandwidth)
 

@@ -2,7 +2,8 @@
 padding mask, and grouped attention (N query heads over K key/value heads without copying K/V).
 
 The attention modules live next door, one variant per file: `gqa` (MHA/GQA/MQA and cross-layer
-sharing), `mla` (multi-head latent attention), `window` (sliding-window attention).
+sharing), `mla` (multi-head latent attention), `window` (sliding-window attention). Which kernel
+`grouped_attention` runs is a name in the `ATTENTION` registry (`set_attention_kernel` chooses it).
 """
 
 from __future__ import annotations
@@ -10,21 +11,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..workshop.kernels import cpu_attention
+from .kernel_registry import KernelRegistry
 
-# "reference": the hand-written softmax(q k^T) v below, the definition; "sdpa": torch's fused
-# F.scaled_dot_product_attention (one kernel, no (T, S) score tensor in Python), checked against it;
-# "cpu": sdpa, except a step whose keys are all visible (a plain decode step) in bf16 or fp32 on a CPU with
-# AVX512-BF16, which runs our own kernel (`cpu_attention.attention`).
-ATTENTION_KERNELS = ("reference", "sdpa", "cpu")
+# Attention kernels by name, each called as kernel(q, k, v, mask, scale=scale) on grouped shapes
+# (`grouped_attention`). The core's two: "reference", the hand-written softmax(q k^T) v below (the
+# definition), and "sdpa", torch's fused F.scaled_dot_product_attention (one kernel, no (T, S) score tensor
+# in Python), checked against it. The performance workshop adds "cpu" (`workshop.register_kernels()`).
+ATTENTION = KernelRegistry("attention kernel", workshop=("cpu",))
 
 
 def check_attention_kernel(kernel) -> str:
-    if kernel not in ATTENTION_KERNELS:
-        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
-    if kernel == "cpu" and (why_not := cpu_attention.build()) is not None:
-        raise ValueError(f"attention kernel 'cpu' cannot run here: {why_not}; use 'sdpa'")
-    return kernel
+    """`kernel` if it is a registered attention kernel that runs here, else a ValueError naming them."""
+    return ATTENTION.check(kernel)
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -46,6 +44,10 @@ def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype)
     return probs @ v
+
+
+ATTENTION.register("reference", scaled_dot_product_attention)
+ATTENTION.register("sdpa", F.scaled_dot_product_attention)
 
 
 def attention_mask(num_new: int, num_keys: int, start_pos: int, pad: torch.Tensor | None = None,
@@ -80,22 +82,18 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       mask: torch.Tensor | None, scale: float | None = None, kernel: str = "reference") -> torch.Tensor:
     """q (B, N, T, H) over k (B, K, S, H), v (B, K, S, Hv) with N = K * G, without copying K/V G times.
 
-    kernel: "reference" (`scaled_dot_product_attention` above), "sdpa" (torch's fused kernel) or "cpu"
-    (sdpa, or our decode kernel where it applies: `cpu_attention.attention`)."""
+    kernel: a name in `ATTENTION`: "reference" (`scaled_dot_product_attention` above), "sdpa" (torch's
+    fused kernel), or one the workshop registered."""
     B, N, T, H = q.shape
     G = N // k.shape[1]
     q = q.reshape(B, N // G, G * T, H)                                     # (B, K, G*T, H): a group's rows
     if mask is not None:  # (B|1, 1, T, S) -> (B|1, 1, G*T, S): every query of a group sees its row's keys
         m = mask.expand(-1, -1, T, -1)
         mask = m.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(m.shape[0], 1, G * T, m.shape[-1])
-    if kernel == "sdpa":
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    elif kernel == "cpu":
-        out = cpu_attention.attention(q, k, v, mask, scale)
-    elif kernel == "reference":
-        out = scaled_dot_product_attention(q, k, v, mask, scale)
-    else:   # a misspelt kernel must not silently run the reference one
-        raise ValueError(f"attention kernel must be one of {ATTENTION_KERNELS}, got {kernel!r}")
+    attend = ATTENTION.kernels.get(kernel)
+    if attend is None:   # a misspelt kernel must not silently run the reference one
+        check_attention_kernel(kernel)
+    out = attend(q, k, v, mask, scale=scale)
     return out.reshape(B, N, T, out.shape[-1])                              # (B, N, T, Hv)
 
 
@@ -108,5 +106,5 @@ def require_shared_kv(shared_kv, layer_idx: int, kv_source: int):
     return shared_kv
 
 
-__all__ = ["ATTENTION_KERNELS", "attention_mask", "check_attention_kernel", "grouped_attention", "require_shared_kv",
+__all__ = ["ATTENTION", "attention_mask", "check_attention_kernel", "grouped_attention", "require_shared_kv",
            "scaled_dot_product_attention"]

@@ -171,9 +171,10 @@ class TransformerLM(nn.Module):
         return self
 
     def set_attention_kernel(self, kernel: str) -> "TransformerLM":
-        """"reference" (the hand-written attention), "sdpa" (torch's fused kernel) or "cpu" (sdpa, and
-        our kernel for a bf16 decode step on a CPU with AVX512-BF16: `cpu_attention`) for every
-        grouped-query / sliding-window layer (MLA keeps its own kernels)."""
+        """A kernel registered in `attention.ATTENTION`: "reference" (the hand-written attention), "sdpa"
+        (torch's fused kernel), or one the performance workshop registered ("cpu": sdpa, and our kernel for
+        a decode step on a CPU with AVX512-BF16) for every grouped-query / sliding-window layer (MLA keeps
+        its own kernels)."""
         check_attention_kernel(kernel)
         for block in self.layers:
             if hasattr(block.attn, "attention_kernel"):

@@ -10,9 +10,9 @@ gptq       Hessian-aware column-by-column quantization with error feedback (Fran
 awq        activation-aware per-channel scaling (Lin et al. 2024)
 qat        fake quantization + straight-through estimator fine-tuning
 kernels    torch's int4pack / int8pack matmuls on packed codes (bf16 activations): the fast path, chosen
-           once per layer; grouped int8 as two int4 planes; slow fallbacks announced once
+           once per layer; grouped int8 as two int4 planes; slow fallbacks announced once; `LINEAR`, the
+           registry of int4 matmuls (the workshop adds its CPU kernel there)
 linear     QuantizedLinear / Fp8Linear / LLMInt8Linear storing real low-bit tensors; model_nbytes
-dense_prefill  opt in: int4 layers dequantize through a compiled kernel for a prefill's many rows
 model      quantize_model(model, method, bits, group_size, calibration)
 kv         QuantizedKVCache (int8 / fp8 per-token scales) and quantize_kv_cache
 gguf_exact a GGUF model on its own published Q4_1 / Q8_0 blocks: load_pretrained(name, weights="gguf-exact")

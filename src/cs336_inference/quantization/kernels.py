@@ -31,6 +31,11 @@ It serves the few-row matmuls of decode; prefill's many-row matmuls are compute-
 kernels are slower than dequantizing once and calling the dtype's dense matmul (`PACKED_MAX_ROWS`).
 An int4pack layer dequantizes to exactly the matrix its kernel multiplies by (`int4pack_dense`), so
 a prompt and the tokens decoded after it see the same weights.
+
+Whose matmul runs an int4 layout is a name in the `LINEAR` registry, decided when the layer is packed:
+the core registers "torch" (torch's int4pack kernels, which run every int4 layout); the performance
+workshop registers its own CPU kernel beside it (`workshop.register_kernels()`), which a layer takes
+where it runs.
 """
 
 from __future__ import annotations
@@ -38,11 +43,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from ..workshop.kernels import cpu_int4
+from ..model.kernel_registry import KernelRegistry
 
 KERNELS = ("auto", "reference", "packed")
 INT4_GROUP_SIZES = (256, 128, 64, 32)   # what the int4pack kernels accept (largest first)
@@ -147,8 +153,8 @@ class PackedWeight:
     scales: torch.Tensor              # int4: (I / g, O, 2) scale and zero; int8pack: (O,) scales
     group_size: int                   # kernel group length (int4 layouts)
     zero_term: torch.Tensor | None    # int8pack with an offset: (O,) subtracted times sum(x)
-    kernel: str = "torch"             # whose matmul runs it: torch's, or ours (`cpu_int4.NAME`)
-    blocks: torch.Tensor | None = None  # ours: the scales and zeros per block of 16 rows (`cpu_int4.pack`)
+    kernel: str = "torch"             # whose matmul runs it: a name in `LINEAR` ("torch", or one the workshop added)
+    blocks: torch.Tensor | None = None  # a registered kernel's own layout of the scales and zeros, if it has one
     max_rows: int = PACKED_MAX_ROWS   # above this many rows a dense matmul is faster
 
     def __post_init__(self):
@@ -186,14 +192,46 @@ def _inner_k_tiles(in_features: int) -> int:
     return next(t for t in (8, 4, 2) if in_features % (16 * t) == 0)
 
 
+@dataclass(frozen=True)
+class Int4Kernel:
+    """A matmul for the int4pack layouts (w = (u - 8) * scale + zero per group), registered in `LINEAR`.
+
+    runs(out_features, in_features, group_size, device, dtype): whether a layer of that shape runs on it
+    here (asked when the layer is packed); pack(unsigned (O, I), pairs (I / g, O, 2)) -> (codes, blocks):
+    its layout of the codes and of the (scale, zero) pairs; matmul(x (M, I), codes, blocks) -> (M, O);
+    max_rows(): rows above which the layer dequantizes and runs a dense matmul instead; usable(): whether
+    a layout packed for it by an earlier process (`PackedStore`) can run in this one."""
+
+    runs: Callable[[int, int, int, torch.device, torch.dtype], bool]
+    pack: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+    max_rows: Callable[[], int] = lambda: PACKED_MAX_ROWS
+    usable: Callable[[], bool] = lambda: True
+
+
+def _torch_int4_pack(unsigned: torch.Tensor, pairs: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return _int4_weight(unsigned, pairs.device), None
+
+
+def _torch_int4_runs(out_features: int, in_features: int, group_size: int, device, dtype) -> bool:
+    return True   # `packed_layout` has checked the shape already
+
+
+# Int4 matmuls by name. "torch" (torch's kernels, registered below) runs every layout `packed_layout`
+# accepts and reads the pairs (`PackedWeight.scales`) itself: its matmul is inlined in `packed_matmul`.
+LINEAR = KernelRegistry("int4 linear kernel", workshop=("cs336 avx512-bf16",))
+
+
 def _int4_packed(layout: str, unsigned: torch.Tensor, scales: torch.Tensor, group_size: int) -> PackedWeight:
-    """An int4 layout (u in [0, 15] (O, I) and the kernel's (I / g, O, 2) pairs) for our CPU kernel where
-    it runs, else for torch's."""
+    """An int4 layout (u in [0, 15] (O, I) and the kernel's (I / g, O, 2) pairs) for the most recently
+    registered kernel in `LINEAR` that runs this layer here ("torch" runs every one)."""
     O, I = unsigned.shape
-    if cpu_int4.available(O, I, group_size, scales.device, scales.dtype):
-        codes, blocks = cpu_int4.pack(unsigned, scales)
-        return PackedWeight(layout, codes, scales, group_size, None, cpu_int4.NAME, blocks, cpu_int4.dense_rows())
-    return PackedWeight(layout, _int4_weight(unsigned, scales.device), scales, group_size, None)
+    for name in reversed(LINEAR.names()):
+        kernel = LINEAR.kernels[name]
+        if kernel.runs(O, I, group_size, scales.device, scales.dtype):
+            codes, blocks = kernel.pack(unsigned, scales)
+            return PackedWeight(layout, codes, scales, group_size, None, name, blocks, kernel.max_rows())
+    raise RuntimeError(f"no int4 linear kernel runs this layer: {LINEAR!r}")
 
 
 def _int4_weight(unsigned: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -254,10 +292,11 @@ class PackedStore:
         packed = None
         if entry is not None and entry.get("key") == key:
             fields = {f: entry[f] for f in PackedWeight.__dataclass_fields__ if f in entry}
-            if fields.get("kernel") == cpu_int4.NAME:   # ours: the kernel must load here, at this CPU's bar
-                fields["max_rows"] = cpu_int4.dense_rows()
-                if cpu_int4.why_unavailable() is not None or not cpu_int4._enabled:
-                    fields = None
+            kernel = LINEAR.kernels.get(fields.get("kernel", "torch"))
+            if kernel is None or not kernel.usable():   # its kernel must be registered and load here
+                fields = None
+            else:                                       # at this CPU's bar
+                fields["max_rows"] = kernel.max_rows()
             if fields is not None:
                 packed = PackedWeight(**fields)
                 self.reused += 1
@@ -307,11 +346,14 @@ def packed_weight_for(inputs, bits: int, group_size: int, layout: str, device, d
 def packed_codes_for(make, bits: int, signed: bool, shape: tuple[int, int]) -> torch.Tensor:
     """`make()`, a layer's codes packed for storage (`QuantizedLinear.qweight`), or, inside `reuse_packed`,
     the ones its store kept for this layer (then `make` is never called). The store's file is keyed by
-    the model file and this code, and checksummed (`startup.cached_packed_weights`)."""
+    the model file and this code, and checksummed (the workshop's `startup.cached_packed_weights`)."""
     if not _store:
         return make()
     key = f"codes|{shape[0]}x{shape[1]}|{bits}|{'signed' if signed else 'unsigned'}"
     return _store[-1].tensor(key, make)
+
+
+LINEAR.register("torch", Int4Kernel(_torch_int4_runs, _torch_int4_pack, matmul=None))
 
 
 def int4pack_dense(nibbles: torch.Tensor, scales: torch.Tensor, group_size: int, signed: bool) -> torch.Tensor:
@@ -344,8 +386,8 @@ def packed_matmul(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
         return y.reshape(*lead, y.shape[-1])
     if packed.layout != "int4pack":                                            # two planes: [x, x] @ [W_h | W_l]^T
         x2 = torch.cat([x2, x2], dim=1)
-    if packed.blocks is not None:
-        y = cpu_int4.matmul(x2, packed.weight, packed.blocks)
+    if packed.kernel != "torch":                                               # a registered kernel of our own
+        y = LINEAR.kernels[packed.kernel].matmul(x2, packed.weight, packed.blocks)
     elif x2.device.type == "cpu":
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed.weight, packed.group_size, packed.scales)
     else:

@@ -26,12 +26,15 @@ remedies answer host-side facts (thread count, machine load, this BLAS) that the
   (`huge_pages`), so reading them no longer walks the page tables of ~66,000 4 KB pages per step
   and evicts everything else the step needs from the CPU's address-translation cache.
 
-`tune_for_cpu` changes nothing the model computes (state dict, results to rounding) and is
-idempotent; `untune_cpu` undoes it; `describe(model)` says what is applied. A compiled step runs
+`tune_for_cpu` is an explicit transform, like `fuse_projections`: it replaces the model's linears with
+`CPULinear`s holding the same weights and registers the thread hooks on the model, changes nothing the
+model computes (state dict, results to rounding), is idempotent, and records what it applied
+(`model.cpu_tuning`; `describe(model)` says it in one line, `workshop.tune` returns that line);
+`untune_cpu` undoes it. A compiled step runs
 outside the model's hooks' reach, so wrap its calls in `decode_threads()` yourself (`bench generation`).
 
 OpenMP's wait policy is the one CPU setting this module cannot apply: it must be set before torch
-loads, so `openmp` sets it when the package is imported (see there for why).
+loads, so the CLI's entry point applies it (`openmp`, see there for where and why).
 """
 
 from __future__ import annotations
@@ -145,6 +148,47 @@ class CPULinear(nn.Linear):
                 return streaming_matmul(x, w)
             return F.linear(x, w)
         return few_row_matmul(x, w) if self.split and _SPLIT_ENABLED else F.linear(x, w)
+
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, split: bool, gemv: bool, bf16_rows: int) -> "CPULinear":
+        """A `CPULinear` holding `linear`'s weight (the same Parameter: tied weights stay tied, the state
+        dict and 2 MB pages are unchanged) and its hooks and mode."""
+        new = _copy_as(cls, linear)
+        new.split, new.gemv, new.bf16_rows = split, gemv, bf16_rows
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """The plain `nn.Linear` holding this layer's weight (`untune_cpu`)."""
+        plain = _copy_as(nn.Linear, self)
+        for name in ("split", "gemv", "bf16_rows"):
+            plain.__dict__.pop(name, None)
+        return plain
+
+
+def _copy_as(cls: type, module: nn.Module) -> nn.Module:
+    """A new `cls` module with `module`'s state (parameters, buffers, hooks, mode): shallow, so the tensors
+    are shared."""
+    new = cls.__new__(cls)
+    new.__dict__.update({k: v.copy() if isinstance(v, dict) else v for k, v in module.__dict__.items()})
+    return new
+
+
+def _replace_modules(model: nn.Module, make) -> int:
+    """Replace every submodule for which `make(module)` returns a module (one shared in two places is
+    replaced by one new module in both); returns how many were replaced."""
+    new: dict[int, nn.Module] = {}
+    for parent in list(model.modules()):
+        for name, child in list(parent._modules.items()):
+            if child is None:
+                continue
+            if id(child) not in new:
+                made = make(child)
+                if made is None:
+                    continue
+                new[id(child)] = made
+            parent._modules[name] = new[id(child)]
+    return len(new)
 
 
 def few_row_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # (..., d_in), (d_out, d_in) -> (..., d_out)
@@ -366,9 +410,11 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
 
             record.gemv_unavailable = build()
             gemv = record.gemv_unavailable is None
-        for module in linears:   # CPULinear either way: a compiled bf16 row streams (see there)
-            module.__class__ = CPULinear
-            module.split, module.gemv, module.bf16_rows = split, gemv, gemv_max_rows(torch.bfloat16)
+        bf16_rows = gemv_max_rows(torch.bfloat16)
+        # CPULinear either way (a compiled bf16 row streams, see there): each linear is replaced by one
+        # holding the same weight, as `fuse_projections` replaces the projections it fuses
+        plain = {id(m) for m in linears}
+        _replace_modules(model, lambda m: CPULinear.from_linear(m, split, gemv, bf16_rows) if id(m) in plain else None)
         record.split_linears = len(linears) if split else 0
         record.gemv_linears = len(linears) if gemv else 0
         if huge_pages:
@@ -389,12 +435,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
 def untune_cpu(model: nn.Module) -> nn.Module:
     """Undo `tune_for_cpu`: plain `nn.Linear`s, no thread hooks. Weights on 2 MB pages stay there (it
     changes no result; `.to()` or a copy of the model allocates ordinary memory again)."""
-    for module in model.modules():
-        if type(module) is CPULinear:
-            module.__class__ = nn.Linear
-            module.__dict__.pop("split", None)
-            module.__dict__.pop("gemv", None)
-            module.__dict__.pop("bf16_rows", None)
+    _replace_modules(model, lambda m: m.to_linear() if type(m) is CPULinear else None)
     for hooks, hook in ((model._forward_pre_hooks, _one_thread_if_contended), (model._forward_hooks, _restore_threads)):
         for key in [k for k, h in hooks.items() if h is hook]:
             del hooks[key]

@@ -52,9 +52,13 @@ def load_for_inference(name, device=None, precision: str | None = None, dtype=No
     """
     import torch
 
+    from .. import quantization  # noqa: F401  (registers load_pretrained's weights="gguf-exact")
     from ..device import apply_thread_policy, default_dtype, get_device
     from ..model import load_pretrained
     from ..model_source import ModelSource, resolve
+    from .kernels import register_kernels
+
+    register_kernels()   # our CPU kernels into the core's registries: int4 layers packed below take ours
 
     source = name if isinstance(name, ModelSource) else resolve(name)
     name, real = source.name, source.is_real
@@ -116,9 +120,11 @@ def _int4_matmuls(model) -> str:
 def attention_kernel(device) -> str:
     """The attention the fast path runs: "cpu" (torch's fused kernel, and ours for decode steps:
     `cpu_attention`) on a CPU where our kernels build, else "sdpa"."""
-    from .kernels.cpu_attention import build
     from ..device import get_device
+    from .kernels import register_kernels
+    from .kernels.cpu_attention import build
 
+    register_kernels()
     return "cpu" if get_device(device).type == "cpu" and build() is None else "sdpa"
 
 

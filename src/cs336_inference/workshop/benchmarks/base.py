@@ -72,6 +72,9 @@ class Benchmark:
         return self.parallel(options) if callable(self.parallel) else self.parallel
 
     def __call__(self, quick: bool = False, device: str | torch.device | None = None, **options) -> dict | None:
+        from ..kernels import register_kernels
+
+        register_kernels()   # a benchmark runs with the workshop's kernels where they run
         run = Run(self.name, get_device(device), quick)
         seed_everything(0)
         cpu = run.device.type == "cpu"

@@ -24,13 +24,12 @@ import matplotlib.pyplot as plt
 import torch
 import torch.nn as nn
 
-from ..openmp import spin_count, wait_policy
 from ...accounting.model_roofline import decode_step_fn, prefill_tokens_per_second, weight_bytes_per_step
 from ...accounting.roofline import bandwidth_probe
 from ..cpu_tuning import decode_threads, describe, few_row_split, tune_for_cpu
 from ...data.evaluation import decode_kl_to_reference
 from ...data.real_text import eval_text_tokens
-from ...device import bf16_matmul_unit
+from ...device import bf16_matmul_unit, omp_spin_count, omp_wait_policy
 from ..fast_path import attention_kernel
 from ...generation.generate import generate
 from ..peers import hf_peer as peer
@@ -41,6 +40,7 @@ from ...model.transformer import TransformerLM
 from ...quantization.model import quantize_model
 from ...tables import print_table
 from ...timing import busy_cpu, load_average, median_seconds, rss_bytes
+from .. import huge_pages
 from .base import Benchmark, alternate, beside_bandwidth, fraction_of_bandwidth, spread
 from .step_anatomy import PARTS, step_anatomy
 
@@ -121,9 +121,9 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
     model, preset, loading = _reference_model(run, model, preset)
     rounds, steps, batches = (1, 4, (1, 8)) if quick else (5, 12, (1, 8))
     result = {"device": str(device), "preset": preset if not quick else f"{preset} (quick: smaller)",
-              "threads": torch.get_num_threads(), "omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(),
-              "parameters": model.num_parameters(), "cpu_bf16_matmul": bf16_matmul_unit(device),
-              "load_average_start": load_average()}
+              "threads": torch.get_num_threads(), "omp_wait_policy": omp_wait_policy(),
+              "gomp_spincount": omp_spin_count(), "parameters": model.num_parameters(),
+              "cpu_bf16_matmul": bf16_matmul_unit(device), "load_average_start": load_average()}
     real = run.name != "generation"
     models, compiled_variants = build_variants(model), COMPILED
     if real:   # its published GGUF blocks too, with no re-quantization
@@ -143,7 +143,7 @@ def measure(run, model: str | None = None, preset: str = "bench-90m") -> dict:
         fns |= _compile_variant(models, name, batches, steps, result["compile_seconds"])
     if hf is not None:
         fns |= {f"HF fp32 B={B}": (lambda B=B: peer.hf_decode_step_fn(hf, B, 32)) for B in batches}
-    samples = _time_rounds(fns, device, rounds, steps, bandwidth_probe(device))
+    samples = _time_rounds(fns, device, rounds, steps, bandwidth_probe(device, empty=huge_pages.empty))
     bandwidths = [b for pairs in samples.values() for _, b in pairs]
     result["measured_bandwidth_GBps"] = statistics.median(bandwidths) / 1e9
     result["measured_bandwidth_GBps_range"] = [min(bandwidths) / 1e9, max(bandwidths) / 1e9]

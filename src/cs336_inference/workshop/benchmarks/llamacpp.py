@@ -28,6 +28,7 @@ from ...model.real_models import gguf_path, real_model_missing
 from ..kernels.dense_prefill import compile_dense_prefill
 from ...tables import print_table
 from ...timing import median_seconds, num_threads
+from .. import huge_pages
 from .base import Benchmark, beside_bandwidth, fraction_of_bandwidth, grouped_bars, spread
 from .generation import timed_compiled_step
 
@@ -133,7 +134,8 @@ def measure(run, threads: tuple[int, ...] = (1, 2)) -> dict | None:
     t0 = time.perf_counter()
     decode_step_fn(exact, 1, context, 8, ours_step)()                  # compiles (or reuses the disk cache)
     compile_s = time.perf_counter() - t0
-    probe = bandwidth_probe(run.device)   # sampled beside each decode timing: the host's bandwidth swings
+    # sampled beside each decode timing (the host's bandwidth swings), on 2 MB pages as the weights are
+    probe = bandwidth_probe(run.device, empty=huge_pages.empty)
     samples = {(e, k, t): [] for e in ("ours", "llama.cpp") for k in ("decode", "prefill_tok_s") for t in threads}
     for _ in range(rounds):                                              # A/B, round after round
         for t in threads:

@@ -14,20 +14,21 @@ from ...device import default_dtype
 from ...model.config import ModelConfig
 from ...model.transformer import TransformerLM
 from ...tables import print_table
+from .. import huge_pages
 from .base import Benchmark
 
 
 def measure(run) -> dict:
     device, quick = run.device, run.quick
     run.name = f"roofline_{device.type}"
-    hw = measure_hardware(device, quick=quick)
+    hw = measure_hardware(device, quick=quick, empty=huge_pages.empty)
     sweep = roofline_sweep(device, batch_sizes=[2**i for i in range(9 if quick else 11)],
                            repeats=2 if quick else 5, hardware=hw)
     dtype = default_dtype(device)
     model = tune_for_cpu(TransformerLM(ModelConfig.from_name("bench-90m"), device=device, dtype=dtype).eval())
     # Re-measure the roofs right before the model runs: on a shared machine the load drifts, and the
     # prediction should use the bandwidth of the same minute.
-    hw = measure_hardware(device, quick=quick)
+    hw = measure_hardware(device, quick=quick, empty=huge_pages.empty)
     gemv_bw = matvec_bandwidth(roofline_sweep(device, batch_sizes=[1], repeats=5, hardware=hw))
     context = 128 if quick else 256
     prefill = measure_prefill(model, context, hw, repeats=2 if quick else 3)

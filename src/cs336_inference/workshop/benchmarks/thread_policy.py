@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-import torch   # after the package (and its `openmp`), also in the child processes: `-m cs336_inference...`
+import torch   # each child process gets its policy in its environment, before this import
 
 from ... import _checks
 from ..openmp import SPIN_COUNT
@@ -61,10 +61,9 @@ def _child(quick: bool, switch: bool) -> dict:
     """Runs in a fresh process under one policy: times eager and compiled batch-1 decode, idle and busy."""
     import contextlib
 
-    from ..openmp import spin_count, wait_policy
     from ...accounting.model_roofline import decode_step_fn
+    from ...device import apply_thread_policy, omp_spin_count, omp_wait_policy
     from ..cpu_tuning import tune_for_cpu
-    from ...device import apply_thread_policy
     from ...model.transformer import TransformerLM
     from ...timing import busy_cpu, median_seconds
     from .generation import bench_config, timed_compiled_step
@@ -85,7 +84,7 @@ def _child(quick: bool, switch: bool) -> dict:
                 time.sleep(0.5)   # the contention meter (re-read every 0.25 s) sees the new state
                 for path in PATHS:
                     times[(cond, path)].append(median_seconds(makers[path](), torch.device("cpu"), steps))
-    return {"omp_wait_policy": wait_policy(), "gomp_spincount": spin_count(), "switch": switch,
+    return {"omp_wait_policy": omp_wait_policy(), "gomp_spincount": omp_spin_count(), "switch": switch,
             "threads": torch.get_num_threads(),
             **{f"{cond} {path}": dict(zip(("ms", "ms_min", "ms_max"), spread(t, 1e3)))
                for (cond, path), t in times.items()}}

@@ -1,4 +1,4 @@
-"""Our own CPU kernels (`cs336_inference/csrc/*.cpp`), compiled once per machine on first use, beside torch's.
+"""Our own CPU kernels (`cs336_inference/workshop/csrc/*.cpp`), compiled once per machine on first use, beside torch's.
 
 - `int4_gemv`: an int4 matmul for a few rows; `quantization.cpu_int4` runs int4 layers on it.
 - `dense_gemv`: the same for fp32 and bf16 weights, read in place; `cpu_tuning.CPULinear` runs a
@@ -123,4 +123,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-__all__ = ["SOURCES", "attention", "build", "cpu_supports"]
+NAME = "cpu"   # the attention kernel's name in the core's registry
+
+
+def register() -> str:
+    """Add `attention` to the core's attention registry as "cpu" (idempotent): `set_attention_kernel("cpu")`
+    then runs it, where our kernels build (`build` says why not elsewhere, when the name is chosen)."""
+    from ...model.attention import ATTENTION
+
+    ATTENTION.register(NAME, attention, why_unavailable=lambda: build())
+    return NAME
+
+
+__all__ = ["NAME", "SOURCES", "attention", "build", "cpu_supports", "register"]

@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from ...device import cpu_has_amx
+from ...quantization.kernels import LINEAR, Int4Kernel
 from .cpu_attention import build, cpu_supports
 
 NAME = "cs336 avx512-bf16"                   # how `kernel_summary` names it
@@ -104,5 +105,20 @@ def matmul(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, split: bool =
     return torch.ops.cs336.int4_gemv(x, codes, sz, split)
 
 
-__all__ = ["DENSE_ROWS", "DENSE_ROWS_AMX", "NAME", "available", "cpu_supports", "dense_rows", "matmul", "pack",
-           "torch_kernel_only", "why_unavailable"]
+def _usable() -> bool:
+    return _enabled and why_unavailable() is None
+
+
+# What the core's int4 layers call (`quantization.kernels.LINEAR`): `matmul` itself on the per-token path.
+KERNEL = Int4Kernel(runs=available, pack=pack, matmul=matmul, max_rows=dense_rows, usable=_usable)
+
+
+def register() -> str:
+    """Add this kernel to the core's int4 linear registry under `NAME` (idempotent); int4 layers packed
+    from now on take it where it runs. Returns the name."""
+    LINEAR.register(NAME, KERNEL)
+    return NAME
+
+
+__all__ = ["DENSE_ROWS", "DENSE_ROWS_AMX", "KERNEL", "NAME", "available", "cpu_supports", "dense_rows", "matmul",
+           "pack", "register", "torch_kernel_only", "why_unavailable"]
