@@ -21,6 +21,7 @@ LAYERS = {
     "accounting": 3, "quantization": 3,
     "data": 4,
     "compression": 5, "serving": 5,
+    "parallel": 5,                   # tensor parallelism over torch.distributed (model, generation)
     "shipped_models": 6,             # how the shipped toy models are made (training + pruning)
     "model_source": 6,               # what --model names: a model by name or a checkpoint file, and its tokenizer
     "workshop": 7,                   # the performance workshop: fast path, CPU tuning, our kernels, benchmarks

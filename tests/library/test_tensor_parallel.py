@@ -1,0 +1,174 @@
+"""Tensor parallelism over torch.distributed: real processes on 127.0.0.1 (gloo), compared with one process.
+
+The references are computed here, in the test's own process, by the unsharded model; the bytes each
+rank holds are counted here from the parameter names, not by the library's helper.
+"""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from adapters import make_config, make_model
+
+from cs336_inference.generation import generate
+from cs336_inference.parallel import (RankFailedError, check_tensor_parallel, launch, shard_model,
+                                      sharded_parameter_bytes, tensor_parallel)
+
+# the toy target's shape: 6 query heads over 2 key/value heads
+TOY = dict(vocab_size=257, context_length=96, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, d_ff=64)
+PROMPT = torch.tensor([[5, 17, 200, 3, 99, 42, 7], [1, 2, 3, 4, 5, 6, 7]])
+DECODE = torch.tensor([[11, 12, 13], [21, 22, 23]])    # fed one column per decode step
+NEW_TOKENS = 64
+
+
+def _projection_bytes(model) -> int:
+    """Bytes of q/k/v/output and w1/w2/w3, counted from the state-dict names."""
+    names = ("q_proj", "k_proj", "v_proj", "output_proj", "w1", "w2", "w3")
+    return sum(p.nbytes for n, p in model.named_parameters() if n.split(".")[-2] in names)
+
+
+def _prefill_and_decode(model, cache, timer=None):
+    def phase(name):
+        return timer.phase(name) if timer is not None else torch.no_grad()
+    with torch.no_grad():
+        with phase("prefill"):
+            logits = [model(PROMPT, cache)]
+        with phase("decode"):
+            for t in range(DECODE.shape[1]):
+                logits.append(model(DECODE[:, t:t + 1], cache))
+    return logits
+
+
+def _toy_rank(state: dict) -> dict:
+    model = make_model(make_config(**TOY))
+    model.load_state_dict(state)
+    tensor_parallel(model)
+    cache = model.new_cache(PROMPT.shape[0], 32)
+    logits = _prefill_and_decode(model, cache, model.tp_timer)
+    with torch.no_grad():
+        tokens = generate(model, PROMPT[0], NEW_TOKENS).tokens
+    mine = {"weight_bytes": _projection_bytes(model), "helper_bytes": sharded_parameter_bytes(model),
+            "cache_bytes": cache.nbytes, "comm_s": model.tp_timer.seconds(), "calls": dict(model.tp_timer.calls)}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return {"logits": logits, "tokens": tokens, "ranks": every}
+
+
+@pytest.fixture(scope="module")
+def toy():
+    torch.manual_seed(0)
+    model = make_model(make_config(**TOY))
+    result = launch(_toy_rank, 2, model.state_dict(), timeout_s=120)
+    return model, result
+
+
+def test_tp2_prefill_and_decode_logits_equal_one_process(toy):
+    model, result = toy
+    want = _prefill_and_decode(model, model.new_cache(PROMPT.shape[0], 32))
+    assert len(result["logits"]) == len(want) == 1 + DECODE.shape[1]
+    for step, (got, ref) in enumerate(zip(result["logits"], want)):
+        err = (got - ref).abs().max().item()
+        assert err <= 1e-4, f"step {step} ({'prefill' if step == 0 else 'decode'}): max |delta| = {err}"
+
+
+def test_tp2_greedy_tokens_identical(toy):
+    model, result = toy
+    with torch.no_grad():
+        want = generate(model, PROMPT[0], NEW_TOKENS).tokens
+    assert result["tokens"] == want
+    assert len(want[0]) == NEW_TOKENS
+
+
+def test_each_rank_holds_half_the_weights_and_the_kv_cache(toy):
+    model, result = toy
+    full_weights = _projection_bytes(model)
+    full_cache = model.new_cache(PROMPT.shape[0], 32).nbytes
+    for rank, r in enumerate(result["ranks"]):
+        assert r["weight_bytes"] * 2 == full_weights, f"rank {rank}"
+        assert r["helper_bytes"] == r["weight_bytes"], f"rank {rank}"
+        assert r["cache_bytes"] * 2 == full_cache, f"rank {rank}"
+
+
+def test_collective_time_is_recorded_per_phase(toy):
+    _, result = toy
+    for r in result["ranks"]:
+        # two all-reduces per layer per forward: 1 prefill forward, 3 decode forwards before generate
+        assert r["calls"]["prefill"] == 2 * TOY["num_layers"]
+        assert r["calls"]["decode"] == 2 * TOY["num_layers"] * DECODE.shape[1]
+        assert r["comm_s"]["prefill"] > 0 and r["comm_s"]["decode"] > 0
+
+
+def test_bad_world_size_names_the_sizes_and_leaves_the_model_unchanged():
+    torch.manual_seed(0)
+    model = make_model(make_config(**TOY))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*num_heads=6.*num_kv_heads=2.*d_ff=64"):
+        shard_model(model, 0, 4)
+    with pytest.raises(ValueError, match=r"not divisible by 3: num_kv_heads=2, d_ff=64 \(sizes that work: \[1, 2\]\)"):
+        check_tensor_parallel(model.config, 3)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    check_tensor_parallel(model.config, 2)   # the toy target runs at 2
+
+
+def _kill_rank_one() -> None:
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.all_reduce(torch.ones(4))   # rank 0 waits here for a rank that is gone
+    dist.all_reduce(torch.ones(4))
+
+
+def _raise_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    dist.all_reduce(torch.ones(4))
+
+
+def _tp_children():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
+
+
+@pytest.mark.parametrize("fn, why", [(_kill_rank_one, "killed by signal SIGKILL"),
+                                     (_raise_on_rank_one, "ValueError: rank one refuses")], ids=["killed", "raises"])
+def test_a_failed_rank_is_named_and_every_rank_stops(fn, why):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 failed") as info:
+        launch(fn, 2, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1 and why in str(info.value)
+    assert not _tp_children()
+
+
+def _smollm2_rank(prompt: torch.Tensor) -> list:
+    import cs336_inference
+    model = cs336_inference.load_pretrained("smollm2-135m")
+    tensor_parallel(model)
+    return _logits_with_cache(model, prompt)
+
+
+def _logits_with_cache(model, prompt):
+    cache = model.new_cache(1, 32)
+    with torch.no_grad():
+        out = [model(prompt, cache)]
+        token = out[0][:, -1:].argmax(-1)
+        for _ in range(2):
+            out.append(model(token, cache))
+            token = out[-1][:, -1:].argmax(-1)
+    return out
+
+
+@pytest.mark.slow
+def test_tp3_smollm2_logits_equal_one_process():
+    import cs336_inference
+    prompt = torch.tensor([[504, 3458, 282, 4649, 314, 7042, 30]])   # token ids of a short English sentence
+    got = launch(_smollm2_rank, 3, prompt, timeout_s=500)
+    model = cs336_inference.load_pretrained("smollm2-135m")
+    assert model.dtype == torch.float32
+    want = _logits_with_cache(model, prompt)
+    for step, (g, w) in enumerate(zip(got, want)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4, f"step {step}: max |delta| = {err}"
