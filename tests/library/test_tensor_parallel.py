@@ -172,3 +172,21 @@ def test_tp3_smollm2_logits_equal_one_process():
     for step, (g, w) in enumerate(zip(got, want)):
         err = (g - w).abs().max().item()
         assert err <= 1e-4, f"step {step}: max |delta| = {err}"
+
+
+def test_communication_accounting_against_a_hand_computation():
+    from cs336_inference.accounting import (allreduce_bytes_per_step, ring_allreduce_seconds,
+                                            tensor_parallel_step_seconds)
+    # SmolLM2-135M in bf16: 30 layers, D = 576: 2 all-reduces * 30 * 576 * 2 bytes per decoded token
+    assert allreduce_bytes_per_step(30, 576) == 69_120
+    assert allreduce_bytes_per_step(30, 576, batch_size=4, num_tokens=8, bytes_per_element=4) == 69_120 * 4 * 8 * 2
+    # ring over 4 ranks: 6 steps of n/4 bytes: 1.5 * 1e6 / 1e9 + 6 * 10 us
+    assert ring_allreduce_seconds(1e6, 4, bandwidth=1e9, latency=1e-5) == pytest.approx(1.5e-3 + 6e-5)
+    assert ring_allreduce_seconds(1e6, 1, bandwidth=1e9, latency=1e-5) == 0
+    # the toy at p = 2, fp32, one token: 4 all-reduces of 48 * 4 = 192 bytes, each 192 / 1e8 + 2 * 100 us
+    assert tensor_parallel_step_seconds(2, 48, 2, bandwidth=1e8, latency=1e-4, bytes_per_element=4) == \
+        pytest.approx(4 * (192 / 1e8 + 2e-4))
+    with pytest.raises(ValueError, match="world_size"):
+        ring_allreduce_seconds(1e6, 0, bandwidth=1e9)
+    with pytest.raises(ValueError, match="bandwidth"):
+        ring_allreduce_seconds(1e6, 2, bandwidth=0)
