@@ -13,6 +13,7 @@ rest and raises `RankFailedError` naming the rank (its traceback, or how it died
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -51,7 +52,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, threads: int | 
     try:
         dist.init_process_group(backend, init_method="env://")
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value if rank == 0 else None))
+        # plain pickle bytes: torch's queue would share tensors through file descriptors that vanish
+        # with this process once it exits
+        results.put((rank, "ok", pickle.dumps(value) if rank == 0 else None))
     except BaseException:   # reported to the parent, which stops every rank
         results.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1) from None
@@ -135,7 +138,7 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", threads_per_rank: 
             done[rank] = value
     finally:
         _stop(processes)
-    return done[0]
+    return pickle.loads(done[0])
 
 
 __all__ = ["RankFailedError", "free_port", "launch"]
