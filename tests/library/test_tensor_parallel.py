@@ -190,3 +190,35 @@ def test_communication_accounting_against_a_hand_computation():
         ring_allreduce_seconds(1e6, 0, bandwidth=1e9)
     with pytest.raises(ValueError, match="bandwidth"):
         ring_allreduce_seconds(1e6, 2, bandwidth=0)
+
+
+def test_bench_tensor_parallel_refuses_a_bad_size_and_model_before_starting_ranks():
+    from cs336_inference.workshop.benchmarks.tensor_parallel import BENCHMARK
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*num_heads=6"):
+        BENCHMARK(quick=True, device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match="model='draft'"):
+        BENCHMARK(quick=True, device="cpu", model="draft")
+    assert not _tp_children()
+
+
+@pytest.mark.slow
+def test_bench_tensor_parallel_reports_communication_beside_the_ring_formula(tmp_path, monkeypatch):
+    import json
+
+    from cs336_inference.workshop.benchmarks.tensor_parallel import BENCHMARK
+    monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
+    BENCHMARK(quick=True, device="cpu")
+    assert {"tensor_parallel_quick.json", "tensor_parallel_quick.png"} <= {p.name for p in tmp_path.iterdir()}
+    result = json.loads((tmp_path / "tensor_parallel_quick.json").read_text())
+    p, L, D = result["tensor_parallel_size"], result["num_layers"], result["d_model"]
+    lat, bw = result["loopback_latency_s"], result["loopback_bandwidth_Bps"]
+    assert p == 2 and lat > 0 and bw > 0
+    for r in result["rows"]:
+        B = r["batch"]
+        assert r["tp_decode_comm_per_step_s"] > 0 and r["tp_prefill_comm_s"] > 0
+        assert r["one_decode_comm_per_step_s"] == 0 and r["one_prefill_comm_s"] == 0
+        assert r["bytes_per_decode_step"] == 2 * L * B * D * 4
+        # 2L ring all-reduces of B*D fp32 values: 2(p-1)/p * bytes / bw + 2(p-1) * latency each
+        message = B * D * 4
+        ring = 2 * (p - 1) / p * message / bw + 2 * (p - 1) * lat
+        assert r["predicted_decode_comm_s"] == pytest.approx(2 * L * ring)
