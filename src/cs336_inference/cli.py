@@ -235,10 +235,16 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile; the first run compiles, later runs reuse the cached kernels)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo; default 1)")
 
 
 def _run_generate(args) -> int:
     import time
+
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_generate
+        return run_generate(args)
 
     from .generation import ConversationCache, TextStream, extend, stream
     from .generation.chat import TurnStats

@@ -222,3 +222,27 @@ def test_bench_tensor_parallel_reports_communication_beside_the_ring_formula(tmp
         message = B * D * 4
         ring = 2 * (p - 1) / p * message / bw + 2 * (p - 1) * lat
         assert r["predicted_decode_comm_s"] == pytest.approx(2 * L * ring)
+
+
+def test_generate_cli_refuses_a_bad_tensor_parallel_size_before_starting_ranks(capsys):
+    from cs336_inference import cli
+    assert cli.main(["generate", "--model", "target", "--prompt", "Once", "--tensor-parallel-size", "4"]) == 2
+    assert "tensor parallel size 4 must divide num_heads=6, num_kv_heads=2" in capsys.readouterr().err
+    assert not _tp_children()
+
+
+@pytest.mark.slow
+def test_generate_cli_over_two_ranks_prints_the_one_process_greedy_answer(capsys):
+    import cs336_inference
+    from cs336_inference import cli
+    from cs336_inference.model import load_tokenizer
+    prompt = "Once upon a time"
+    assert cli.main(["generate", "--model", "target", "--prompt", prompt, "--max-new-tokens", "16",
+                     "--tensor-parallel-size", "2"]) == 0
+    out = capsys.readouterr()
+    tokenizer = load_tokenizer("target")
+    model = cs336_inference.load_pretrained("target")
+    with torch.no_grad():
+        want = generate(model, tokenizer.encode(prompt), 16, stop_tokens=tokenizer.stop_ids or None).tokens[0]
+    assert out.out == tokenizer.decode([t for t in want if t not in tokenizer.stop_ids]) + "\n"
+    assert "all-reduces on rank 0" in out.err
