@@ -246,3 +246,23 @@ def test_generate_cli_over_two_ranks_prints_the_one_process_greedy_answer(capsys
         want = generate(model, tokenizer.encode(prompt), 16, stop_tokens=tokenizer.stop_ids or None).tokens[0]
     assert out.out == tokenizer.decode([t for t in want if t not in tokenizer.stop_ids]) + "\n"
     assert "all-reduces on rank 0" in out.err
+
+
+def test_shard_model_checks_every_layer_before_changing_any_and_unfuses_first():
+    torch.manual_seed(0)
+    model = make_model(make_config(**TOY))
+    model.layers[1].ffn.w2 = torch.nn.Linear(TOY["d_ff"], TOY["d_model"], bias=True)
+    with pytest.raises(TypeError, match=r"layers\.1\.ffn\.w2 is a Linear.*bias-free"):
+        shard_model(model, 0, 2)
+    assert model.layers[0].attn.num_heads == 6 and model.layers[0].attn.q_proj.weight.shape == (48, 48)
+    fused = make_model(make_config(**TOY)).fuse_projections()
+    full = {k: v.clone() for k, v in fused.state_dict().items()}
+    shard_model(fused, 1, 2)   # rank 1 of 2: the second half of the heads and of d_ff
+    H = TOY["d_model"] // TOY["num_heads"]
+    attn, ffn = fused.layers[0].attn, fused.layers[0].ffn
+    assert torch.equal(attn.q_proj.weight, full["layers.0.attn.q_proj.weight"][3 * H:])
+    assert torch.equal(attn.k_proj.weight, full["layers.0.attn.k_proj.weight"][H:])
+    assert torch.equal(attn.output_proj.weight, full["layers.0.attn.output_proj.weight"][:, 3 * H:])
+    assert torch.equal(ffn.w3.weight, full["layers.0.ffn.w3.weight"][32:])
+    assert torch.equal(ffn.w2.weight, full["layers.0.ffn.w2.weight"][:, 32:])
+    assert (attn.num_heads, attn.num_kv_heads) == (3, 1)

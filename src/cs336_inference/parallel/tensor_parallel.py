@@ -156,17 +156,24 @@ def shard_model(model: TransformerLM, rank: int, world_size: int, timer: Collect
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     timer = timer or CollectiveTimer()
-    model.unfuse_projections()
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers):   # every layer checked before any changes
         attn, ffn = block.attn, block.ffn
         if not isinstance(attn, GroupedQueryAttention) or not isinstance(ffn, (SwiGLU, SiLUFeedForward)):
             raise TypeError(f"layer {i}: cannot shard {type(attn).__name__} / {type(ffn).__name__}")
-        names = ["q_proj", "output_proj"] + (["k_proj", "v_proj"] if attn.owns_kv else [])
-        for name in names:
-            _check_plain(f"layers.{i}.attn.{name}", getattr(attn, name))
+        for part in (attn, ffn):
+            fused = getattr(part, "qkv_proj", None) or getattr(part, "w13", None)
+            if fused is not None:
+                _check_plain(f"layers.{i} fused projection", fused.proj)
+        for name in ("q_proj", "k_proj", "v_proj", "output_proj"):
+            if hasattr(attn, name):
+                _check_plain(f"layers.{i}.attn.{name}", getattr(attn, name))
         for name in ("w1", "w2", "w3"):
             if hasattr(ffn, name):
                 _check_plain(f"layers.{i}.ffn.{name}", getattr(ffn, name))
+    model.unfuse_projections()
+    for block in model.layers:
+        attn, ffn = block.attn, block.ffn
+        names = ["q_proj", "output_proj"] + (["k_proj", "v_proj"] if attn.owns_kv else [])
         for name in names:
             if name != "output_proj":   # whole heads: N/p (or K/p) heads of H rows each
                 setattr(attn, name, _column_parallel(getattr(attn, name), rank, world_size))

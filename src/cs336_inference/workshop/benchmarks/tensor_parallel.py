@@ -102,6 +102,8 @@ def measure(run, model: str = "target", tensor_parallel_size: int | None = None)
     if run.device.type != "cpu":
         print(f"bench tensor_parallel runs its ranks on the CPU (gloo); {run.device} was asked")
         return None
+    if model != "target":
+        run.name = f"tensor_parallel_{model.replace('-', '_')}"
     config = load_pretrained(model).config
     p = tensor_parallel_size or (2 if config.num_kv_heads % 2 == 0 else config.num_kv_heads)
     check_tensor_parallel(config, p)
@@ -177,4 +179,5 @@ def plot_tensor_parallel(result: dict):
 
 BENCHMARK = Benchmark("tensor_parallel", measure, print_tensor_parallel,
                       parallel=lambda options: options.get("model", "target") != "target",
-                      plots={"tensor_parallel": plot_tensor_parallel})
+                      results=("tensor_parallel", "tensor_parallel_smollm2_135m"),
+                      plots={"{name}": plot_tensor_parallel})
