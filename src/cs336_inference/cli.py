@@ -71,10 +71,13 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
                    "tokenizer (one of ours, or a tokenizer.json file; default: --model's if ours, else smollm2-135m)")
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=None,
+                   help="tensor_parallel: ranks to shard the model over (default: 2, or 3 for smollm2-135m)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
-BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len", "endpoint", "tokenizer", "arrivals")
+BENCH_OPTIONS = ("model", "preset", "concurrency", "output_len", "endpoint", "tokenizer", "arrivals",
+                 "tensor_parallel_size")
 
 
 def benchmark(name: str):
@@ -232,10 +235,16 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile; the first run compiles, later runs reuse the cached kernels)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message in the model's chat format")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo; default 1)")
 
 
 def _run_generate(args) -> int:
     import time
+
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_generate
+        return run_generate(args)
 
     from .generation import ConversationCache, TextStream, extend, stream
     from .generation.chat import TurnStats
@@ -396,6 +405,7 @@ BENCHMARKS: dict[str, str] = {
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",
     "alternatives": "trains attention/window/linear attention/SSD/hybrid on MQAR: recall, state bytes, decode time",
     "startup": "cold and warm starts of generate --chat, chat and serve, phase by phase, as real processes",
+    "tensor_parallel": "one workload on 1 and on N tensor-parallel ranks (gloo): all-reduce time vs the ring formula",
 }
 
 

@@ -21,11 +21,12 @@ LAYERS = {
     "accounting": 3, "quantization": 3,
     "data": 4,
     "compression": 5, "serving": 5,
+    "parallel": 5,                   # tensor parallelism over torch.distributed (model, generation)
     "shipped_models": 6,             # how the shipped toy models are made (training + pruning)
     "model_source": 6,               # what --model names: a model by name or a checkpoint file, and its tokenizer
     "workshop": 7,                   # the performance workshop: fast path, CPU tuning, our kernels, benchmarks
     "homework": 7,                   # the graded functions' reference solution and the student skeleton
-    "cli": 8, "cli_args": 8, "chat_repl": 8, "__main__": 8, "__init__": 8,
+    "cli": 8, "cli_args": 8, "cli_tensor_parallel": 8, "chat_repl": 8, "__main__": 8, "__init__": 8,
 }
 
 

@@ -3,6 +3,7 @@
 """
 
 from . import symbolic
+from .communication import allreduce_bytes_per_step, ring_allreduce_seconds, tensor_parallel_step_seconds
 from .formulas import (TransformerPerformanceStats, decode_step_bytes, forward_flops, kv_cache_bytes,
                        kv_cache_bytes_per_token, max_batch_size, num_parameters, transformer_performance_stats,
                        weight_bytes, with_kv_heads)
@@ -12,6 +13,7 @@ from .roofline import (HardwareMeasurement, RooflineSweep, measure_hardware, mea
                        measure_memory_bandwidth, predicted_flops, roofline_sweep)
 
 __all__ = [
+    "allreduce_bytes_per_step", "ring_allreduce_seconds", "tensor_parallel_step_seconds",
     "HARDWARE", "HardwareMeasurement", "HardwareSpec", "ModelShape", "PRECISION_BYTES", "REAL_MODELS",
     "RooflineSweep", "TransformerPerformanceStats", "decode_step_bytes", "forward_flops", "get_hardware",
     "get_model_shape", "kv_cache_bytes", "kv_cache_bytes_per_token", "max_batch_size", "measure_hardware",

@@ -288,7 +288,7 @@ def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, k
                             ).run(requests)
             outputs = result.outputs
     row = {**flat_metrics(benchmark_metrics(outputs)), **peak.result(), "weight_bytes": model_nbytes(model),
-           "communication_s": 0.0, "server": server}   # one device: no multi-device path in this package
+           "communication_s": 0.0, "server": server}   # one rank here; `bench tensor_parallel` measures N ranks
     if alone:
         return row | {f"spec_{k}": v for k, v in stats.items()}, outputs
     s = result.summary()
