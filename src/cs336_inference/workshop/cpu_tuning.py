@@ -378,6 +378,23 @@ def _restore_threads(model, args, kwargs, output=None):
         torch.set_num_threads(previous)
 
 
+def _choose_linear_kernels(linears: list[nn.Linear], split: bool | str, gemv: bool,
+                           record: CPUTuning) -> tuple[bool, bool]:
+    """(split, gemv) as they will apply to `linears`: "auto" splitting decided by timing both ways on these
+    weights (recorded), and gemv only where our kernel builds here (why not, recorded)."""
+    if split == "auto":
+        split = torch.get_num_threads() > 1 and bool(linears)   # one thread: nothing to split
+        if split:
+            record.calibration = calibrate_split(linears)
+            split = record.calibration["split"] < record.calibration["gemm"]
+    if gemv and linears:
+        from .kernels.cpu_attention import build
+
+        record.gemv_unavailable = build()
+        gemv = record.gemv_unavailable is None
+    return split, gemv
+
+
 def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = True,
                  gemv: bool = True, huge_pages: bool = True) -> nn.Module:
     """Apply the CPU decode speed-ups to `model` in place and return it (idempotent; a second call
@@ -400,16 +417,7 @@ def tune_for_cpu(model: nn.Module, split: bool | str = "auto", threads: bool = T
     record = CPUTuning()
     if next(model.parameters()).device.type == "cpu":
         linears = [m for m in model.modules() if type(m) is nn.Linear and m.bias is None]
-        if split == "auto":
-            split = torch.get_num_threads() > 1 and bool(linears)   # one thread: nothing to split
-            if split:
-                record.calibration = calibrate_split(linears)
-                split = record.calibration["split"] < record.calibration["gemm"]
-        if gemv and linears:
-            from .kernels.cpu_attention import build
-
-            record.gemv_unavailable = build()
-            gemv = record.gemv_unavailable is None
+        split, gemv = _choose_linear_kernels(linears, split, gemv, record)
         bf16_rows = gemv_max_rows(torch.bfloat16)
         # CPULinear either way (a compiled bf16 row streams, see there): each linear is replaced by one
         # holding the same weight, as `fuse_projections` replaces the projections it fuses
