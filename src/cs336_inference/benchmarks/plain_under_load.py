@@ -64,20 +64,24 @@ def measure(run, model: str | None = None) -> dict:
                 loads[state].append(load_average())
                 for label in KERNELS:
                     speeds[(state, label)].append(decode_tokens_per_second(label))
-    rows = []
-    for (state, label), values in speeds.items():
-        median, low, high = spread(values)
-        rows.append(dict(state=state, kernel=label, tok_per_s=median, tok_per_s_min=low, tok_per_s_max=high))
-    by = {(r["state"], r["kernel"]): r["tok_per_s"] for r in rows}
-    for r in rows:
-        r["vs_reference"] = r["tok_per_s"] / by[(r["state"], "reference")]
-        r["busy_over_idle"] = by[("busy", r["kernel"])] / by[("idle", r["kernel"])]
     return {"model": name, "device": str(run.device), "threads": torch.get_num_threads(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default (spinning)"),
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", "default"), "prompt_tokens": 32,
             "new_tokens": new_tokens, "rounds": rounds, "busy_processes": 1,
             "load_average": {state: statistics.median(v) for state, v in loads.items() if None not in v},
-            "same_greedy_tokens": tokens["reference"] == tokens["default (sdpa)"], "rows": rows}
+            "same_greedy_tokens": tokens["reference"] == tokens["default (sdpa)"], "rows": rows(speeds)}
+
+
+def rows(speeds: dict) -> list[dict]:
+    """{(state, kernel): [tok/s per round]} -> one row per cell: median, min, max, the ratio to the
+    reference in the same state, and busy over idle for the same kernel (both of medians)."""
+    out = [dict(zip(("state", "kernel", "tok_per_s", "tok_per_s_min", "tok_per_s_max"), (*cell, *spread(values))))
+           for cell, values in speeds.items()]
+    by = {(r["state"], r["kernel"]): r["tok_per_s"] for r in out}
+    for r in out:
+        r["vs_reference"] = r["tok_per_s"] / by[(r["state"], "reference")]
+        r["busy_over_idle"] = by[("busy", r["kernel"])] / by[("idle", r["kernel"])]
+    return out
 
 
 def print_result(result: dict) -> None:
@@ -89,7 +93,8 @@ def print_result(result: dict) -> None:
         title=f"\nplain fp32 generate, {r['model']} on {r['device']}, {r['threads']} threads, "
               f"OMP_WAIT_POLICY={r['omp_wait_policy']} (GOMP_SPINCOUNT={r['gomp_spincount']}); decode tok/s, median "
               f"of {r['rounds']} rounds of {r['new_tokens']} tokens (min-max); busy: {r['busy_processes']} busy loop; "
-              f"load average {r['load_average']}; same greedy tokens: {r['same_greedy_tokens']}")
+              f"load average {', '.join(f'{k} {v:.1f}' for k, v in r['load_average'].items())}; "
+              f"same greedy tokens: {r['same_greedy_tokens']}")
 
 
 def plot(result: dict):
