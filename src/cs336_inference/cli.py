@@ -53,7 +53,7 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     # Options only some benchmarks take (refused by the others): bench inference's model and one operating point.
     p.add_argument("--model", default=None, type=check.text,
                    help="inference: the model (target, or smollm2-135m; default "
-                   "target); generation: smollm2-135m instead of the random-init preset")
+                   "target); generation, plain_under_load: smollm2-135m instead of the random-init preset")
     p.add_argument("--preset", default=None, type=check.text,
                    help="inference: run only this operating point (chat, batch or rollouts) at every precision "
                    "(default: every operating point and sweep)")
@@ -400,6 +400,7 @@ BENCHMARKS: dict[str, str] = {
     "serving": "static vs continuous batching, paged vs contiguous KV",
     "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
     "thread_policy": "OpenMP wait policies, idle vs busy",
+    "plain_under_load": "the plain fp32 model's generate, reference vs default (fused) attention, idle vs busy",
     "serving_http": "the engine in process vs behind `serve` (HTTP)",
     "engine_decode": "SmolLM2 on the serving engine: decode steps eager vs compiled (what `serve` runs)",
     "llamacpp": "SmolLM2-135M's GGUF: ours (int4 exact) vs llama.cpp, decode/prefill at 1 and 2 threads ([peer])",

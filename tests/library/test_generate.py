@@ -78,3 +78,51 @@ def test_generate_rejects_bad_inputs(prompts, n, exc, match):
     model = make_model(make_config(**CFG))
     with pytest.raises(exc, match=match):
         run_generate(model, prompts, n)
+
+
+def _count_reference_attention(monkeypatch) -> list:
+    """Every call of the hand-written attention (the "reference" entry of the attention registry) from here on."""
+    from cs336_inference.model import attention
+
+    calls, reference = [], attention.ATTENTION.kernels["reference"]
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return reference(*args, **kwargs)
+    monkeypatch.setitem(attention.ATTENTION.kernels, "reference", counted)
+    return calls
+
+
+@pytest.mark.parametrize("variant", [{}, dict(sliding_window=4)])
+def test_generate_runs_fused_attention_by_default_and_the_reference_on_request(monkeypatch, variant):
+    """`generate` runs torch's fused kernel where the model runs the reference (robust when other work shares
+    the cores); attention_kernel="reference" runs the hand-written one. Same greedy tokens as the definition
+    (`greedy_reference`: full forwards on the model's own reference kernel), and afterwards every layer runs
+    the kernel it ran before."""
+    model = make_model(make_config(**CFG, **variant))
+    prompts = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8]]
+    expected = [greedy_reference(model, p, 10) for p in prompts]
+    calls = _count_reference_attention(monkeypatch)
+    fused = run_generate(model, prompts, 10)
+    assert calls == [] and fused.tokens == expected
+    reference = run_generate(model, prompts, 10, attention_kernel="reference")
+    assert len(calls) >= 10 * len(model.layers) and reference.tokens == expected
+    assert all("attention_kernel" not in block.attn.__dict__ for block in model.layers)   # the class default again
+    calls.clear()
+    model(torch.tensor([prompts[0]]))
+    assert len(calls) == len(model.layers)   # the model itself still runs the reference
+
+
+def test_generate_keeps_a_chosen_kernel_and_restores_kernels_after_an_error(monkeypatch):
+    model = make_model(make_config(**CFG)).set_attention_kernel("reference")
+    calls = _count_reference_attention(monkeypatch)
+    run_generate(model, [[1, 2, 3]], 4)
+    assert calls == []   # even a model set to the reference explicitly: generate's default is the fused kernel
+    assert [block.attn.attention_kernel for block in model.layers] == ["reference"] * 2
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: out.fill_(float("nan")))
+    with pytest.raises(ValueError, match="got NaN"):
+        run_generate(model, [[1, 2, 3]], 4, attention_kernel="sdpa")
+    handle.remove()
+    assert [block.attn.attention_kernel for block in model.layers] == ["reference"] * 2
+    with pytest.raises(ValueError, match="attention kernel must be one of .* got 'flash'"):
+        run_generate(model, [[1, 2, 3]], 4, attention_kernel="flash")

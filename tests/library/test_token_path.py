@@ -7,7 +7,8 @@
   postprocess): at most 130, of which paging (`KVCacheManager` and its `BlockPool`) at most 20
   (issue 47 measured 274 before paging became one pool validated at the manager's edge);
 - host syncs (a value read back from the device) in a decode step and in the serving model
-  runner's step: none (`host_syncs.HostSyncCounter`).
+  runner's step: none (`host_syncs.HostSyncCounter`); in `generate`: one per token, the token's copy to
+  the host, which also carries the check of its logits.
 Not graded (properties of the library's own decode path).
 """
 
@@ -20,7 +21,7 @@ import torch
 
 import adapters
 import cs336_inference
-from cs336_inference import decode_one_token, sample_next_token
+from cs336_inference import decode_one_token, generate, sample_next_token
 from host_syncs import HostSyncCounter
 
 PACKAGE = str(Path(cs336_inference.__file__).parent)
@@ -212,3 +213,75 @@ def test_the_engine_refuses_inf_and_all_minus_inf_logit_rows(poison, temperature
         handle.remove()
     assert [o.request_id for o in engine.step() if o.finish_reason == "error"] == ["bad"]
     assert not engine.has_unfinished()
+
+
+def _generate_syncs(monkeypatch, model, max_new_tokens: int, **kwargs) -> int:
+    """Host syncs of one `generate` call: the ops `HostSyncCounter` sees, plus every `.tolist()`: a CPU
+    tensor's copy reads host memory without dispatching an op, but on a GPU each one is a device->host
+    copy that waits for the device."""
+    copies = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        copies.append(tuple(self.shape))
+        return tolist(self)
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    try:
+        with HostSyncCounter() as syncs:
+            result = generate(model, [[1, 2, 3], [4, 5, 6, 7, 8]], max_new_tokens, **kwargs)
+    finally:
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    assert [len(t) for t in result.tokens] == [max_new_tokens] * 2   # no stop token: every step ran
+    return syncs.count + len(copies)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(temperature=0.8, top_k=50, top_p=0.9),
+                                    dict(attention_kernel="reference")])
+def test_generate_makes_one_host_sync_per_token(monkeypatch, kwargs):
+    """What a token adds to `generate` (the difference between 9 and 1 new tokens, so the edge's checks of
+    the prompt cancel out): its one copy to the host, with the logits' check folded into it. A separate
+    `bool(...)` of the check, or a `.item()` anywhere in the step, makes it 2 or more."""
+    model = _model()
+    if "temperature" in kwargs:
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+    one = _generate_syncs(monkeypatch, model, 1, **kwargs)
+    if "generator" in kwargs:
+        kwargs["generator"] = torch.Generator().manual_seed(0)
+    nine = _generate_syncs(monkeypatch, model, 9, **kwargs)
+    assert (nine - one) / 8 <= 1, f"{(nine - one) / 8} host syncs per generated token"
+
+
+@pytest.mark.parametrize("poison", ["NaN", "+inf", "all -inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("at_call", [1, 3])   # the prefill's logits, or a later decode step's
+def test_generate_refuses_bad_logits_with_the_samplers_error(poison, temperature, at_call):
+    """Folding the check into the token's copy keeps the error `sample_next_token` gives for the same logits."""
+    def spoil(logits):
+        if poison == "NaN":
+            logits[-1, ..., 7] = float("nan")     # one row of the batch
+        elif poison == "+inf":
+            logits[-1, ..., 7] = float("inf")
+        else:
+            logits[-1].fill_(float("-inf"))
+        return logits
+
+    calls = []
+
+    def hook(module, args, out):
+        calls.append(1)
+        return spoil(out) if len(calls) == at_call else out
+
+    model = _model()
+    handle = model.lm_head.register_forward_hook(hook)
+    try:
+        with pytest.raises(ValueError) as raised:
+            generate(model, [[1, 2, 3], [4, 5, 6]], 6, temperature=temperature,
+                     generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    assert len(calls) == at_call   # refused at the token whose logits went bad, not later
+    with pytest.raises(ValueError) as expected:
+        sample_next_token(spoil(torch.zeros(2, 257)), temperature)
+    assert str(raised.value) == str(expected.value)
+    what = {"NaN": "got NaN", "+inf": "got +inf", "all -inf": "got a row where every logit is -inf"}[poison]
+    assert what in str(raised.value)

@@ -3,18 +3,27 @@
 `generate(..., use_cache=False)` is the naive generator the lecture starts from: every step re-runs
 the whole prefix through the model (O(T^2) token-forwards, O(T^3) attention FLOPs). With the cache
 each step runs one token per sequence. Both produce identical tokens (a test checks).
+
+Each token reaches the host in one copy, which also carries the check of its logits (NaN, +inf, or a
+row with nothing allowed), as the serving engine's sampler does: one host sync per token, none inside
+the model's step. `generate` runs attention on torch's fused kernel ("sdpa") where the model runs the
+hand-written reference: one op per layer instead of a chain of small multi-threaded ones (matmul,
+softmax, matmul) that stall when other work shares the cores. Same tokens up to float rounding; pass
+`attention_kernel="reference"` to run (and step through) the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import _checks
+from ..model.attention import check_attention_kernel
 from ..model.kv_cache import KVCache
-from .sampling import _check_sampling_args, sample_next_token
+from .sampling import _check_sampling_args, draw_next_token, invalid_logits_error, invalid_rows
 
 
 @dataclass
@@ -118,25 +127,67 @@ def stop_token_set(stop_tokens, vocab_size: int) -> set[int]:
     return set(ids)
 
 
+@contextlib.contextmanager
+def attention_kernel_for_generation(model, kernel: str | None = None):
+    """Inside: `model`'s attention layers run `kernel` (None: "sdpa" where they run the reference, the
+    others keep theirs); on exit each layer has its own kernel back (`TransformerLM.set_attention_kernel`
+    names the kernels; layers without one, MLA's, are left alone)."""
+    layers = [m for m in model.modules() if isinstance(getattr(m, "attention_kernel", None), str)]
+    saved = [(layer, layer.__dict__.get("attention_kernel")) for layer in layers]   # None: the class default
+    for layer in layers:
+        layer.attention_kernel = kernel or ("sdpa" if layer.attention_kernel == "reference" else layer.attention_kernel)
+    try:
+        yield
+    finally:
+        for layer, own in saved:
+            if own is None:
+                del layer.attention_kernel
+            else:
+                layer.attention_kernel = own
+
+
+def _next_tokens(logits: torch.Tensor, draw) -> tuple[torch.Tensor, list[int]]:
+    """Draw the next ids (B,) and bring them to the host together with the logits' check, in one copy:
+    the token's one host sync. Returns the ids on the device and on the host. A row with a NaN or +inf
+    logit, or with none allowed, raises."""
+    bad = invalid_rows(logits)                                   # (B,) on the device
+    ids = draw(torch.where(bad[:, None], 0.0, logits))           # a bad row draws from a stand-in, refused below
+    host = torch.cat([ids.reshape(-1), bad.long()]).tolist()     # waits for the device: the token exists now
+    B = logits.shape[0]
+    if any(host[-B:]):
+        raise invalid_logits_error(logits)
+    return ids, host[:-B]
+
+
 @torch.inference_mode()
 def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, stop_tokens=None, generator: torch.Generator | None = None,
-             use_cache: bool = True, pad_id: int = 0, sampler=None) -> GenerationResult:
+             use_cache: bool = True, pad_id: int = 0, sampler=None,
+             attention_kernel: str | None = None) -> GenerationResult:
     """Generate up to `max_new_tokens` per prompt. Prompts may differ in length (left-padded).
 
     temperature 0 is greedy. A sequence stops at the first token in `stop_tokens` (an id, a list or a
     tensor of ids); the call ends when all have stopped or `max_new_tokens` steps have run. pad_id
     fills the left of shorter prompts (masked out, never attended to). `sampler(logits (B, V),
-    temperature, top_k, top_p, generator) -> (B,)` picks each token (default `sample_next_token`; the
-    autograder passes a student's sampler here).
+    temperature, top_k, top_p, generator) -> (B,)` picks each token (default `sample_next_token`'s
+    draw; the autograder passes a student's sampler here). attention_kernel: what the model's attention
+    layers run during the call (None: torch's fused "sdpa" where they run "reference", else their own;
+    "reference" runs the hand-written one; see the module docstring). Logits that are NaN, +inf, or
+    allow no token raise a ValueError.
     """
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _check_sampling_args(temperature, top_k, top_p)
     _checks.generator("generator", generator)
     _checks.boolean("use_cache", use_cache)
+    if attention_kernel is not None:
+        check_attention_kernel(attention_kernel)
     if sampler is None:
-        sampler = sample_next_token
-    elif not callable(sampler):
+        def draw(logits):   # `sample_next_token` without its per-call checks: made once above, and in `_next_tokens`
+            return draw_next_token(logits, temperature, top_k, top_p, generator)
+    elif callable(sampler):
+        def draw(logits):
+            return sampler(logits, temperature, top_k, top_p, generator)
+    else:
         raise TypeError(f"sampler must be a callable (logits, temperature, top_k, top_p, generator) -> token ids, "
                         f"got {type(sampler).__name__}")
     V = model.config.vocab_size
@@ -154,21 +205,28 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
     if max_new_tokens == 0:
         result.finish_reasons = ["length"] * B
         return result
-    ids = ids.to(model.device)
     pad_arg = pad.to(model.device) if max(prompt_lengths) > min(prompt_lengths) else None
+    with attention_kernel_for_generation(model, attention_kernel):
+        _decode_loop(model, ids.to(model.device), pad_arg, max_new_tokens, draw, stop, use_cache, result)
+    return result
+
+
+def _decode_loop(model, ids: torch.Tensor, pad: torch.Tensor | None, max_new_tokens: int, draw, stop: set[int],
+                 use_cache: bool, result: GenerationResult) -> None:
+    """`generate`'s loop on checked arguments: prefill (or the whole prefix), then one token per step,
+    appending to `result` (tokens, the time each step's tokens reached the host, finish reasons)."""
+    B, P = ids.shape
     done = [False] * B
     t0 = time.perf_counter()
-
     if use_cache:
         cache = model.new_cache(B, max_seq_len=P + max_new_tokens)
-        logits = prefill(model, ids, cache, pad=pad_arg)
+        logits = prefill(model, ids, cache, pad=pad)
     else:
         sequence = ids
-        logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
+        logits = model(sequence, pad=pad, last_only=True)[:, -1]
 
     for step in range(max_new_tokens):
-        next_ids = sampler(logits, temperature, top_k, top_p, generator)  # (B,)
-        host_ids = next_ids.tolist()  # waits for the device: the token really exists now
+        next_ids, host_ids = _next_tokens(logits, draw)
         result.token_times.append(time.perf_counter() - t0)
         for b, token in enumerate(host_ids):
             if not done[b]:
@@ -177,9 +235,8 @@ def generate(model, prompt_ids, max_new_tokens: int, temperature: float = 0.0, t
         if all(done) or step == max_new_tokens - 1:
             break
         if use_cache:
-            logits = decode_one_token(model, next_ids, cache, pad=pad_arg)
+            logits = decode_one_token(model, next_ids, cache, pad=pad)
         else:
             sequence = torch.cat([sequence, next_ids[:, None]], dim=1)
-            logits = model(sequence, pad=pad_arg, last_only=True)[:, -1]
+            logits = model(sequence, pad=pad, last_only=True)[:, -1]
     result.finish_reasons = ["stop" if d else "length" for d in done]
-    return result

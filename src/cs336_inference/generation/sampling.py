@@ -13,7 +13,8 @@ from .. import _checks
 
 def _check_sampling_args(temperature, top_k, top_p) -> None:
     _checks.number("temperature", temperature, 0, allowed="a finite number >= 0 (0 = greedy)")
-    _checks.optional_positive_int("top_k", top_k)
+    if top_k is not None:   # (written out, not `optional_positive_int`: one call fewer on the token path)
+        _checks.integer("top_k", top_k, 1, allowed="a positive int or None")
     if top_p is not None:
         _checks.probability("top_p", top_p, allow_zero=False)
 
@@ -29,10 +30,15 @@ def _check_logits(logits) -> None:
         raise ValueError(f"logits must have shape (..., V) with V >= 1, got {tuple(logits.shape)}")
     # `invalid_rows`, written out: one call fewer on the token path (tests/library/test_token_path.py counts them)
     if not bool(torch.isfinite(logits.amax(-1)).all()):
-        what = ("NaN" if bool(torch.isnan(logits).any()) else "+inf" if bool(torch.isposinf(logits).any())
-                else "a row where every logit is -inf (no token allowed)")
-        raise ValueError(f"logits must be finite or -inf (a forbidden token), with at least one token allowed per "
-                         f"row; got {what} (a diverged model, or NaN weights?)")
+        raise invalid_logits_error(logits)
+
+
+def invalid_logits_error(logits: torch.Tensor) -> ValueError:
+    """The error for logits that `invalid_rows` refuses, saying what is wrong (reads values: an error path)."""
+    what = ("NaN" if bool(torch.isnan(logits).any()) else "+inf" if bool(torch.isposinf(logits).any())
+            else "a row where every logit is -inf (no token allowed)")
+    return ValueError(f"logits must be finite or -inf (a forbidden token), with at least one token allowed per "
+                      f"row; got {what} (a diverged model, or NaN weights?)")
 
 
 def invalid_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,8 @@ def sample_next_token(logits: torch.Tensor, temperature: float = 1.0, top_k: int
     """logits (B, V) or (V,) -> token ids (B,) or () ; temperature 0 means greedy (argmax)."""
     _check_logits(logits)
     _check_sampling_args(temperature, top_k, top_p)
-    _checks.generator("generator", generator)
+    if generator is not None:
+        _checks.generator("generator", generator)
     return draw_next_token(logits, temperature, top_k, top_p, generator)
 
 

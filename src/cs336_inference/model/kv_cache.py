@@ -6,10 +6,11 @@ model, O(T^3) attention FLOPs); with one, each step processes one token and read
 The model and its cache meet in a `ForwardStep`: one forward's positions, its layer caches, which
 rows feed the LM head, and `commit()`. Implementations: `CacheStep`, begun by the model's own
 `KVCache` (B sequences, T new tokens each, appended at `length`), `serving.PagedStep` (a ragged
-engine step through block tables) and `generation.compiled.StaticDecodeStep` (fixed shapes, for CUDA
-graphs). Per layer the attention writes and attends through a
-`LayerCache`: `ContiguousKVCache` (MHA/GQA/MQA, here), `RollingKVCache` (sliding-window layers),
-`LatentKVCache` (MLA), `QuantizedKVCache` (`quantization.kv`), `serving.PagedLayerCache`. Layers
+engine step through block tables), `generation.compiled.StaticDecodeStep` (fixed shapes, for CUDA
+graphs) and `model.transformer.FullStep` (no cache: nothing written). Per layer the attention writes
+and attends through a `LayerCache`: `ContiguousKVCache` (MHA/GQA/MQA, here), `RollingKVCache`
+(sliding-window layers), `LatentKVCache` (MLA), `QuantizedKVCache` (`quantization.kv`),
+`serving.PagedLayerCache`. Layers
 that share keys/values (cross-layer attention) share one layer cache object.
 """
 

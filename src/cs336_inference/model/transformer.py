@@ -7,14 +7,17 @@ One `forward(token_ids, cache=None)` serves all three uses: full forward (no cac
 cache, T = prompt length) and decode (a cache, T = 1); with a cache the tokens go at `cache.length`.
 The attention variant of each layer (GQA/MHA/MQA, MLA, sliding window, hybrids, cross-layer KV
 sharing) comes from `ModelConfig`; `build_attention` picks it, `new_cache` asks each layer for its
-cache (CLA followers get their group's). `forward` takes the RoPE positions from the cache's step and
-each layer's mask from its layer cache (the rolling cache knows its window); every layer returns the
-keys/values it attended over, which the model hands to the rest of its CLA group.
+cache (CLA followers get their group's). Every `forward` runs one path through a `ForwardStep`, what the
+call does: the cache's step (`KVCache.begin`), an engine's step, or a `FullStep` (no cache is a step too).
+It takes the RoPE positions from the step and each layer's mask from the step (`FullStep`) or from its
+layer cache (the rolling cache knows its window); every layer returns the keys/values it attended over,
+which the model hands to the rest of its CLA group.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -33,7 +36,7 @@ from .layers import RMSNorm, RotaryEmbedding
 from .state_cache import valid_positions
 from .variants import build_ffn, build_norm
 
-__all__ = ["ModelConfig", "PostNormBlock", "TransformerBlock", "TransformerLM"]
+__all__ = ["FullStep", "ModelConfig", "PostNormBlock", "TransformerBlock", "TransformerLM"]
 
 
 def build_attention(config: ModelConfig, layer_idx: int, device=None, dtype=None) -> nn.Module:
@@ -101,6 +104,41 @@ def uninitialized() -> _SkipMetaInit:
     return _SkipMetaInit()
 
 
+@dataclass(eq=False)
+class FullStep(ForwardStep):
+    """A forward without a cache (no cache is a step too): T tokens per sequence at positions start ..
+    start + T - 1, each layer masked on its own (`masks`), nothing cached, so nothing to commit."""
+
+    positions: torch.Tensor   # (T,), or (B, T) counted from each sequence's first real token
+    masks: tuple              # per layer: its causal (window) mask, or for a fixed-state layer which tokens are real
+    layers: tuple             # per layer None: no layer cache
+
+    @classmethod
+    def begin(cls, model: TransformerLM, batch_size: int, num_new: int, start_pos: int | None = None,
+              pad: torch.Tensor | None = None) -> FullStep:
+        """The step of `model` over num_new tokens per sequence from start_pos (default 0); pad (B,) as in
+        `TransformerLM.forward` (its values are checked: a full forward is an edge). One mask per kind."""
+        start, device = start_pos or 0, model.device
+        pad = check_pad(pad, batch_size, start + num_new)
+        made, masks = {}, []   # kind -> mask: "valid" (fixed-state layers), or a window (None = global)
+        for fixed, window in zip(model.fixed_state, model.windows):
+            kind = "valid" if fixed else window
+            if kind not in made:
+                sinks = model.config.attention_sinks if window is not None else 0
+                made[kind] = (valid_positions(start, num_new, pad, device) if fixed else
+                              attention_mask(num_new, num_new, start, pad, window=window, device=device,
+                                             first_key=start, sinks=sinks))
+            masks.append(made[kind])
+        return cls(rope_positions(start, num_new, pad, device), tuple(masks), (None,) * len(masks))
+
+    def select_last(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, T, D) -> (B, 1, D): the last position of every sequence."""
+        return x[:, -1:]
+
+    def commit(self) -> None:
+        """Nothing was written."""
+
+
 class TransformerLM(nn.Module):
     def __init__(self, config: ModelConfig, device=None, dtype=None):
         super().__init__()
@@ -117,6 +155,7 @@ class TransformerLM(nn.Module):
         self.kv_sources = tuple(config.kv_source_layer(i) for i in range(config.num_layers))
         self.windows = tuple(config.layer_window(i) for i in range(config.num_layers))
         self.fixed_state = tuple(config.layer_mixer(i) != "attention" for i in range(config.num_layers))
+        self.no_masks = (None,) * config.num_layers   # a step with a cache: each layer cache picks its own mask
         self.reset_parameters()
 
     def tie_weights(self) -> None:
@@ -226,52 +265,40 @@ class TransformerLM(nn.Module):
         one it may only repeat cache.length (a checked assertion). pad (B,): left-padding slots per
         sequence of a ragged batch, given on every call (prefill and each decode step alike).
         step: instead of a cache, a `ForwardStep` its owner already built (a paged engine step).
-        The inputs are checked at the edges: a full forward and a cache's first forward check the ids
-        (their values too) and the cache; a decode step checks nothing that reads a tensor's values.
+        Every call runs one path: `begin` checks the inputs at the edges and picks the step (what this
+        call does: positions, masks, cache writes), the layers run it, and `commit` makes its writes count.
         """
-        if step is not None and (cache is not None or start_pos is not None or pad is not None):
+        ids, step = self.begin(token_ids, cache, start_pos, pad, step)   # ids (B, T)
+        rope = self.rope.angles(step.positions)
+        masks = step.masks if isinstance(step, FullStep) else self.no_masks   # with a cache, its layers pick theirs
+        x = self.token_embeddings(ids)  # (B, T, D)
+        kv = None   # the keys/values of the current CLA group's first layer
+        for i, block in enumerate(self.layers):
+            x, kv = block(x, rope, masks[i], step.layers[i], step, kv if self.kv_sources[i] != i else None)
+        if last_only:
+            x = step.select_last(x)  # the rows whose logits predict the next token
+        logits = self.lm_head(self.ln_final(x))  # (B, T, V)
+        step.commit()  # only now: an exception above leaves the cache as it was
+        return logits[0] if token_ids.dim() == 1 else logits
+
+    def begin(self, token_ids, cache: KVCache | None = None, start_pos: int | None = None,
+              pad: torch.Tensor | None = None, step: ForwardStep | None = None) -> tuple[torch.Tensor, ForwardStep]:
+        """The ids as (B, T) and the `ForwardStep` a forward runs: `step` as its owner built it, the cache's
+        `KVCache.begin` (append at cache.length), or `FullStep.begin` (no cache: nothing written).
+        The inputs are checked at the edges: a full forward and a cache's first forward check the ids
+        (their values too) and the cache; a decode step checks nothing that reads a tensor's values."""
+        if step is not None and any((cache is not None, start_pos is not None, pad is not None)):
             raise ValueError("a forward takes either a step (which brings its own positions) or a cache with "
                              "start_pos/pad, not both")
-        edge = step is None and (cache is None or not isinstance(cache, KVCache) or cache.length == 0)
+        edge = step is None and (not isinstance(cache, KVCache) or cache.length == 0)   # no cache, or an empty one
         if edge or not isinstance(token_ids, torch.Tensor):
             token_ids = self.check_inputs(token_ids, cache, start_pos, pad)
-        squeeze = token_ids.dim() == 1
-        if squeeze:
-            token_ids = token_ids[None]
-        B, T = token_ids.shape
-        if cache is not None:
-            step = cache.begin(T, pad, start_pos, batch_size=B)
-        if step is None:
-            start = start_pos or 0
-            pad = check_pad(pad, B, start + T)
-            positions = rope_positions(start, T, pad, self.device)
-        else:
-            positions = step.positions
-        rope = self.rope.angles(positions)
-
-        x = self.token_embeddings(token_ids)  # (B, T, D)
-        kv = None   # the keys/values of the current CLA group's first layer
-        masks = {}  # without a cache: one causal mask per distinct window (None = global)
-        for i, block in enumerate(self.layers):
-            if step is None and self.fixed_state[i]:   # a fixed-state layer needs only which tokens are real
-                if "valid" not in masks:
-                    masks["valid"] = valid_positions(start, T, pad, self.device)
-                x, kv = block(x, rope, masks["valid"], None, None, None)
-            elif step is None:
-                window = self.windows[i]
-                if window not in masks:
-                    sinks = self.config.attention_sinks if window is not None else 0
-                    masks[window] = attention_mask(T, T, start, pad, window=window, device=self.device,
-                                                   first_key=start, sinks=sinks)
-                x, kv = block(x, rope, masks[window], None, None, kv if self.kv_sources[i] != i else None)
-            else:
-                x, kv = block(x, rope, None, step.layers[i], step, kv if self.kv_sources[i] != i else None)
-        if last_only:
-            x = x[:, -1:] if step is None else step.select_last(x)  # the rows whose logits predict the next token
-        logits = self.lm_head(self.ln_final(x))  # (B, T, V)
+        ids = token_ids[None] if token_ids.dim() == 1 else token_ids
         if step is not None:
-            step.commit()  # only now: an exception above leaves the cache as it was
-        return logits[0] if squeeze else logits
+            return ids, step
+        if cache is not None:
+            return ids, cache.begin(ids.shape[1], pad, start_pos, batch_size=ids.shape[0])
+        return ids, FullStep.begin(self, *ids.shape, start_pos, pad)
 
     def check_inputs(self, token_ids, cache=None, start_pos=None, pad=None) -> torch.Tensor:
         """The edge checks of a forward (a full one, or a cache's first): token ids (B, T) or (T,), integer,
