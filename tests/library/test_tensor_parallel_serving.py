@@ -1,0 +1,142 @@
+"""The serving engine over tensor-parallel ranks: real processes on 127.0.0.1 (gloo), against the one-process
+engine run here, in the test's own process, on the same unsharded weights and the same trace."""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from adapters import make_config, make_model
+
+from cs336_inference.generation.sampling_params import SamplingParams
+from cs336_inference.parallel import RankFailedError, launch
+from cs336_inference.parallel.engine import TensorParallelRunner, serve_tensor_parallel, sharded_engine
+from cs336_inference.serving import Engine
+from cs336_inference.serving.request import Request
+
+# the toy target's shape: 6 query heads over 2 key/value heads
+TOY = dict(vocab_size=257, context_length=96, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, d_ff=64)
+OPTIONS = dict(block_size=4, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=24)
+
+
+def _unit_cost(batch) -> float:
+    """A fixed cost per step: the simulated clock, hence every step's batch, is the same in both runs."""
+    return 0.01
+
+
+def _trace() -> list[Request]:
+    g = torch.Generator().manual_seed(1)
+    shapes = [(7, 12, 0.0, SamplingParams(max_tokens=12)), (20, 8, 0.0, SamplingParams(max_tokens=8)),
+              (3, 10, 0.015, SamplingParams(max_tokens=10, n=2, temperature=1.0, seed=3)),   # a fork: copy-on-write
+              (33, 5, 0.03, SamplingParams(max_tokens=5))]                                  # chunked: > 24 tokens
+    return [Request(f"r{i}", tuple(torch.randint(0, TOY["vocab_size"], (n,), generator=g).tolist()), m, t, params)
+            for i, (n, m, t, params) in enumerate(shapes)]
+
+
+def _recording(runner, logits: list) -> None:
+    """Keep every step's logits and its number of prefills (wrapping this runner instance's `execute`)."""
+    execute = runner.execute
+
+    def record(batch, manager):
+        out = execute(batch, manager)
+        logits.append((len(batch.prefills), out.clone()))
+        return out
+    runner.execute = record
+
+
+def _serve_rank(config, state) -> dict:
+    engine, runner = sharded_engine((config, state), step_time=_unit_cost, **OPTIONS)
+    logits = []
+    if engine is None:
+        runner.follow()
+        result = None
+    else:
+        _recording(runner, logits)
+        try:
+            result = engine.run(_trace())
+        finally:
+            runner.stop()
+    pools = [None] * dist.get_world_size()
+    dist.all_gather_object(pools, sum(layer.nbytes for layer in runner.cache.unique_layers()))
+    return {"tokens": result and [o.tokens for o in result.outputs], "logits": logits, "pool_bytes": pools,
+            "communication": runner.communication(), "steps": len(runner.steps)}
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = make_model(make_config(**TOY))
+    return model, launch(_serve_rank, 2, model.config, model.state_dict(), timeout_s=120)
+
+
+def test_tp2_engine_serves_the_same_tokens_and_logits_as_one_process(served):
+    model, got = served
+    engine, want_logits = Engine(model, step_time=_unit_cost, **OPTIONS), []
+    _recording(engine.runner, want_logits)
+    want = engine.run(_trace())
+    assert got["tokens"] == [o.tokens for o in want.outputs]
+    assert [len(t) for t in got["tokens"]] == [1, 1, 2, 1]
+    kinds = [n for n, _ in want_logits]
+    assert kinds == [n for n, _ in got["logits"]]
+    assert 0 in kinds and any(kinds), "the trace must have decode-only steps and steps with a prefill"
+    for step, ((n, g), (_, w)) in enumerate(zip(got["logits"], want_logits)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+
+
+def test_each_rank_holds_half_the_paged_kv_pool_and_collectives_are_timed_per_phase(served):
+    model, got = served
+    full = Engine(model, **OPTIONS).runner.cache
+    full_bytes = sum(layer.nbytes for layer in full.unique_layers())
+    assert full_bytes == 2 * TOY["num_layers"] * OPTIONS["num_blocks"] * OPTIONS["block_size"] * 2 * 8 * 4
+    assert got["pool_bytes"] == [full_bytes // 2] * 2
+    comm = got["communication"]
+    assert comm["prefill"]["steps"] > 0 and comm["decode"]["steps"] > 0
+    assert comm["prefill"]["steps"] + comm["decode"]["steps"] == got["steps"] == len(got["logits"])
+    for phase in ("prefill", "decode"):
+        assert comm[phase]["all_reduce_s"] > 0 and comm[phase]["broadcast_s"] > 0
+
+
+def _die_on_step_two(config, state) -> None:
+    engine, runner = sharded_engine((config, state), **OPTIONS)
+    if engine is None:
+        run_step = runner._run_step
+
+        def run_then_die(step_inputs, seconds):
+            if len(runner.steps) == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return run_step(step_inputs, seconds)
+        runner._run_step = run_then_die
+        runner.follow()
+    else:
+        try:
+            engine.run(_trace())
+        finally:
+            runner.stop()
+
+
+def _tp_children():
+    return [p for p in multiprocessing.active_children() if p.name.startswith("tp-rank")]
+
+
+def test_a_rank_killed_while_serving_is_named_and_every_rank_stops():
+    model = make_model(make_config(**TOY))
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 failed: killed by signal SIGKILL") as info:
+        launch(_die_on_step_two, 2, model.config, model.state_dict(), timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert info.value.rank == 1
+    assert not _tp_children()
+
+
+def test_runner_and_serve_refuse_bad_input_before_starting_ranks():
+    model = make_model(make_config(**TOY))
+    with pytest.raises(TypeError, match="needs a sharded model"):
+        TensorParallelRunner(model, 8, 4)
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*num_heads=6"):
+        serve_tensor_parallel((model.config, model.state_dict()), _trace(), 4)
+    with pytest.raises(TypeError, match=r"model must be a pretrained name or \(ModelConfig, state_dict\)"):
+        serve_tensor_parallel(model, _trace(), 2)
+    assert not _tp_children()
