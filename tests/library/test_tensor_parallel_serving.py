@@ -140,3 +140,38 @@ def test_runner_and_serve_refuse_bad_input_before_starting_ranks():
     with pytest.raises(TypeError, match=r"model must be a pretrained name or \(ModelConfig, state_dict\)"):
         serve_tensor_parallel(model, _trace(), 2)
     assert not _tp_children()
+
+
+def test_bench_inference_tensor_parallel_refuses_bad_sizes_before_starting_ranks():
+    from cs336_inference.workshop.benchmarks.inference import BENCHMARK
+    with pytest.raises(ValueError, match=r"tensor parallel size 4 .*num_heads=6"):
+        BENCHMARK(quick=True, device="cpu", tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be an int >= 2"):
+        BENCHMARK(quick=True, device="cpu", tensor_parallel_size=1)
+    with pytest.raises(ValueError, match="give one of endpoint, tensor_parallel_size"):
+        BENCHMARK(quick=True, device="cpu", tensor_parallel_size=2, endpoint="http://127.0.0.1:9/v1")
+    assert not _tp_children()
+
+
+@pytest.mark.slow
+def test_bench_inference_tensor_parallel_reports_communication_beside_one_device(tmp_path, monkeypatch):
+    import json
+
+    from cs336_inference.serving.workload import Workload
+    from cs336_inference.workshop.benchmarks.inference import BENCHMARK, SweepConfig
+    monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
+    tiny = Workload("chat", prompt_len=(8, 16), output_len=6, concurrency=2, num_requests=3)
+    sweep = SweepConfig(presets={"chat": tiny}, warmup=Workload("warmup", (8, 8), 2, 2, 2))
+    result = BENCHMARK(quick=True, device="cpu", tensor_parallel_size=2, sweep=sweep, progress=False)
+    one, two = result["rows"]
+    assert (one["ranks"], two["ranks"]) == (1, 2) and one["workload"] == two["workload"] == "chat"
+    assert one["completed"] == two["completed"] == 3
+    assert one["output_tokens"] == two["output_tokens"] == 3 * 6   # no stop token in a tiny run
+    assert one["communication_s"] == 0 and one["decode_communication_share"] == 0
+    assert two["communication_prefill_s"] > 0 and two["communication_decode_s"] > 0
+    assert two["communication_s"] == pytest.approx(two["communication_prefill_s"] + two["communication_decode_s"])
+    assert 0 < two["decode_communication_share"] < 1
+    assert two["decode_steps"] > 0 and two["prefill_steps"] > 0
+    saved = json.loads(next(tmp_path.rglob("inference_tp2*.json")).read_text())
+    assert saved["rows"][1]["communication_decode_s"] == pytest.approx(two["communication_decode_s"])
+    assert not _tp_children()

@@ -121,28 +121,46 @@ def build_model(source, dtype: torch.dtype | None = None) -> TransformerLM:
 
 
 def sharded_engine(source, dtype: torch.dtype | None = None, **engine_options):
-    """On this rank (process group joined): the sharded model and, on rank 0, the engine over it, elsewhere
-    a runner that follows (the same pool size). Returns (engine or None, runner)."""
-    model = shard_model(build_model(source, dtype), dist.get_rank(), dist.get_world_size())
+    """On this rank (process group joined): shard the model `source` (a name, (ModelConfig, state_dict) or
+    a model) and build, on rank 0, the engine over it, elsewhere a runner that follows (the same pool).
+    Returns (engine or None, runner)."""
+    model = source if isinstance(source, TransformerLM) else build_model(source, dtype)
+    if getattr(model, "tp_timer", None) is None:
+        model = shard_model(model, dist.get_rank(), dist.get_world_size())
     engine = TensorParallelEngine(model, **engine_options)
     if dist.get_rank() == 0:
         return engine, engine.runner
     return None, engine.runner   # its scheduler stays idle: rank 0 schedules
 
 
-def _serve_rank(source, requests, dtype, engine_options) -> dict | None:
-    engine, runner = sharded_engine(source, dtype, **engine_options)
-    if engine is None:
-        runner.follow()
-        return None
-    try:
-        t0 = time.perf_counter()
-        result = engine.run(requests)
-        seconds = time.perf_counter() - t0
-    finally:
-        runner.stop()
-    return {"result": result, "seconds": seconds, "communication": runner.communication(),
-            "steps": [vars(s) for s in runner.steps]}
+def _serve_rank(source, runs, dtype) -> list[dict] | None:
+    model = shard_model(build_model(source, dtype), dist.get_rank(), dist.get_world_size())
+    out = []
+    for requests, engine_options in runs:   # every rank builds the same engine (the same pool) per run
+        engine, runner = sharded_engine(model, **engine_options)
+        if engine is None:
+            runner.follow()
+            continue
+        try:
+            t0 = time.perf_counter()
+            result = engine.run(requests)
+            seconds = time.perf_counter() - t0
+        finally:
+            runner.stop()
+        out.append({"result": result, "seconds": seconds, "communication": runner.communication(),
+                    "steps": [vars(s) for s in runner.steps]})
+    return out
+
+
+def serve_tensor_parallel_runs(model, runs, world_size: int, dtype: torch.dtype | None = None,
+                               timeout_s: float | None = None) -> list[dict]:
+    """Serve several traces one after the other on the same `world_size` ranks (started once): runs is a
+    list of (requests, engine options); each gets a fresh engine and pool. Returns rank 0's records, one
+    per run, as `serve_tensor_parallel`."""
+    config = named_config(model) if isinstance(model, str) else build_model(model).config
+    check_tensor_parallel(config, world_size)   # refused here, before any process starts
+    runs = [(list(requests), dict(options)) for requests, options in runs]
+    return launch(_serve_rank, world_size, model, runs, dtype, timeout_s=timeout_s)
 
 
 def serve_tensor_parallel(model, requests, world_size: int, dtype: torch.dtype | None = None,
@@ -151,10 +169,8 @@ def serve_tensor_parallel(model, requests, world_size: int, dtype: torch.dtype |
     model: a pretrained name or (ModelConfig, state_dict). Returns rank 0's {"result": EngineResult,
     "seconds", "communication": per phase, "steps": per-step records}. A rank that fails raises
     `RankFailedError` naming it (the others stopped)."""
-    config = named_config(model) if isinstance(model, str) else build_model(model).config
-    check_tensor_parallel(config, world_size)   # refused here, before any process starts
-    return launch(_serve_rank, world_size, model, list(requests), dtype, engine_options, timeout_s=timeout_s)
+    return serve_tensor_parallel_runs(model, [(requests, engine_options)], world_size, dtype, timeout_s)[0]
 
 
 __all__ = ["StepCommunication", "TensorParallelEngine", "TensorParallelRunner", "serve_tensor_parallel",
-           "sharded_engine"]
+           "serve_tensor_parallel_runs", "sharded_engine"]
