@@ -72,7 +72,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
     p.add_argument("--tensor-parallel-size", type=check.positive_int, default=None,
-                   help="tensor_parallel: ranks to shard the model over (default: 2, or 3 for smollm2-135m)")
+                   help="tensor_parallel, inference: ranks to shard the model over (tensor_parallel default: 2, or 3 for "
+                   "smollm2-135m; inference: none, one device only)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
