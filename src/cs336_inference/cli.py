@@ -72,8 +72,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
     p.add_argument("--tensor-parallel-size", type=check.positive_int, default=None,
-                   help="tensor_parallel, inference: ranks to shard the model over (tensor_parallel default: 2, or 3 for "
-                   "smollm2-135m; inference: none, one device only)")
+                   help="tensor_parallel, inference: ranks to shard the model over (tensor_parallel default: 2, "
+                   "or 3 for smollm2-135m; inference: none, one device only)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
@@ -355,11 +355,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s, 4 MiB)")
     p.add_argument("--no-access-log", action="store_true",
                    help="do not write one line per request on stderr (status, tokens, TTFT, duration)")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo; rank 0 serves "
+                   "and schedules, every rank runs its shard of each step; default 1)")
     p.set_defaults(seed=0)
 
 
 def _run_serve(args) -> int:
     import time
+
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_serve
+        return run_serve(args)
 
     try:
         from .serving.http import OpenAIServer, listen_socket, run_server

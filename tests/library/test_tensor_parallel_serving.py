@@ -175,3 +175,55 @@ def test_bench_inference_tensor_parallel_reports_communication_beside_one_device
     saved = json.loads(next(tmp_path.rglob("inference_tp2*.json")).read_text())
     assert saved["rows"][1]["communication_decode_s"] == pytest.approx(two["communication_decode_s"])
     assert not _tp_children()
+
+
+def _children_of(pid: int) -> list[int]:
+    """Every descendant of pid, from /proc (ranks, and whatever they started)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        out += kids
+        frontier = kids
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_serve_over_two_ranks_answers_and_sigint_stops_every_rank():
+    import json
+    import urllib.request
+
+    from cs336_inference.serving.http.launch import ServerProcess
+    server = ServerProcess.start("target", "--tensor-parallel-size", "2", "--max-num-seqs", "4", "--num-blocks", "64")
+    try:
+        server.wait_ready(timeout=120)
+        ranks = _children_of(server.process.pid)
+        assert len([p for p in ranks if _alive(p)]) >= 2, server.log()
+        body = json.dumps({"model": "target", "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(server.v1 + "/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            answer = json.loads(response.read())
+        assert answer["usage"]["completion_tokens"] >= 1 and answer["choices"][0]["text"]
+        server.process.send_signal(signal.SIGINT)
+        server.process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in ranks if _alive(p)], server.log()
+    finally:
+        server.stop()
