@@ -314,9 +314,15 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile, compiled before the first message)")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo): the chat runs "
+                   "here, its turns on the engine of rank 0 (default 1)")
 
 
 def _run_chat(args) -> int:
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_chat
+        return run_chat(args)
     from .chat_repl import ChatREPL
     from .generation import ConversationCache
     from .serving import ChatSession

@@ -87,6 +87,46 @@ def run_serve(args) -> int:
     return 0
 
 
+def run_chat(args) -> int:
+    from types import SimpleNamespace
+
+    import torch
+
+    from .chat_repl import ChatREPL
+    from .cli import _stats_line
+    from .model_source import resolve
+    from .parallel import RankFailedError
+    from .parallel.chat import TensorParallelStreams
+    from .parallel.generate import named_config
+    from .serving import ChatSession
+    from .serving.kv_cache_manager import blocks_for
+
+    if _refuse_unsharded(args):
+        return 2
+    tokenizer = resolve(args.model).tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        print(f"chat: {args.model} has no chat template; use generate to continue a text", file=sys.stderr)
+        return 2
+    config = named_config(args.model)
+    max_seq_len = min(config.context_length, 2048)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.dtype or args.precision)
+    streams = TensorParallelStreams(args.model, args.tensor_parallel_size, dtype, block_size=16, max_num_seqs=1,
+                                    watermark_blocks=0, num_blocks=blocks_for(max_seq_len, 16))
+    session = ChatSession(SimpleNamespace(config=config), tokenizer, system=args.system, max_seq_len=max_seq_len,
+                          streams=streams)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p)
+    print(f"{args.model} over {args.tensor_parallel_size} tensor-parallel ranks (gloo on 127.0.0.1); /help lists "
+          f"the commands, Ctrl-C stops an answer, /quit or Ctrl-D ends.")
+    try:
+        return ChatREPL(session, sampling, args.seed, _stats_line).run()
+    except RankFailedError as err:
+        print(f"error: {str(err).strip().splitlines()[-1]} (rank {err.rank})", file=sys.stderr)
+        return 1
+    finally:
+        streams.close()
+
+
 def run_generate(args) -> int:
     import torch
 

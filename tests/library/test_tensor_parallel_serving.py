@@ -227,3 +227,43 @@ def test_serve_over_two_ranks_answers_and_sigint_stops_every_rank():
         assert not [p for p in ranks if _alive(p)], server.log()
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_chat_session_over_two_ranks_answers_as_one_process_and_close_stops_every_rank():
+    from types import SimpleNamespace
+
+    import cs336_inference
+    from cs336_inference.model import load_tokenizer
+    from cs336_inference.parallel.chat import TensorParallelStreams
+    from cs336_inference.serving import ChatSession
+    tokenizer, model = load_tokenizer("target"), cs336_inference.load_pretrained("target")
+    options = dict(block_size=16, max_num_seqs=1, watermark_blocks=0, num_blocks=16)
+    one = ChatSession(model, tokenizer, max_seq_len=256)
+    with TensorParallelStreams("target", 2, timeout_s=120, **options) as streams:
+        session = ChatSession(SimpleNamespace(config=model.config), tokenizer, max_seq_len=256, streams=streams)
+        for text in ("Once upon a time", "and then"):
+            got = "".join(session.send(text, max_new_tokens=12))
+            assert got.strip()
+            assert got == "".join(one.send(text, max_new_tokens=12))
+        assert len(_tp_children()) == 2
+        assert session.history[1].reused_tokens > 0     # the first turn's blocks, from rank 0's prefix cache
+        for s in (session, one):                         # stopped after its first piece: aborted on rank 0
+            stopped = s.send("Tell me more", max_new_tokens=40)
+            next(stopped)
+            stopped.close()
+        assert session.messages == one.messages and session.history[2].stopped
+        assert "".join(session.send("ok", max_new_tokens=8)) == "".join(one.send("ok", max_new_tokens=8))
+    deadline = time.monotonic() + 10
+    while _tp_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _tp_children()
+
+
+def test_chat_and_serve_cli_refuse_before_starting_ranks(capsys):
+    from cs336_inference import cli
+    assert cli.main(["chat", "--model", "target", "--tensor-parallel-size", "2"]) == 2
+    assert "target has no chat template" in capsys.readouterr().err
+    assert cli.main(["serve", "--model", "target", "--tensor-parallel-size", "4"]) == 2
+    assert "tensor parallel size 4 must divide num_heads=6" in capsys.readouterr().err
+    assert not _tp_children()
