@@ -157,6 +157,7 @@ def test_bench_inference_tensor_parallel_refuses_bad_sizes_before_starting_ranks
 def test_bench_inference_tensor_parallel_reports_communication_beside_one_device(tmp_path, monkeypatch):
     import json
 
+    import cs336_inference
     from cs336_inference.serving.workload import Workload
     from cs336_inference.workshop.benchmarks.inference import BENCHMARK, SweepConfig
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
@@ -172,6 +173,12 @@ def test_bench_inference_tensor_parallel_reports_communication_beside_one_device
     assert two["communication_s"] == pytest.approx(two["communication_prefill_s"] + two["communication_decode_s"])
     assert 0 < two["decode_communication_share"] < 1
     assert two["decode_steps"] > 0 and two["prefill_steps"] > 0
+    # beside it, the ring formula: 2L all-reduces of each decode step's tokens' fp32 activations per step
+    config = cs336_inference.load_pretrained("target").config
+    L, D, lat, bw = config.num_layers, config.d_model, two["loopback_latency_s"], two["loopback_bandwidth_Bps"]
+    assert lat > 0 and bw > 0
+    assert two["predicted_decode_all_reduce_s"] >= two["decode_steps"] * 2 * L * (2 * lat)   # p = 2: 2 ring steps
+    assert two["predicted_decode_all_reduce_s"] <= two["decode_steps"] * 2 * L * (2 * lat + 2 * D * 4 / bw)   # B <= 2
     saved = json.loads(next(tmp_path.rglob("inference_tp2*.json")).read_text())
     assert saved["rows"][1]["communication_decode_s"] == pytest.approx(two["communication_decode_s"])
     assert not _tp_children()

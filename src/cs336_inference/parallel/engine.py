@@ -133,8 +133,9 @@ def sharded_engine(source, dtype: torch.dtype | None = None, **engine_options):
     return None, engine.runner   # its scheduler stays idle: rank 0 schedules
 
 
-def _serve_rank(source, runs, dtype) -> list[dict] | None:
+def _serve_rank(source, runs, dtype, before) -> dict | None:
     model = shard_model(build_model(source, dtype), dist.get_rank(), dist.get_world_size())
+    measured = before() if before is not None else None   # every rank: it may run collectives
     out = []
     for requests, engine_options in runs:   # every rank builds the same engine (the same pool) per run
         engine, runner = sharded_engine(model, **engine_options)
@@ -149,18 +150,19 @@ def _serve_rank(source, runs, dtype) -> list[dict] | None:
             runner.stop()
         out.append({"result": result, "seconds": seconds, "communication": runner.communication(),
                     "steps": [vars(s) for s in runner.steps]})
-    return out
+    return {"runs": out, "before": measured}
 
 
 def serve_tensor_parallel_runs(model, runs, world_size: int, dtype: torch.dtype | None = None,
-                               timeout_s: float | None = None) -> list[dict]:
+                               timeout_s: float | None = None, before=None) -> dict:
     """Serve several traces one after the other on the same `world_size` ranks (started once): runs is a
-    list of (requests, engine options); each gets a fresh engine and pool. Returns rank 0's records, one
-    per run, as `serve_tensor_parallel`."""
+    list of (requests, engine options); each gets a fresh engine and pool. before: None, or a module-level
+    function every rank calls once its model is sharded (e.g. a probe of the links). Returns rank 0's
+    {"runs": one record per run, as `serve_tensor_parallel`, "before": what before() returned}."""
     config = named_config(model) if isinstance(model, str) else build_model(model).config
     check_tensor_parallel(config, world_size)   # refused here, before any process starts
     runs = [(list(requests), dict(options)) for requests, options in runs]
-    return launch(_serve_rank, world_size, model, runs, dtype, timeout_s=timeout_s)
+    return launch(_serve_rank, world_size, model, runs, dtype, before, timeout_s=timeout_s)
 
 
 def serve_tensor_parallel(model, requests, world_size: int, dtype: torch.dtype | None = None,
@@ -169,7 +171,7 @@ def serve_tensor_parallel(model, requests, world_size: int, dtype: torch.dtype |
     model: a pretrained name or (ModelConfig, state_dict). Returns rank 0's {"result": EngineResult,
     "seconds", "communication": per phase, "steps": per-step records}. A rank that fails raises
     `RankFailedError` naming it (the others stopped)."""
-    return serve_tensor_parallel_runs(model, [(requests, engine_options)], world_size, dtype, timeout_s)[0]
+    return serve_tensor_parallel_runs(model, [(requests, engine_options)], world_size, dtype, timeout_s)["runs"][0]
 
 
 __all__ = ["StepCommunication", "TensorParallelEngine", "TensorParallelRunner", "serve_tensor_parallel",

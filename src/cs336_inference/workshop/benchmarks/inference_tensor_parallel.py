@@ -18,6 +18,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm.auto import tqdm
 
+from ...accounting.communication import tensor_parallel_step_seconds
 from ...device import load_avg
 from ...model.checkpoints import load_pretrained
 from ...model.real_models import REAL_MODELS
@@ -28,7 +29,11 @@ from ...parallel.generate import named_config
 from ...serving import Engine, benchmark_metrics, flat_metrics
 from ...tables import print_table
 from .base import Benchmark
+from .tensor_parallel import _probe
 from .inference import RunSpec, engine_options, source_and_stop, sweep_config, workload_row
+
+
+PROBE_REPS = 50   # tiny all-reduces timed for the latency (a tenth as many large ones for the bandwidth)
 
 
 def engine_row(result, seconds: float | None = None) -> dict:
@@ -52,6 +57,23 @@ def communication_row(communication: dict, decode_step_s: float) -> dict:
     row["communication_s"] = row["communication_prefill_s"] + row["communication_decode_s"]
     row["decode_communication_share"] = row["communication_decode_s"] / decode_step_s if decode_step_s else None
     return row
+
+
+def loopback_probe() -> tuple[float, float]:
+    """(latency per ring step, bandwidth) of all-reduces among the ranks, probed on every rank."""
+    return _probe(PROBE_REPS)
+
+
+def ring_prediction(steps: list[dict], config, p: int, latency: float, bandwidth: float) -> dict:
+    """The ring formula's all-reduce seconds for the steps served (each step: 2L all-reduces of its
+    tokens' fp32 activations), per kind of step, beside the measured all-reduce seconds."""
+    out = {"loopback_latency_s": latency, "loopback_bandwidth_Bps": bandwidth}
+    for phase in ("prefill", "decode"):
+        out[f"predicted_{phase}_all_reduce_s"] = sum(
+            tensor_parallel_step_seconds(config.num_layers, config.d_model, p, bandwidth, latency,
+                                         num_tokens=s["num_tokens"], bytes_per_element=4)
+            for s in steps if s["phase"] == phase)
+    return out
 
 
 def measure_tensor_parallel(run, model: str, tensor_parallel_size: int, preset: str | None = None,
@@ -94,11 +116,14 @@ def measure_tensor_parallel(run, model: str, tensor_parallel_size: int, preset: 
                                          row["decode_step_s"])})
     del reference
     served = serve_tensor_parallel_runs(model, [(warm, engine_options(warm, config.warmup.concurrency))]
-                                        + list(zip(traces, options)), p)[1:]
-    for spec, out in zip(specs, served):
+                                        + list(zip(traces, options)), p, before=loopback_probe)
+    latency, bandwidth = served["before"]
+    model_config = named_config(model)
+    for spec, out in zip(specs, served["runs"][1:]):
         row = engine_row(out["result"])
-        rows.append({**workload_row(spec), "ranks": p, **row, **communication_row(out["communication"],
-                                                                                   row["decode_step_s"])})
+        rows.append({**workload_row(spec), "ranks": p, **row,
+                     **communication_row(out["communication"], row["decode_step_s"]),
+                     **ring_prediction(out["steps"], model_config, p, latency, bandwidth)})
     return {"benchmark": "inference", "mode": "tensor_parallel", "model": model, "device": "cpu",
             "backend": "gloo", "tensor_parallel_size": p, "dtype": "fp32", "kv_layout": "paged",
             "threads_one_device": torch.get_num_threads(), "load_avg_before": load_before,
@@ -119,6 +144,7 @@ def print_tensor_parallel_inference(result: dict) -> None:
         ms("tpot_median_s", "TPOT p50 ms"), ms("queueing_mean_s", "queueing ms"), ms("prefill_mean_s", "prefill ms"),
         ms("decode_mean_s", "decode ms"), ms("communication_prefill_s", "comm in prefill steps ms"),
         ms("communication_decode_s", "comm in decode steps ms"), ms("decode_broadcast_s", "of it broadcast ms"),
+        ms("decode_all_reduce_s", "all-reduce ms"), ms("predicted_decode_all_reduce_s", "ring formula ms"),
         ("decode_communication_share", "comm % of decode steps", lambda v: "-" if v is None else f"{100 * v:.0f}")],
         title="\nOne device vs tensor-parallel ranks (per request: mean queueing / prefill / decode; rank 0's "
               "seconds in collectives over the whole run, by kind of step)")
