@@ -251,7 +251,7 @@ def test_chat_session_over_two_ranks_answers_as_one_process_and_close_stops_ever
         session = ChatSession(SimpleNamespace(config=model.config), tokenizer, max_seq_len=256, streams=streams)
         for text in ("Once upon a time", "and then"):
             got = "".join(session.send(text, max_new_tokens=12))
-            assert got.strip()
+            assert got   # (the toy target may answer in spaces)
             assert got == "".join(one.send(text, max_new_tokens=12))
         assert len(_tp_children()) == 2
         assert session.history[1].reused_tokens > 0     # the first turn's blocks, from rank 0's prefix cache
