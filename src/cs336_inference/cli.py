@@ -72,7 +72,8 @@ def _bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arrivals", default=None, choices=["poisson", "fixed"],
                    help="inference --endpoint: request arrivals at the workload's rate (default poisson)")
     p.add_argument("--tensor-parallel-size", type=check.positive_int, default=None,
-                   help="tensor_parallel: ranks to shard the model over (default: 2, or 3 for smollm2-135m)")
+                   help="tensor_parallel, inference: ranks to shard the model over (tensor_parallel default: 2, "
+                   "or 3 for smollm2-135m; inference: none, one device only)")
 
 
 # bench options some benchmarks take (as keywords of their `measure`); the others refuse them
@@ -313,9 +314,15 @@ def _chat_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, type=check.text, help="a system message (default: the model's own)")
     p.add_argument("--no-compile", action="store_true", help="decode eagerly (default: a torch.compile'd step "
                    "where torch can compile, compiled before the first message)")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo): the chat runs "
+                   "here, its turns on the engine of rank 0 (default 1)")
 
 
 def _run_chat(args) -> int:
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_chat
+        return run_chat(args)
     from .chat_repl import ChatREPL
     from .generation import ConversationCache
     from .serving import ChatSession
@@ -354,11 +361,18 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                    "(default: %(default)s, 4 MiB)")
     p.add_argument("--no-access-log", action="store_true",
                    help="do not write one line per request on stderr (status, tokens, TTFT, duration)")
+    p.add_argument("--tensor-parallel-size", type=check.positive_int, default=1,
+                   help="shard the model over N local worker processes (tensor parallelism, gloo; rank 0 serves "
+                   "and schedules, every rank runs its shard of each step; default 1)")
     p.set_defaults(seed=0)
 
 
 def _run_serve(args) -> int:
     import time
+
+    if args.tensor_parallel_size > 1:
+        from .cli_tensor_parallel import run_serve
+        return run_serve(args)
 
     try:
         from .serving.http import OpenAIServer, listen_socket, run_server

@@ -78,13 +78,17 @@ class Engine:
                                                 kv_budget_bytes=c.kv_budget_bytes,
                                                 default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
         if c.kv_layout == "contiguous":  # the same token slots, one slot per "block"
-            self.runner = ModelRunner(model, num_blocks * c.block_size, block_size=1, decode=decode)
+            self.runner = self.make_runner(model, num_blocks * c.block_size, 1, decode)
         else:
-            self.runner = ModelRunner(model, num_blocks, c.block_size, decode=decode)
+            self.runner = self.make_runner(model, num_blocks, c.block_size, decode)
         self._clock = clock
         self._step_time = step_time
         self._request_ids = itertools.count()
         self._reset()
+
+    def make_runner(self, model: TransformerLM, num_blocks: int, block_size: int, decode) -> ModelRunner:
+        """The model runner (a hook: the tensor-parallel engine's runner also sends each step to its ranks)."""
+        return ModelRunner(model, num_blocks, block_size, decode=decode)
 
     def _reset(self) -> None:
         """Empty KV memory and queues; the simulated clock back at 0."""

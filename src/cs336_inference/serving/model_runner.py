@@ -9,10 +9,26 @@ lists, so the forward itself never reads a value back from the device.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .paged_kv_cache import PagedKVCache
 from .scheduler import ScheduledBatch
+
+
+@dataclass
+class StepInputs:
+    """One engine step for the model, as host lists: the new tokens (prefills' first, then decodes'),
+    each sequence's block table, context and query lengths, the copy-on-write copies, and how many of
+    the sequences are prefills."""
+
+    token_ids: list[int]
+    tables: list[list[int]]
+    context_lens: list[int]
+    query_lens: list[int]
+    copies: list[tuple[int, int]]
+    num_prefills: int
 
 
 class ModelRunner:
@@ -55,7 +71,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, manager) -> torch.Tensor:
         """Run every scheduled token once; logits (B, V) at the last token of each sequence.
         `manager` (a `KVCacheManager` or `ContiguousManager`) holds the block tables."""
-        self.cache.copy_blocks(batch.copies)  # copy-on-write before anything writes the copies
+        return self.run(self.inputs(batch, manager))
+
+    def inputs(self, batch: ScheduledBatch, manager) -> StepInputs:
+        """The step as plain host lists: everything `run` needs, and nothing of the scheduler's
+        (a tensor-parallel engine sends exactly this to its other ranks)."""
         ids, tables, context_lens, query_lens = [], [], [], []
         for seq in batch.prefills:  # prefills first, then decodes (the order of the logits)
             start, n = seq.num_computed_tokens, batch.num_scheduled_tokens[seq.seq_id]
@@ -69,10 +89,18 @@ class ModelRunner:
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)
             query_lens.append(1)
+        return StepInputs(ids, tables, context_lens, query_lens, list(batch.copies),
+                          len(batch.prefills))
+
+    @torch.inference_mode()
+    def run(self, step_inputs: StepInputs) -> torch.Tensor:
+        """One forward of a step's inputs over this runner's cache; logits (B, V)."""
+        ids, context_lens = step_inputs.token_ids, step_inputs.context_lens
+        self.cache.copy_blocks(step_inputs.copies)  # copy-on-write before anything writes the copies
         self.check_step(ids, context_lens)
-        step = self.cache.step(tables, context_lens, query_lens)
+        step = self.cache.step(step_inputs.tables, context_lens, step_inputs.query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
-        if self.decode is not None and not batch.prefills and max(context_lens) > self.cache.block_size:
+        if self.decode is not None and not step_inputs.num_prefills and max(context_lens) > self.cache.block_size:
             return self.decode(token_ids, step)                               # (B, V)
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
 
@@ -87,4 +115,4 @@ class ModelRunner:
                              f"{config.context_length}")
 
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "StepInputs"]

@@ -86,7 +86,7 @@ class PagedKVCache(LayerCaches):
         for i in range(config.num_layers):
             source = config.kv_source_layer(i)
             self.layers.append(self.layers[source] if source != i else PagedLayerCache(
-                num_blocks, block_size, config.num_kv_heads, config.head_dim, device=model.device,
+                num_blocks, block_size, _kv_heads(model, i), config.head_dim, device=model.device,
                 dtype=dtype or model.dtype))
         self.device = self.layers[0].device
 
@@ -94,9 +94,9 @@ class PagedKVCache(LayerCaches):
     def bytes_per_token_of(model, dtype: torch.dtype | None = None) -> int:
         """K/V bytes of one token over all layers that own a cache (what a block's slot costs)."""
         c = model.config
-        owners = sum(c.kv_source_layer(i) == i for i in range(c.num_layers))
+        heads = sum(_kv_heads(model, i) for i in range(c.num_layers) if c.kv_source_layer(i) == i)
         element = (dtype or model.dtype).itemsize
-        return owners * 2 * c.num_kv_heads * c.head_dim * element
+        return 2 * heads * c.head_dim * element
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy block src's keys/values into block dst for every (src, dst), in every layer
@@ -127,6 +127,11 @@ class PagedKVCache(LayerCaches):
         return PagedStep(positions=torch.tensor(positions, device=device),
                          slot_mapping=torch.tensor(slots, device=device),
                          layout=PagedLayout.build(tables, context_lens, query_lens, bs, device), layers=self.layers)
+
+
+def _kv_heads(model, i: int) -> int:
+    """Layer i's key/value heads: the layer's own count (a tensor-parallel shard holds K/p), else the config's."""
+    return getattr(getattr(model.layers[i], "attn", None), "num_kv_heads", model.config.num_kv_heads)
 
 
 __all__ = ["PagedKVCache", "PagedLayerCache", "PagedStep"]

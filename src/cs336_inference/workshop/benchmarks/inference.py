@@ -262,6 +262,13 @@ def build_precision(model: nn.Module, precision: str, device: torch.device) -> n
     return quantize_model(fast, "rtn", bits=4, group_size=int4_group(fast.config), kernel="packed")
 
 
+def engine_options(requests: list[Request], concurrency: int, kv_layout: str = "paged") -> dict:
+    """The engine of a run: at most `concurrency` sequences, a pool that holds them all at their longest."""
+    longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
+    return dict(kv_layout=kv_layout, block_size=BLOCK_SIZE, max_num_seqs=concurrency,
+                num_blocks=concurrency * math.ceil(longest / BLOCK_SIZE) + 1, watermark_blocks=0)
+
+
 def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, kv_layout: str = "paged",
                   device: torch.device | None = None, server: str = "engine", draft=None) -> tuple[dict, list]:
     """Serve `requests` on `server` ("engine": at most `concurrency` sequences in `kv_layout` memory;
@@ -282,13 +289,10 @@ def run_benchmark(model: nn.Module, requests: list[Request], concurrency: int, k
         if alone:
             outputs, stats = serve_one_at_a_time(model, requests, draft, GAMMA)
         else:
-            longest = max(len(r.prompt) + r.max_new_tokens for r in requests)
-            result = Engine(model, kv_layout=kv_layout, block_size=BLOCK_SIZE, max_num_seqs=concurrency,
-                            num_blocks=concurrency * math.ceil(longest / BLOCK_SIZE) + 1, watermark_blocks=0
-                            ).run(requests)
+            result = Engine(model, **engine_options(requests, concurrency, kv_layout)).run(requests)
             outputs = result.outputs
     row = {**flat_metrics(benchmark_metrics(outputs)), **peak.result(), "weight_bytes": model_nbytes(model),
-           "communication_s": 0.0, "server": server}   # one rank here; `bench tensor_parallel` measures N ranks
+           "communication_s": 0.0, "server": server}   # one rank here; --tensor-parallel-size N measures N ranks
     if alone:
         return row | {f"spec_{k}": v for k, v in stats.items()}, outputs
     s = result.summary()
@@ -320,18 +324,30 @@ def one_run(spec: RunSpec, model, source, tokenizer, stop, device, drafts: dict 
 
 def measure(run, model: str = "target", preset: str | None = None, concurrency: int | None = None,
             output_len: int | None = None, progress: bool = True, sweep: SweepConfig | None = None,
-            endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None) -> dict:
+            endpoint: str | None = None, tokenizer: str | None = None, arrivals: str | None = None,
+            tensor_parallel_size: int | None = None) -> dict:
     """Run the sweep (or one operating point: `preset`, optionally at another `concurrency` /
     `output_len`) on `model` ("target", or "smollm2-135m" when its package is installed); `sweep`:
     another SweepConfig. A `preset` or a custom `sweep` is a partial run (figures/scratch). `endpoint`:
-    measure that server instead (`tokenizer` cuts the prompts, `arrivals` poisson or fixed)."""
+    measure that server instead (`tokenizer` cuts the prompts, `arrivals` poisson or fixed).
+    `tensor_parallel_size`: the operating points (fp32, paged) on one device and over that many ranks
+    (`parallel.engine`), with the seconds in collectives (inference_tensor_parallel.py)."""
     check_arguments(model, preset, concurrency, output_len)
     changes = {k: v for k, v in (("concurrency", concurrency), ("output_len", output_len)) if v is not None}
+    if endpoint is not None and tensor_parallel_size is not None:
+        raise ValueError("tensor_parallel_size shards the model in this process's ranks; a server at endpoint "
+                         "sets its own (vllm serve --tensor-parallel-size N): give one of endpoint, "
+                         "tensor_parallel_size")
     if endpoint is not None:
         run.name, run.committed, run.report = endpoint_name(model, preset), False, ENDPOINT
         return measure_endpoint(endpoint, model, run.quick, preset, changes, tokenizer, arrivals or "poisson",
                                 progress)
     _check_in_process(model, sweep, tokenizer, arrivals)
+    if tensor_parallel_size is not None:   # the operating points on 1 and on N ranks, communication measured
+        from .inference_tensor_parallel import TENSOR_PARALLEL, measure_tensor_parallel
+
+        run.report = TENSOR_PARALLEL
+        return measure_tensor_parallel(run, model, tensor_parallel_size, preset, changes, sweep, progress)
     device, real = run.device, model in REAL_MODELS
     config = (sweep or sweep_config(real, run.quick)).with_precisions(precision_order(device))
     if "draft" in (config.speculative if preset is None else ()) and model != "target":
