@@ -102,6 +102,12 @@ class StopOnInterrupt:
         return False
 
 
+def stats_line(turn) -> str:
+    """The line printed after each answer: a `TurnStats`'s TTFT, tokens and speed, and what was prefilled."""
+    return (f"[TTFT {turn.ttft_s:.2f} s | {turn.generated_tokens} tokens, {turn.decode_tokens_per_s:.1f} tok/s | "
+            f"prefilled {turn.prompt_tokens} new tokens, {turn.reused_tokens} reused from the KV cache]")
+
+
 class ChatREPL:
     """The loop: read a line, run a command or send it to `session` (a `serving.ChatSession`) and stream the
     answer to `out`; `run()` returns the exit status. sampling: `ChatSession.send`'s keywords; each turn's

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from . import cli_args as check  # argument types: one-line errors naming the option
+from .chat_repl import stats_line  # the line after each answer (chat and generate)
 # light: the fast path imports torch and the model at call time
 from .workshop.fast_path import PRECISIONS, compiled_decode_step, compiled_engine_decode, load_for_inference
 
@@ -225,11 +226,6 @@ def _sampling(args, generator) -> dict:
                 generator=generator)
 
 
-def _stats_line(turn) -> str:
-    return (f"[TTFT {turn.ttft_s:.2f} s | {turn.generated_tokens} tokens, {turn.decode_tokens_per_s:.1f} tok/s | "
-            f"prefilled {turn.prompt_tokens} new tokens, {turn.reused_tokens} reused from the KV cache]")
-
-
 def _generate_args(p: argparse.ArgumentParser) -> None:
     _model_args(p)
     p.add_argument("--prompt", required=True, type=check.text, help="the text to continue")
@@ -278,7 +274,7 @@ def _run_generate(args) -> int:
         first, count = first or time.perf_counter(), count + 1
         if token not in stop:
             print(out.push(token), end="", flush=True)
-    print("\n" + _stats_line(TurnStats(len(ids), 0, count, first - t0, time.perf_counter() - first)), file=sys.stderr)
+    print("\n" + stats_line(TurnStats(len(ids), 0, count, first - t0, time.perf_counter() - first)), file=sys.stderr)
     return 0
 
 
@@ -340,7 +336,7 @@ def _run_chat(args) -> int:
     print(f"{args.model} on {model.device} ({model.dtype}); /help lists the commands, Ctrl-C stops an answer, "
           f"/quit or Ctrl-D ends.")
     # the loop, its keys and its exit statuses (0: /quit or Ctrl-D; 130: Ctrl-C at an empty prompt): chat_repl.py
-    return ChatREPL(session, sampling, args.seed, _stats_line).run()
+    return ChatREPL(session, sampling, args.seed, stats_line).run()
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

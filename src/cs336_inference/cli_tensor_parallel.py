@@ -92,8 +92,7 @@ def run_chat(args) -> int:
 
     import torch
 
-    from .chat_repl import ChatREPL
-    from .cli import _stats_line
+    from .chat_repl import ChatREPL, stats_line
     from .model_source import resolve
     from .parallel import RankFailedError
     from .parallel.chat import TensorParallelStreams
@@ -119,7 +118,7 @@ def run_chat(args) -> int:
     print(f"{args.model} over {args.tensor_parallel_size} tensor-parallel ranks (gloo on 127.0.0.1); /help lists "
           f"the commands, Ctrl-C stops an answer, /quit or Ctrl-D ends.")
     try:
-        return ChatREPL(session, sampling, args.seed, _stats_line).run()
+        return ChatREPL(session, sampling, args.seed, stats_line).run()
     except RankFailedError as err:
         print(f"error: {str(err).strip().splitlines()[-1]} (rank {err.rank})", file=sys.stderr)
         return 1

@@ -70,7 +70,7 @@ def streams(kind, model):
 
 def repl(model, screen, max_new_tokens=60, kind="conversation cache"):
     session = make_chat_session(model, ChatMLBytes(), max_seq_len=512, streams=streams(kind, model))
-    return chat_repl.ChatREPL(session, dict(max_new_tokens=max_new_tokens), seed=0, stats_line=cli._stats_line,
+    return chat_repl.ChatREPL(session, dict(max_new_tokens=max_new_tokens), seed=0, stats_line=chat_repl.stats_line,
                               out=screen, editing=False)
 
 
