@@ -454,8 +454,8 @@ def tensor_parallel_here():
     assert (tp["prefill_logits"] - ref).abs().max() < 1e-4 and tp["weight_bytes"] * 2 == tp["full_weight_bytes"]
     config = model.config
     steps, comm = torch.tensor(tp["step_s"]).median().item(), torch.tensor(tp["comm_s"]).median().item()
-    formula_s = tensor_parallel_step_seconds(config.num_layers, config.d_model, 2, tp["bandwidth_Bps"],
-                                             tp["latency_s"], bytes_per_element=4)  # @inspect formula_s
+    link_s = dict(bandwidth=tp["bandwidth_Bps"], latency=tp["latency_s"], bytes_per_element=4)  # this machine's probe
+    formula_s = tensor_parallel_step_seconds(config.num_layers, config.d_model, 2, **link_s)  # @inspect formula_s
     text("Here: our target model over 2 processes (gloo over loopback); logits equal one process's (max |Δ| < 1e-4).")
     text(f"A decode step takes {steps * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside the 8 all-reduces; the ring formula, "
          f"from this machine's probed {tp['latency_s'] * 1e6:.0f} us per ring step, says {formula_s * 1e3:.2f} ms (timed just now).")
