@@ -431,8 +431,9 @@ def throughput_and_latency():
 def tensor_parallel_here():
     """Tensor parallelism: the bytes a decode step all-reduces, the ring formula's cost, and two real ranks on
     this machine (loopback gloo) measured against it (the measured lines say "timed just now")."""
-    text("Tensor parallelism (Megatron-LM) shards every layer over p devices: each holds 1/p of the weights and of the KV cache.")
-    text("q/k/v (whole heads) and w1/w3 split by output, with no communication; output and w2 split by input, each then all-reduced.")
+    text("Tensor parallelism (Megatron-LM): each of p devices holds 1/p of every layer and of the KV cache.")
+    text("q/k/v (whole heads) and w1/w3 split by output: no communication.")
+    text("The output projection and w2 split by input: each rank has a partial sum, and one all-reduce adds them.")
     llama = REAL_MODELS["llama2-13b"]
     per_step = allreduce_bytes_per_step(llama.num_layers, llama.d_model, batch_size=1)  # @inspect per_step
     assert per_step == 2 * llama.num_layers * llama.d_model * 2
@@ -456,9 +457,9 @@ def tensor_parallel_here():
     steps, comm = torch.tensor(tp["step_s"]).median().item(), torch.tensor(tp["comm_s"]).median().item()
     link_s = dict(bandwidth=tp["bandwidth_Bps"], latency=tp["latency_s"], bytes_per_element=4)  # this machine's probe
     formula_s = tensor_parallel_step_seconds(config.num_layers, config.d_model, 2, **link_s)  # @inspect formula_s
-    text("Here: our target model over 2 processes (gloo over loopback); logits equal one process's (max |Δ| < 1e-4).")
-    text(f"A decode step takes {steps * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside the 8 all-reduces; the ring formula, "
-         f"from this machine's probed {tp['latency_s'] * 1e6:.0f} us per ring step, says {formula_s * 1e3:.2f} ms (timed just now).")
+    text("Here: our target over 2 processes (gloo, loopback); the logits equal one process's (max |Δ| < 1e-4).")
+    text(f"A decode step: {steps * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside the 8 all-reduces (timed just now).")
+    text(f"The ring formula, at the probed {tp['latency_s'] * 1e6:.0f} us per ring step: {formula_s * 1e3:.2f} ms (timed just now).")
     text("Where it does not match: the clock around an all-reduce also runs while rank 0 waits for the slowest rank.")
     text("On a shared 2-core machine that wait is most of it. `bench tensor_parallel` and notebook 09 measure more.")
 
