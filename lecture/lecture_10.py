@@ -49,6 +49,10 @@ from cs336_inference.accounting.symbolic import (attention_cost, attention_inten
 from cs336_inference.tables import (alternatives_table, kv_variants_table, long_context_table,  # noqa: E402
                                     quantization_smollm2_table)
 from cs336_inference.accounting.fixed_state import HYBRIDS, state_bytes  # noqa: E402
+from cs336_inference.accounting.communication import (allreduce_bytes_per_step, ring_allreduce_seconds,  # noqa: E402
+                                                       tensor_parallel_step_seconds)
+from cs336_inference.parallel import launch  # noqa: E402
+from cs336_inference.parallel.decode_split import decode_split_rank  # noqa: E402
 from cs336_inference.accounting.formulas import num_parameters as shape_parameters  # noqa: E402
 from cs336_inference.tables import format_table  # noqa: E402
 
@@ -414,12 +418,50 @@ def throughput_and_latency():
     image("figures/accounting_latency_throughput.png", width=700)
     text("Easy parallelism: M copies of the model give M times the throughput at the same latency.")
     text("Harder parallelism: shard the model and the KV cache."), link(scaling_book_inference)
+    tensor_parallel_here()
     h100 = HARDWARE["H100"]
     ttft = runs[1].prefill_flops / h100.peak_flops  # @inspect ttft @clear b256
     assert math.isclose(ttft, runs[1].ttft_s)
     text(f"TTFT is essentially the prefill: {runs[1].prefill_flops / 1e12:.1f} TFLOPs for 1024 tokens.")
     text(f"At 100% of the H100's {h100.peak_flops / 1e12:.0f} TFLOP/s that is {ttft * 1e3:.0f} ms at B = 1: a lower bound.")
     text("So: smaller batches during prefill (faster TTFT), larger ones during generation (throughput).")
+
+
+@deep_dive
+def tensor_parallel_here():
+    """Tensor parallelism: the bytes a decode step all-reduces, the ring formula's cost, and two real ranks on
+    this machine (loopback gloo) measured against it (the measured lines say "timed just now")."""
+    text("Tensor parallelism (Megatron-LM): each of p devices holds 1/p of every layer and of the KV cache.")
+    text("q/k/v (whole heads) and w1/w3 split by output: no communication.")
+    text("The output projection and w2 split by input: each rank has a partial sum, and one all-reduce adds them.")
+    llama = REAL_MODELS["llama2-13b"]
+    per_step = allreduce_bytes_per_step(llama.num_layers, llama.d_model, batch_size=1)  # @inspect per_step
+    assert per_step == 2 * llama.num_layers * llama.d_model * 2
+    text(f"Bytes all-reduced per decode step: 2 L B D × 2 bytes, whatever p; Llama 2 13B at B = 1: {per_step / 1e3:.0f} kB.")
+    text("A ring all-reduce of n bytes over p devices: 2(p−1)/p × n / bandwidth + 2(p−1) × latency.")
+    p, latency, bandwidth = 8, 5e-6, 100e9  # an assumed link: 5 us per ring step, 100 GB/s @inspect p latency bandwidth
+    one = ring_allreduce_seconds(per_step / (2 * llama.num_layers), p, bandwidth)  # @inspect one @clear per_step
+    both = ring_allreduce_seconds(per_step / (2 * llama.num_layers), p, bandwidth, latency)  # @inspect both @clear one
+    crossover = p * latency * bandwidth / (llama.d_model * 2)  # B where the two terms are equal @inspect crossover
+    assert both > 100 * one and 300 < crossover < 400
+    text(f"With p = 8, 5 us per ring step and 100 GB/s, one decode all-reduce at B = 1 moves {per_step / 80 / 1e3:.0f} kB:")
+    text(f"{one * 1e6:.2f} us of bandwidth, {(both - one) * 1e6:.0f} us of latency; they meet only at B ≈ {crossover:.0f}.")
+    text("So decode's all-reduces are **latency-bound** at small batch: 80 per token, each paying the fixed latency.")
+    prompt = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(0)).tolist()
+    tp = launch(decode_split_rank, 2, "target", prompt, 16, timeout_s=300)  # @stepover
+    model = load_pretrained("target", dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = model(torch.tensor(prompt))[:, -1]
+    assert (tp["prefill_logits"] - ref).abs().max() < 1e-4 and tp["weight_bytes"] * 2 == tp["full_weight_bytes"]
+    config = model.config
+    steps, comm = torch.tensor(tp["step_s"]).median().item(), torch.tensor(tp["comm_s"]).median().item()
+    link_s = dict(bandwidth=tp["bandwidth_Bps"], latency=tp["latency_s"], bytes_per_element=4)  # this machine's probe
+    formula_s = tensor_parallel_step_seconds(config.num_layers, config.d_model, 2, **link_s)  # @inspect formula_s
+    text("Here: our target over 2 processes (gloo, loopback); the logits equal one process's (max |Δ| < 1e-4).")
+    text(f"A decode step: {steps * 1e3:.1f} ms, {comm * 1e3:.1f} ms of it inside the 8 all-reduces (timed just now).")
+    text(f"The ring formula, at the probed {tp['latency_s'] * 1e6:.0f} us per ring step: {formula_s * 1e3:.2f} ms (timed just now).")
+    text("Where it does not match: the clock around an all-reduce also runs while rank 0 waits for the slowest rank.")
+    text("On a shared 2-core machine that wait is most of it. `bench tensor_parallel` and notebook 09 measure more.")
 
 
 @core

@@ -260,3 +260,31 @@ def test_08_exercise_2_jamba_crossover_from_the_paper_numbers():
 
 def test_08_exercise_3_tokens_per_pass_before_compute_binds():
     assert answers("08_alternatives")["free_tokens"] == int(989e12 / 3.35e12) == 295
+
+
+# --- 09 tensor parallelism ------------------------------------------------------------------------
+
+def test_09_exercise_1_smollm2_bytes_per_decode_step():
+    # 2 all-reduces x 30 layers x B x 576 values x 2 bytes (bf16), whatever the world size
+    assert answers("09_tensor_parallel")["smollm2_bytes"] == {1: 2 * 30 * 576 * 2, 64: 2 * 30 * 64 * 576 * 2}
+
+
+def test_09_exercise_2_bandwidth_term_meets_the_latency_term():
+    ns = answers("09_tensor_parallel")
+    B = ns["crossover_batch"]
+    n = B * 8192 * 2
+    assert 2 * 7 / 8 * n / 100e9 == pytest.approx(2 * 7 * 5e-6)          # the ring's two terms, written out here
+    assert B == pytest.approx(8 * 5e-6 * 100e9 / (8192 * 2)) and round(B) == 244
+    assert ns["bandwidth_term"] == pytest.approx(ns["latency_term"]) == pytest.approx(70e-6)
+
+
+def test_09_exercise_3_what_rank_0_of_2_holds():
+    ns = answers("09_tensor_parallel")
+    c = ns["whole"].config
+    H = c.d_model // c.num_heads
+    attention = c.d_model * (c.num_heads + 2 * c.num_kv_heads) * H + c.num_heads * H * c.d_model
+    ffn = 3 * c.d_model * c.d_ff
+    whole_params = sum(p.numel() for p in ns["whole"].parameters())
+    shared = whole_params - c.num_layers * (attention + ffn)        # embedding, norms, output head: kept whole
+    assert ns["rank0_params"] == shared + c.num_layers * (attention + ffn) // 2
+    assert ns["parameter_fraction"] > 0.5 and ns["cache_fraction"] == 0.5
