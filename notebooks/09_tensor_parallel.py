@@ -100,8 +100,8 @@ print(f"layer 0 on rank 0: q {tuple(rank0.layers[0].attn.q_proj.weight.shape)}, 
 # in a process group over 127.0.0.1 and runs `fn` on each. `decode_split_rank` loads the model, keeps
 # its shard, prefills the prompt, decodes greedily, and times every decode step and the all-reduces in
 # it. Rank 0's logits come back; the one-process forward here must give the same (fp32 sums in a
-# different order: equal up to rounding). The workers are started with spawn, which re-runs a plain
-# script in each of them: run this notebook in a kernel, not as `python 09_tensor_parallel.py`.
+# different order: equal up to rounding). Each worker is a fresh interpreter (spawn) that imports `fn`
+# from its module, so this runs in a kernel and as `python 09_tensor_parallel.py` alike.
 
 # %%
 prompt = torch.randint(0, config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))

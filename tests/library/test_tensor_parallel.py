@@ -266,3 +266,22 @@ def test_shard_model_checks_every_layer_before_changing_any_and_unfuses_first():
     assert torch.equal(ffn.w3.weight, full["layers.0.ffn.w3.weight"][32:])
     assert torch.equal(ffn.w2.weight, full["layers.0.ffn.w2.weight"][:, 32:])
     assert (attn.num_heads, attn.num_kv_heads) == (3, 1)
+
+
+@pytest.mark.slow
+def test_a_plain_script_without_a_main_guard_launches_ranks_once(tmp_path):
+    """A notebook exported to .py and run with python has no `if __name__ == "__main__"`: spawn must not
+    re-run that script in each rank (each would launch ranks of its own) when fn lives in a module."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "no_guard.py"
+    script.write_text("import operator\nfrom cs336_inference.parallel import launch\n"
+                      "print('top level ran', flush=True)\n"
+                      "print('result', launch(operator.add, 2, 20, 22, timeout_s=60))\n")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["top level ran", "result 42"]

@@ -12,11 +12,13 @@ rest and raises `RankFailedError` naming the rank (its traceback, or how it died
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
 import signal
 import socket
+import sys
 import time
 import traceback
 
@@ -95,6 +97,23 @@ def _stop(processes) -> None:
             p.join()
 
 
+@contextlib.contextmanager
+def _main_script_hidden(fn):
+    """While the ranks start: a `fn` that lives in a module (not in the script being run) needs nothing from
+    that script, so spawn is not told its path; otherwise every rank would re-run the script's top level
+    (a notebook exported to .py, run with python, would launch ranks from each of its ranks)."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if fn.__module__ == "__main__" or path is None or getattr(main, "__spec__", None) is not None:
+        yield
+        return
+    del main.__file__
+    try:
+        yield
+    finally:
+        main.__file__ = path
+
+
 def launch(fn, world_size: int, *args, backend: str = "gloo", threads_per_rank: int | None = None,
            timeout_s: float | None = None, **kwargs):
     """Run `fn(*args, **kwargs)` on `world_size` ranks (each in its own process, the process group joined)
@@ -114,8 +133,9 @@ def launch(fn, world_size: int, *args, backend: str = "gloo", threads_per_rank: 
     processes = [ctx.Process(target=_worker, daemon=True, name=f"tp-rank-{rank}",
                              args=(rank, world_size, port, backend, threads_per_rank, fn, args, kwargs, results))
                  for rank in range(world_size)]
-    for p in processes:
-        p.start()
+    with _main_script_hidden(fn):
+        for p in processes:
+            p.start()
     done: dict[int, object] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
