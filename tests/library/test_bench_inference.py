@@ -9,8 +9,8 @@ import math
 import pytest
 
 from cs336_inference import cli
-from cs336_inference.workshop.benchmarks.inference import (SPARSE_RATE, SweepConfig, bench_inference, operating_points,
-                                                  run_benchmark)
+from cs336_inference.workshop.benchmarks.inference import bench_inference, run_benchmark
+from cs336_inference.workshop.benchmarks.inference_sweep import SPARSE_RATE, SweepConfig, operating_points
 from cs336_inference.serving import Workload
 
 

@@ -159,7 +159,8 @@ def test_bench_inference_tensor_parallel_reports_communication_beside_one_device
 
     import cs336_inference
     from cs336_inference.serving.workload import Workload
-    from cs336_inference.workshop.benchmarks.inference import BENCHMARK, SweepConfig
+    from cs336_inference.workshop.benchmarks.inference import BENCHMARK
+    from cs336_inference.workshop.benchmarks.inference_sweep import SweepConfig
     monkeypatch.setenv("CS336_FIGURES", str(tmp_path))
     tiny = Workload("chat", prompt_len=(8, 16), output_len=6, concurrency=2, num_requests=3)
     sweep = SweepConfig(presets={"chat": tiny}, warmup=Workload("warmup", (8, 8), 2, 2, 2))

@@ -30,7 +30,7 @@ from ...serving import Engine, benchmark_metrics, flat_metrics
 from ...tables import print_table
 from .base import Benchmark
 from .tensor_parallel import _probe
-from .inference import RunSpec, engine_options, source_and_stop, sweep_config, workload_row
+from .inference_sweep import RunSpec, engine_options, source_and_stop, sweep_config, workload_row
 
 
 PROBE_REPS = 50   # tiny all-reduces timed for the latency (a tenth as many large ones for the bandwidth)

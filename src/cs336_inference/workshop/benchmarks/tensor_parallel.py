@@ -23,6 +23,7 @@ from ...accounting.communication import allreduce_bytes_per_step, tensor_paralle
 from ...model.checkpoints import load_pretrained
 from ...model.real_models import real_model_missing
 from ...parallel import check_tensor_parallel, launch, shard_model
+from ...parallel.decode_split import probe_allreduce
 from ...tables import print_table
 from .base import Benchmark
 
@@ -31,24 +32,9 @@ PROBE_BYTES = 4 << 20     # the large all-reduce of the bandwidth probe
 
 
 def _probe(reps: int) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of all-reduces among the current ranks, from the median of
-    `reps` tiny (4-byte) and large (PROBE_BYTES) all-reduces and the ring formula solved for each."""
-    p = dist.get_world_size()
-    steps = 2 * (p - 1)
-
-    def median_time(x: torch.Tensor, n: int) -> float:
-        times = []
-        for _ in range(n):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-
-    tiny = median_time(torch.zeros(1), reps)
-    big = median_time(torch.zeros(PROBE_BYTES // 4), max(3, reps // 10))
-    latency = tiny / steps
-    return latency, steps / p * PROBE_BYTES / max(big - steps * latency, 1e-9)
+    """(latency per ring step, bandwidth) of all-reduces among the current ranks: `probe_allreduce` with a
+    PROBE_BYTES large all-reduce."""
+    return probe_allreduce(reps, PROBE_BYTES)
 
 
 def phase(timer, name: str):
