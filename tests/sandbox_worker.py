@@ -36,6 +36,7 @@ MAX_DEPTH = 8
 MAX_NODES = 10_000                  # of a sympy expression (the course's formulas have tens)
 PR_SET_CHILD_SUBREAPER = 36
 OUTPUT_LIMIT = 4000                 # characters of a worker's prints kept per reply
+SMALL = 256                         # containers of a package's globals up to this size are compared item by item
 CONTROL_FLOW = ("Skipped", "Exit", "Failed", "XFailed", "OutcomeException")
 
 
@@ -265,8 +266,12 @@ def _signals() -> tuple:
 
 
 def _size(value):
-    if isinstance(value, (dict, list, set, bytearray)) or type(value).__name__ == "deque":
-        return len(value)
+    """A container's items (their identities, up to SMALL of them) or size, an lru cache's size, else None."""
+    if isinstance(value, (dict, list, set, tuple, bytearray)) or type(value).__name__ == "deque":
+        if len(value) > SMALL or isinstance(value, bytearray):
+            return len(value)
+        items = list(value.items()) if isinstance(value, dict) else list(value)
+        return tuple(id(x) for item in items for x in (item if isinstance(value, dict) else (item,)))
     info = getattr(value, "cache_info", None)
     if info is not None and callable(info) and type(value).__name__ == "_lru_cache_wrapper":
         return info().currsize
@@ -274,20 +279,23 @@ def _size(value):
 
 
 def _package_prints(package: str | None) -> list:
-    """The package's own state: for each of its modules, (name, identity, size) of each global, and the same for
-    the attributes of its classes and functions and for functions' defaults."""
+    """The package's own state: for each of its modules, (name, identity, items) of each global, and the same for
+    the attributes of the objects, classes and functions they hold and for functions' defaults (a counter in a
+    list cell or an instance's attribute changes it too)."""
     if package is None:
         return []
+    import types
     out = []
     for name, module in sorted((n, m) for n, m in list(sys.modules.items())
                                if n == package or n.startswith(package + ".")):
         out.append(name)
         for key, value in list(getattr(module, "__dict__", {}).items()):
             out.append((key, id(value), _size(value)))
+            if isinstance(value, types.ModuleType):
+                continue
             inner = getattr(value, "__dict__", None)
-            if isinstance(inner, dict) or hasattr(type(inner), "keys"):      # classes (mappingproxy), functions
-                if getattr(value, "__module__", None) == name:
-                    out.append(tuple((k, id(v), _size(v)) for k, v in list(inner.items())))
+            if isinstance(inner, dict) or type(inner).__name__ == "mappingproxy":
+                out.append(tuple((k, id(v), _size(v)) for k, v in list(inner.items())))
             defaults = getattr(value, "__defaults__", None)
             if type(defaults) is tuple:
                 out.append(tuple((id(d), _size(d)) for d in defaults))
