@@ -246,3 +246,18 @@ def test_verify_of_a_bf16_model_against_the_students_fp32_forward():
     wrong = run_load_cs336_checkpoint(post.state_dict(), _config(arch), key_map="auto").to(torch.bfloat16)
     with pytest.raises(CheckpointMismatchError):
         run_verify_checkpoint(wrong, post)
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_a_fused_projection_with_a_wrong_number_of_rows_is_refused_not_split(extra):
+    """A fused q/k/v must have exactly N H + 2 K H rows (counted here from the config): one row more or fewer is
+    another layout, never split silently."""
+    cfg = _config(ARCHS["gqa"])
+    rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    fused = {"layers.0.attn.qkv_proj.weight": torch.zeros(rows + extra, cfg.d_model)}
+    with pytest.raises(ValueError, match=f"has {rows + extra} rows; a fused q/k/v projection for this config has "
+                                         f"{rows}"):
+        split_fused_qkv()(fused, cfg)
+    parts = split_fused_qkv()({"layers.0.attn.qkv_proj.weight": torch.zeros(rows, cfg.d_model)}, cfg)
+    assert [tuple(p.shape) for p in parts.values()] == [(cfg.num_heads * cfg.head_dim, cfg.d_model)] + \
+        [(cfg.num_kv_heads * cfg.head_dim, cfg.d_model)] * 2
