@@ -261,3 +261,14 @@ def test_a_fused_projection_with_a_wrong_number_of_rows_is_refused_not_split(ext
     parts = split_fused_qkv()({"layers.0.attn.qkv_proj.weight": torch.zeros(rows, cfg.d_model)}, cfg)
     assert [tuple(p.shape) for p in parts.values()] == [(cfg.num_heads * cfg.head_dim, cfg.d_model)] + \
         [(cfg.num_kv_heads * cfg.head_dim, cfg.d_model)] * 2
+
+
+def test_two_tensors_named_for_one_role_are_refused_not_one_picked():
+    """A layer with both q_proj and `query` of q's shape: either could be q, so auto must refuse (naming both), not
+    load one and leave the other unmapped."""
+    cfg = _config(ARCHS["gqa"])
+    state = dict(StudentLM(ARCHS["gqa"], LAYOUTS["handout"]).state_dict())
+    assert "layers.0.attn.q_proj.weight" in state
+    state["layers.0.attn.query.weight"] = state["layers.0.attn.q_proj.weight"].clone()
+    with pytest.raises(AutoKeyMapError, match=r"found 2 tensors for attn\.q_proj\.weight in layer 0"):
+        run_infer_key_map(state, cfg)
