@@ -272,3 +272,14 @@ def test_two_tensors_named_for_one_role_are_refused_not_one_picked():
     state["layers.0.attn.query.weight"] = state["layers.0.attn.q_proj.weight"].clone()
     with pytest.raises(AutoKeyMapError, match=r"found 2 tensors for attn\.q_proj\.weight in layer 0"):
         run_infer_key_map(state, cfg)
+
+
+def test_a_key_map_that_renames_two_keys_onto_one_is_refused():
+    """Two tensors under one name: the second would silently replace the first, so the rename refuses."""
+    from cs336_inference.model import rename_keys
+    cfg = _config(ARCHS["gqa"])
+    state = {"layers.0.ffn.gate_proj.weight": torch.zeros(2), "layers.0.ffn.W1.weight": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"maps two keys to 'layers\.0\.ffn\.w1\.weight'"):
+        rename_keys({r"\.ffn\.(gate_proj|W1)\.": ".ffn.w1."})(state, cfg)
+    with pytest.raises(ValueError, match="maps two keys to 'same'"):
+        rename_keys(lambda key: "same")(state, cfg)
