@@ -273,7 +273,8 @@ def main() -> None:
     parser.add_argument("--only", type=int, nargs="*", help="indices of the bugs to run (default: all)")
     parser.add_argument("--check", action="store_true", help="only check that each snippet occurs exactly once")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per bug's test run")
-    parser.add_argument("--out", type=Path, default=OUT, help="the JSON summary (default figures/planted_bugs.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON summary (default: figures/planted_bugs.json for a run of every bug)")
     args = parser.parse_args()
     problems = check()
     if problems or args.check:
@@ -281,9 +282,10 @@ def main() -> None:
         sys.exit(1 if problems else 0)
     indices = args.only if args.only else list(range(len(BUGS)))
     summary = run(indices, args.timeout)
-    if args.only is None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1) + "\n")
+    out = args.out if args.out is not None else OUT if args.only is None else None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=1) + "\n")
     print(f"caught {summary['caught']} / {summary['run']} (survived: {summary['survived']})")
 
 
