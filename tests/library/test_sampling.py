@@ -43,3 +43,11 @@ def test_logits_with_nan_plus_inf_or_no_allowed_token_are_refused(row, what):
         with pytest.raises(ValueError, match=f"logits must be finite or -inf.*got {what}"):
             fn(batch)
     assert logits_to_probs(torch.tensor([0.0, float("-inf"), 0.0]))[1] == 0        # -inf alone is allowed
+
+
+def test_invalid_rows_flags_nan_plus_inf_and_rows_with_nothing_allowed():
+    """The engine's one-reduction check (serving/sampler.py) against rows listed by hand."""
+    from cs336_inference.generation.sampling import invalid_rows
+    inf, nan = float("inf"), float("nan")
+    rows = torch.tensor([[0.0, inf, 1.0], [-inf, -inf, -inf], [nan, 0.0, 1.0], [0.0, -inf, 1.0], [-inf, 2.0, -inf]])
+    assert invalid_rows(rows).tolist() == [True, True, True, False, False]
