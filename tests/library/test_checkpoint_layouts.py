@@ -283,3 +283,14 @@ def test_a_key_map_that_renames_two_keys_onto_one_is_refused():
         rename_keys({r"\.ffn\.(gate_proj|W1)\.": ".ffn.w1."})(state, cfg)
     with pytest.raises(ValueError, match="maps two keys to 'same'"):
         rename_keys(lambda key: "same")(state, cfg)
+
+
+def test_verify_suggests_the_smallest_change_when_a_larger_one_also_matches():
+    """With one token (seq_len=1) RoPE rotates by angle 0, so NoPE changes nothing: a post-norm student is matched
+    by norm_position='post' alone and by post + NoPE; the suggestion must be the single change."""
+    arch, _ = ABLATIONS["post_norm"]
+    student = StudentLM(arch, QK_NAMES, seed=3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto")
+    with pytest.raises(CheckpointMismatchError) as err:
+        run_verify_checkpoint(wrong, student, seq_len=1)
+    assert err.value.suggestion == {"norm_position": "post"}
