@@ -294,3 +294,13 @@ def test_verify_suggests_the_smallest_change_when_a_larger_one_also_matches():
     with pytest.raises(CheckpointMismatchError) as err:
         run_verify_checkpoint(wrong, student, seq_len=1)
     assert err.value.suggestion == {"norm_position": "post"}
+
+
+def test_verify_suggests_dropping_a_weightless_qk_norm_the_student_does_not_have():
+    """The flip works both ways: loaded with qk_norm='no_gain' (same keys) but the student has no QK-norm."""
+    arch = ARCHS["gqa"]
+    student = StudentLM(arch, QK_NAMES, seed=3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch, qk_norm="no_gain"), key_map="auto")
+    with pytest.raises(CheckpointMismatchError) as err:
+        run_verify_checkpoint(wrong, student)
+    assert err.value.suggestion == {"qk_norm": "none"}
