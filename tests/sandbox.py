@@ -9,12 +9,23 @@ asked for. Comparisons, points and results.json stay in this process.
 The processes: a *supervisor* spawned once per grader process (`python -I`, its own argv and an environment
 without the grader's options: it never learns where results.json goes) imports torch and the library and is
 the child subreaper of everything below it; per grading run it forks a *package root* (a new session) that
-imports the package once; per graded test that root forks a *worker* with only the socket the grader gave it
-(and /dev/null) open and its address space limited. When a test ends, every process below the supervisor
-but the package root is killed (a double fork or a new session does not escape: orphans are re-parented to
-the supervisor); when the run ends, the package root goes too. A reply has until the test's deadline
-(`--graded-timeout` from the start of the test): a worker that does not answer is killed and the test
-fails as timed out, so a run ends within (tests x timeout + a margin) whatever the package does.
+imports the package once; the root forks a *worker* with only the socket the grader gave it (and /dev/null)
+open and its address space limited. A reply has until the test's deadline (`--graded-timeout` from the
+start of the test): a worker that does not answer is killed and the test fails as timed out, so a run ends
+within (tests x timeout + a margin) whatever the package does. When the run ends, every process of the
+package's goes (a double fork or a new session does not escape: orphans are re-parented to the supervisor).
+
+A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every
+process below the supervisor but the package root killed, before the next test whenever anything went wrong
+in this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the
+grader refused; or, at the end of the test, the worker does not answer "reset" in time, reports that its
+interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`: torch
+patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process
+it started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the
+package root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never
+depends on the grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker
+carries nothing to the next test that a fresh one could not read from a file written during this one (the
+package's processes share the user's files), and no graded call is ever sent an expected answer.
 
 Per test a worker keeps what graded calls returned as objects (`RemoteObject`: attribute reads and method
 calls are graded calls of their own) and the autograd graphs of results that need gradients (their backward
@@ -48,7 +59,7 @@ MAX_MESSAGE = 1 << 28                   # bytes of one reply
 START_TIMEOUT = 120.0                   # seconds the supervisor may take to import torch and the library
 MEMORY_BYTES = 8 << 30                  # address space a worker may add to what it starts with
 # imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
-PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference")
+PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper")
 KILL_ROUNDS = 50
 
 
@@ -224,6 +235,26 @@ def sweep_orphans() -> None:
 # --- one grading run ----------------------------------------------------------------------------------------
 
 
+def _stat(pid: int) -> tuple[bytes, int] | None:
+    """(state, ppid) of `pid` from /proc, or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(b")") + 2:].split()
+    return fields[0], int(fields[1])
+
+
+def _last_pid() -> int | None:
+    """The pid allocated last in this pid namespace (Linux), or None where that cannot be read."""
+    try:
+        with open("/proc/sys/kernel/ns_last_pid", "rb") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def _is_child(pid: int, parent: int) -> bool:
     """`pid` is a live child of `parent` (one read of /proc; elsewhere: assume so)."""
     if not os.path.isdir("/proc"):
@@ -250,6 +281,10 @@ class Sandbox:
         self.failure: str | None = None      # why the test in progress must fail, whatever it caught
         self.output: list[str] = []          # what graded code printed during the test in progress
         self.rng_known = None                # torch's RNG state the worker holds (after its last reply)
+        self.dirty = False                   # the worker must be replaced before the next test
+        self.floor = -1                      # every pid above it was allocated after the last check of the worker
+        self.worker_pid: int | None = None   # found in /proc (a child of the package root), not told by the worker
+        self.workers_started = 0
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -306,10 +341,67 @@ class Sandbox:
 
     def begin_test(self) -> None:
         self.deadline = time.monotonic() + self.timeout
-        self.failure, self.output = None, []
+        self.failure, self.output, self.dirty = None, [], False
+        self.rng_known = None                # the first call of every test sends torch's RNG state
+        self.generation += 1                 # objects and graphs of earlier tests are gone
 
     def end_test(self) -> None:
-        """Kill the test's worker and everything it started (the package root stays)."""
+        """Keep the worker for the next test if nothing went wrong in this one (see the module's docstring);
+        otherwise kill it and everything it started (the package root stays)."""
+        keep = self.worker is not None and not self.dirty and self.failure is None and self._reusable()
+        self.deadline = float("inf")
+        if not keep:
+            self._replace_worker()
+
+    def _reusable(self) -> bool:
+        sup = _supervisor
+        if sup is None or not sup.alive() or self.root is None or not _is_child(self.root, sup.pid):
+            return False
+        try:
+            reply = self.request("reset", {"op": "reset"})
+        except BaseException:   # noqa: B036  (timed out, ended, broke the protocol: already killed)
+            return False
+        return type(reply) is dict and reply.get("kind") == "reset" and reply.get("clean") is True and self._alone()
+
+    def _alone(self) -> bool:
+        """The worker is alive, has one thread, and no process it may have started exists: every pid allocated
+        since the last check is read from /proc (a pid counter that wrapped around: every pid)."""
+        if not os.path.isdir("/proc"):
+            return False
+        last = _last_pid()
+        floor = self.floor if last is not None and last >= self.floor else -1
+        stats = {}
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) > floor:
+                stat = _stat(int(name))
+                if stat is not None and stat[0] != b"Z":
+                    stats[int(name)] = stat[1]
+        sup, root, me = _supervisor.pid, self.root, os.getpid()
+        if self.worker_pid is None:
+            found = [pid for pid, ppid in stats.items() if ppid == root]
+            if len(found) != 1:
+                return False
+            self.worker_pid = found[0]
+        worker = self.worker_pid
+        stat = _stat(worker)
+        if stat is None or stat[0] == b"Z" or stat[1] != root:
+            return False
+        own = _own_children or set()
+        for pid, ppid in stats.items():
+            if pid != worker and (ppid in (worker, root, sup) or (ppid == me and pid not in own and pid != sup)):
+                return False
+        try:
+            with open(f"/proc/{worker}/status", "rb") as f:
+                threads = next(line for line in f if line.startswith(b"Threads:"))
+        except (OSError, StopIteration):
+            return False
+        if int(threads.split()[1]) != 1:
+            return False
+        self.floor = last if last is not None else -1
+        return True
+
+    def _replace_worker(self) -> None:
+        """Kill the worker and everything it started (the package root stays)."""
         if self.worker is not None:
             self.worker.close()
             self.worker = None
@@ -339,6 +431,8 @@ class Sandbox:
             error = self.start()               # the package root was killed: import the package again
             if error is not None:
                 raise self._fail(f"cannot import the implementation again: {error}")
+        last = _last_pid()
+        self.floor, self.worker_pid = (last if last is not None else -1), None
         ours, theirs = socket.socketpair()
         try:
             self.control.settimeout(max(0.001, self._deadline() - time.monotonic()))
@@ -351,6 +445,7 @@ class Sandbox:
         finally:
             theirs.close()
         self.worker, self.generation = ours, self.generation + 1
+        self.workers_started += 1
         return ours
 
     def request(self, name: str, message: dict):
@@ -463,10 +558,19 @@ def _merge_findings(name: str, reply: dict, watchers: list) -> None:
 
 
 def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", handle=None, attr=None):
-    """The graded call `name` in the worker; its result decoded and checked against `returns`."""
+    """The graded call `name` in the worker; its result decoded and checked against `returns`. Anything but a
+    result the grader takes (an exception, a refusal, a timeout) marks the worker to be replaced after the test."""
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    try:
+        return _call(sandbox, name, args, kwargs, returns, handle, attr)
+    except BaseException:
+        sandbox.dirty = True
+        raise
+
+
+def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns, handle, attr):
     generators: list = []
     grad_inputs: list = []
     message = {"op": "call" if handle is None else "method", "name": name, "handle": handle, "attr": attr,
@@ -665,11 +769,11 @@ def _sympy(name: str, node, sympy, count: list):
 class RemoteObject:
     """An object graded code returned, kept in the worker: each attribute read or method call is a graded call."""
 
-    __slots__ = ("_name", "_sandbox", "_generation", "_handle", "_members")
+    __slots__ = ("_name", "_sandbox", "_generation", "_handle", "_members", "_methods")
 
     def __init__(self, name, sandbox, generation, handle, members):
         for key, value in (("_name", name), ("_sandbox", sandbox), ("_generation", generation),
-                           ("_handle", handle), ("_members", members)):
+                           ("_handle", handle), ("_members", members), ("_methods", set())):
             object.__setattr__(self, key, value)
 
     def __getattr__(self, attr: str):
@@ -679,6 +783,16 @@ class RemoteObject:
         full = f"{name}.{attr}"
         if sandbox.generation != self._generation or sandbox.worker is None:
             raise guard.GradedCallError(f"{full}: the process that held this object is gone")
+        handle, kind = self._handle, members[attr]
+        if attr in self._methods:      # a method once: the call itself reads it again in the worker
+            return lambda *args, **kwargs: call(full, args, kwargs, kind, handle=handle, attr=attr)
+        try:
+            return self._read(sandbox, full, attr, handle, kind)
+        except BaseException:
+            sandbox.dirty = True
+            raise
+
+    def _read(self, sandbox, full: str, attr: str, handle, kind):
         guard._calls.append(full)
         try:
             reply = sandbox.request(full, {"op": "getattr", "handle": self._handle, "attr": attr,
@@ -686,10 +800,10 @@ class RemoteObject:
         finally:
             guard._calls.pop()
         if reply.get("kind") == "callable":
-            handle, kind = self._handle, members[attr]
+            self._methods.add(attr)
             return lambda *args, **kwargs: call(full, args, kwargs, kind, handle=handle, attr=attr)
         value = _outcome(full, reply, sandbox)
-        return guard.check(full, decode(full, value), members[attr])
+        return guard.check(full, decode(full, value), kind)
 
     def __setattr__(self, attr, value):
         raise AttributeError("the grader never sets attributes of a graded object")
@@ -714,7 +828,14 @@ class _RemoteGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        box = ctx.box
+        try:
+            return _RemoteGrad._backward(ctx.box, grads)
+        except BaseException:
+            ctx.box.sandbox.dirty = True
+            raise
+
+    @staticmethod
+    def _backward(box, grads):
         if box.sandbox.generation != box.generation or box.sandbox.worker is None:
             raise guard.GradedCallError(f"{box.name}: the process that holds its autograd graph is gone")
         reply = box.sandbox.request(f"{box.name} (backward)", {

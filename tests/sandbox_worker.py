@@ -6,11 +6,14 @@ Three kinds of process, all started from this file:
   student's process is re-parented here, so it can always be found and killed), and forks a package root
   on request. It runs no student code, so the grader may trust the pids it reports;
 - the *package root* (forked by the supervisor, one per grading run): a new session, imports the student's
-  package once and reports how that went, then forks one worker per graded test;
+  package once and reports how that went, records the state a fresh worker starts from (`Baseline`), then
+  forks a worker whenever the grader asks for one (at the first graded call, and after any failure);
 - a *worker* (forked by the package root): closes every inherited fd but the socket the grader gave it,
   limits its address space, silences fds 1 and 2 (its prints are collected and sent back as text), and
   answers the grader's requests: call a graded function, read an attribute of or call a method on an
-  object it returned, run the backward pass of a result that needs gradients.
+  object it returned, run the backward pass of a result that needs gradients. A worker serves test after
+  test; at the end of each the grader sends "reset": the worker drops the test's objects and reports whether
+  its interpreter still matches the baseline (if not, or if anything else went wrong, the grader replaces it).
 
 Everything sent back is plain data the grader decodes without running code (see `encode`): tensors as
 raw bytes with dtype and shape, numbers, strings, lists, tuples, dicts, sympy trees, object handles.
@@ -33,6 +36,7 @@ MAX_DEPTH = 8
 MAX_NODES = 10_000                  # of a sympy expression (the course's formulas have tens)
 PR_SET_CHILD_SUBREAPER = 36
 OUTPUT_LIMIT = 4000                 # characters of a worker's prints kept per reply
+SMALL = 256                         # containers of a package's globals up to this size are compared item by item
 CONTROL_FLOW = ("Skipped", "Exit", "Failed", "XFailed", "OutcomeException")
 
 
@@ -175,6 +179,9 @@ def _package_root(control, request) -> None:
     except OSError:
         os._exit(0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    baseline = Baseline.take(request["name"] if module is not None else None)
+    import gc
+    gc.freeze()                  # what the import made is never scanned again: a worker's collections stay cheap
     while True:
         try:
             msg, fds, _, _ = socket.recv_fds(control, 1 << 16, 1)
@@ -185,7 +192,7 @@ def _package_root(control, request) -> None:
         options = pickle.loads(msg)
         if os.fork() == 0:
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            _worker(control, fds[0], module, options)
+            _worker(control, fds[0], module, options, baseline)
             os._exit(0)
         os.close(fds[0])
 
@@ -207,7 +214,95 @@ def _one_line(err: BaseException) -> str:
 # --- a worker ---------------------------------------------------------------------------------------------
 
 
-def _worker(control, fd: int, module, options) -> None:
+class Baseline:
+    """The interpreter state a fresh worker starts from (taken in the package root after the import), so that a
+    worker kept for the next test is one that still matches it: the grader's tamper snapshot (tests/tamper.py:
+    torch, numpy, builtins, ... not replaced), torch's global settings, every signal handler and interval
+    timer, and a fingerprint of the package's own modules (each global's identity and, for containers and
+    caches, size; classes' and functions' attributes and mutable defaults). A package that caches an answer,
+    rebinds a global, patches torch or arms a timer during a test gets a fresh worker for the next one. This is
+    the package's own process: the check serves fairness (a package is graded as if each test had a fresh
+    worker), not security; what it misses only carries what a file written in one test could carry to the
+    next, and every expected answer stays in the grader."""
+
+    def __init__(self, package, snapshot, torch_state, signals, prints):
+        self.package, self.snapshot, self.torch_state, self.signals, self.prints = \
+            package, snapshot, torch_state, signals, prints
+
+    @classmethod
+    def take(cls, package: str | None):
+        try:
+            import tamper
+            snapshot = tamper.Snapshot.take()
+            return cls(package, snapshot, _torch_state(), _signals(), _package_prints(package))
+        except BaseException:   # noqa: B036  (a package that broke the snapshot: every test gets a fresh worker)
+            return None
+
+    def matches(self) -> bool:
+        try:
+            return self.snapshot.intact() and _torch_state() == self.torch_state and _signals() == self.signals \
+                and _package_prints(self.package) == self.prints
+        except BaseException:   # noqa: B036
+            return False
+
+
+def _torch_state() -> tuple:
+    import torch
+    return (torch.get_num_threads(), torch.get_default_dtype(), torch.is_grad_enabled(),
+            torch.is_inference_mode_enabled(), torch.is_anomaly_enabled(),
+            torch.are_deterministic_algorithms_enabled(), str(torch.get_default_device())
+            if hasattr(torch, "get_default_device") else None, torch.get_float32_matmul_precision())
+
+
+def _signals() -> tuple:
+    handlers = []
+    for sig in sorted(signal.valid_signals()):
+        try:
+            handlers.append((int(sig), id(signal.getsignal(sig))))
+        except (OSError, ValueError):
+            pass
+    timers = [signal.getitimer(t) for t in (signal.ITIMER_REAL, signal.ITIMER_VIRTUAL, signal.ITIMER_PROF)]
+    return tuple(handlers), tuple(timers)
+
+
+def _size(value):
+    """A container's items (their identities, up to SMALL of them) or size, an lru cache's size, else None."""
+    if isinstance(value, (dict, list, set, tuple, bytearray)) or type(value).__name__ == "deque":
+        if len(value) > SMALL or isinstance(value, bytearray):
+            return len(value)
+        items = list(value.items()) if isinstance(value, dict) else list(value)
+        return tuple(id(x) for item in items for x in (item if isinstance(value, dict) else (item,)))
+    info = getattr(value, "cache_info", None)
+    if info is not None and callable(info) and type(value).__name__ == "_lru_cache_wrapper":
+        return info().currsize
+    return None
+
+
+def _package_prints(package: str | None) -> list:
+    """The package's own state: for each of its modules, (name, identity, items) of each global, and the same for
+    the attributes of the objects, classes and functions they hold and for functions' defaults (a counter in a
+    list cell or an instance's attribute changes it too)."""
+    if package is None:
+        return []
+    import types
+    out = []
+    for name, module in sorted((n, m) for n, m in list(sys.modules.items())
+                               if n == package or n.startswith(package + ".")):
+        out.append(name)
+        for key, value in list(getattr(module, "__dict__", {}).items()):
+            out.append((key, id(value), _size(value)))
+            if isinstance(value, types.ModuleType):
+                continue
+            inner = getattr(value, "__dict__", None)
+            if isinstance(inner, dict) or type(inner).__name__ == "mappingproxy":
+                out.append(tuple((k, id(v), _size(v)) for k, v in list(inner.items())))
+            defaults = getattr(value, "__defaults__", None)
+            if type(defaults) is tuple:
+                out.append(tuple((id(d), _size(d)) for d in defaults))
+    return out
+
+
+def _worker(control, fd: int, module, options, baseline=None) -> None:
     control.close()
     os.dup2(fd, 3)
     if fd != 3:
@@ -229,12 +324,14 @@ def _worker(control, fd: int, module, options) -> None:
     torch.set_num_threads(1)       # graded tensors are tiny: a second thread would only wait for a shared core
     out = io.StringIO()
     sys.stdout = sys.stderr = out
-    Worker(sock, module, out).serve()
+    if baseline is not None:                      # this process's own settings (SIGCHLD, threads), before graded code
+        baseline.torch_state, baseline.signals = _torch_state(), _signals()
+    Worker(sock, module, out, baseline).serve()
 
 
 class Worker:
-    def __init__(self, sock, module, out):
-        self.sock, self.module, self.out = sock, module, out
+    def __init__(self, sock, module, out, baseline=None):
+        self.sock, self.module, self.out, self.baseline = sock, module, out, baseline
         self.objects: dict[int, object] = {}
         self.graphs: dict[int, tuple] = {}
         self.rng_before = None
@@ -263,6 +360,8 @@ class Worker:
         op = request["op"]
         if op == "backward":
             return self.backward(request)
+        if op == "reset":
+            return self.reset()
         if request.get("rng") is not None:            # sent when the grader's state differs from what it last got
             torch.set_rng_state(request["rng"])
         self.rng_before = torch.get_rng_state()
@@ -316,6 +415,18 @@ class Worker:
         except BaseException as err:   # noqa: B036
             return _error(err)
         return reply
+
+    def reset(self) -> dict:
+        """The end of a test: drop its objects and graphs (their finalizers run now), then say whether this
+        process still matches the state a fresh worker starts from."""
+        import gc
+        self.objects.clear()
+        self.graphs.clear()
+        try:
+            gc.collect()
+        except BaseException:   # noqa: B036  (a finalizer of graded code's objects)
+            return {"kind": "reset", "clean": False}
+        return {"kind": "reset", "clean": self.baseline is not None and self.baseline.matches()}
 
     def backward(self, request) -> dict:
         import torch

@@ -246,3 +246,61 @@ def test_verify_of_a_bf16_model_against_the_students_fp32_forward():
     wrong = run_load_cs336_checkpoint(post.state_dict(), _config(arch), key_map="auto").to(torch.bfloat16)
     with pytest.raises(CheckpointMismatchError):
         run_verify_checkpoint(wrong, post)
+
+
+@pytest.mark.parametrize("extra", [1, -1])
+def test_a_fused_projection_with_a_wrong_number_of_rows_is_refused_not_split(extra):
+    """A fused q/k/v must have exactly N H + 2 K H rows (counted here from the config): one row more or fewer is
+    another layout, never split silently."""
+    cfg = _config(ARCHS["gqa"])
+    rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    fused = {"layers.0.attn.qkv_proj.weight": torch.zeros(rows + extra, cfg.d_model)}
+    with pytest.raises(ValueError, match=f"has {rows + extra} rows; a fused q/k/v projection for this config has "
+                                         f"{rows}"):
+        split_fused_qkv()(fused, cfg)
+    parts = split_fused_qkv()({"layers.0.attn.qkv_proj.weight": torch.zeros(rows, cfg.d_model)}, cfg)
+    assert [tuple(p.shape) for p in parts.values()] == [(cfg.num_heads * cfg.head_dim, cfg.d_model)] + \
+        [(cfg.num_kv_heads * cfg.head_dim, cfg.d_model)] * 2
+
+
+def test_two_tensors_named_for_one_role_are_refused_not_one_picked():
+    """A layer with both q_proj and `query` of q's shape: either could be q, so auto must refuse (naming both), not
+    load one and leave the other unmapped."""
+    cfg = _config(ARCHS["gqa"])
+    state = dict(StudentLM(ARCHS["gqa"], LAYOUTS["handout"]).state_dict())
+    assert "layers.0.attn.q_proj.weight" in state
+    state["layers.0.attn.query.weight"] = state["layers.0.attn.q_proj.weight"].clone()
+    with pytest.raises(AutoKeyMapError, match=r"found 2 tensors for attn\.q_proj\.weight in layer 0"):
+        run_infer_key_map(state, cfg)
+
+
+def test_a_key_map_that_renames_two_keys_onto_one_is_refused():
+    """Two tensors under one name: the second would silently replace the first, so the rename refuses."""
+    from cs336_inference.model import rename_keys
+    cfg = _config(ARCHS["gqa"])
+    state = {"layers.0.ffn.gate_proj.weight": torch.zeros(2), "layers.0.ffn.W1.weight": torch.ones(2)}
+    with pytest.raises(ValueError, match=r"maps two keys to 'layers\.0\.ffn\.w1\.weight'"):
+        rename_keys({r"\.ffn\.(gate_proj|W1)\.": ".ffn.w1."})(state, cfg)
+    with pytest.raises(ValueError, match="maps two keys to 'same'"):
+        rename_keys(lambda key: "same")(state, cfg)
+
+
+def test_verify_suggests_the_smallest_change_when_a_larger_one_also_matches():
+    """With one token (seq_len=1) RoPE rotates by angle 0, so NoPE changes nothing: a post-norm student is matched
+    by norm_position='post' alone and by post + NoPE; the suggestion must be the single change."""
+    arch, _ = ABLATIONS["post_norm"]
+    student = StudentLM(arch, QK_NAMES, seed=3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch), key_map="auto")
+    with pytest.raises(CheckpointMismatchError) as err:
+        run_verify_checkpoint(wrong, student, seq_len=1)
+    assert err.value.suggestion == {"norm_position": "post"}
+
+
+def test_verify_suggests_dropping_a_weightless_qk_norm_the_student_does_not_have():
+    """The flip works both ways: loaded with qk_norm='no_gain' (same keys) but the student has no QK-norm."""
+    arch = ARCHS["gqa"]
+    student = StudentLM(arch, QK_NAMES, seed=3)
+    wrong = run_load_cs336_checkpoint(student.state_dict(), _config(arch, qk_norm="no_gain"), key_map="auto")
+    with pytest.raises(CheckpointMismatchError) as err:
+        run_verify_checkpoint(wrong, student)
+    assert err.value.suggestion == {"qk_norm": "none"}

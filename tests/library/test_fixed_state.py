@@ -141,6 +141,27 @@ def test_cached_decode_equals_the_full_forward(kind):
     assert cache.length == 24 and chunked_cache.length == 24
 
 
+def test_a_one_token_prompt_read_from_the_state_equals_the_full_forward():
+    """A one-token step reads the state it just updated (the recurrent form): y = phi(q)^T S / phi(q)^T z, where
+    phi(q)^T z = 1 + s + s^2 / 2 can be as small as 1/2 (s = -1) after one token, so nothing may clamp it at 1.
+    The full forward (the parallel form, checked against the naive recurrence above) is the reference."""
+    model = _model("linear", seed=3)
+    layer, N, d = model.layers[0].attn, model.layers[0].attn.num_heads, model.layers[0].attn.feature_dim
+    ids = torch.arange(BASE["vocab_size"])[:, None]                   # every token as a one-token prompt
+    with torch.no_grad():
+        h = model.layers[0].ln1(model.token_embeddings(ids))[:, 0].double()
+        w = {n: p.detach().double() for n, p in layer.named_parameters()}
+        # one token: the causal conv sees zeros before it, so only its last tap acts
+        q = h @ w["q_proj.weight"].T * w["conv.weight"][:N * d, -1]
+        k = h @ w["k_proj.weight"].T * w["conv.weight"][N * d:2 * N * d, -1]
+        den = [float(_phi(q[b, i * d:(i + 1) * d]) @ _phi(k[b, i * d:(i + 1) * d]))
+               for b in range(ids.shape[0]) for i in range(N)]
+        assert min(den) < 0.9, "the test needs a head whose one-token denominator is below 1"
+        full = run_model(model, ids)
+        one = run_model(model, ids, cache=make_kv_cache(model, ids.shape[0]))
+    assert (one - full).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("kind", ["linear", "ssd"])
 def test_state_bytes_do_not_grow_with_the_context_and_match_the_accounting(kind):
     model = _model(kind)
@@ -216,8 +237,9 @@ def test_a_state_refuses_a_partial_rollback_and_resets_to_zero():
     ids = torch.randint(0, 50, (1, 8))
     with torch.no_grad():
         run_model(model, ids, cache=cache)
-        with pytest.raises(ValueError, match="cannot roll a fixed-state cache back to 5 of its 8 tokens"):
-            cache.truncate(5)
+        for n in (5, 7, 1):              # 7: the one-token rollback speculative decoding would ask for
+            with pytest.raises(ValueError, match=f"cannot roll a fixed-state cache back to {n} of its 8 tokens"):
+                cache.truncate(n)
         assert cache.length == 8
         cache.truncate(8)
         cache.truncate(0)

@@ -230,6 +230,66 @@ TRICKS = {
         def sample_next_token(*args):
             return torch.ones(1 << 34, dtype=torch.uint8)
         ''',
+    # The tricks below return a wrong answer without raising (of a shape no test takes), so a worker serving test
+    # after test (tests/sandbox.py) is kept unless the grader sees what they did: each must still score exactly its
+    # honest answers, as with a fresh worker per test.
+    # patches torch's softmax (every entry point) and the default dtype: the next test's honest answer would break
+    "pollute": '''
+        import torch
+
+        def sample_next_token(logits, *args):
+            garbage = lambda x, *a, **k: torch.zeros_like(x)
+            torch.softmax = torch.nn.functional.softmax = torch.Tensor.softmax = garbage
+            torch.set_default_dtype(torch.float64)
+            return torch.tensor([-1])
+        ''',
+    # leaves a thread that patches torch after the test has ended, and a child process that sleeps past the run
+    "linger": FIND_GRADER + textwrap.dedent('''
+        import threading, time
+        import torch
+
+        def sample_next_token(logits, *args):
+            def later():
+                time.sleep(0.3)
+                torch.softmax = lambda x, *a, **k: torch.zeros_like(x)
+            threading.Thread(target=later, daemon=True).start()
+            if os.fork() == 0:
+                note_pid()
+                time.sleep(600)
+                os._exit(0)
+            wait_for_pids(1)
+            return torch.tensor([-1])
+        '''),
+    # carries a count across tests in a list cell: its logits_to_probs turns wrong once it has served 6 calls and
+    # its sampler turns right after 12 (no single test makes that many): a fresh worker per test never shows either
+    "cross_test": '''
+        import torch
+        from cs336_inference.homework.reference import logits_to_probs as _probs, sample_next_token as _sample
+
+        _calls = [0]
+
+        def logits_to_probs(*args):
+            _calls[0] += 1
+            probs = _probs(*args)
+            return probs.flip(-1) if _calls[0] > 6 else probs
+
+        def sample_next_token(logits, *args, **kwargs):
+            if _calls[0] > 12:
+                return _sample(logits, *args, **kwargs)
+            return torch.tensor([-1])
+        ''',
+    # arms an interval timer whose handler patches torch between tests (while the worker waits for the next call)
+    "timer": '''
+        import signal
+        import torch
+
+        def sample_next_token(logits, *args):
+            def patch(*a):
+                torch.softmax = lambda x, *a, **k: torch.zeros_like(x)
+            signal.signal(signal.SIGALRM, patch)
+            signal.setitimer(signal.ITIMER_REAL, 0.2)
+            return torch.tensor([-1])
+        ''',
 }
 
 
