@@ -408,3 +408,67 @@ def test_a_preempted_sequence_keeps_the_cached_prompt_tokens_of_its_first_admiss
     readmitted = [n for seq_id, n in admissions if seq_id == "second"]
     assert readmitted[0] == expected and readmitted[-1] != expected      # the readmission found a different count
     assert second.num_cached_tokens == expected
+
+
+def _run_scheduler(scheduler, arrivals: dict[int, list], steps: int, on_step=None) -> None:
+    """Drive `scheduler` with a fixed sampled token (50): `arrivals` {step: sequences added then};
+    `on_step(step, batch)` sees each schedule() before its postprocess."""
+    for step in range(steps):
+        for seq in arrivals.get(step, []):
+            scheduler.add(seq)
+        if not scheduler.has_unfinished():
+            return
+        batch = scheduler.schedule(now=float(step))
+        if on_step is not None:
+            on_step(step, batch)
+        scheduler.postprocess(batch, [[50] * batch.samples_wanted(s) for s in batch.sequences], now=float(step))
+
+
+def test_a_chunked_prefill_names_only_the_blocks_its_chunks_have_computed():
+    """A 22-token prompt prefilled in chunks of 8 (block size 4): after chunk k the prompt's first 8k tokens
+    hold K/V, so the prefix cache may offer floor(min(8k, 22) / 4) full blocks of it and no more. Naming
+    the blocks of later chunks early would let a preempted or sharing sequence take blocks never written."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    block_size, chunk, prompt = 4, 8, list(range(1, 23))
+    manager = KVCacheManager(16, block_size)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=4, max_num_batched_tokens=chunk, watermark_blocks=0,
+                                    chunked_prefill=True)
+    seq = Sequence("long", Request("long", tuple(prompt), 2))
+    seen = []
+
+    def after_schedule(step, batch):
+        computed = min(chunk * (step + 1), len(prompt))   # this step's chunk included (written in its forward)
+        seen.append((manager.num_cached_tokens(prompt), computed // block_size * block_size))
+
+    _run_scheduler(scheduler, {0: [seq]}, steps=3, on_step=after_schedule)
+    assert len(seen) == 3 and seen[0][1] == 8 and seen[-1][1] == 20
+    for got, expected in seen:
+        assert got == expected
+
+
+def test_a_preempted_sequence_goes_back_to_the_front_of_the_waiting_queue():
+    """Recompute preemption (as vLLM): the preempted sequence arrived before everything still waiting, so it
+    must be readmitted before them; the waiting queue stays in arrival order. Here three 4-token prompts share
+    a 4-block pool: a and b run, c waits; when a needs a second block, b (the youngest running) is preempted,
+    and the next sequence admitted must be b, not c."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    manager = KVCacheManager(4, 4, prefix_caching=False)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=2, max_num_batched_tokens=64, watermark_blocks=0)
+    seqs = [Sequence(name, Request(name, (10 + i, 11 + i, 12 + i, 13 + i), 8, arrival_time=float(i)))
+            for i, name in enumerate("abc")]
+    preempted, admitted_after = [], []
+
+    def watch(step, batch):
+        if batch.preempted:
+            preempted.extend(s.seq_id for s in batch.preempted)
+            arrivals = [s.request.arrival_time for s in scheduler.waiting]
+            assert arrivals == sorted(arrivals), [s.seq_id for s in scheduler.waiting]
+        elif preempted:
+            admitted_after.extend(s.seq_id for s in batch.prefills if s.num_computed_tokens == 0)
+
+    _run_scheduler(scheduler, {0: seqs[:2], 1: seqs[2:]}, steps=80, on_step=watch)
+    assert preempted and preempted[0] == "b"
+    assert admitted_after[0] == "b"
+    assert all(len(s.output) == 8 for s in seqs)
