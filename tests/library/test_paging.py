@@ -472,3 +472,38 @@ def test_a_preempted_sequence_goes_back_to_the_front_of_the_waiting_queue():
     assert preempted and preempted[0] == "b"
     assert admitted_after[0] == "b"
     assert all(len(s.output) == 8 for s in seqs)
+
+
+def test_a_prefill_preempted_between_chunks_takes_back_only_blocks_it_computed():
+    """The consequence of naming blocks early: a 20-token prompt, prefilled in chunks under a budget of 8 while
+    a short request decodes, is preempted (the pool of 6 blocks of 4 runs out) after computing only its first
+    chunk. Its freed blocks stay in the prefix cache; readmitted, it may take from there only the full blocks
+    whose K/V its chunks wrote (floor(computed / 4) of them), never blocks of the prompt it had not reached."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    block_size = 4
+    manager = KVCacheManager(6, block_size)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=4, max_num_batched_tokens=8, watermark_blocks=0,
+                                    chunked_prefill=True)
+    short = Sequence("short", Request("short", (1, 2, 3), 12))
+    long = Sequence("long", Request("long", tuple(range(100, 120)), 2, arrival_time=1.0))
+    computed, admissions = {"long": 0}, []
+
+    def watch(step, batch):
+        for s in batch.preempted:
+            admissions.append(("preempted", computed[s.seq_id]))
+            computed[s.seq_id] = 0
+        for s in batch.prefills:
+            if s.seq_id == "long":
+                if s.num_computed_tokens == 0 or not admissions or admissions[-1][0] == "preempted":
+                    admissions.append(("admitted", s.num_computed_tokens))
+                computed["long"] = s.num_computed_tokens + batch.num_scheduled_tokens["long"]
+
+    _run_scheduler(scheduler, {0: [short], 1: [long]}, steps=80, on_step=watch)
+    assert long.num_preemptions >= 1 and len(long.output) == 2 and len(short.output) == 12
+    kinds = [k for k, _ in admissions]
+    assert "preempted" in kinds and kinds.index("preempted") + 1 < len(kinds)
+    for (kind, n), (next_kind, cached) in zip(admissions, admissions[1:]):
+        if kind == "preempted":
+            assert 0 < n < len(long.request.prompt)                      # preempted between chunks
+            assert next_kind == "admitted" and cached <= n // block_size * block_size, admissions
