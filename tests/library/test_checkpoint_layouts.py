@@ -202,6 +202,21 @@ def test_auto_places_a_nameless_key_by_elimination():
     assert _delta(model, student) < 1e-4
 
 
+
+def test_auto_reads_a_module_named_for_both_attention_and_ffn_by_its_leaf_names():
+    """A student's FFN module called 'post_attn_mlp' names both sections ('attn' and 'mlp'), so the module name
+    says nothing and its tensors are placed by their leaf names (w1/w2/w3) and shapes alone. Taking it for the
+    attention module would leave no role for (d_ff, d_model) tensors there: the FFN weights would go unplaced.
+    The reference is the student's own forward."""
+    student = StudentLM(Arch(), Layout(ffn="post_attn_mlp"), seed=16)
+    inferred = run_infer_key_map(student.state_dict(), _config(student.arch))
+    for i in range(student.arch.layers):
+        for w in ("w1", "w2", "w3"):
+            assert inferred.renames[f"layers.{i}.post_attn_mlp.{w}.weight"] == f"layers.{i}.ffn.{w}.weight"
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch), key_map="auto")
+    assert _delta(model, student) < 1e-4
+
+
 def test_verify_suggests_the_students_norm_eps_where_it_matters():
     """A student whose RMSNorm uses eps = 1e-8, loaded with the default norm_eps = 1e-5: on embeddings of mean
     square ~1e-6 the first norm differs by a factor ~sqrt(11), and of the eps values verify tries only 1e-8
@@ -246,6 +261,22 @@ def test_verify_of_a_bf16_model_against_the_students_fp32_forward():
     wrong = run_load_cs336_checkpoint(post.state_dict(), _config(arch), key_map="auto").to(torch.bfloat16)
     with pytest.raises(CheckpointMismatchError):
         run_verify_checkpoint(wrong, post)
+
+
+
+def test_verify_of_a_bf16_model_uses_the_bf16_atol_when_rtol_is_zero():
+    """With rtol=0 only atol is left: a correct bf16 conversion differs from the student's fp32 logits by bf16
+    rounding (measured here, above fp32's atol 1e-3 and below 5e-2), so it must pass with bf16's default atol
+    5e-2 (the documented rule) and would be refused with fp32's 1e-3; an explicit atol=1e-3 refuses it."""
+    student = StudentLM(Arch(), Layout(), seed=14)
+    model = run_load_cs336_checkpoint(student.state_dict(), _config(student.arch)).to(torch.bfloat16)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        rounding = float((model(ids).float() - student(ids)).abs().max())
+    assert 1e-3 < rounding < 5e-2, rounding
+    assert run_verify_checkpoint(model, student, rtol=0.0) < 5e-2
+    with pytest.raises(CheckpointMismatchError):
+        run_verify_checkpoint(model, student, rtol=0.0, atol=1e-3)
 
 
 @pytest.mark.parametrize("extra", [1, -1])

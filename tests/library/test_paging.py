@@ -408,3 +408,102 @@ def test_a_preempted_sequence_keeps_the_cached_prompt_tokens_of_its_first_admiss
     readmitted = [n for seq_id, n in admissions if seq_id == "second"]
     assert readmitted[0] == expected and readmitted[-1] != expected      # the readmission found a different count
     assert second.num_cached_tokens == expected
+
+
+def _run_scheduler(scheduler, arrivals: dict[int, list], steps: int, on_step=None) -> None:
+    """Drive `scheduler` with a fixed sampled token (50): `arrivals` {step: sequences added then};
+    `on_step(step, batch)` sees each schedule() before its postprocess."""
+    for step in range(steps):
+        for seq in arrivals.get(step, []):
+            scheduler.add(seq)
+        if not scheduler.has_unfinished():
+            return
+        batch = scheduler.schedule(now=float(step))
+        if on_step is not None:
+            on_step(step, batch)
+        scheduler.postprocess(batch, [[50] * batch.samples_wanted(s) for s in batch.sequences], now=float(step))
+
+
+def test_a_chunked_prefill_names_only_the_blocks_its_chunks_have_computed():
+    """A 22-token prompt prefilled in chunks of 8 (block size 4): after chunk k the prompt's first 8k tokens
+    hold K/V, so the prefix cache may offer floor(min(8k, 22) / 4) full blocks of it and no more. Naming
+    the blocks of later chunks early would let a preempted or sharing sequence take blocks never written."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    block_size, chunk, prompt = 4, 8, list(range(1, 23))
+    manager = KVCacheManager(16, block_size)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=4, max_num_batched_tokens=chunk, watermark_blocks=0,
+                                    chunked_prefill=True)
+    seq = Sequence("long", Request("long", tuple(prompt), 2))
+    seen = []
+
+    def after_schedule(step, batch):
+        computed = min(chunk * (step + 1), len(prompt))   # this step's chunk included (written in its forward)
+        seen.append((manager.num_cached_tokens(prompt), computed // block_size * block_size))
+
+    _run_scheduler(scheduler, {0: [seq]}, steps=3, on_step=after_schedule)
+    assert len(seen) == 3 and seen[0][1] == 8 and seen[-1][1] == 20
+    for got, expected in seen:
+        assert got == expected
+
+
+def test_a_preempted_sequence_goes_back_to_the_front_of_the_waiting_queue():
+    """Recompute preemption (as vLLM): the preempted sequence arrived before everything still waiting, so it
+    must be readmitted before them; the waiting queue stays in arrival order. Here three 4-token prompts share
+    a 4-block pool: a and b run, c waits; when a needs a second block, b (the youngest running) is preempted,
+    and the next sequence admitted must be b, not c."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    manager = KVCacheManager(4, 4, prefix_caching=False)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=2, max_num_batched_tokens=64, watermark_blocks=0)
+    seqs = [Sequence(name, Request(name, (10 + i, 11 + i, 12 + i, 13 + i), 8, arrival_time=float(i)))
+            for i, name in enumerate("abc")]
+    preempted, admitted_after = [], []
+
+    def watch(step, batch):
+        if batch.preempted:
+            preempted.extend(s.seq_id for s in batch.preempted)
+            arrivals = [s.request.arrival_time for s in scheduler.waiting]
+            assert arrivals == sorted(arrivals), [s.seq_id for s in scheduler.waiting]
+        elif preempted:
+            admitted_after.extend(s.seq_id for s in batch.prefills if s.num_computed_tokens == 0)
+
+    _run_scheduler(scheduler, {0: seqs[:2], 1: seqs[2:]}, steps=80, on_step=watch)
+    assert preempted and preempted[0] == "b"
+    assert admitted_after[0] == "b"
+    assert all(len(s.output) == 8 for s in seqs)
+
+
+def test_a_prefill_preempted_between_chunks_takes_back_only_blocks_it_computed():
+    """The consequence of naming blocks early: a 20-token prompt, prefilled in chunks under a budget of 8 while
+    a short request decodes, is preempted (the pool of 6 blocks of 4 runs out) after computing only its first
+    chunk. Its freed blocks stay in the prefix cache; readmitted, it may take from there only the full blocks
+    whose K/V its chunks wrote (floor(computed / 4) of them), never blocks of the prompt it had not reached."""
+    from cs336_inference.serving import ContinuousScheduler, KVCacheManager, Request, Sequence
+
+    block_size = 4
+    manager = KVCacheManager(6, block_size)
+    scheduler = ContinuousScheduler(manager, max_num_seqs=4, max_num_batched_tokens=8, watermark_blocks=0,
+                                    chunked_prefill=True)
+    short = Sequence("short", Request("short", (1, 2, 3), 12))
+    long = Sequence("long", Request("long", tuple(range(100, 120)), 2, arrival_time=1.0))
+    computed, admissions = {"long": 0}, []
+
+    def watch(step, batch):
+        for s in batch.preempted:
+            admissions.append(("preempted", computed[s.seq_id]))
+            computed[s.seq_id] = 0
+        for s in batch.prefills:
+            if s.seq_id == "long":
+                if s.num_computed_tokens == 0 or not admissions or admissions[-1][0] == "preempted":
+                    admissions.append(("admitted", s.num_computed_tokens))
+                computed["long"] = s.num_computed_tokens + batch.num_scheduled_tokens["long"]
+
+    _run_scheduler(scheduler, {0: [short], 1: [long]}, steps=80, on_step=watch)
+    assert long.num_preemptions >= 1 and len(long.output) == 2 and len(short.output) == 12
+    kinds = [k for k, _ in admissions]
+    assert "preempted" in kinds and kinds.index("preempted") + 1 < len(kinds)
+    for (kind, n), (next_kind, cached) in zip(admissions, admissions[1:]):
+        if kind == "preempted":
+            assert 0 < n < len(long.request.prompt)                      # preempted between chunks
+            assert next_kind == "admitted" and cached <= n // block_size * block_size, admissions
