@@ -222,7 +222,10 @@ def test_compiling_in_the_background_is_said_and_the_cli_does_not_wait(capsys):
 def test_watched_output_times_the_first_token_and_the_longest_silence():
     from cs336_inference.workshop.benchmarks import startup as bench
 
-    code = "import time, sys; print('a', flush=True); time.sleep(0.3); print('model> hi', flush=True)"
+    # like a server: it runs until stopped, and SIGINT ends it with status 0 (a child that exited by itself
+    # could race the stop's SIGINT through its interpreter's shutdown, status -2)
+    code = ("import signal, sys, time; signal.signal(signal.SIGINT, lambda *_: sys.exit(0)); print('a', flush=True); "
+            "time.sleep(0.3); print('model> hi', flush=True); time.sleep(60)")
     child = bench.Watched([sys.executable, "-c", code], dict(os.environ))
     deadline = time.monotonic() + 60
     while child.first_time("out", bench._reply_started) is None and time.monotonic() < deadline:
