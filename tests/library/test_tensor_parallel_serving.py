@@ -16,6 +16,7 @@ from cs336_inference.parallel import RankFailedError, launch
 from cs336_inference.parallel.engine import TensorParallelRunner, serve_tensor_parallel, sharded_engine
 from cs336_inference.serving import Engine
 from cs336_inference.serving.request import Request
+from smollm2_reference import requires_smollm2
 
 # the toy target's shape: 6 query heads over 2 key/value heads
 TOY = dict(vocab_size=257, context_length=96, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, d_ff=64)
@@ -84,6 +85,51 @@ def test_tp2_engine_serves_the_same_tokens_and_logits_as_one_process(served):
     for step, ((n, g), (_, w)) in enumerate(zip(got["logits"], want_logits)):
         err = (g - w).abs().max().item()
         assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+
+
+def _serve_and_record(source, requests, options) -> dict:
+    """On each rank: the engine over `source` sharded across the ranks; rank 0 serves `requests` and
+    returns its output tokens and every step's (number of prefills, logits)."""
+    engine, runner = sharded_engine(source, dtype=torch.float32, step_time=_unit_cost, **options)
+    if engine is None:
+        runner.follow()
+        return None
+    logits = []
+    _recording(runner, logits)
+    try:
+        result = engine.run(requests)
+    finally:
+        runner.stop()
+    return {"tokens": [o.tokens for o in result.outputs], "logits": logits}
+
+
+@pytest.mark.slow
+@requires_smollm2
+def test_tp3_smollm2_engine_serves_the_same_tokens_and_logits_as_one_process():
+    import cs336_inference
+    from cs336_inference.model import load_tokenizer
+    tokenizer = load_tokenizer("smollm2-135m")
+    texts = [("The capital of France is", 4, 0.0),
+             ("Once upon a time, in a small village by the sea, there lived an old fisherman who", 3, 0.0),  # chunked
+             ("Water boils at", 4, 0.02)]                                   # arrives while the others decode
+    requests = [Request(f"r{i}", tuple(tokenizer.encode(text)), m, t, SamplingParams(max_tokens=m))
+                for i, (text, m, t) in enumerate(texts)]
+    options = dict(block_size=8, num_blocks=16, max_num_seqs=3, max_num_batched_tokens=12, chunked_prefill=True)
+    got = launch(_serve_and_record, 3, "smollm2-135m", requests, options, timeout_s=300)
+    model = cs336_inference.load_pretrained("smollm2-135m", dtype=torch.float32)
+    assert model.dtype == torch.float32 and model.config.num_heads % 3 == 0
+    engine, want_logits = Engine(model, step_time=_unit_cost, **options), []
+    _recording(engine.runner, want_logits)
+    want = engine.run(requests)
+    assert got["tokens"] == [o.tokens for o in want.outputs]
+    assert max(s.num_tokens for s in want.steps) <= 12 < max(len(r.prompt) for r in requests), "a chunked prefill"
+    kinds = [n for n, _ in want_logits]
+    assert kinds == [n for n, _ in got["logits"]]
+    assert 0 in kinds and any(kinds), "the trace must have decode-only steps and steps with a prefill"
+    for step, ((n, g), (_, w)) in enumerate(zip(got["logits"], want_logits)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+    assert not _tp_children()
 
 
 def test_each_rank_holds_half_the_paged_kv_pool_and_collectives_are_timed_per_phase(served):
