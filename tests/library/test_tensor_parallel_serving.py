@@ -20,7 +20,7 @@ from smollm2_reference import requires_smollm2
 
 # the toy target's shape: 6 query heads over 2 key/value heads
 TOY = dict(vocab_size=257, context_length=96, d_model=48, num_layers=2, num_heads=6, num_kv_heads=2, d_ff=64)
-OPTIONS = dict(block_size=4, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=24)
+OPTIONS = dict(block_size=4, num_blocks=48, max_num_seqs=3, max_num_batched_tokens=24, chunked_prefill=True)
 
 
 def _unit_cost(batch) -> float:
