@@ -379,3 +379,28 @@ def test_a_failed_forward_leaves_no_prefix_cache_names_behind(model, text):
     streams = _drain(engine)
     assert streams[("again", 0)][1][0].num_cached_tokens == 0
     assert streams[("again", 0)][0] == _generate(model, prompt, 4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_one_bad_logit_row_among_good_ones_is_refused_naming_its_request(temperature):
+    """A step of two running requests whose logits are NaN for one sequence only: the step raises a ValueError
+    naming that request (and not the other), greedy or sampled; a bad row must not pass because others are good."""
+    model = adapters.make_model(adapters.make_config(vocab_size=257, context_length=64, d_model=32, num_layers=2,
+                                                     num_heads=4, num_kv_heads=2, d_ff=64), seed=0).eval()
+    engine = Engine(model, block_size=4, max_num_seqs=4)
+    params = SamplingParams(max_tokens=8, temperature=temperature, seed=0)
+    engine.add_request([1, 2, 3], params, request_id="good")
+    engine.add_request([4, 5, 6, 7], params, request_id="poisoned")
+    engine.step()                                  # both prefilled: the next step decodes both
+    assert len(engine.scheduler.running) == 2
+
+    def poison(module, args, out):                 # (rows, V) of this step, one row per running sequence
+        out.view(-1, out.shape[-1])[0] = float("nan")
+    handle = model.lm_head.register_forward_hook(poison)
+    try:
+        with pytest.raises(ValueError, match=r"NaN or \+inf") as err:
+            engine.step()
+    finally:
+        handle.remove()
+    named = [rid for rid in ("good", "poisoned") if repr(rid) in str(err.value)]
+    assert len(named) == 1, f"exactly the poisoned row's request must be named: {err.value}"

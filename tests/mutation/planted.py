@@ -37,7 +37,7 @@ SELECTIONS = {
     "verify": [LIB + "test_ablations.py", LIB + "test_checkpoint_layouts.py"],
     "serving": [LIB + "test_engine_api.py", LIB + "test_paging.py", "tests/graded/test_engine_bookkeeping.py"],
     "engine_abort": [LIB + "test_engine_api.py", LIB + "test_async_engine.py"],
-    "sampler": [LIB + "test_sampling.py", LIB + "test_engine_api.py"],
+    "sampler": [LIB + "test_sampling.py", LIB + "test_engine_api.py", "tests/graded/test_sampling_rules.py"],
     "http_usage": [LIB + "test_http_operations.py"],
     "gguf_exact": [LIB + "test_gguf_exact.py"],
     "grader": [LIB + "test_grader.py", LIB + "test_grader_hostile.py"],
