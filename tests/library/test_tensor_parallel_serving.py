@@ -66,6 +66,17 @@ def _serve_rank(config, state) -> dict:
             "communication": runner.communication(), "steps": len(runner.steps)}
 
 
+def _assert_same_steps(got: list, want: list) -> None:
+    """The ranks' steps against one process's: the same kinds (prefills per step), decode-only steps and steps
+    with a prefill among them, and every step's logits within 1e-4."""
+    kinds = [n for n, _ in want]
+    assert kinds == [n for n, _ in got]
+    assert 0 in kinds and any(kinds), "the trace must have decode-only steps and steps with a prefill"
+    for step, ((n, g), (_, w)) in enumerate(zip(got, want)):
+        err = (g - w).abs().max().item()
+        assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+
+
 @pytest.fixture(scope="module")
 def served():
     model = make_model(make_config(**TOY))
@@ -79,12 +90,7 @@ def test_tp2_engine_serves_the_same_tokens_and_logits_as_one_process(served):
     want = engine.run(_trace())
     assert got["tokens"] == [o.tokens for o in want.outputs]
     assert [len(t) for t in got["tokens"]] == [1, 1, 2, 1]
-    kinds = [n for n, _ in want_logits]
-    assert kinds == [n for n, _ in got["logits"]]
-    assert 0 in kinds and any(kinds), "the trace must have decode-only steps and steps with a prefill"
-    for step, ((n, g), (_, w)) in enumerate(zip(got["logits"], want_logits)):
-        err = (g - w).abs().max().item()
-        assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+    _assert_same_steps(got["logits"], want_logits)
 
 
 def _serve_and_record(source, requests, options) -> dict:
@@ -123,12 +129,7 @@ def test_tp3_smollm2_engine_serves_the_same_tokens_and_logits_as_one_process():
     want = engine.run(requests)
     assert got["tokens"] == [o.tokens for o in want.outputs]
     assert max(s.num_tokens for s in want.steps) <= 12 < max(len(r.prompt) for r in requests), "a chunked prefill"
-    kinds = [n for n, _ in want_logits]
-    assert kinds == [n for n, _ in got["logits"]]
-    assert 0 in kinds and any(kinds), "the trace must have decode-only steps and steps with a prefill"
-    for step, ((n, g), (_, w)) in enumerate(zip(got["logits"], want_logits)):
-        err = (g - w).abs().max().item()
-        assert err <= 1e-4, f"step {step} ({'prefill' if n else 'decode'}): max |delta| = {err}"
+    _assert_same_steps(got["logits"], want_logits)
     assert not _tp_children()
 
 
