@@ -29,7 +29,8 @@ from ...parallel.generate import named_config
 from ...serving import Engine, benchmark_metrics, flat_metrics
 from ...tables import print_table
 from .base import Benchmark
-from .tensor_parallel import _probe
+from ...parallel.decode_split import probe_allreduce
+from .tensor_parallel import PROBE_BYTES
 from .inference_sweep import RunSpec, engine_options, source_and_stop, sweep_config, workload_row
 
 
@@ -61,7 +62,7 @@ def communication_row(communication: dict, decode_step_s: float) -> dict:
 
 def loopback_probe() -> tuple[float, float]:
     """(latency per ring step, bandwidth) of all-reduces among the ranks, probed on every rank."""
-    return _probe(PROBE_REPS)
+    return probe_allreduce(PROBE_REPS, PROBE_BYTES)
 
 
 def ring_prediction(steps: list[dict], config, p: int, latency: float, bandwidth: float) -> dict:

@@ -31,12 +31,6 @@ MODELS = ("target", "smollm2-135m")
 PROBE_BYTES = 4 << 20     # the large all-reduce of the bandwidth probe
 
 
-def _probe(reps: int) -> tuple[float, float]:
-    """(latency per ring step, bandwidth) of all-reduces among the current ranks: `probe_allreduce` with a
-    PROBE_BYTES large all-reduce."""
-    return probe_allreduce(reps, PROBE_BYTES)
-
-
 def phase(timer, name: str):
     return timer.phase(name) if timer is not None else nullcontext()
 
@@ -53,7 +47,7 @@ def _rank_run(model_name: str, shard: bool, batch_sizes: tuple, prompt_len: int,
     model = load_pretrained(model_name).eval()
     rank, p = dist.get_rank(), dist.get_world_size()
     timer = shard_model(model, rank, p).tp_timer if shard else None
-    latency, bandwidth = _probe(probe_reps) if shard else (None, None)
+    latency, bandwidth = probe_allreduce(probe_reps, PROBE_BYTES) if shard else (None, None)
     generator = torch.Generator().manual_seed(0)
     rows = []
     for B in batch_sizes:
