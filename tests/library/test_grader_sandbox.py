@@ -303,10 +303,14 @@ def _package(folder: Path, name: str, body: str) -> Path:
     return package
 
 
-def _start(package: Path, results: Path, token: str, trick_dir: Path) -> subprocess.Popen:
+def _start(package: Path, results: Path, token: str, trick_dir: Path,
+           plugins: tuple[str, ...] = ()) -> subprocess.Popen:
     env = {**os.environ, "TRICK_TOKEN": token, "TRICK_DIR": str(trick_dir)}
+    if plugins:
+        env["PYTHONPATH"] = os.pathsep.join([str(trick_dir.parent), env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, "-m", "pytest", str(SAMPLING), "--impl", str(package), "--grade-json",
-                             str(results), "--graded-timeout", str(TIMEOUT), "-q", "-p", "no:cacheprovider"],
+                             str(results), "--graded-timeout", str(TIMEOUT), "-q", "-p", "no:cacheprovider",
+                             *[arg for name in plugins for arg in ("-p", name)]],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -323,7 +327,7 @@ def _processes_with(token: str) -> list[int]:
     return found
 
 
-def _grade_all(tmp_path, packages: dict[str, str], batch: int = 4) -> dict[str, dict]:
+def _grade_all(tmp_path, packages: dict[str, str], batch: int = 4, plugins: tuple[str, ...] = ()) -> dict[str, dict]:
     """name -> {rc, results, log, seconds, survivors, pids}: each package graded in its own process."""
     out: dict[str, dict] = {}
     names = list(packages)
@@ -335,7 +339,8 @@ def _grade_all(tmp_path, packages: dict[str, str], batch: int = 4) -> dict[str, 
             token = uuid.uuid4().hex
             results = tmp_path / f"{name}_out" / "not_yet" / "results.json"     # a folder that does not exist
             package = _package(tmp_path / "packages", f"{name}_solution", packages[name])
-            running[name] = (_start(package, results, token, trick_dir), time.monotonic(), results, token, trick_dir)
+            proc = _start(package, results, token, trick_dir, plugins)
+            running[name] = (proc, time.monotonic(), results, token, trick_dir)
         for name, (proc, start, results, token, trick_dir) in running.items():
             bound = 25 * TIMEOUT + MARGIN
             try:
@@ -391,3 +396,37 @@ def test_no_hostile_package_scores_more_than_its_honest_answers(tmp_path):
     assert "can't allocate memory" in json.dumps(runs["memory"]["results"])       # the worker's address-space limit
     assert len(runs["swarm"]["pids"]) >= 8 and runs["detached"]["pids"] and runs["kill_supervisor"]["pids"], \
         "the tricks did start their processes"
+
+
+# loaded into the grader with -p: the second supervisor takes longer to start than a test may run, as on a
+# machine busy enough (CI: four graders and the mutation campaign side by side)
+SLOW_RESTART = f"""
+import time
+
+
+def pytest_configure(config):
+    import sandbox
+
+    started = sandbox.Supervisor.__init__
+    count = []
+
+    def slow(self):
+        if len(count) == 1:
+            time.sleep({TIMEOUT} + 2)
+        count.append(1)
+        started(self)
+    sandbox.Supervisor.__init__ = slow
+"""
+
+
+@pytest.mark.slow
+def test_bringing_back_a_killed_supervisor_costs_the_next_test_nothing(tmp_path):
+    (tmp_path / "slow_restart.py").write_text(SLOW_RESTART)
+    runs = _grade_all(tmp_path, {"honest": "def sample_next_token(*args):\n    raise NotImplementedError\n",
+                                 "kill_supervisor": TRICKS["kill_supervisor"]}, plugins=("slow_restart",))
+    honest, killer = runs["honest"]["results"], runs["kill_supervisor"]["results"]
+    assert honest is not None and killer is not None, runs["kill_supervisor"]["log"][-3000:]
+    assert runs["kill_supervisor"]["pids"], "the trick did kill the supervisor"
+    scores = {t["name"]: t["score"] for t in honest["tests"]}
+    assert {t["name"]: t["score"] for t in killer["tests"]} == scores, runs["kill_supervisor"]["log"][-3000:]
+    assert runs["kill_supervisor"]["survivors"] == []
