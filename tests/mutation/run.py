@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import LIBRARY_STUBS, MUTANTS, Mutant  # noqa: E402
 
 GOAL = 0.95
+RETRY_TIMEOUT = 300.0        # seconds a test that timed out gets when it is graded again alone (failed_tests)
 
 # Which graded test file exercises each part of the package (first match wins). A mutant is graded on that
 # file alone first, stopping at the first failure, so a killed mutant costs one file's collection and run;
@@ -106,29 +107,44 @@ def grade(impl: str, workdir: Path, first: Path | None = None, stop_at_first_fai
     otherwise it runs first within the suite); `stop_at_first_failure`: pytest -x."""
     if first is not None and stop_at_first_failure:
         alone = grade_paths(impl, workdir, [str(first)], True)
-        if failed_tests(alone):
+        if failed_tests(alone, workdir):
             return alone
     return grade_paths(impl, workdir, ([str(first)] if first is not None else []) + [str(ROOT / "tests" / "graded")],
                        stop_at_first_failure)
 
 
-def grade_paths(impl: str, workdir: Path, paths: list[str], stop_at_first_failure: bool) -> dict:
+def grade_paths(impl: str, workdir: Path, paths: list[str], stop_at_first_failure: bool,
+                timeout: float | None = None) -> dict:
     out = workdir / f"{impl.replace('/', '_').replace('.', '_')}.json"
     out.unlink(missing_ok=True)          # never read back an earlier run's results
     with contextlib.redirect_stdout(io.StringIO()):
         pytest.main([*paths, "-q", "--tb=no", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
                      "--impl", impl, "--grade-json", str(out),
-                     *(["-x"] if stop_at_first_failure else [])])
+                     *(["-x"] if stop_at_first_failure else []),
+                     *(["--graded-timeout", str(timeout)] if timeout is not None else [])])
     if not out.exists():
         raise SystemExit(f"grading {impl} wrote no results.json")
-    return json.loads(out.read_text())
+    results = json.loads(out.read_text())
+    results["impl"] = impl
+    return results
 
 
-def failed_tests(results: dict) -> list[str]:
+def failed_tests(results: dict, workdir: Path | None = None) -> list[str]:
     """The graded tests that failed, less those that -x stopped before they ran (recorded as failed with 0
-    points: they say nothing about the mutant; a package that cannot be imported still fails every test)."""
-    return [t["name"] for t in results["tests"]
-            if t["status"] == "failed" and "the grading run stopped before this test" not in t.get("output", "")]
+    points: they say nothing about the mutant; a package that cannot be imported still fails every test).
+    With `workdir`, a failure that is only a timeout counts once the test, graded again alone with RETRY_TIMEOUT
+    seconds, fails again: on a busy machine (CI runs the shards beside other tests) a sound test can run past
+    the default deadline, and neither a kill nor an equivalent's failure may rest on the machine's load."""
+    failed = [t for t in results["tests"]
+              if t["status"] == "failed" and "the grading run stopped before this test" not in t.get("output", "")]
+    names = [t["name"] for t in failed]
+    slow = [t["name"] for t in failed if "timed out after" in t.get("output", "")]
+    if workdir is None or not slow:
+        return names
+    again = grade_paths(results["impl"], workdir, [str(ROOT / "tests" / "graded" / name) for name in slow], False,
+                        timeout=RETRY_TIMEOUT)
+    still = {t["name"] for t in again["tests"] if t["status"] == "failed"}
+    return [name for name in names if name not in slow or name in still]
 
 
 def run_library_stub(name: str, test_file: str) -> list[str]:
@@ -163,7 +179,7 @@ def main(argv=None) -> int:
         if not selected and shard == 0:
             copy_package(template, tmp / "mutant_control")
             control = grade("mutant_control.homework.reference", tmp)
-            failed = failed_tests(control)
+            failed = failed_tests(control, tmp)
             report["controls"]["unmodified_copy"] = {"score": control["score"], "failed": failed}
             print(f"control, unmodified copy: {control['output']}")
             if failed:
@@ -182,7 +198,7 @@ def main(argv=None) -> int:
             package = f"mutant_{i:02d}"
             copy_package(template, tmp / package, mutant)
             failed = failed_tests(grade(f"{package}.homework.reference", tmp, first=first_tests(mutant),
-                                        stop_at_first_failure=not args.all_failures))
+                                        stop_at_first_failure=not args.all_failures), tmp)
             killed = bool(failed)
             report["mutants"].append({"name": mutant.name, "issue": mutant.issue, "what": mutant.what,
                                       "equivalent": mutant.equivalent, "killed": killed, "failed_tests": failed})
