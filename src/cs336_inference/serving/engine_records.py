@@ -28,6 +28,9 @@ class EngineConfig:
                                          # in later steps, beside the decodes) instead of waiting
     prefix_caching: bool = True          # share full blocks of common prefixes across requests
     watermark_blocks: int | None = None  # blocks kept free at admission (None: 1% of the pool)
+    speculative: str | None = None       # None, "prompt_lookup" or "draft" (with Engine(draft_model=...)):
+                                         # drafts verified in the engine's forward (serving/speculative.py)
+    num_speculative_tokens: int = 4      # most drafts per sequence and step
 
     def __post_init__(self):
         _checks.one_of("scheduler", self.scheduler, sorted(SCHEDULERS))
@@ -43,6 +46,8 @@ class EngineConfig:
             _checks.non_negative_int("watermark_blocks", self.watermark_blocks)
         _checks.boolean("chunked_prefill", self.chunked_prefill)
         _checks.boolean("prefix_caching", self.prefix_caching)
+        _checks.one_of("speculative", self.speculative, [None, "prompt_lookup", "draft"])
+        _checks.positive_int("num_speculative_tokens", self.num_speculative_tokens)
 
 
 @dataclass(kw_only=True)

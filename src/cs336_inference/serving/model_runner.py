@@ -3,8 +3,9 @@
 Prefills bring the uncached part of their prompt, decodes their last sampled token; all of them are
 concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward as
 one `PagedStep` (the model's `ForwardStep` contract), and the logits of each sequence's last token
-come back, (B, V). The runner is the model's edge: it checks the token ids and lengths here, on host
-lists, so the forward itself never reads a value back from the device.
+come back, (B, V) (with speculative decoding, a decode row also brings its drafts and gets the logits
+of all of them: `serving/speculative.py`). The runner is the model's edge: it checks the token ids and
+lengths here, on host lists, so the forward itself never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class StepInputs:
     query_lens: list[int]
     copies: list[tuple[int, int]]
     num_prefills: int
+    logit_rows: list[int] | None = None   # speculative decoding: rows whose logits come back (else each last)
 
 
 class ModelRunner:
@@ -83,14 +85,25 @@ class ModelRunner:
             tables.append(manager.tables[seq.seq_id].blocks)
             context_lens.append(start + n)
             query_lens.append(n)
+        verify = False
         for seq in batch.decodes:  # the last sampled token, at the slot just reserved for it
             table = manager.tables[seq.seq_id]   # the scheduler's own sequences: no check needed
             ids.append(seq.token_ids[-1])
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)
-            query_lens.append(1)
-        return StepInputs(ids, tables, context_lens, query_lens, list(batch.copies),
-                          len(batch.prefills))
+            if seq.draft_token_ids:   # speculative decoding: its drafts follow, verified in this forward
+                ids.extend(seq.draft_token_ids)
+                query_lens.append(1 + len(seq.draft_token_ids))
+                verify = True
+            else:
+                query_lens.append(1)
+        inputs = StepInputs(ids, tables, context_lens, query_lens, list(batch.copies), len(batch.prefills))
+        if verify:   # logits at each prefill's last token and at every token of each decode
+            inputs.logit_rows, end = [], 0
+            for i, n in enumerate(query_lens):
+                end += n
+                inputs.logit_rows.extend(range(end - n, end) if i >= inputs.num_prefills else (end - 1,))
+        return inputs
 
     @torch.inference_mode()
     def run(self, step_inputs: StepInputs) -> torch.Tensor:
@@ -100,6 +113,9 @@ class ModelRunner:
         self.check_step(ids, context_lens)
         step = self.cache.step(step_inputs.tables, context_lens, step_inputs.query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
+        if step_inputs.logit_rows is not None:   # a speculative verify: (R, V), eager (ragged query lengths)
+            step.logit_rows = torch.tensor(step_inputs.logit_rows, device=self.model.device)
+            return self.model(token_ids, step=step, last_only=True)[0]
         if self.decode is not None and not step_inputs.num_prefills and max(context_lens) > self.cache.block_size:
             return self.decode(token_ids, step)                               # (B, V)
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
