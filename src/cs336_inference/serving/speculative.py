@@ -82,11 +82,13 @@ class Proposer(Protocol):
 
 
 class PromptLookupProposer:
-    """Copy what followed the most recent earlier occurrence of the last n-gram (`prompt_lookup`)."""
+    """Copy what followed the most recent earlier occurrence of the last n-gram (`prompt_lookup`).
+    In the engine a draft costs a verify position even when it is wrong, so the default asks for a match
+    of at least 2 tokens: a 1-token match proposes often and is often wrong."""
 
     needs_features = False
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2):
         _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
         if min_ngram > max_ngram:
             raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
