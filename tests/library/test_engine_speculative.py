@@ -196,6 +196,57 @@ def test_rollback_leaves_a_shared_prefix_block_untouched(model, text):
     assert engine.manager.num_free_blocks == engine.num_blocks
 
 
+class FeatureOracle(OracleProposer):
+    """The oracle's drafts, and what a Medusa/EAGLE proposer would read: every feature handed to it."""
+
+    needs_features = True
+
+    def __init__(self, references, vocab_size):
+        super().__init__(references, vocab_size)
+        self.seen = []
+
+    def observe(self, seq, features):
+        self.seen.append((list(seq.token_ids), features))
+
+
+@torch.no_grad()
+def full_forward_features(model, tokens):
+    """The test's own reference: a full forward (no cache), keeping the input of the final norm and of the
+    last layer at every position."""
+    kept = {}
+    hooks = [model.ln_final.register_forward_pre_hook(lambda m, a: kept.__setitem__("last", a[0][0])),
+             model.layers[-1].register_forward_pre_hook(lambda m, a: kept.__setitem__("second", a[0][0]))]
+    try:
+        model(torch.tensor([tokens]))
+    finally:
+        for h in hooks:
+            h.remove()
+    return kept["last"], kept["second"]
+
+
+def test_feature_proposer_gets_the_targets_hidden_states_of_accepted_positions(model, text):
+    prompts = [text[0:21], text[300:313]]
+    full = {tuple(p): greedy_reference(model, p, 16) for p in prompts}
+    proposer = FeatureOracle(full, model.config.vocab_size)
+    engine = Engine(model, proposer=proposer, num_speculative_tokens=3, block_size=4, max_num_seqs=2,
+                    max_num_batched_tokens=16, chunked_prefill=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(p, SamplingParams(max_tokens=16), request_id=i)
+    out = _drain(engine)
+    assert [out[(i, 0)][0] for i in range(2)] == [full[tuple(p)] for p in prompts]
+    assert any(len(f.positions) > 1 for _, f in proposer.seen)       # accepted drafts' positions too
+    covered = {}
+    for tokens, f in proposer.seen:
+        assert f.positions == list(range(f.positions[0], len(tokens) - 1)), "the newly final positions, in order"
+        last, second = full_forward_features(model, tokens)
+        torch.testing.assert_close(f.last_hidden, last[f.positions], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(f.second_to_top, second[f.positions], rtol=1e-4, atol=1e-4)
+        covered.setdefault(tuple(tokens[:5]), []).extend(f.positions)
+    for p in prompts:   # from the prompt's last position on, each position handed over once, in order, with no
+        got = covered[tuple(p[:5])]   # gap (a finished sequence gets none: nothing will draft for it)
+        assert got == list(range(len(p) - 1, len(p) - 1 + len(got))) and len(got) > 8
+
+
 def test_truncate_frees_only_the_tail_and_refuses_shared_blocks():
     manager = KVCacheManager(num_blocks=10, block_size=4)
     prompt = list(range(10))                           # 2 full blocks + 2 tokens

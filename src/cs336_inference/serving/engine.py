@@ -48,7 +48,7 @@ from .request import Request, RequestOutput
 from .sampler import sample
 from .scheduler import SCHEDULERS, ScheduledBatch
 from .sequence import Sequence, SequenceStatus
-from .speculative import Proposer, SpeculativeScheduler, make_proposer, speculative_sample
+from .speculative import Proposer, SpeculativeScheduler, hand_features, make_proposer, row_spans, speculative_sample
 
 
 class Engine:
@@ -83,6 +83,8 @@ class Engine:
             self.runner = self.make_runner(model, num_blocks * c.block_size, 1, decode)
         else:
             self.runner = self.make_runner(model, num_blocks, c.block_size, decode)
+        self._features = self.proposer is not None and bool(self.proposer.needs_features)
+        self.runner.capture_features = self._features
         self._clock = clock
         self._step_time = step_time
         self._request_ids = itertools.count()
@@ -192,6 +194,7 @@ class Engine:
         try:
             logits = self.runner.execute(batch, self.manager)          # (len(batch.sequences), V)
             sampled = sample(logits, batch) if self.proposer is None else speculative_sample(logits, batch)
+            spans = row_spans(batch) if self._features else None   # before postprocess clears the drafts
             cost = None if self._step_time is None else _step_cost(self._step_time, batch)
         except Exception as e:  # leave the engine consistent: the batch's requests end in an error
             self._fail(batch, f"{type(e).__name__}: {e}")
@@ -210,6 +213,8 @@ class Engine:
                 live.unfinished -= 1
                 if live.unfinished == 0:
                     del self._live[seq.request.request_id]
+        if self._features:
+            hand_features(self.proposer, batch, spans, sampled, self.runner.features)
         self.last_step = self._record(batch, start, end, padding)
         return outputs
 

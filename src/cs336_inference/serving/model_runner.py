@@ -45,6 +45,8 @@ class ModelRunner:
         self.model = model
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.decode = decode
+        self.capture_features = False   # a Medusa/EAGLE proposer's engine sets it: `features` after each run
+        self.features: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def num_blocks_for(model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
@@ -115,10 +117,36 @@ class ModelRunner:
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
         if step_inputs.logit_rows is not None:   # a speculative verify: (R, V), eager (ragged query lengths)
             step.logit_rows = torch.tensor(step_inputs.logit_rows, device=self.model.device)
+        if self.capture_features:
+            return self._run_capturing_features(token_ids, step)
+        if step_inputs.logit_rows is not None:
             return self.model(token_ids, step=step, last_only=True)[0]
         if self.decode is not None and not step_inputs.num_prefills and max(context_lens) > self.cache.block_size:
             return self.decode(token_ids, step)                               # (B, V)
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
+
+    def _run_capturing_features(self, token_ids: torch.Tensor, step) -> torch.Tensor:
+        """The eager forward, keeping the target's hidden states at the rows whose logits come back:
+        `features` = (last hidden state (R, D): the input of the final norm; second-to-top (R, D): the
+        input of the last layer), for a proposer that drafts from them (see `serving/speculative.py`)."""
+        model, kept = self.model, {}
+
+        def second_to_top(module, args):
+            rows = step.layout.last_rows if step.logit_rows is None else step.logit_rows
+            kept["second"] = args[0][0, rows]
+
+        def last_hidden(module, args):
+            kept["last"] = args[0][0]
+
+        hooks = [model.layers[-1].register_forward_pre_hook(second_to_top),
+                 model.ln_final.register_forward_pre_hook(last_hidden)]
+        try:
+            logits = model(token_ids, step=step, last_only=True)[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.features = (kept["last"], kept["second"])
+        return logits
 
     def check_step(self, ids: list[int], context_lens: list[int]) -> None:
         """The edge checks of a step, on host data: ids in the vocabulary, no sequence past the context."""

@@ -218,11 +218,7 @@ def speculative_sample(logits: torch.Tensor, batch: ScheduledBatch) -> list[list
     host = torch.cat([greedy, bad.long()]).tolist()                      # one copy for every greedy row
     R = logits.shape[0]
     argmax, bad_rows = host[:R], [r for r, flag in enumerate(host[R:]) if flag]
-    spans, row = [], 0
-    for seq in batch.sequences:
-        m = 1 + len(seq.draft_token_ids)
-        spans.append((row, m))
-        row += m
+    spans = row_spans(batch)
     if bad_rows:
         names = sorted({seq.request.request_id for seq, (r, m) in zip(batch.sequences, spans)
                         if any(r <= b < r + m for b in bad_rows)}, key=str)
@@ -249,6 +245,29 @@ def speculative_sample(logits: torch.Tensor, batch: ScheduledBatch) -> list[list
     return out
 
 
+def row_spans(batch: ScheduledBatch) -> list[tuple[int, int]]:
+    """(first row, rows) of each sequence in a verify step's logits: 1 per prefill, 1 + k per decode."""
+    spans, row = [], 0
+    for seq in batch.sequences:
+        m = 1 + len(seq.draft_token_ids)
+        spans.append((row, m))
+        row += m
+    return spans
+
+
+def hand_features(proposer: Proposer, batch: ScheduledBatch, spans: list[tuple[int, int]],
+                  sampled: list[list[int]], features: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """After postprocess: give every sequence still running the target's features at its newly final
+    positions (`spans`: `row_spans` taken before postprocess cleared the drafts)."""
+    last, second = features
+    for seq, tokens, (r, m) in zip(batch.sequences, sampled, spans):
+        if seq.finish_reason is not None or not tokens:   # finished, or a prefill chunk with prompt left
+            continue
+        n = len(tokens) if m > 1 else 1   # a decode: its last token and accepted drafts; a prefill: its last
+        first = seq.num_computed_tokens - n
+        proposer.observe(seq, TargetFeatures(list(range(first, first + n)), last[r:r + n], second[r:r + n]))
+
+
 def make_proposer(method: str, num_speculative_tokens: int, draft_model: TransformerLM | None,
                   vocab_size: int) -> Proposer:
     """The built-in proposer named by EngineConfig.speculative."""
@@ -266,4 +285,4 @@ def make_proposer(method: str, num_speculative_tokens: int, draft_model: Transfo
 
 
 __all__ = ["DraftModelProposer", "PromptLookupProposer", "Proposer", "SPECULATIVE_METHODS", "SpeculativeScheduler",
-           "TargetFeatures", "make_proposer", "speculative_sample"]
+           "TargetFeatures", "hand_features", "make_proposer", "row_spans", "speculative_sample"]
