@@ -312,6 +312,21 @@ def test_sampled_engine_follows_the_target_chi_square(kind):
     assert engine.manager.num_free_blocks == engine.num_blocks
 
 
+def test_drafting_stops_above_the_batch_size_limit(model, text):
+    prompts = [text[0:20], text[100:120], text[200:220]]
+    full = {tuple(p): greedy_reference(model, p, 10) for p in prompts}
+    sizes = {}
+    for limit in (2, 3):
+        proposer = OracleProposer(full, model.config.vocab_size)
+        engine = Engine(model, proposer=proposer, speculative_disable_by_batch_size=limit, block_size=4)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_tokens=10), request_id=i)
+        out = _drain(engine)
+        assert [out[(i, 0)][0] for i in range(3)] == [full[tuple(p)] for p in prompts]
+        sizes[limit] = proposer.calls
+    assert sizes[2] == 0 < sizes[3]   # 3 running sequences: no drafting with a limit of 2
+
+
 def test_bad_speculative_configs_raise(model):
     draft = load_pretrained("draft")
     tiny = adapters.make_model(adapters.make_config(**TINY))
@@ -319,6 +334,8 @@ def test_bad_speculative_configs_raise(model):
         Engine(model, speculative="ngram")
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         Engine(model, speculative="prompt_lookup", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size"):
+        Engine(model, speculative="prompt_lookup", speculative_disable_by_batch_size=0)
     with pytest.raises(ValueError, match="draft_model"):
         Engine(model, speculative="draft")
     with pytest.raises(ValueError, match="vocab"):

@@ -107,7 +107,7 @@ class Engine:
         else:
             self.scheduler = SpeculativeScheduler(self.manager, c.max_num_seqs, c.max_num_batched_tokens,
                                                   c.watermark_blocks, c.chunked_prefill, self.proposer,
-                                                  c.num_speculative_tokens)
+                                                  c.num_speculative_tokens, c.speculative_disable_by_batch_size)
         self.now = 0.0
         self.last_step: StepRecord | None = None
         self._live: dict[Hashable, _Live] = {}
@@ -238,7 +238,11 @@ class Engine:
         """What a /metrics endpoint shows: requests running and waiting, KV blocks used and total."""
         running = {s.request.request_id for s in self.scheduler.running if s.status is SequenceStatus.RUNNING}
         used = self.num_blocks - self.manager.num_free_blocks
-        return {"running": len(running), "waiting": len(self._live) - len(running),
+        if self.proposer is not None:   # speculative decoding: drafts so far, and how many were kept
+            drafts = {"drafts_proposed": self.scheduler.num_proposed, "drafts_accepted": self.scheduler.num_accepted}
+        else:
+            drafts = {}
+        return {**drafts, "running": len(running), "waiting": len(self._live) - len(running),
                 "running_sequences": len(self.scheduler.running), "waiting_sequences": len(self.scheduler.waiting),
                 "kv_blocks_used": used, "kv_blocks_total": self.num_blocks,
                 "kv_block_size": self.manager.block_size, "kv_usage": used / self.num_blocks}

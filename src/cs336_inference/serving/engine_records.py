@@ -31,6 +31,8 @@ class EngineConfig:
     speculative: str | None = None       # None, "prompt_lookup" or "draft" (with Engine(draft_model=...)):
                                          # drafts verified in the engine's forward (serving/speculative.py)
     num_speculative_tokens: int = 4      # most drafts per sequence and step
+    speculative_disable_by_batch_size: int | None = None  # draft nothing in a step where more sequences
+                                         # than this decode (vLLM's name): big batches gain little from drafts
 
     def __post_init__(self):
         _checks.one_of("scheduler", self.scheduler, sorted(SCHEDULERS))
@@ -48,6 +50,8 @@ class EngineConfig:
         _checks.boolean("prefix_caching", self.prefix_caching)
         _checks.one_of("speculative", self.speculative, [None, "prompt_lookup", "draft"])
         _checks.positive_int("num_speculative_tokens", self.num_speculative_tokens)
+        if self.speculative_disable_by_batch_size is not None:
+            _checks.positive_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)
 
 
 @dataclass(kw_only=True)

@@ -6,8 +6,9 @@ changes (the plain path, `speculative=None`, is untouched):
 
 - schedule (`SpeculativeScheduler`): for every running sequence that decodes, the proposer offers up
   to k tokens (k = num_speculative_tokens; fewer when max_tokens, the step's token budget or the free
-  blocks leave less room), and the scheduler reserves 1 + k KV slots: the last sampled token and its
-  drafts. Blocks that drafts fill get no prefix-cache name (their tokens are not final yet).
+  blocks leave less room; none while more than speculative_disable_by_batch_size sequences run), and
+  the scheduler reserves 1 + k KV slots: the last sampled token and its drafts. Blocks that drafts
+  fill get no prefix-cache name (their tokens are not final yet).
 - run (`ModelRunner`): a decode row brings its last token and its drafts (query length 1 + k) beside
   the prefills' chunks, all in the same ragged forward; logits come back for each prefill's last token
   and for all 1 + k positions of each decode: the target's q_1 .. q_{k+1}.
@@ -15,7 +16,8 @@ changes (the plain path, `speculative=None`, is untouched):
   row keeps its drafts while each equals the target's argmax (one host copy serves every greedy row);
   a sampled row accepts x_i with probability min(1, q_i(x_i) / p_i(x_i)) and resamples from the
   residual norm(max(q_i - p_i, 0)) at the first rejection, or draws a bonus token from q_{k+1}.
-  A row emits its accepted drafts and one more token (1 .. k + 1 tokens).
+  A row emits its accepted drafts and one more token (1 .. k + 1 tokens). (A sampled row with drafts
+  reads its uniforms and its token back by itself: host syncs the plain engine does not have.)
 - postprocess (`SpeculativeScheduler.postprocess`): append the emitted tokens one by one, stopping at
   a stop token or max_tokens exactly where one-token decoding would; advance num_computed_tokens by
   1 + accepted; `KVCacheManager.truncate` the table to it (the rejected drafts' blocks go back to the
@@ -130,22 +132,26 @@ class SpeculativeScheduler(ContinuousScheduler):
     policy = "continuous"
 
     def __init__(self, manager, max_num_seqs: int, max_num_batched_tokens: int, watermark_blocks: int | None,
-                 chunked_prefill: bool, proposer: Proposer, num_speculative_tokens: int):
+                 chunked_prefill: bool, proposer: Proposer, num_speculative_tokens: int,
+                 disable_by_batch_size: int | None = None):
         super().__init__(manager, max_num_seqs, max_num_batched_tokens, watermark_blocks, chunked_prefill)
         self.proposer = proposer
         self.num_speculative_tokens = _checks.positive_int("num_speculative_tokens", num_speculative_tokens)
+        self.disable_by_batch_size = disable_by_batch_size   # None: always draft
         self.num_proposed = self.num_accepted = self.num_verified = 0   # drafts, kept drafts, rows with drafts
 
     def _reserve_decode_slots(self, batch: ScheduledBatch) -> list[Sequence]:
         """The base's loop (oldest first, preempt the youngest while no block is free), with 1 + k slots
         per decode; drafts are trimmed to the free blocks before anyone is preempted for them."""
         manager, queue, partial = self.manager, deque(self.running), []
+        draft = self.disable_by_batch_size is None or len(self.running) <= self.disable_by_batch_size
         while queue:
             seq = queue.popleft()
             if manager.tables[seq.seq_id].num_tokens == len(seq.token_ids):  # a prefill cut short
                 partial.append(seq)
                 continue
-            self._propose(seq, batch)
+            if draft:
+                self._propose(seq, batch)
             while seq.draft_token_ids and \
                     manager.blocks_to_append(seq.seq_id, 1 + len(seq.draft_token_ids)) > manager.num_free_blocks:
                 self._trim_drafts(seq, len(seq.draft_token_ids) - 1)
