@@ -355,3 +355,30 @@ def test_bad_speculative_configs_raise(model):
     with pytest.raises(ValueError, match="not both"):
         Engine(model, speculative="prompt_lookup", proposer=PromptLookupProposer())
     assert isinstance(PromptLookupProposer(), Proposer)
+
+
+@pytest.mark.slow
+def test_smollm2_prompt_lookup_in_the_engine_equals_the_plain_engine():
+    from cs336_inference.data.real_text import prose_paragraphs
+    from cs336_inference.model.real_models import real_model_missing
+    from cs336_inference.model.tokenizer import load_tokenizer
+
+    if missing := real_model_missing("smollm2-135m"):
+        pytest.skip(missing)
+    model, tok = load_pretrained("smollm2-135m").eval(), load_tokenizer("smollm2-135m")
+    paragraphs = prose_paragraphs()
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": task + paragraphs[1 + 5 * i]}]))
+               for i, task in enumerate(("Rewrite the following passage:\n\n", "Summarize the following passage:\n\n",
+                                         "Rewrite the following passage:\n\n"))]
+    params = SamplingParams(max_tokens=40, stop_token_ids=tuple(tok.stop_ids))
+    outputs = []
+    for options in ({}, dict(speculative="prompt_lookup")):
+        engine = Engine(model, max_num_seqs=3, block_size=16, num_blocks=64, **options)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=i, arrival_time=0.01 * i)
+        out = _drain(engine)
+        outputs.append([out[(i, 0)][0] for i in range(len(prompts))])
+        assert engine.manager.num_free_blocks == engine.num_blocks
+    assert outputs[1] == outputs[0]
+    assert engine.scheduler.num_accepted > 20      # the answers copy the passage: many drafts kept
+    assert outputs[0][0] == greedy_reference(model, prompts[0], 40, tuple(tok.stop_ids))
