@@ -22,6 +22,7 @@ import statistics
 import time
 
 import matplotlib.pyplot as plt
+from matplotlib.ticker import NullLocator
 
 from ...data.corpus import corpus_documents
 from ...data.real_text import prose_paragraphs
@@ -146,10 +147,9 @@ def measure(run, concurrencies: tuple = CONCURRENCIES) -> dict:
 def print_results(result: dict) -> None:
     for wname, w in result["workloads"].items():
         rows = []
-        for c, point in w["concurrency"].items():
-            for name, r in point.items():
-                if name == "requests":
-                    continue
+        for c, point in sorted(w["concurrency"].items(), key=lambda item: int(item[0])):   # JSON sorts keys
+            for name in [PLAIN] + sorted(n for n in point if n not in (PLAIN, "requests")):
+                r = point[name]
                 rows.append({"c": c, "engine": name, **r, "speedup": r.get("speedup", 1.0),
                              "acceptance": r.get("acceptance"), "tokens_per_verify": r.get("tokens_per_verify")})
         print_table(rows, [("c", "concurrency", None), ("engine", "engine", None),
@@ -169,8 +169,8 @@ def plot_serving_speculative(result: dict):
     fig, axes = plt.subplots(2, len(names), figsize=(6 * len(names), 8), squeeze=False)
     for col, wname in enumerate(names):
         w = result["workloads"][wname]
-        cs = [int(c) for c in w["concurrency"]]
-        points = list(w["concurrency"].values())
+        cs = sorted(int(c) for c in w["concurrency"])   # the committed JSON sorts its keys as strings
+        points = [w["concurrency"][str(c)] for c in cs]
         proposers = [n for n in points[0] if n not in (PLAIN, "requests")]
         ax = axes[0][col]
         for i, name in enumerate(proposers):
@@ -179,6 +179,7 @@ def plot_serving_speculative(result: dict):
         ax.axhline(1.4, color="gray", lw=0.8, ls=":")
         ax.set(xscale="log", xticks=cs, xticklabels=[str(c) for c in cs], xlabel="concurrency (max_num_seqs)",
                ylabel="tokens/s vs the plain engine", title=f"{wname}: speed-up")
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.legend(fontsize=8)
         ax = axes[1][col]
         for i, name in enumerate([PLAIN] + proposers):
@@ -187,6 +188,7 @@ def plot_serving_speculative(result: dict):
             ax.plot(cs, [1e3 * p[name]["tpot_p50_s"] for p in points], "s--", color=color, label=f"{name}: TPOT p50")
         ax.set(xscale="log", yscale="log", xticks=cs, xticklabels=[str(c) for c in cs],
                xlabel="concurrency (max_num_seqs)", ylabel="ms", title=f"{wname}: latency per token")
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.legend(fontsize=7)
     fig.suptitle(f"speculative decoding inside the engine: where it pays ({result['num_speculative_tokens']} drafts "
                  "at most, greedy, one CPU thread)")
