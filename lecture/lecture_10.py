@@ -1423,6 +1423,11 @@ def speculative_on_our_models():
     assert 1 < e4 < 5 and best > 4
     text(f"With alpha = {alpha_draft:.2f} and gamma = 4: E = {e4:.2f} tokens per target pass.")
     text(f"A draft costing c = 0.05 of the target would pay best at gamma = {best}, for {expected_speedup(alpha_draft, best, 0.05):.1f}x.")
+    text("Serving engines draft for every running sequence (vLLM, SGLang; ours: speculative=\"prompt_lookup\").")
+    text("They reserve KV slots for the drafts and verify all sequences' drafts in the step's one forward.")
+    text("Rejected drafts are rolled back (their slots freed); blocks shared with the prefix cache stay untouched.")
+    text("The gain depends on the batch: a big batch keeps the hardware busy, so drafts stop being free.")
+    text("`bench serving_speculative` measures where the gain turns into a loss.")
     speculative_committed_bench()
 
 

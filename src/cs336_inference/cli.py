@@ -408,6 +408,8 @@ BENCHMARKS: dict[str, str] = {
     "speculative": "plain vs speculative decoding, gamma 1..8, measured and predicted",
     "speculative_draft": "a pruned and distilled SmolLM2 draft (about 30 min)",
     "serving": "static vs continuous batching, paged vs contiguous KV",
+    "serving_speculative": "the engine with and without speculative decoding (prompt lookup, draft model) "
+                           "at concurrency 1, 4, 16, 64",
     "inference": "the complete benchmark: operating points and sweeps (--model, --preset)",
     "thread_policy": "OpenMP wait policies, idle vs busy",
     "plain_under_load": "the plain fp32 model's generate, reference vs default (fused) attention, idle vs busy",

@@ -12,6 +12,9 @@ Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add
 `RequestRecord` and `summarize` / `benchmark_metrics` (throughput, TTFT / ITL / queueing percentiles);
 `Workload` (a named trace and batch limit: an operating point) and `serve_one_at_a_time` (the
 one-sequence baseline, plain or speculative).
+Speculative decoding inside the engine (`serving.speculative`): `Engine(model, speculative="prompt_lookup")`
+(or "draft" with draft_model=, or proposer= any `Proposer`) verifies every running sequence's drafts in
+the step's one forward and rolls the rejected ones back (`KVCacheManager.truncate`).
 Online: `AsyncEngine` (asyncio streams per request over one engine thread); the OpenAI-compatible
 HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in `serving.client`.
 """
@@ -33,16 +36,19 @@ from .one_at_a_time import serve_one_at_a_time
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
+from .speculative import DraftModelProposer, PromptLookupProposer, Proposer, TargetFeatures
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 from .workload import Workload
 
 __all__ = [
     "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
     "ContiguousManager",
-    "ContinuousScheduler", "Engine", "EngineConfig", "EngineResult", "KVCacheManager", "KVMemoryStats",
-    "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "Request",
+    "ContinuousScheduler", "DraftModelProposer", "Engine", "EngineConfig", "EngineResult", "KVCacheManager",
+    "KVMemoryStats", "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PromptLookupProposer",
+    "Proposer", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
-    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TraceConfig", "Workload",
+    "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TargetFeatures", "TraceConfig",
+    "Workload",
     "benchmark_metrics", "blocks_for", "chained_block_hash", "distribution", "flat_metrics", "make_chat_trace",
     "make_trace", "paged_attention", "poisson_arrivals", "request_metrics", "serve_one_at_a_time", "summarize",
 ]

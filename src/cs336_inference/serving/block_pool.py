@@ -85,6 +85,10 @@ class BlockPool:
     def ref_count(self, block: int) -> int:
         return self.ref_counts[self._check(block)]
 
+    def is_named(self, block: int) -> bool:
+        """True if `block` carries a prefix-cache name (its contents may be shared by a later prefix hit)."""
+        return self._check(block) in self._by_block
+
     def is_free(self, block: int) -> bool:
         return self._check(block) in self.free_queue
 

@@ -48,6 +48,7 @@ from .request import Request, RequestOutput
 from .sampler import sample
 from .scheduler import SCHEDULERS, ScheduledBatch
 from .sequence import Sequence, SequenceStatus
+from .speculative import Proposer, SpeculativeScheduler, hand_features, make_proposer, row_spans, speculative_sample
 
 
 class Engine:
@@ -57,7 +58,7 @@ class Engine:
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
                  clock: Callable[[], float] | None = None,
                  step_time: Callable[[ScheduledBatch], float] | None = None, decode: Callable | None = None,
-                 **overrides):
+                 draft_model: TransformerLM | None = None, proposer: Proposer | None = None, **overrides):
         _checks.instance("model", model, TransformerLM, "a TransformerLM (e.g. load_pretrained('target'))")
         if config is not None:
             _checks.instance("config", config, EngineConfig)
@@ -74,6 +75,7 @@ class Engine:
                              "with a real clock (pass one of clock, step_time)")
         self.model = model
         self.config = c = dataclasses.replace(config or EngineConfig(), **overrides)
+        self.proposer = _speculative_proposer(model, c, draft_model, proposer)
         num_blocks = ModelRunner.num_blocks_for(model, c.block_size, num_blocks=c.num_blocks,
                                                 kv_budget_bytes=c.kv_budget_bytes,
                                                 default_tokens=c.max_num_seqs * min(model.config.context_length, 2048))
@@ -81,6 +83,8 @@ class Engine:
             self.runner = self.make_runner(model, num_blocks * c.block_size, 1, decode)
         else:
             self.runner = self.make_runner(model, num_blocks, c.block_size, decode)
+        self._features = self.proposer is not None and bool(self.proposer.needs_features)
+        self.runner.capture_features = self._features
         self._clock = clock
         self._step_time = step_time
         self._request_ids = itertools.count()
@@ -97,8 +101,13 @@ class Engine:
             self.manager = ContiguousManager(self.num_blocks)
         else:
             self.manager = KVCacheManager(self.num_blocks, c.block_size, prefix_caching=c.prefix_caching)
-        self.scheduler = SCHEDULERS[c.scheduler](self.manager, c.max_num_seqs, c.max_num_batched_tokens,
-                                                 c.watermark_blocks, c.chunked_prefill)
+        if self.proposer is None:
+            self.scheduler = SCHEDULERS[c.scheduler](self.manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                                     c.watermark_blocks, c.chunked_prefill)
+        else:
+            self.scheduler = SpeculativeScheduler(self.manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                                  c.watermark_blocks, c.chunked_prefill, self.proposer,
+                                                  c.num_speculative_tokens, c.speculative_disable_by_batch_size)
         self.now = 0.0
         self.last_step: StepRecord | None = None
         self._live: dict[Hashable, _Live] = {}
@@ -184,7 +193,8 @@ class Engine:
             live.first_scheduled_time = start if live.first_scheduled_time is None else live.first_scheduled_time
         try:
             logits = self.runner.execute(batch, self.manager)          # (len(batch.sequences), V)
-            sampled = sample(logits, batch)
+            sampled = sample(logits, batch) if self.proposer is None else speculative_sample(logits, batch)
+            spans = row_spans(batch) if self._features else None   # before postprocess clears the drafts
             cost = None if self._step_time is None else _step_cost(self._step_time, batch)
         except Exception as e:  # leave the engine consistent: the batch's requests end in an error
             self._fail(batch, f"{type(e).__name__}: {e}")
@@ -196,12 +206,15 @@ class Engine:
         self.now = max(self.now, end)
         for seq in self.scheduler.postprocess(batch, sampled, end):
             live = self._live[seq.request.request_id]
-            outputs.append(_output(seq.request, seq.sample_index, [seq.token_ids[-1]], seq.finish_reason,
+            new_tokens = seq.token_ids[-seq.num_new_tokens:]   # 1, or a speculative step's accepted run
+            outputs.append(_output(seq.request, seq.sample_index, new_tokens, seq.finish_reason,
                                    seq=seq, live=live, time=end))
             if seq.finish_reason is not None:
                 live.unfinished -= 1
                 if live.unfinished == 0:
                     del self._live[seq.request.request_id]
+        if self._features:
+            hand_features(self.proposer, batch, spans, sampled, self.runner.features)
         self.last_step = self._record(batch, start, end, padding)
         return outputs
 
@@ -225,7 +238,11 @@ class Engine:
         """What a /metrics endpoint shows: requests running and waiting, KV blocks used and total."""
         running = {s.request.request_id for s in self.scheduler.running if s.status is SequenceStatus.RUNNING}
         used = self.num_blocks - self.manager.num_free_blocks
-        return {"running": len(running), "waiting": len(self._live) - len(running),
+        if self.proposer is not None:   # speculative decoding: drafts so far, and how many were kept
+            drafts = {"drafts_proposed": self.scheduler.num_proposed, "drafts_accepted": self.scheduler.num_accepted}
+        else:
+            drafts = {}
+        return {**drafts, "running": len(running), "waiting": len(self._live) - len(running),
                 "running_sequences": len(self.scheduler.running), "waiting_sequences": len(self.scheduler.waiting),
                 "kv_blocks_used": used, "kv_blocks_total": self.num_blocks,
                 "kv_block_size": self.manager.block_size, "kv_usage": used / self.num_blocks}
@@ -317,6 +334,27 @@ def _step_cost(step_time: Callable[[ScheduledBatch], float], batch: ScheduledBat
     if not _checks._is_number(cost) or not 0 <= cost < float("inf"):
         raise ValueError(f"step_time(batch) must return finite seconds >= 0, got {cost!r}")
     return float(cost)
+
+
+def _speculative_proposer(model: TransformerLM, c: EngineConfig, draft_model, proposer) -> Proposer | None:
+    """The proposer of a speculative engine (None: the plain engine), its configuration checked."""
+    if proposer is None and c.speculative is None:
+        if draft_model is not None:
+            raise ValueError("draft_model is used only with speculative='draft', got speculative=None")
+        return None
+    if proposer is not None:
+        if c.speculative is not None or draft_model is not None:
+            raise ValueError(f"give proposer= or speculative= (with draft_model=), not both; got "
+                             f"speculative={c.speculative!r} and a proposer")
+        if not isinstance(proposer, Proposer):
+            raise TypeError(f"proposer must implement the Proposer protocol (needs_features, propose, observe), "
+                            f"got {type(proposer).__name__}")
+    if c.scheduler != "continuous" or c.kv_layout != "paged":
+        raise ValueError(f"speculative decoding runs on the continuous scheduler with the paged KV layout, got "
+                         f"scheduler={c.scheduler!r}, kv_layout={c.kv_layout!r}")
+    if proposer is None:
+        proposer = make_proposer(c.speculative, c.num_speculative_tokens, draft_model, model.config.vocab_size)
+    return proposer
 
 
 def _check_prompt(prompt_token_ids, vocab_size: int) -> tuple[int, ...]:

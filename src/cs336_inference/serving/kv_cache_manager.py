@@ -15,6 +15,8 @@ that removes external fragmentation, and lets two tables point at the same block
 - `cache_blocks(seq, token_ids)`: name the full blocks whose K/V this step computes, so later
   sequences, and those admitted later in the same step, with the same prefix share them.
 - `free(seq)`: let go of every block (freed ones keep their prefix-cache name until reused).
+- `truncate(seq, n)`: speculative decoding's rollback: keep the first n slots, free the blocks the
+  rejected drafts took (never a shared or named block).
 
 This class is the edge of paging: it checks sequence ids, token ids and counts once, and every refused
 call (out of blocks, unknown or duplicate sequence) raises before changing anything. Block ids come only
@@ -175,6 +177,39 @@ class KVCacheManager:
         if token_ids is not None and self.pool.prefix_caching and table.num_tokens >= (len(table.cached) + 1) * bs:
             self._name_full_blocks(table, token_ids)   # a block was filled (a decode fills one every bs steps)
         return copies
+
+    def blocks_to_append(self, seq_id: Hashable, num_new_tokens: int) -> int:
+        """Free blocks `allocate_slots(seq_id, num_new_tokens)` would take (new blocks, plus a
+        copy-on-write of a shared, partly filled last block)."""
+        table = self.table(seq_id)
+        blocks, bs = table.blocks, self.block_size
+        shared_last = table.num_tokens < len(blocks) * bs and self.pool.ref_counts[blocks[-1]] > 1
+        return shared_last + blocks_for(table.num_tokens + num_new_tokens, bs) - len(blocks)
+
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> int:
+        """Roll `seq_id` back to its first `num_tokens` slots (speculative decoding: the rejected drafts'
+        slots go); blocks past them are freed, last first. Returns how many blocks were freed.
+
+        Only blocks this sequence holds alone and that no prefix-cache name points at may go: the slots
+        of a rollback were reserved this step by `allocate_slots` (fresh or copied-on-write blocks), so
+        a shared or named block past `num_tokens` means the caller rolls back too far, and it raises
+        ValueError before changing anything. Blocks kept are untouched (their stale slots past
+        `num_tokens` are overwritten by the next tokens before anything reads them)."""
+        table = self.table(seq_id)
+        _checks.integer("num_tokens", num_tokens, len(table.cached) * self.block_size, table.num_tokens,
+                        allowed=f"an int in [{len(table.cached) * self.block_size}, {table.num_tokens}] "
+                                f"(the named prefix blocks stay; a table only shrinks)")
+        keep = blocks_for(num_tokens, self.block_size)
+        for block in table.blocks[keep:]:
+            if self.pool.ref_counts[block] != 1 or self.pool.is_named(block):
+                raise ValueError(f"sequence {seq_id!r}: block {block} past {num_tokens} tokens is shared or named "
+                                 f"in the prefix cache; a rollback frees only the slots it reserved")
+        freed = table.blocks[keep:]
+        for block in reversed(freed):
+            self.pool.free(block)
+        del table.blocks[keep:]
+        table.num_tokens = num_tokens
+        return len(freed)
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> list[tuple[int, int]]:
         """`child_id` starts as a copy of `parent_id`, sharing all of its blocks: no data is copied

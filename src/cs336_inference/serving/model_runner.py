@@ -3,8 +3,9 @@
 Prefills bring the uncached part of their prompt, decodes their last sampled token; all of them are
 concatenated into one row of sum(T_b) tokens (no padding), run through the model's own forward as
 one `PagedStep` (the model's `ForwardStep` contract), and the logits of each sequence's last token
-come back, (B, V). The runner is the model's edge: it checks the token ids and lengths here, on host
-lists, so the forward itself never reads a value back from the device.
+come back, (B, V) (with speculative decoding, a decode row also brings its drafts and gets the logits
+of all of them: `serving/speculative.py`). The runner is the model's edge: it checks the token ids and
+lengths here, on host lists, so the forward itself never reads a value back from the device.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class StepInputs:
     query_lens: list[int]
     copies: list[tuple[int, int]]
     num_prefills: int
+    logit_rows: list[int] | None = None   # speculative decoding: rows whose logits come back (else each last)
 
 
 class ModelRunner:
@@ -43,6 +45,8 @@ class ModelRunner:
         self.model = model
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.decode = decode
+        self.capture_features = False   # a Medusa/EAGLE proposer's engine sets it: `features` after each run
+        self.features: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @staticmethod
     def num_blocks_for(model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
@@ -83,14 +87,25 @@ class ModelRunner:
             tables.append(manager.tables[seq.seq_id].blocks)
             context_lens.append(start + n)
             query_lens.append(n)
+        verify = False
         for seq in batch.decodes:  # the last sampled token, at the slot just reserved for it
             table = manager.tables[seq.seq_id]   # the scheduler's own sequences: no check needed
             ids.append(seq.token_ids[-1])
             tables.append(table.blocks)
             context_lens.append(table.num_tokens)
-            query_lens.append(1)
-        return StepInputs(ids, tables, context_lens, query_lens, list(batch.copies),
-                          len(batch.prefills))
+            if seq.draft_token_ids:   # speculative decoding: its drafts follow, verified in this forward
+                ids.extend(seq.draft_token_ids)
+                query_lens.append(1 + len(seq.draft_token_ids))
+                verify = True
+            else:
+                query_lens.append(1)
+        inputs = StepInputs(ids, tables, context_lens, query_lens, list(batch.copies), len(batch.prefills))
+        if verify:   # logits at each prefill's last token and at every token of each decode
+            inputs.logit_rows, end = [], 0
+            for i, n in enumerate(query_lens):
+                end += n
+                inputs.logit_rows.extend(range(end - n, end) if i >= inputs.num_prefills else (end - 1,))
+        return inputs
 
     @torch.inference_mode()
     def run(self, step_inputs: StepInputs) -> torch.Tensor:
@@ -100,9 +115,38 @@ class ModelRunner:
         self.check_step(ids, context_lens)
         step = self.cache.step(step_inputs.tables, context_lens, step_inputs.query_lens)
         token_ids = torch.tensor([ids], device=self.model.device)            # (1, sum T)
+        if step_inputs.logit_rows is not None:   # a speculative verify: (R, V), eager (ragged query lengths)
+            step.logit_rows = torch.tensor(step_inputs.logit_rows, device=self.model.device)
+        if self.capture_features:
+            return self._run_capturing_features(token_ids, step)
+        if step_inputs.logit_rows is not None:
+            return self.model(token_ids, step=step, last_only=True)[0]
         if self.decode is not None and not step_inputs.num_prefills and max(context_lens) > self.cache.block_size:
             return self.decode(token_ids, step)                               # (B, V)
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
+
+    def _run_capturing_features(self, token_ids: torch.Tensor, step) -> torch.Tensor:
+        """The eager forward, keeping the target's hidden states at the rows whose logits come back:
+        `features` = (last hidden state (R, D): the input of the final norm; second-to-top (R, D): the
+        input of the last layer), for a proposer that drafts from them (see `serving/speculative.py`)."""
+        model, kept = self.model, {}
+
+        def second_to_top(module, args):
+            rows = step.layout.last_rows if step.logit_rows is None else step.logit_rows
+            kept["second"] = args[0][0, rows]
+
+        def last_hidden(module, args):
+            kept["last"] = args[0][0]
+
+        hooks = [model.layers[-1].register_forward_pre_hook(second_to_top),
+                 model.ln_final.register_forward_pre_hook(last_hidden)]
+        try:
+            logits = model(token_ids, step=step, last_only=True)[0]
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.features = (kept["last"], kept["second"])
+        return logits
 
     def check_step(self, ids: list[int], context_lens: list[int]) -> None:
         """The edge checks of a step, on host data: ids in the vocabulary, no sequence past the context."""

@@ -2,7 +2,9 @@
 
 Requests run in arrival order, each sample of an n > 1 request after the other, plainly (`generate`)
 or with speculative decoding (a draft model or prompt lookup): speculative decoding speeds up one
-sequence, a latency technique the batching `Engine` does not use. Each token gets the time its pass
+sequence, a latency technique. The batching `Engine` runs it too, for every running sequence at once
+(`Engine(model, speculative="prompt_lookup")`, see `serving/speculative.py` and `bench
+serving_speculative`); this baseline keeps the one-sequence loop for comparison. Each token gets the time its pass
 finished (the tokens of one speculative pass arrive together, one chunk for ITL, as a stream
 delivers them), and the clock jumps over idle gaps between arrivals like the engine's, so the
 records feed the same `benchmark_metrics`.

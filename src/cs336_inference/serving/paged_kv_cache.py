@@ -33,10 +33,12 @@ class PagedStep(ForwardStep):
     slot_mapping: torch.Tensor  # (sum T,) pool slot of each new token's K/V
     layout: PagedLayout         # block tables, query rows and masks, shared by every layer
     layers: list                # the layer pools (one object per cross-layer group)
+    logit_rows: torch.Tensor | None = None   # speculative verification: the rows to keep instead (R,)
 
     def select_last(self, x: torch.Tensor) -> torch.Tensor:
-        """x (1, sum T, D) -> (1, B, D): the last new token of every sequence (its logits are sampled)."""
-        return x[:, self.layout.last_rows]
+        """x (1, sum T, D) -> (1, B, D): the last new token of every sequence (its logits are sampled);
+        with `logit_rows`, (1, R, D): those rows (a decode's last token and all its drafts)."""
+        return x[:, self.layout.last_rows if self.logit_rows is None else self.logit_rows]
 
     def commit(self) -> None:
         """Nothing to stage: `update` wrote only the slots of this step's new tokens, which no sequence

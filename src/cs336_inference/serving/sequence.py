@@ -42,6 +42,13 @@ class Sequence:
     finish_reason: str | None = None
     num_preemptions: int = 0
     prompt_len: int = field(init=False)   # len(request.prompt), kept: the hot loop reads it every step
+    # speculative decoding (`serving/speculative.py`): this step's proposed tokens and the distribution
+    # each was drawn from ((k, V), None: one-hot), the proposer's own per-sequence state, and how many
+    # tokens the last step appended (1 without speculation)
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+    proposer_state: object = None
+    num_new_tokens: int = 1
 
     def __post_init__(self):
         if not self.token_ids:
