@@ -576,6 +576,10 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    if _collecting is not None:                     # `each` gathers the calls, to make them in one message
+        deferred = _Deferred()
+        _collecting.append((name, args, kwargs, returns, handle, attr, deferred))
+        return deferred
     try:
         return _call(sandbox, name, args, kwargs, returns, handle, attr)
     except BaseException:
@@ -586,9 +590,10 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
 def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns, handle, attr):
     generators: list = []
     grad_inputs: list = []
+    sent: dict = {}
     message = {"op": "call" if handle is None else "method", "name": name, "handle": handle, "attr": attr,
-               "args": _prepare(args, generators, grad_inputs), "kwargs": _prepare(kwargs or {}, generators,
-                                                                                   grad_inputs),
+               "args": _prepare(args, generators, grad_inputs, sent=sent),
+               "kwargs": _prepare(kwargs or {}, generators, grad_inputs, sent=sent),
                "object": isinstance(returns, dict), "rng": sandbox.rng_to_send(), "watch": _watch_request()}
     watchers = list(_watchers)
     guard._calls.append(name)
@@ -609,22 +614,122 @@ def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns
     return guard.check(name, decode(name, value), returns)
 
 
-def _prepare(value, generators: list, grad_inputs: list, depth: int = 0):
-    """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked."""
+# --- many graded calls in one message ---------------------------------------------------------------------------
+
+_collecting: list | None = None     # the graded calls `each` is gathering (None: every call runs at once)
+
+
+class _Deferred:
+    """What a graded call returns while `each` gathers calls: the adapter must hand it back as it is."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<a graded call gathered by each(); its result is not known yet>"
+
+
+def each(fn, calls) -> list:
+    """[fn(*args) for args in calls], where each fn(*args) makes one graded call of the same function (or method of
+    one graded object) and returns its result as it is (an adapter such as run_speculative_accept, or a graded
+    object's method): the calls travel to the worker in one message and run there in order (`call_many`), as
+    they would one by one. Anything else (a watched call, one that returns an object, takes tensors that need
+    gradients or reaches a package that defines the name only under a former one) is made one by one."""
+    global _collecting
+    import implementation
+    calls = [tuple(args) for args in calls]
+    gathered, results = [], []
+    _collecting = gathered
+    try:
+        for args in calls:
+            results.append(fn(*args))
+    finally:
+        _collecting = None
+    keys = {(g[0], repr(g[3]), g[4], g[5]) for g in gathered}
+    if len(gathered) != len(calls) or len(keys) > 1 or any(r is not g[6] for r, g in zip(results, gathered)):
+        raise TypeError("each(fn, calls): every fn(*args) must make exactly one graded call, of one function or "
+                        "method, and return its result unchanged")
+    if not gathered:
+        return []
+    name, _, _, returns, handle, attr, _ = gathered[0]
+    try:
+        return call_many(name, [(g[1], g[2]) for g in gathered], returns, handle, attr)
+    except implementation.NotImplementedGraded as missing:
+        if handle is not None or f"defines no {name}" not in str(missing):
+            raise
+        return [fn(*args) for args in calls]      # a former name, perhaps: the adapter looks for it
+
+
+def call_many(name: str, calls: list, returns="any", handle=None, attr=None) -> list:
+    """[call(name, args, kwargs, returns, handle, attr) for args, kwargs in calls], in one round trip to the
+    worker. Each call is the one it would be alone: its own copies of the tensors, the same generators (their
+    states carry from call to call and come back), torch's global RNG carried along, its result decoded and
+    checked on its own; the first call that raises ends the batch with that call's exception, after the
+    random states of the calls before it came back."""
+    sandbox = _active
+    if sandbox is None:
+        raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    try:
+        return _call_many(sandbox, name, calls, returns, handle, attr)
+    except BaseException:
+        sandbox.dirty = True
+        raise
+
+
+def _call_many(sandbox: Sandbox, name: str, calls: list, returns, handle, attr) -> list:
+    generators: list = []
+    grad_inputs: list = []
+    sent: dict = {}
+    prepared = [(_prepare(args, generators, grad_inputs, sent=sent),
+                 _prepare(kwargs or {}, generators, grad_inputs, sent=sent)) for args, kwargs in calls]
+    if _watchers or grad_inputs or isinstance(returns, dict):
+        return [_call(sandbox, name, args, kwargs, returns, handle, attr) for args, kwargs in calls]
+    message = {"op": "many", "op_of_each": "call" if handle is None else "method", "name": name, "handle": handle,
+               "attr": attr, "calls": prepared, "rng": sandbox.rng_to_send()}
+    guard._calls.append(name)
+    try:
+        reply = sandbox.request(name, message)
+    finally:
+        guard._calls.pop()
+    if reply.get("kind") != "many":
+        _outcome(name, reply, sandbox)                 # "missing" raises; a value here breaks the protocol
+        raise sandbox._fail(f"{name}: the worker answered a batch of calls with a single reply")
+    values, failure = reply.get("values"), reply.get("failure")
+    if type(values) is not list or len(values) > len(calls) or (failure is None) != (len(values) == len(calls)) \
+            or (failure is not None and type(failure) is not dict):
+        raise sandbox._fail(f"{name}: the worker sent a malformed reply to a batch of calls")
+    _restore_rng(name, reply, generators)
+    if failure is not None:
+        sandbox.rng_known = None             # the failed call may have drawn numbers: send the state again next time
+    out = [guard.check(name, decode(name, value), returns) for value in values]
+    if failure is not None:
+        _outcome(name, failure, sandbox)
+        raise sandbox._fail(f"{name}: the worker reported a failure of kind {_text(failure.get('kind'), 60)!r} "
+                            f"in a batch of calls")
+    return out
+
+
+def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: dict | None = None):
+    """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked. A generator
+    passed twice (in one call, or in several calls of a batch: `sent` remembers them) is one generator there too."""
+    sent = {} if sent is None else sent
     if isinstance(value, torch.Generator):
-        generators.append(value)
-        return GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
+        if id(value) not in sent:
+            generators.append(value)
+            sent[id(value)] = GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
+        return sent[id(value)]
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             grad_inputs.append(value)
             return GradArg(len(grad_inputs) - 1, value.detach().clone())
         if type(value) is torch.Tensor and value.layout == torch.strided:
-            return TensorArg(value)
+            if ("tensor", id(value)) not in sent:    # the worker makes a tensor of its own from it at each use
+                sent["tensor", id(value)] = TensorArg(value)
+            return sent["tensor", id(value)]
         return value.detach()
     if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
-        return type(value)(_prepare(v, generators, grad_inputs, depth + 1) for v in value)
+        return type(value)(_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value)
     if depth < guard.MAX_DEPTH and type(value) is dict:
-        return {k: _prepare(v, generators, grad_inputs, depth + 1) for k, v in value.items()}
+        return {k: _prepare(v, generators, grad_inputs, depth + 1, sent) for k, v in value.items()}
     return value
 
 
