@@ -88,9 +88,16 @@ class Supervisor:
         self.sock = ours
         self.sock.settimeout(START_TIMEOUT)
         _send(self.sock, {"sys_path": list(sys.path), "preload": PRELOAD})
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Until the supervisor has imported torch and the library (it is started without waiting for that)."""
+        if self.ready:
+            return
         ready = _recv(self.sock, time.monotonic() + START_TIMEOUT, "the sandbox's supervisor")
         if not isinstance(ready, dict) or ready.get("ready") != self.proc.pid:
             raise SandboxError(f"the sandbox's supervisor did not start: {ready!r}")
+        self.ready = True
 
     @property
     def pid(self) -> int:
@@ -120,11 +127,22 @@ class Supervisor:
 
 
 def supervisor() -> Supervisor:
-    """The supervisor of this grader process (started on first use, reused by every run in the process)."""
+    """The supervisor of this grader process (started on first use or by `prestart`, reused by every run in the
+    process), ready to fork a package root."""
     global _supervisor
     if _supervisor is None or not _supervisor.alive():
         _supervisor = Supervisor()
+    _supervisor.wait_ready()
     return _supervisor
+
+
+def prestart() -> None:
+    """Start the supervisor without waiting for it: its imports (seconds) overlap the grader's collection. It
+    learns nothing it would not learn later (its argv, environment and setup are the same) and runs no
+    student code; `supervisor()` waits for it when the package is imported."""
+    global _supervisor
+    if _supervisor is None or not _supervisor.alive():
+        _supervisor = Supervisor()
 
 
 @atexit.register
