@@ -6,8 +6,9 @@ worker process (tests/sandbox_worker.py), which calls the student's function and
 code it was sent (no pickle from the worker is ever loaded), and tests/guard.py checks the kind the adapter
 asked for. Comparisons, points and results.json stay in this process.
 
-The processes: a *supervisor* spawned once per grader process (`python -I`, its own argv and an environment
-without the grader's options: it never learns where results.json goes) imports torch and the library and is
+The processes: a *supervisor* spawned once per grader process, when pytest is configured (`prestart`: its imports
+overlap collection; `python -I`, its own argv and an environment without the grader's options: it never learns
+where results.json goes) imports torch and the library and is
 the child subreaper of everything below it; per grading run it forks a *package root* (a new session) that
 imports the package once; the root forks a *worker* with only the socket the grader gave it (and /dev/null)
 open and its address space limited. A reply has until the test's deadline (`--graded-timeout` from the
@@ -31,6 +32,12 @@ Per test a worker keeps what graded calls returned as objects (`RemoteObject`: a
 calls are graded calls of their own) and the autograd graphs of results that need gradients (their backward
 runs in the worker, `_RemoteGrad`). torch's global RNG state and the state of every torch.Generator argument
 travel with each call and come back, so graded code draws exactly the numbers it would draw in-process.
+
+A test that makes thousands of graded calls of one function (or one method of a graded object) sends them in
+one message (`each`, through tests/adapters.py `each`): the worker makes them in order, exactly as one by one
+(the same generators and torch's RNG carried from call to call; each result decoded and checked here on its
+own) and stops at the first that raises, whose exception the test gets, with the random states from before
+that call. One round trip instead of thousands is what keeps the --impl run near the in-process one.
 """
 
 from __future__ import annotations
