@@ -17,16 +17,17 @@ within (tests x timeout + a margin) whatever the package does. When the run ends
 package's goes (a double fork or a new session does not escape: orphans are re-parented to the supervisor).
 
 A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every
-process below the supervisor but the package root killed, before the next test whenever anything went wrong
-in this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the
-grader refused; or, at the end of the test, the worker does not answer "reset" in time, reports that its
-interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`: torch
-patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process
-it started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the
-package root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never
-depends on the grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker
-carries nothing to the next test that a fresh one could not read from a file written during this one (the
-package's processes share the user's files), and no graded call is ever sent an expected answer.
+process below the supervisor but the package root killed, before the next test whenever anything went wrong in
+this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the grader
+refused; or, at the end of the test (the "reset" is sent as the call phase ends where no code of the test runs
+after it, so the worker's check overlaps the grader's own), the worker does not answer "reset" in time, reports
+that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
+torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process it
+started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the package
+root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never depends on the
+grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker carries nothing to the
+next test that a fresh one could not read from a file written during this one (the package's processes share the
+user's files), and no graded call is ever sent an expected answer.
 
 Per test a worker keeps what graded calls returned as objects (`RemoteObject`: attribute reads and method
 calls are graded calls of their own) and the autograd graphs of results that need gradients (their backward
@@ -310,6 +311,7 @@ class Sandbox:
         self.floor = -1                      # every pid above it was allocated after the last check of the worker
         self.worker_pid: int | None = None   # found in /proc (a child of the package root), not told by the worker
         self.workers_started = 0
+        self.reset_sent: float | None = None  # the deadline of a "reset" sent ahead (`send_reset`), reply not read
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -342,6 +344,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if self.root is not None and _supervisor is not None:
             kill_tree(_supervisor.pid, keep=())
         else:
@@ -395,12 +398,39 @@ class Sandbox:
         if not keep:
             self._replace_worker()
 
+    def send_reset(self) -> None:
+        """The end of a test's call phase when nothing of the test runs after it (tests/grading.py: no fixture
+        of its own): "reset" is sent now, so the worker checks itself while the grader compares its own
+        interpreter; `end_test` reads the reply. Sent only where end_test would send it (a worker that did
+        nothing wrong), with the same deadline."""
+        if self.worker is None or self.dirty or self.failure is not None or self.reset_sent is not None:
+            return
+        deadline = self._deadline()
+        try:
+            self.worker.settimeout(max(0.001, deadline - time.monotonic()))
+            _send(self.worker, {"op": "reset"})
+        except OSError:
+            self.dirty = True                 # end_test replaces it
+            return
+        self.reset_sent = deadline
+
+    def _reset_reply(self):
+        """The reply to the "reset" sent ahead (the same errors as `request`'s)."""
+        deadline, self.reset_sent = self.reset_sent, None
+        try:
+            reply = _recv(self.worker, deadline, "reset")
+        except (TimeoutError, guard.GradedTimeout):
+            raise self._fail(f"timed out after {self.timeout:g} s in reset", timeout=True) from None
+        except (OSError, WorkerGone, pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise self._fail(f"reset ended the process it ran in, or broke its protocol ({err})") from None
+        return reply
+
     def _reusable(self) -> bool:
         sup = _supervisor
         if sup is None or not sup.alive() or self.root is None or not _is_child(self.root, sup.pid):
             return False
         try:
-            reply = self.request("reset", {"op": "reset"})
+            reply = self._reset_reply() if self.reset_sent is not None else self.request("reset", {"op": "reset"})
         except BaseException:   # noqa: B036  (timed out, ended, broke the protocol: already killed)
             return False
         return type(reply) is dict and reply.get("kind") == "reset" and reply.get("clean") is True and self._alone()
@@ -447,6 +477,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if _supervisor is not None and self.root is not None:
             kill_tree(_supervisor.pid, keep=(self.root,))      # and the orphans re-parented to the grader
         else:
@@ -458,6 +489,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if _supervisor is not None:
             kill_tree(_supervisor.pid, keep=(self.root,) if self.root is not None else ())
         return (guard.GradedTimeout if timeout else WorkerGone)(message)
@@ -482,7 +514,7 @@ class Sandbox:
             raise self._fail(f"the package's process did not start a worker ({err})") from None
         finally:
             theirs.close()
-        self.worker, self.generation = ours, self.generation + 1
+        self.worker, self.generation, self.reset_sent = ours, self.generation + 1, None
         self.workers_started += 1
         return ours
 
@@ -490,6 +522,9 @@ class Sandbox:
         """Send one request, wait for its reply until the test's deadline, decode it."""
         if self.failure is not None:
             raise WorkerGone(f"not run: {self.failure}")
+        if self.reset_sent is not None:        # a call after the test's call phase (send_reset said none comes)
+            self._reset_reply()
+            self.dirty = True                  # its objects are gone: replaced after this test
         sock = self._worker()
         deadline = self._deadline()
         try:

@@ -93,6 +93,19 @@ def test_a_batch_of_method_calls_of_a_graded_object():
     assert each(alloc.ref_count, []) == []
 
 
+@pytest.fixture
+def allocator():
+    alloc = make_block_allocator(4, 2)
+    yield alloc
+    block = alloc.allocate()                                    # graded calls after the test's call phase
+    assert alloc.ref_count(block) == 1
+
+
+def test_a_fixture_makes_graded_calls_after_the_call_phase(allocator):
+    """The worker's end-of-test check is sent early only when nothing of the test runs after its call phase."""
+    assert each(allocator.ref_count, [(b,) for b in range(4)]) == [0] * 4
+
+
 def test_package_a_refused_result_fails_the_batch():
     rows = _rows(10)
     rows[4] = torch.full((1, 6), 42.0)                         # the package returns a str for it
@@ -149,10 +162,10 @@ def test_a_batch_in_the_worker_behaves_as_the_calls_one_by_one(tmp_path):
     (package / "__init__.py").write_text(textwrap.dedent(PACKAGE))
     rc, tests, log = _grade(tmp_path, "test_each", "--impl", package)
     assert rc == 0, log[-3000:]
-    assert len(tests) == 10 and all(t["status"] == "passed" for t in tests.values()), tests
+    assert len(tests) == 11 and all(t["status"] == "passed" for t in tests.values()), tests
 
 
 def test_each_in_process_is_the_loop(tmp_path):
     rc, tests, log = _grade(tmp_path, "test_each and not package")
     assert rc == 0, log[-3000:]
-    assert len(tests) == 5 and all(t["status"] == "passed" for t in tests.values()), tests
+    assert len(tests) == 6 and all(t["status"] == "passed" for t in tests.values()), tests
