@@ -6,8 +6,9 @@ worker process (tests/sandbox_worker.py), which calls the student's function and
 code it was sent (no pickle from the worker is ever loaded), and tests/guard.py checks the kind the adapter
 asked for. Comparisons, points and results.json stay in this process.
 
-The processes: a *supervisor* spawned once per grader process (`python -I`, its own argv and an environment
-without the grader's options: it never learns where results.json goes) imports torch and the library and is
+The processes: a *supervisor* spawned once per grader process, when pytest is configured (`prestart`: its imports
+overlap collection; `python -I`, its own argv and an environment without the grader's options: it never learns
+where results.json goes) imports torch and the library and is
 the child subreaper of everything below it; per grading run it forks a *package root* (a new session) that
 imports the package once; the root forks a *worker* with only the socket the grader gave it (and /dev/null)
 open and its address space limited. A reply has until the test's deadline (`--graded-timeout` from the
@@ -16,21 +17,28 @@ within (tests x timeout + a margin) whatever the package does. When the run ends
 package's goes (a double fork or a new session does not escape: orphans are re-parented to the supervisor).
 
 A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every
-process below the supervisor but the package root killed, before the next test whenever anything went wrong
-in this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the
-grader refused; or, at the end of the test, the worker does not answer "reset" in time, reports that its
-interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`: torch
-patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process
-it started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the
-package root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never
-depends on the grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker
-carries nothing to the next test that a fresh one could not read from a file written during this one (the
-package's processes share the user's files), and no graded call is ever sent an expected answer.
+process below the supervisor but the package root killed, before the next test whenever anything went wrong in
+this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the grader
+refused; or, at the end of the test (the "reset" is sent as the call phase ends where no code of the test runs
+after it, so the worker's check overlaps the grader's own), the worker does not answer "reset" in time, reports
+that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
+torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process it
+started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the package
+root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never depends on the
+grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker carries nothing to the
+next test that a fresh one could not read from a file written during this one (the package's processes share the
+user's files), and no graded call is ever sent an expected answer.
 
 Per test a worker keeps what graded calls returned as objects (`RemoteObject`: attribute reads and method
 calls are graded calls of their own) and the autograd graphs of results that need gradients (their backward
 runs in the worker, `_RemoteGrad`). torch's global RNG state and the state of every torch.Generator argument
 travel with each call and come back, so graded code draws exactly the numbers it would draw in-process.
+
+A test that makes thousands of graded calls of one function (or one method of a graded object) sends them in
+one message (`each`, through tests/adapters.py `each`): the worker makes them in order, exactly as one by one
+(the same generators and torch's RNG carried from call to call; each result decoded and checked here on its
+own) and stops at the first that raises, whose exception the test gets, with the random states from before
+that call. One round trip instead of thousands is what keeps the --impl run near the in-process one.
 """
 
 from __future__ import annotations
@@ -88,9 +96,16 @@ class Supervisor:
         self.sock = ours
         self.sock.settimeout(START_TIMEOUT)
         _send(self.sock, {"sys_path": list(sys.path), "preload": PRELOAD})
+        self.ready = False
+
+    def wait_ready(self) -> None:
+        """Until the supervisor has imported torch and the library (it is started without waiting for that)."""
+        if self.ready:
+            return
         ready = _recv(self.sock, time.monotonic() + START_TIMEOUT, "the sandbox's supervisor")
         if not isinstance(ready, dict) or ready.get("ready") != self.proc.pid:
             raise SandboxError(f"the sandbox's supervisor did not start: {ready!r}")
+        self.ready = True
 
     @property
     def pid(self) -> int:
@@ -120,11 +135,22 @@ class Supervisor:
 
 
 def supervisor() -> Supervisor:
-    """The supervisor of this grader process (started on first use, reused by every run in the process)."""
+    """The supervisor of this grader process (started on first use or by `prestart`, reused by every run in the
+    process), ready to fork a package root."""
     global _supervisor
     if _supervisor is None or not _supervisor.alive():
         _supervisor = Supervisor()
+    _supervisor.wait_ready()
     return _supervisor
+
+
+def prestart() -> None:
+    """Start the supervisor without waiting for it: its imports (seconds) overlap the grader's collection. It
+    learns nothing it would not learn later (its argv, environment and setup are the same) and runs no
+    student code; `supervisor()` waits for it when the package is imported."""
+    global _supervisor
+    if _supervisor is None or not _supervisor.alive():
+        _supervisor = Supervisor()
 
 
 @atexit.register
@@ -285,6 +311,7 @@ class Sandbox:
         self.floor = -1                      # every pid above it was allocated after the last check of the worker
         self.worker_pid: int | None = None   # found in /proc (a child of the package root), not told by the worker
         self.workers_started = 0
+        self.reset_sent: float | None = None  # the deadline of a "reset" sent ahead (`send_reset`), reply not read
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -317,6 +344,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if self.root is not None and _supervisor is not None:
             kill_tree(_supervisor.pid, keep=())
         else:
@@ -370,12 +398,39 @@ class Sandbox:
         if not keep:
             self._replace_worker()
 
+    def send_reset(self) -> None:
+        """The end of a test's call phase when nothing of the test runs after it (tests/grading.py: no fixture
+        of its own): "reset" is sent now, so the worker checks itself while the grader compares its own
+        interpreter; `end_test` reads the reply. Sent only where end_test would send it (a worker that did
+        nothing wrong), with the same deadline."""
+        if self.worker is None or self.dirty or self.failure is not None or self.reset_sent is not None:
+            return
+        deadline = self._deadline()
+        try:
+            self.worker.settimeout(max(0.001, deadline - time.monotonic()))
+            _send(self.worker, {"op": "reset"})
+        except OSError:
+            self.dirty = True                 # end_test replaces it
+            return
+        self.reset_sent = deadline
+
+    def _reset_reply(self):
+        """The reply to the "reset" sent ahead (the same errors as `request`'s)."""
+        deadline, self.reset_sent = self.reset_sent, None
+        try:
+            reply = _recv(self.worker, deadline, "reset")
+        except (TimeoutError, guard.GradedTimeout):
+            raise self._fail(f"timed out after {self.timeout:g} s in reset", timeout=True) from None
+        except (OSError, WorkerGone, pickle.UnpicklingError, EOFError, ValueError) as err:
+            raise self._fail(f"reset ended the process it ran in, or broke its protocol ({err})") from None
+        return reply
+
     def _reusable(self) -> bool:
         sup = _supervisor
         if sup is None or not sup.alive() or self.root is None or not _is_child(self.root, sup.pid):
             return False
         try:
-            reply = self.request("reset", {"op": "reset"})
+            reply = self._reset_reply() if self.reset_sent is not None else self.request("reset", {"op": "reset"})
         except BaseException:   # noqa: B036  (timed out, ended, broke the protocol: already killed)
             return False
         return type(reply) is dict and reply.get("kind") == "reset" and reply.get("clean") is True and self._alone()
@@ -422,6 +477,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if _supervisor is not None and self.root is not None:
             kill_tree(_supervisor.pid, keep=(self.root,))      # and the orphans re-parented to the grader
         else:
@@ -433,6 +489,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+            self.reset_sent = None
         if _supervisor is not None:
             kill_tree(_supervisor.pid, keep=(self.root,) if self.root is not None else ())
         return (guard.GradedTimeout if timeout else WorkerGone)(message)
@@ -457,7 +514,7 @@ class Sandbox:
             raise self._fail(f"the package's process did not start a worker ({err})") from None
         finally:
             theirs.close()
-        self.worker, self.generation = ours, self.generation + 1
+        self.worker, self.generation, self.reset_sent = ours, self.generation + 1, None
         self.workers_started += 1
         return ours
 
@@ -465,6 +522,9 @@ class Sandbox:
         """Send one request, wait for its reply until the test's deadline, decode it."""
         if self.failure is not None:
             raise WorkerGone(f"not run: {self.failure}")
+        if self.reset_sent is not None:        # a call after the test's call phase (send_reset said none comes)
+            self._reset_reply()
+            self.dirty = True                  # its objects are gone: replaced after this test
         sock = self._worker()
         deadline = self._deadline()
         try:
@@ -576,6 +636,10 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    if _collecting is not None:                     # `each` gathers the calls, to make them in one message
+        deferred = _Deferred()
+        _collecting.append((name, args, kwargs, returns, handle, attr, deferred))
+        return deferred
     try:
         return _call(sandbox, name, args, kwargs, returns, handle, attr)
     except BaseException:
@@ -586,9 +650,10 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
 def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns, handle, attr):
     generators: list = []
     grad_inputs: list = []
+    sent: dict = {}
     message = {"op": "call" if handle is None else "method", "name": name, "handle": handle, "attr": attr,
-               "args": _prepare(args, generators, grad_inputs), "kwargs": _prepare(kwargs or {}, generators,
-                                                                                   grad_inputs),
+               "args": _prepare(args, generators, grad_inputs, sent=sent),
+               "kwargs": _prepare(kwargs or {}, generators, grad_inputs, sent=sent),
                "object": isinstance(returns, dict), "rng": sandbox.rng_to_send(), "watch": _watch_request()}
     watchers = list(_watchers)
     guard._calls.append(name)
@@ -609,22 +674,122 @@ def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns
     return guard.check(name, decode(name, value), returns)
 
 
-def _prepare(value, generators: list, grad_inputs: list, depth: int = 0):
-    """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked."""
+# --- many graded calls in one message ---------------------------------------------------------------------------
+
+_collecting: list | None = None     # the graded calls `each` is gathering (None: every call runs at once)
+
+
+class _Deferred:
+    """What a graded call returns while `each` gathers calls: the adapter must hand it back as it is."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<a graded call gathered by each(); its result is not known yet>"
+
+
+def each(fn, calls) -> list:
+    """[fn(*args) for args in calls], where each fn(*args) makes one graded call of the same function (or method of
+    one graded object) and returns its result as it is (an adapter such as run_speculative_accept, or a graded
+    object's method): the calls travel to the worker in one message and run there in order (`call_many`), as
+    they would one by one. Anything else (a watched call, one that returns an object, takes tensors that need
+    gradients or reaches a package that defines the name only under a former one) is made one by one."""
+    global _collecting
+    import implementation
+    calls = [tuple(args) for args in calls]
+    gathered, results = [], []
+    _collecting = gathered
+    try:
+        for args in calls:
+            results.append(fn(*args))
+    finally:
+        _collecting = None
+    keys = {(g[0], repr(g[3]), g[4], g[5]) for g in gathered}
+    if len(gathered) != len(calls) or len(keys) > 1 or any(r is not g[6] for r, g in zip(results, gathered)):
+        raise TypeError("each(fn, calls): every fn(*args) must make exactly one graded call, of one function or "
+                        "method, and return its result unchanged")
+    if not gathered:
+        return []
+    name, _, _, returns, handle, attr, _ = gathered[0]
+    try:
+        return call_many(name, [(g[1], g[2]) for g in gathered], returns, handle, attr)
+    except implementation.NotImplementedGraded as missing:
+        if handle is not None or f"defines no {name}" not in str(missing):
+            raise
+        return [fn(*args) for args in calls]      # a former name, perhaps: the adapter looks for it
+
+
+def call_many(name: str, calls: list, returns="any", handle=None, attr=None) -> list:
+    """[call(name, args, kwargs, returns, handle, attr) for args, kwargs in calls], in one round trip to the
+    worker. Each call is the one it would be alone: its own copies of the tensors, the same generators (their
+    states carry from call to call and come back), torch's global RNG carried along, its result decoded and
+    checked on its own; the first call that raises ends the batch with that call's exception, after the
+    random states of the calls before it came back."""
+    sandbox = _active
+    if sandbox is None:
+        raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    try:
+        return _call_many(sandbox, name, calls, returns, handle, attr)
+    except BaseException:
+        sandbox.dirty = True
+        raise
+
+
+def _call_many(sandbox: Sandbox, name: str, calls: list, returns, handle, attr) -> list:
+    generators: list = []
+    grad_inputs: list = []
+    sent: dict = {}
+    prepared = [(_prepare(args, generators, grad_inputs, sent=sent),
+                 _prepare(kwargs or {}, generators, grad_inputs, sent=sent)) for args, kwargs in calls]
+    if _watchers or grad_inputs or isinstance(returns, dict):
+        return [_call(sandbox, name, args, kwargs, returns, handle, attr) for args, kwargs in calls]
+    message = {"op": "many", "op_of_each": "call" if handle is None else "method", "name": name, "handle": handle,
+               "attr": attr, "calls": prepared, "rng": sandbox.rng_to_send()}
+    guard._calls.append(name)
+    try:
+        reply = sandbox.request(name, message)
+    finally:
+        guard._calls.pop()
+    if reply.get("kind") != "many":
+        _outcome(name, reply, sandbox)                 # "missing" raises; a value here breaks the protocol
+        raise sandbox._fail(f"{name}: the worker answered a batch of calls with a single reply")
+    values, failure = reply.get("values"), reply.get("failure")
+    if type(values) is not list or len(values) > len(calls) or (failure is None) != (len(values) == len(calls)) \
+            or (failure is not None and type(failure) is not dict):
+        raise sandbox._fail(f"{name}: the worker sent a malformed reply to a batch of calls")
+    _restore_rng(name, reply, generators)
+    if failure is not None:
+        sandbox.rng_known = None             # the failed call may have drawn numbers: send the state again next time
+    out = [guard.check(name, decode(name, value), returns) for value in values]
+    if failure is not None:
+        _outcome(name, failure, sandbox)
+        raise sandbox._fail(f"{name}: the worker reported a failure of kind {_text(failure.get('kind'), 60)!r} "
+                            f"in a batch of calls")
+    return out
+
+
+def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: dict | None = None):
+    """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked. A generator
+    passed twice (in one call, or in several calls of a batch: `sent` remembers them) is one generator there too."""
+    sent = {} if sent is None else sent
     if isinstance(value, torch.Generator):
-        generators.append(value)
-        return GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
+        if id(value) not in sent:
+            generators.append(value)
+            sent[id(value)] = GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
+        return sent[id(value)]
     if isinstance(value, torch.Tensor):
         if value.requires_grad:
             grad_inputs.append(value)
             return GradArg(len(grad_inputs) - 1, value.detach().clone())
         if type(value) is torch.Tensor and value.layout == torch.strided:
-            return TensorArg(value)
+            if ("tensor", id(value)) not in sent:    # the worker makes a tensor of its own from it at each use
+                sent["tensor", id(value)] = TensorArg(value)
+            return sent["tensor", id(value)]
         return value.detach()
     if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
-        return type(value)(_prepare(v, generators, grad_inputs, depth + 1) for v in value)
+        return type(value)(_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value)
     if depth < guard.MAX_DEPTH and type(value) is dict:
-        return {k: _prepare(v, generators, grad_inputs, depth + 1) for k, v in value.items()}
+        return {k: _prepare(v, generators, grad_inputs, depth + 1, sent) for k, v in value.items()}
     return value
 
 

@@ -362,6 +362,8 @@ class Worker:
             return self.backward(request)
         if op == "reset":
             return self.reset()
+        if op == "many":
+            return self.many(request)
         if request.get("rng") is not None:            # sent when the grader's state differs from what it last got
             torch.set_rng_state(request["rng"])
         self.rng_before = torch.get_rng_state()
@@ -416,6 +418,44 @@ class Worker:
             return _error(err)
         return reply
 
+    def many(self, request) -> dict:
+        """Graded calls of one function (or of one method of a kept object) with the argument lists of
+        `request["calls"]`, in order, as the grader would make them one by one: the same torch.Generator
+        arguments and torch's global RNG carry from each call to the next. The first call that raises (or whose
+        result cannot be sent) ends the batch: its reply is "failure", and the random states that come back
+        are those from before it (what the grader holds after a failed call), with the results before it."""
+        import torch
+        if request.get("rng") is not None:
+            torch.set_rng_state(request["rng"])
+        rng_start = torch.get_rng_state()
+        generators: dict[int, object] = {}
+        values: list = []
+        failure = None
+        rng, states = rng_start, {}
+        if request["op_of_each"] == "call":
+            fn = getattr(self.module, request["name"], None) if self.module is not None else None
+            if fn is None:
+                return {"kind": "missing"}
+        for args, kwargs in request["calls"]:
+            try:
+                if request["op_of_each"] == "call":
+                    target = fn
+                else:
+                    target = getattr(self.objects[request["handle"]], request["attr"])
+                args = _restore(args, generators, {})
+                kwargs = _restore(kwargs or {}, generators, {})
+                rng, states = torch.get_rng_state(), {slot: g.get_state() for slot, g in generators.items()}
+                value = target(*args, **kwargs)
+                values.append(encode(value))
+            except BaseException as err:   # noqa: B036  (graded code may raise anything)
+                failure = _error(err)
+                break
+        if failure is None:
+            rng, states = torch.get_rng_state(), {slot: g.get_state() for slot, g in generators.items()}
+        return {"kind": "many", "values": values, "failure": failure,
+                "rng": None if torch.equal(rng, rng_start) else encode(rng),
+                "generators": {slot: encode(state) for slot, state in states.items()}}
+
     def reset(self) -> dict:
         """The end of a test: drop its objects and graphs (their finalizers run now), then say whether this
         process still matches the state a fresh worker starts from."""
@@ -459,6 +499,8 @@ def _restore(value, generators: dict, grads: dict):
     """The test's arguments as graded code sees them (generators rebuilt, grad leaves marked)."""
     import torch
     if type(value) is GeneratorArg:
+        if value.slot in generators:             # the same generator again (in this call or an earlier one of a batch)
+            return generators[value.slot]
         g = torch.Generator(device=value.device)
         g.set_state(torch.frombuffer(bytearray(value.state), dtype=torch.uint8))
         generators[value.slot] = g

@@ -154,6 +154,7 @@ class Snapshot:
                     seen.add(id(value))
                     snap.containers.append((f"{name}.{key}", value, value.copy()))
         snap.function_ids = snap._function_ids()
+        snap._index()
         snap.state = _global_state()
         snap.meta_path, snap.path_hooks = list(sys.meta_path), list(sys.path_hooks)
         snap.mode_stacks = _mode_stacks()
@@ -165,6 +166,20 @@ class Snapshot:
         kw = fn.__kwdefaults__
         self.function_state.append((fn.__code__, fn.__defaults__, kw, dict(kw) if kw else None))
 
+    def _index(self) -> None:
+        """Flat lists for `intact`: every watched entry of every namespace, and every watched member of every
+        class, looked up by one C-level `map` each."""
+        self._dicts = [live for _, live, saved, _ in self.namespaces for _ in saved]
+        self._dict_keys = [key for _, _, saved, _ in self.namespaces for key in saved]
+        self._dict_ids = [i for _, _, _, ids in self.namespaces for i in ids]
+        self._class_dicts = [vars(klass) for _, klass, _, _, _ in self.classes]    # live views of the classes
+        self._member_dicts = [live for live, entry in zip(self._class_dicts, self.classes) for _ in entry[2]]
+        self._member_keys = [key for entry in self.classes for key in entry[2]]
+        self._member_ids = [i for entry in self.classes for i in entry[3]]
+        self._class_sizes = [entry[4] for entry in self.classes]
+        self._kwdefaults = [(fn, kw) for fn, (_, _, _, kw) in zip(self.functions, self.function_state)
+                            if kw is not None]
+
     def _function_ids(self) -> list[int]:
         fns = self.functions
         return (list(map(id, map(_CODE, fns))) + list(map(id, map(_DEFAULTS, fns)))
@@ -174,22 +189,20 @@ class Snapshot:
 
     def intact(self) -> bool:
         """True if nothing watched was replaced or deleted (the fast check)."""
-        for _, live, saved, ids in self.namespaces:
-            if list(map(id, map(live.get, saved, repeat(MISSING)))) != ids:
-                return False
-        for entry in self.classes:
-            _, klass, saved, ids, size = entry
-            live = vars(klass)   # every saved member still holding its object, and no new watched member
-            if list(map(id, map(live.get, saved, repeat(MISSING)))) != ids:
-                return False
-            if len(live) != size:
-                if _added(live, saved):
+        if list(map(id, map(dict.get, self._dicts, self._dict_keys, repeat(MISSING)))) != self._dict_ids:
+            return False
+        # every saved member of a class still holding its object, and no new watched member
+        if list(map(id, map(_PROXY_GET, self._member_dicts, self._member_keys, repeat(MISSING)))) != self._member_ids:
+            return False
+        sizes = list(map(len, self._class_dicts))
+        if sizes != self._class_sizes:
+            for live, (_, _, saved, _, _), size, now in zip(self._class_dicts, self.classes, self._class_sizes, sizes):
+                if now != size and _added(live, saved):
                     return False
-                entry[4] = len(live)     # only data was added (a library's own cache or counter)
+            self._class_sizes = sizes    # only data was added (a library's own cache or counter)
         if self._function_ids() != self.function_ids:
             return False
-        if any(kw is not None and fn.__kwdefaults__ != kw
-               for fn, (_, _, _, kw) in zip(self.functions, self.function_state) if kw is not None):
+        if any(fn.__kwdefaults__ != kw for fn, kw in self._kwdefaults):
             return False
         if any(_container_changed(live, saved) for _, live, saved in self.containers):
             return False
@@ -275,6 +288,7 @@ class Snapshot:
 
 
 _CODE, _DEFAULTS, _KWDEFAULTS = (attrgetter(a) for a in ("__code__", "__defaults__", "__kwdefaults__"))
+_PROXY_GET = types.MappingProxyType.get
 
 
 def _watched(value) -> bool:

@@ -5,7 +5,7 @@ counts and a first-in-first-out free list; the scheduling rules as a loop (refer
 import random
 
 import pytest
-from adapters import make_paged_block_manager, run_continuous_batching_run
+from adapters import each, make_paged_block_manager, run_continuous_batching_run
 from reference_serving import ref_run
 
 
@@ -58,10 +58,11 @@ class RefManager:
 
 def _same(manager, ref, what):
     assert manager.num_free_blocks == len(ref.free_list), f"{what}: free blocks"
-    for seq, table in ref.tables.items():
-        assert list(manager.block_table(seq)) == table, f"{what}: table of {seq}"
-    for block in range(len(ref.free_list) + len(ref.counts)):
-        assert manager.ref_count(block) == ref.counts.get(block, 0), f"{what}: count of block {block}"
+    for (seq, table), got in zip(ref.tables.items(), each(manager.block_table, [(seq,) for seq in ref.tables])):
+        assert list(got) == table, f"{what}: table of {seq}"
+    blocks = range(len(ref.free_list) + len(ref.counts))
+    for block, got in zip(blocks, each(manager.ref_count, [(block,) for block in blocks])):
+        assert got == ref.counts.get(block, 0), f"{what}: count of block {block}"
 
 
 def test_fork_shares_every_block_and_the_first_write_copies_the_shared_last_block():

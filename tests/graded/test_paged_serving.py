@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from adapters import make_block_allocator, run_continuous_batching_step, run_paged_attention
+from adapters import each, make_block_allocator, run_continuous_batching_step, run_paged_attention
 from reference_serving import ref_step
 
 # --- the block allocator ----------------------------------------------------------------------------
@@ -75,7 +75,7 @@ def test_random_operations_match_a_reference_count_model(seed):
                 counts[block] -= 1
                 assert alloc.free(block) is (counts[block] == 0)
         assert alloc.num_free == n - sum(c > 0 for c in counts.values())
-        assert all(alloc.ref_count(b) == counts.get(b, 0) for b in range(n))
+        assert each(alloc.ref_count, [(b,) for b in range(n)]) == [counts.get(b, 0) for b in range(n)]
 
 
 # --- paged attention ----------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from adapters import run_greedy_verify, run_residual_distribution, run_speculative_accept
+from adapters import each, run_greedy_verify, run_residual_distribution, run_speculative_accept
 
 # chi-square critical values at p = 1e-4 by degrees of freedom
 CHI2_1E4 = {1: 15.14, 2: 18.42, 3: 21.11, 4: 23.51, 5: 25.74, 6: 27.86, 7: 29.88, 8: 31.83, 9: 33.72, 10: 35.56,
@@ -55,8 +55,7 @@ def _draw(p, q, x, n, seed):
     g = torch.Generator().manual_seed(seed)
     p_t, q_t, x_t = _tensor(p), _tensor(q), torch.tensor(x)
     counts: dict[tuple[int, int], int] = {}
-    for _ in range(n):
-        k, y = run_speculative_accept(p_t, q_t, x_t, generator=g)
+    for k, y in each(run_speculative_accept, [(p_t, q_t, x_t, g)] * n):
         counts[(int(k), int(y))] = counts.get((int(k), int(y)), 0) + 1
     return counts
 
@@ -78,7 +77,8 @@ def test_outcomes_for_fixed_drafts_match_the_exact_enumeration(x):
 
 
 def test_the_first_emitted_token_follows_the_target():
-    """Draft tokens drawn from p (here, by the test), then the rule: the first token it emits is a sample of q_1."""
+    """Draft tokens drawn from p (here, by the test, with a generator of their own), then the rule: the first token
+    it emits is a sample of q_1."""
     # the enumeration itself, checked exactly: summed over draft tokens x ~ p, the first emitted token ~ q_1
     p, q = _fractions(P), _fractions(Q)
     first = [Fraction(0)] * V
@@ -89,10 +89,9 @@ def test_the_first_emitted_token_follows_the_target():
     assert first == q[0]
     n, g = 6000, torch.Generator().manual_seed(11)
     p_t, q_t = _tensor(P), _tensor(Q)
+    drafts = torch.multinomial(p_t, n, replacement=True, generator=torch.Generator().manual_seed(12)).T.contiguous()
     counts = [0] * V
-    for _ in range(n):
-        x = torch.multinomial(p_t, 1, generator=g)[:, 0]
-        k, y = run_speculative_accept(p_t, q_t, x, generator=g)
+    for x, (k, y) in zip(drafts, each(run_speculative_accept, [(p_t, q_t, x, g) for x in drafts])):
         counts[int(x[0]) if int(k) >= 1 else int(y)] += 1
     q1 = [w / 16 for w in Q[0]]
     chi2 = sum((c - n * w) ** 2 / (n * w) for c, w in zip(counts, q1))
