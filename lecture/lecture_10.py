@@ -1386,10 +1386,34 @@ def speculative_sampling():
     text("- Medusa: extra heads on the target's last hidden state guess several tokens at once."), link(medusa)
     text("- EAGLE: a one-layer draft takes the target's high-level features and extrapolates them."), link(eagle)
     figure("EAGLE paper: how speculative sampling, Medusa and EAGLE draft the next tokens", "https://arxiv.org/abs/2401.15077", image="images/medusa-eagle.png", width=600)
+    drafts_that_learn()
     text("Summary:")
     text("- exact sampling from the target model (thanks to math)!")
     text("- exploits the asymmetry between checking and generating;")
     text("- lots of room for innovation in the draft model (which involves training).")
+
+
+@deep_dive
+def drafts_that_learn():
+    """Medusa heads and an EAGLE draft trained on SmolLM2 (shipped), and `bench speculative`'s comparison."""
+    text("Both read the target's hidden states: the loop hands them the features of every position that became final.")
+    text("- Medusa (generation/medusa.py): K heads z = h + SiLU(W h) on the last normed hidden state h_t;")
+    text("  the frozen LM head reads z; head k guesses token t+1+k without seeing heads 1..k-1's guesses.")
+    text("- EAGLE (generation/eagle.py): one decoder layer over (f_t, embed(x_{t+1})) predicts f_{t+1};")
+    text("  its own tokens go back in, so each guess knows its branch; its own KV cache rolls back with the target's.")
+    text("- Medusa's tree (generation/medusa_tree.py): many candidates in one pass under a tree attention mask.")
+    text("Trained by self-distillation on SmolLM2's own greedy answers, on this CPU: `bench speculative_heads`.")
+    result = load_result("speculative_proposers")
+    if result is None:
+        text("(No committed comparison: `python -m cs336_inference bench speculative --model smollm2-135m`.)")
+        return
+    text("Held-out prompts, greedy, batch 1, the CLI's default fast path (measured under load):")
+    for r in result["rows"]:
+        rates = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
+        text(f"- {r['proposer']} (gamma {r['gamma']}): {r['tokens_per_pass']:.2f} tokens per target pass, "
+             f"P(accept i | 1..i-1) = {rates}, {r['speedup_over_plain_eager_wall']:.2f}x plain decoding")
+    text("Output identical to plain greedy decoding in every run; sampling stays exact with the accept/resample rule.")
+    image("figures/speculative_proposers.png", width=900)
 
 
 @deep_dive

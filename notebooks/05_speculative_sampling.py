@@ -221,7 +221,7 @@ for g in gammas:
 #   EAGLE-2 grows the draft tree dynamically from the draft's confidence.
 #
 # All of them keep the same verification step, so with the accept/resample rule the output stays
-# an exact sample from the target.
+# an exact sample from the target. §8 runs the package's trained Medusa heads and EAGLE draft on SmolLM2.
 
 # %% [markdown]
 # ## 7. A real model copies its input: SmolLM2-135M with prompt lookup
@@ -276,7 +276,70 @@ else:
 # %% [markdown]
 # ![measured vs predicted speed-up over gamma](../figures/speculative.png)
 #
-# ## 8. Summary
+# ## 8. Drafts that learn: Medusa heads and an EAGLE draft on SmolLM2
+# Both read the target's hidden states, so the speculative loop hands them the target's features of
+# every position that became final (`forward(..., return_hidden=True)`; the drafter's `observe`):
+# * **Medusa** (`generation.medusa`): 4 heads, each a residual block z = h + SiLU(W h) on the last
+#   normed hidden state h_t, read by the target's frozen LM head; head k guesses token t+1+k. The
+#   heads never see each other's guesses: head 2 guesses token t+3 without knowing what head 1 put at t+2.
+# * **EAGLE** (`generation.eagle`): one decoder layer reads (f_t, embedding of x_{t+1}) and predicts
+#   the next feature f_{t+1}; the frozen norm + LM head turn it into a token, which is fed back in. It
+#   extrapolates features autoregressively, so each guess knows the branch it is on. It keeps its own
+#   KV cache, rolled back with the target's after each pass.
+#
+# Both were trained once by self-distillation on SmolLM2's own greedy answers (`python -m
+# cs336_inference bench speculative_heads`, on this CPU) and ship with the package; nothing trains
+# here. One greedy run each on a prompt held out of their training (output identical to plain decoding):
+
+# %%
+from cs336_inference.generation import load_drafter, medusa_tree_generate  # noqa: E402
+from cs336_inference.generation.draft_heads import ASSETS, SHIPPED  # noqa: E402
+
+have_heads = have_smollm2 and all((ASSETS / f).exists() for f in SHIPPED.values())
+if have_heads:
+    story = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    story_ids = smol_tok.encode(smol_tok.apply_chat_template([{"role": "user", "content": story}]))
+    reference = generate(smol, [story_ids], 64, stop_tokens=smol_tok.stop_ids).tokens[0]
+    drafters = {name: load_drafter(smol, f"{name}-smollm2") for name in ("medusa", "eagle")}
+    for name, gamma in (("medusa", 4), ("eagle", 5)):
+        out = speculative_generate(smol, drafters[name], story_ids, gamma, max_new_tokens=64,
+                                   stop_tokens=smol_tok.stop_ids)
+        assert out.tokens == reference   # greedy: the same answer, token for token
+        rates = ", ".join("-" if r is None else f"{r:.2f}" for r in out.acceptance_by_position)
+        print(f"{name:7s} gamma {gamma}: {out.mean_tokens_per_pass:.2f} tokens per target pass; "
+              f"P(accept i | 1..i-1 accepted) = {rates}")
+    tree = medusa_tree_generate(smol, drafters["medusa"].heads, story_ids, 64, stop_tokens=smol_tok.stop_ids)
+    assert tree.tokens == reference
+    print(f"medusa tree (12 candidates per pass, greedy): {tree.mean_tokens_per_pass:.2f} tokens per target pass")
+    print(smol_tok.decode(reference)[:300])
+else:
+    print("SmolLM2 or the shipped heads are not installed: skipping")
+
+# %% [markdown]
+# Medusa's acceptance falls with the position: P(accept i | 1..i-1) is the chance that head i is right
+# *given that heads 1..i-1 were*, and since head i guessed without knowing their tokens, nothing
+# makes its guess fit theirs. EAGLE's stays high deeper into the draft because each step conditions
+# on the tokens it drafted before (the feature it extrapolates carries them). The tree form of Medusa
+# buys back some acceptance by checking several guesses per head in the same pass (a bigger verify).
+#
+# The committed comparison (`python -m cs336_inference bench speculative --model smollm2-135m`):
+# the same held-out prompts, greedy, batch 1, on the CLI's default fast path (int4 weights):
+
+# %%
+proposers = load_result("speculative_proposers") or (bench or {}).get("proposers")
+if proposers:
+    print(proposers["banner"])
+    for r in proposers["rows"]:
+        speed = r.get("speedup_over_plain_eager_wall")
+        print(f"{r['proposer']:14s} gamma {r['gamma']}: {r['tokens_per_pass']:.2f} tokens per pass, alpha "
+              f"{r['alpha']:.2f}, decode {speed:.2f}x plain (wall clock, measured under load)")
+else:
+    print("no committed proposer comparison: run `python -m cs336_inference bench speculative --model smollm2-135m`")
+
+# %% [markdown]
+# ![acceptance per position and speed-up of Medusa, EAGLE and prompt lookup](../figures/speculative_proposers.png)
+#
+# ## 9. Summary
 # * The accept/resample rule makes every token an exact sample from the target, whatever the draft
 #   (exact fractions in §1, the tests enumerate and chi-square it): a bad draft costs speed, never quality.
 # * A pass emits (1 − α^(γ+1)) / (1 − α) tokens on average; the speed-up divides that by the pass's
@@ -286,12 +349,19 @@ else:
 #   Sampling at a high temperature and free writing lower α until speculation costs more than it saves.
 # * The tiny toy target is not memory-bound: verifying γ + 1 tokens costs well over one step and its
 #   draft is not cheap, so it gains far less than its α promises.
+# * Drafts can live inside the target: Medusa's heads guess independently (acceptance falls with the
+#   position), EAGLE's one layer extrapolates features autoregressively (it stays high); both train in
+#   minutes on a CPU against the frozen target and keep the output exact.
 #
 # ## Exercises
 # 1. Use `speculative_output_distribution` to find p, q over three tokens where α is 0.5 but the
 #    residual puts all its mass on one token. What does the draft do wrong?
 # 2. With α = 0.8 and `verify_cost` v = 1, for which cost ratios c is γ = 1 optimal (`optimal_gamma`)?
 #    Derive the threshold by comparing γ = 1 with γ = 2, then repeat with v = 1.5: how does it move?
+# 3. Given P(accept i | 1..i-1 accepted) per position (`SpeculativeResult.acceptance_by_position`), write
+#    the expected tokens per pass for γ drafts. For Medusa-like rates (0.6, 0.45, 0.35, 0.3) and EAGLE-like
+#    (0.75, 0.7, 0.7, 0.68, 0.65), a verification pass costing v(γ) = 1 + 0.1 γ and drafting costs c = 0
+#    (Medusa: one matmul) and c = 0.1 (EAGLE: one layer per token), which γ gives each the best speed-up?
 #
 # Worked answers: `answers/05_speculative_sampling.ipynb` (checked by `tests/library/test_notebook_exercises.py`).
 # Further, open-ended (no worked answers):
@@ -299,7 +369,6 @@ else:
 #   `speculative_generate` at temperature 1 still samples the target's distribution of the first 2 tokens.
 # * Prompt lookup with `max_ngram = 1` vs 3 on the echo drills and on a story: which finds more
 #   accepted drafts, and why does a longer n-gram match help on one and not the other?
-# * Implement a Medusa-style head: a linear layer on the target's last hidden state predicting token
-#   t+2, trained on the target's own greedy outputs; use it as a drafter (see `generation.drafters`) and
-#   measure its α at position 1. Set `verify_cost` to this machine's measured v(γ) from §5 and see how
-#   the best γ moves.
+# * Train tiny Medusa heads on the toy target (`generation.draft_training.train_medusa` on
+#   `self_distillation_data` of a few corpus openings: seconds) and compare the chain with
+#   `medusa_tree_generate` under rule="typical" at temperature 0.7: why is the typical rule not exact?

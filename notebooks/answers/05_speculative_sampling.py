@@ -58,3 +58,35 @@ print("E(1), E(2) at alpha 0.8:", expected_tokens_per_pass(a, 1), expected_token
 # With alpha = 0.8 and v = 1 the threshold is c* = 0.64 / 1.16 = 0.55: a draft costing more than about
 # half a target step should propose one token at a time. A dearer verification (v = 1.5) scales the
 # threshold by 1.5 (0.83): when checking costs more, drafting more tokens per check pays for longer.
+
+# %% [markdown]
+# ## Exercise 3: tokens per pass from the acceptance per position, and the best gamma
+# Draft i is examined only when drafts 1..i-1 were accepted, so it is accepted with probability
+# a_1 a_2 ... a_i, and each accepted draft adds one token to the target's own: E(gamma) = 1 + a_1 +
+# a_1 a_2 + ... + a_1 ... a_gamma. A pass costs gamma c + v(gamma) target steps; the speed-up is their ratio.
+
+# %%
+def tokens_per_pass(rates, gamma):
+    total, kept = 1.0, 1.0
+    for a in rates[:gamma]:
+        kept *= a
+        total += kept
+    return total
+
+
+def best_gamma(rates, c):
+    speedups = {g: tokens_per_pass(rates, g) / (g * c + 1 + 0.1 * g) for g in range(1, len(rates) + 1)}
+    return max(speedups, key=speedups.get), speedups
+
+
+medusa_rates, eagle_rates = (0.6, 0.45, 0.35, 0.3), (0.75, 0.7, 0.7, 0.68, 0.65)
+best = {"medusa": best_gamma(medusa_rates, 0.0), "eagle": best_gamma(eagle_rates, 0.1)}
+for name, (g, speedups) in best.items():
+    print(f"{name}: best gamma {g}; speed-up per gamma " + ", ".join(f"{k}: {v:.2f}" for k, v in speedups.items()))
+
+# %% [markdown]
+# Medusa's rates fall fast: its fourth draft is examined in only 0.6 * 0.45 * 0.35 = 9% of the passes,
+# so it adds 0.03 tokens for a tenth of a step of verification; its best gamma is 2 (1.87 tokens per
+# pass at a cost of 1.2: 1.56x). EAGLE's rates stay near 0.7, so it drafts further, gamma 3 (2.64 tokens
+# per pass at a cost of 1.6: 1.65x), although each of its drafts costs c = 0.1; at c = 0 it would go
+# deeper still. Acceptance that decays slowly is what lets a draft make long guesses.

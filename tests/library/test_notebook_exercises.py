@@ -288,3 +288,21 @@ def test_09_exercise_3_what_rank_0_of_2_holds():
     shared = whole_params - c.num_layers * (attention + ffn)        # embedding, norms, output head: kept whole
     assert ns["rank0_params"] == shared + c.num_layers * (attention + ffn) // 2
     assert ns["parameter_fraction"] > 0.5 and ns["cache_fraction"] == 0.5
+
+
+def test_05_exercise_3_tokens_per_pass_and_best_gamma():
+    ns = answers("05_speculative_sampling")
+    rates = (0.6, 0.45, 0.35, 0.3)
+    # E(gamma) = sum over k = 0..gamma of the product of the first k rates (written out here)
+    assert ns["tokens_per_pass"](rates, 2) == pytest.approx(1 + 0.6 + 0.6 * 0.45)
+    assert ns["tokens_per_pass"](rates, 4) == pytest.approx(1 + 0.6 + 0.27 + 0.27 * 0.35 + 0.27 * 0.35 * 0.3)
+
+    def speedup(r, g, c):
+        e, kept = 1.0, 1.0
+        for a in r[:g]:
+            kept *= a
+            e += kept
+        return e / (g * c + 1 + 0.1 * g)
+    for name, r, c in (("medusa", rates, 0.0), ("eagle", (0.75, 0.7, 0.7, 0.68, 0.65), 0.1)):
+        want = max(range(1, len(r) + 1), key=lambda g: speedup(r, g, c))
+        assert ns["best"][name][0] == want

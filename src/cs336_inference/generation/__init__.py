@@ -5,13 +5,19 @@
 `ConversationCache`; the chat session is `serving.ChatSession`),
 `compiled` (`compile_decode`: a torch.compile'd decode step without graph breaks),
 `speculative_rule` (the exact accept/resample rule, `speculative_accept`), `drafters` and
-`prompt_lookup` (who proposes), `speculative` (the draft-verify-rollback loop),
+`prompt_lookup`, `medusa`, `eagle` (who proposes; `medusa_tree` verifies a tree of candidates;
+`draft_training` trains Medusa heads and EAGLE drafts, `draft_heads` saves and loads them),
+`speculative` (the draft-verify-rollback loop),
 `speculative_theory` (expected gains, the exact proof).
 """
 
 from .chat import ConversationCache, TextStream, TurnStats, extend, stream
 from .compiled import compile_decode
 from .drafters import Drafter, ModelDrafter
+from .draft_heads import load_draft_heads, load_drafter, save_draft_heads
+from .eagle import EagleDraft, EagleDrafter
+from .medusa import MedusaDrafter, MedusaHeads
+from .medusa_tree import medusa_tree_generate
 from .sampling_params import SamplingParams
 from .generate import GenerationResult, decode_one_token, generate, left_pad, prefill
 from .prompt_lookup import PromptLookupDrafter, prompt_lookup_propose
@@ -22,7 +28,9 @@ from .speculative_rule import (Acceptance, acceptance_probability, greedy_accept
 from .speculative_theory import (OutputDistribution, acceptance_rate, expected_speedup, expected_tokens_per_pass,
                                  optimal_gamma, speculative_output_distribution)
 
-__all__ = ["Acceptance", "ConversationCache", "Drafter", "GenerationResult", "ModelDrafter", "OutputDistribution",
+__all__ = ["Acceptance", "ConversationCache", "Drafter", "EagleDraft", "EagleDrafter", "GenerationResult",
+           "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads", "load_drafter",
+           "medusa_tree_generate", "save_draft_heads",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
            "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "decode_one_token",
            "expected_speedup", "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad",

@@ -9,8 +9,15 @@ The speculative loop only needs four things from a drafter (the `Drafter` protoc
   rollback(length)                  the first `length` tokens of the sequence are final; forget the rest
   forwards                          how many draft forwards it has run (statistics)
 
+A drafter that reads the target's hidden states also has
+  observe(features)                 features (T, D): the target's last-block outputs at the T positions
+                                    that just became final (after the prefill, and after each pass)
+and the loop then runs the target with `return_hidden=True` to hand them over.
+
 `ModelDrafter` wraps a small `TransformerLM` with its own KV cache (the classic draft model);
-`prompt_lookup.PromptLookupDrafter` copies from the context and needs no model at all.
+`prompt_lookup.PromptLookupDrafter` copies from the context and needs no model at all;
+`medusa.MedusaDrafter` (heads on the target's last feature) and `eagle.EagleDrafter` (one layer
+extrapolating the target's features, with its own cache) read the target's features.
 """
 
 from __future__ import annotations

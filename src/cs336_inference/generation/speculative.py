@@ -13,6 +13,9 @@ One pass, with the sequence `seq` (N tokens) and the target cache holding seq[:N
   3. the rule keeps x_1..x_k and emits one more token y;
   4. both caches roll back (`truncate`) to the N + k positions now final: the rejected drafts'
      keys and values are simply forgotten.
+A drafter that reads the target's hidden states (Medusa heads, an EAGLE draft: it has `observe`) is
+handed the target's features of the positions that became final: the prompt's after the prefill,
+and the k + 1 positions seq[-1], x_1..x_k after each pass (`forward(..., return_hidden=True)`).
 """
 
 from __future__ import annotations
@@ -111,6 +114,9 @@ def _check_args(target, drafter, gamma, max_new_tokens, generator) -> None:
     _checks.positive_int("gamma", gamma)
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     _checks.generator("generator", generator)
+    if hasattr(drafter, "observe") and getattr(drafter, "target", target) is not target:
+        raise ValueError("the drafter reads another model's features: build it on this target "
+                         "(MedusaDrafter(target, heads), EagleDrafter(target, draft), load_drafter(target, ...))")
     if isinstance(drafter, ModelDrafter):
         d, t = drafter.model.config, target.config
         if d.vocab_size != t.vocab_size:
@@ -167,6 +173,7 @@ class SpeculativeDecoder:
                 raise ValueError(f"prompt ({P} tokens) + max_new_tokens ({max_new_tokens}) exceeds the {who}'s "
                                  f"context_length ({model.config.context_length})")
         self.device = target.device
+        self.reads_features = hasattr(self.drafter, "observe")   # Medusa / EAGLE read the target's hidden states
         prompt_tensor = _checks.token_ids("prompt_ids", torch.tensor([prompt]), target.config.vocab_size)
         prompt_tensor = prompt_tensor.to(self.device)
         self.result = SpeculativeResult([], P, gamma)
@@ -180,9 +187,14 @@ class SpeculativeDecoder:
         with self._clock.measure("prefill"):
             # a pass may be rolled back by up to gamma + 1 positions (sliding-window rings keep spare slots)
             self.target_cache = target.new_cache(1, P + max_new_tokens, max_rollback=gamma + 1)
-            logits = prefill(target, prompt_tensor, self.target_cache)[0]                       # (V,)
-            first = int(sample_next_token(logits, temperature, top_k, top_p, generator))
             self.drafter.start(prompt, P + max_new_tokens, max_rollback=gamma + 1)
+            if self.reads_features:   # the prompt's features go to the drafter
+                logits, hidden = target(prompt_tensor, cache=self.target_cache, last_only=True, return_hidden=True)
+                logits = logits[0, -1]
+                self.drafter.observe(hidden[0])                                                # (P, D)
+            else:
+                logits = prefill(target, prompt_tensor, self.target_cache)[0]                   # (V,)
+            first = int(sample_next_token(logits, temperature, top_k, top_p, generator))
         self._emit([first])
 
     def _emit(self, new: list[int]) -> None:
@@ -206,7 +218,11 @@ class SpeculativeDecoder:
             drafts, p_draft = self.drafter.propose(sequence, n, self.sampling, self.generator)
         with clock.measure("target"):
             ids = torch.tensor([sequence[-1:] + drafts], device=self.device)                   # (1, g+1)
-            logits = self.target(ids, cache=cache)[0]                                          # (g+1, V)
+            if self.reads_features:
+                logits, hidden = self.target(ids, cache=cache, return_hidden=True)
+                logits, hidden = logits[0], hidden[0]                                          # (g+1, V), (g+1, D)
+            else:
+                logits = self.target(ids, cache=cache)[0]                                      # (g+1, V)
         with clock.measure("accept"):
             if self.sampling.greedy:
                 k, token = greedy_accept(drafts, logits.argmax(-1).tolist())
@@ -220,6 +236,8 @@ class SpeculativeDecoder:
             final = len(sequence) + k  # positions now final, and what the next pass builds on
             cache.truncate(final)      # the rejected drafts' keys and values are forgotten
             self.drafter.rollback(final)
+            if self.reads_features:
+                self.drafter.observe(hidden[:k + 1])   # the features of the positions now final
         self.result.proposed.append(len(drafts))
         self.result.accepted.append(k)
         self._emit(new)

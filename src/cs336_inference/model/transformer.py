@@ -255,7 +255,7 @@ class TransformerLM(nn.Module):
 
     def forward(self, token_ids: torch.Tensor, cache: KVCache | None = None, start_pos: int | None = None,
                 pad: torch.Tensor | None = None, last_only: bool = False,
-                step: ForwardStep | None = None) -> torch.Tensor:
+                step: ForwardStep | None = None, return_hidden: bool = False):
         """token_ids (B, T) or (T,) -> logits (B, T, V) (or (T, V); with last_only (B, 1, V), or what
         step.select_last keeps).
 
@@ -267,6 +267,8 @@ class TransformerLM(nn.Module):
         step: instead of a cache, a `ForwardStep` its owner already built (a paged engine step).
         Every call runs one path: `begin` checks the inputs at the edges and picks the step (what this
         call does: positions, masks, cache writes), the layers run it, and `commit` makes its writes count.
+        return_hidden: also return the last block's output before the final norm, (B, T, D) at every
+        position (before last_only selects), as (logits, hidden): the features Medusa and EAGLE drafts read.
         """
         ids, step = self.begin(token_ids, cache, start_pos, pad, step)   # ids (B, T)
         rope = self.rope.angles(step.positions)
@@ -275,11 +277,14 @@ class TransformerLM(nn.Module):
         kv = None   # the keys/values of the current CLA group's first layer
         for i, block in enumerate(self.layers):
             x, kv = block(x, rope, masks[i], step.layers[i], step, kv if self.kv_sources[i] != i else None)
+        hidden = x  # (B, T, D): the features a Medusa / EAGLE draft reads
         if last_only:
             x = step.select_last(x)  # the rows whose logits predict the next token
         logits = self.lm_head(self.ln_final(x))  # (B, T, V)
         step.commit()  # only now: an exception above leaves the cache as it was
-        return logits[0] if token_ids.dim() == 1 else logits
+        if token_ids.dim() == 1:
+            logits, hidden = logits[0], hidden[0]
+        return (logits, hidden) if return_hidden else logits
 
     def begin(self, token_ids, cache: KVCache | None = None, start_pos: int | None = None,
               pad: torch.Tensor | None = None, step: ForwardStep | None = None) -> tuple[torch.Tensor, ForwardStep]:

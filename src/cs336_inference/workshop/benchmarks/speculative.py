@@ -6,7 +6,9 @@ side (prefill subtracted; with one CPU thread on the process's CPU clock, which 
 does not inflate). Beside it, the speed-up the theory predicts from the measured alpha and costs
 (`generation.speculative_costs`; `paper` is Leviathan et al.'s formula, which assumes v = 1).
 Workloads: the shipped toy pair on stories and on echo drills (where prompt lookup shines), and
-SmolLM2-135M-Instruct with prompt lookup on chat tasks that copy a passage, and on free writing.
+SmolLM2-135M-Instruct with prompt lookup on chat tasks that copy a passage, and on free writing;
+then Medusa, EAGLE and prompt lookup side by side on SmolLM2, written as its own result
+(`speculative_proposers`; alone with `--model smollm2-135m` or `bench speculative_proposers`).
 `bench speculative_draft` prunes and distils a SmolLM2 draft (Minitron-style) on a CPU time budget.
 """
 
@@ -35,7 +37,9 @@ from ...model.checkpoints import load_pretrained
 from ...model.real_models import real_model_missing
 from ...model.tokenizer import load_tokenizer
 from ...tables import print_table
-from .base import Benchmark
+from ...device import describe_machine, load_avg
+from .base import Benchmark, Run
+from .speculative_proposers import compare_proposers, proposers_report
 
 TEMPERATURES = (0.0, 1.0)
 REAL_TASKS = ("Rewrite the following passage, putting each sentence on its own line:\n\n",
@@ -172,9 +176,22 @@ def run_workload(workload: Workload, gammas, repeats: int, clock: str, temperatu
     return rows, costs
 
 
-def measure(run, workloads=None) -> dict:
+def measure(run, workloads=None, model: str | None = None) -> dict:
     """Every workload (default: the toy pair's, and SmolLM2's where installed). Batch-1 decoding is
-    latency work: one thread (CS336_NUM_THREADS overrides), timed on the CPU clock; with more, the wall."""
+    latency work: one thread (CS336_NUM_THREADS overrides), timed on the CPU clock; with more, the wall.
+    Then the proposers on SmolLM2 (`speculative_proposers`: Medusa, EAGLE, prompt lookup); with
+    --model smollm2-135m only those, written as figures/speculative_proposers.json."""
+    if model is not None:
+        if model != "smollm2-135m":
+            raise ValueError(f"bench speculative --model takes smollm2-135m (the proposer comparison alone), "
+                             f"got {model!r}")
+        run.name, run.report = "speculative_proposers", proposers_report   # figures/speculative_proposers.json
+        return compare_proposers(run)
+    if workloads is None:   # the proposer comparison first, as its own result (figures/speculative_proposers.json)
+        proposers = compare_proposers(run)
+        if proposers is not None:   # with where it ran, as the scaffold records it for a result it writes
+            proposers["machine"] = describe_machine(run.device) | dict(load_avg_end=load_avg())
+            proposers_report.write(Run("speculative_proposers", run.device, run.quick, run.committed), proposers)
     device, quick = run.device, run.quick
     clock = "cpu" if device.type == "cpu" and torch.get_num_threads() == 1 else "wall"
     gammas, repeats, t0 = ((1, 4) if quick else tuple(range(1, 9))), 1 if quick else 3, time.perf_counter()

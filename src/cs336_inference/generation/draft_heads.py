@@ -1,0 +1,77 @@
+"""Saving and loading Medusa heads and EAGLE drafts (the trained ones ship as package assets).
+
+A file holds {"kind": "medusa" | "eagle", "d_model", "num_heads" (Medusa) or "config" (EAGLE),
+"state_dict" (half precision: the heads are small and their guesses only need to be good, not exact;
+the output stays exact through verification), "meta" (how it was trained)}.
+`load_draft_heads(target, "medusa-smollm2")` finds a shipped asset by name; a path loads a file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .. import _checks
+from ..model.config import ModelConfig
+from ..model.transformer import TransformerLM
+from .eagle import EagleDraft, EagleDrafter
+from .medusa import MedusaDrafter, MedusaHeads, check_heads_match
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+SHIPPED = {"medusa-smollm2": "medusa-smollm2.pt", "eagle-smollm2": "eagle-smollm2.pt"}
+
+
+def save_draft_heads(path, module: MedusaHeads | EagleDraft, meta: dict | None = None,
+                     dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write heads or a draft to `path` (weights cast to `dtype`)."""
+    _checks.instance("module", module, (MedusaHeads, EagleDraft), "MedusaHeads or EagleDraft")
+    state = {k: v.detach().to("cpu", dtype) for k, v in module.state_dict().items() if v.is_floating_point()
+             and not k.startswith("rope.")}
+    blob = dict(state_dict=state, meta=meta or {}, d_model=module.d_model)
+    if isinstance(module, MedusaHeads):
+        blob |= dict(kind="medusa", num_heads=module.num_heads)
+    else:
+        blob |= dict(kind="eagle", config=module.config.to_dict())
+    torch.save(blob, path)
+
+
+def _resolve(name_or_path) -> Path:
+    if isinstance(name_or_path, str) and name_or_path in SHIPPED:
+        return ASSETS / SHIPPED[name_or_path]
+    if isinstance(name_or_path, (str, Path)) and Path(name_or_path).is_file():
+        return Path(name_or_path)
+    raise ValueError(f"unknown draft heads {name_or_path!r}: give a shipped name ({', '.join(SHIPPED)}) or the "
+                     "path of a file written by save_draft_heads")
+
+
+def load_draft_heads(target: TransformerLM, name_or_path) -> MedusaHeads | EagleDraft:
+    """Heads or a draft for `target` (same hidden size), on its device and in its dtype, in eval mode."""
+    _checks.instance("target", target, TransformerLM)
+    path = _resolve(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"draft heads {name_or_path!r} are not installed (no {path}); train them with "
+                         "`python -m cs336_inference bench speculative_heads`")
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(blob, dict) or blob.get("kind") not in ("medusa", "eagle"):
+        raise ValueError(f"{path} is not a file written by save_draft_heads (no 'kind' medusa/eagle)")
+    check_heads_match(target, blob["d_model"], f"{path.name}")
+    dtype, device = target.dtype, target.device
+    if blob["kind"] == "medusa":
+        module = MedusaHeads(blob["d_model"], blob["num_heads"], device=device, dtype=dtype)
+    else:
+        module = EagleDraft(ModelConfig.from_dict(blob["config"]), device=device, dtype=dtype)
+    missing, unexpected = module.load_state_dict({k: v.to(dtype) for k, v in blob["state_dict"].items()},
+                                                 strict=False)
+    if unexpected or [k for k in missing if not k.startswith("rope.")]:
+        raise ValueError(f"{path}: keys do not match a {blob['kind']} module (missing {missing}, "
+                         f"unexpected {unexpected})")
+    module.meta = blob.get("meta", {})
+    return module.eval().requires_grad_(False)
+
+
+def load_drafter(target: TransformerLM, name_or_path) -> MedusaDrafter | EagleDrafter:
+    """The `Drafter` for shipped or saved heads:
+    `speculative_generate(target, load_drafter(target, "eagle-smollm2"), prompt, gamma)`."""
+    module = load_draft_heads(target, name_or_path)
+    return MedusaDrafter(target, module) if isinstance(module, MedusaHeads) else EagleDrafter(target, module)

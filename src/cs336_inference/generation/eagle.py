@@ -1,0 +1,142 @@
+"""An EAGLE draft: one decoder layer that extrapolates the target's features (Li et al. 2024, arXiv:2401.15077).
+
+The target's last block outputs a feature f_t at every position (the hidden state before the final
+norm and the LM head); lm_head(norm(f_t)) predicts token t+1. EAGLE predicts the *next feature*:
+
+    g_t = fc(concat(f_t, embed(x_{t+1})))        (2D -> D; x_{t+1} is the token f_t predicted)
+    f^_{t+1} = Block(g_<=t)                      (one decoder layer of the target's shape, causal, own KV cache)
+    token t+2 ~ lm_head(norm(f^_{t+1}))          (the target's frozen final norm and LM head)
+
+Feeding the token sampled at each step back in (x_{t+1}) is what Medusa's independent heads lack:
+the draft knows which branch it is on, so its acceptance decays slowly with depth. While drafting,
+the draft runs on its own guesses f^; once the target has verified a pass, the draft's cache is
+rolled back with the target's to the positions it computed from true features (`rollback`), and the
+newly final positions are fed with the target's features at the next `propose`.
+
+Sampling from the draft's distributions and passing them to the accept/resample rule keeps the output
+exact, as with any draft model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .. import _checks
+from ..model.attention import attention_mask
+from ..model.config import ModelConfig
+from ..model.kv_cache import KVCache
+from ..model.layers import RotaryEmbedding
+from ..model.transformer import TransformerBlock, TransformerLM
+from .medusa import check_heads_match
+from .sampling_params import SamplingParams
+
+
+def eagle_config(target: ModelConfig) -> ModelConfig:
+    """The draft's one layer: the target's attention shape and RoPE (it reads the target's features),
+    a feed-forward half as wide (the draft ships as a package asset: a few MB)."""
+    _checks.instance("target", target, ModelConfig)
+    return target.replace(num_layers=1, d_ff=max(1, target.d_ff // 2))
+
+
+class EagleDraft(nn.Module):
+    """fc + one `TransformerBlock`: (features (B, T, D), next-token embeddings (B, T, D)) -> next features (B, T, D)."""
+
+    def __init__(self, config: ModelConfig, device=None, dtype=None):
+        super().__init__()
+        _checks.instance("config", config, ModelConfig)
+        if config.num_layers != 1:
+            raise ValueError(f"an EAGLE draft is one decoder layer: config.num_layers must be 1, got "
+                             f"{config.num_layers} (build it with eagle_config(target.config))")
+        self.config, self.d_model = config, config.d_model
+        self.fc = nn.Linear(2 * config.d_model, config.d_model, bias=True, device=device, dtype=dtype)
+        self.block = TransformerBlock(config, 0, device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta, device=device)
+
+    def new_cache(self, max_seq_len: int, max_rollback: int = 1) -> KVCache:
+        """The draft's own cache (one sequence)."""
+        device, dtype = self.fc.weight.device, self.fc.weight.dtype
+        return KVCache([self.block.attn.new_cache(1, max_seq_len, device=device, dtype=dtype,
+                                                  max_rollback=max_rollback)], max_seq_len, 1)
+
+    def forward(self, features: torch.Tensor, next_embeddings: torch.Tensor,
+                cache: KVCache | None = None) -> torch.Tensor:
+        """features f_t, next_embeddings embed(x_{t+1}) (B, T, D) -> predicted f_{t+1} (B, T, D).
+
+        Without a cache the T positions are 0..T-1 under a causal mask (training); with one they are
+        appended at cache.length and the cache advances by T."""
+        x = self.fc(torch.cat([features, next_embeddings], dim=-1))                   # (B, T, D)
+        T = x.shape[1]
+        if cache is None:
+            positions = torch.arange(T, device=x.device)
+            mask, layer, step = attention_mask(T, T, 0, device=x.device), None, None
+        else:
+            step = cache.begin(T)
+            positions, mask, layer = step.positions, None, step.layers[0]
+        out, _ = self.block(x, self.rope.angles(positions), mask, layer, step)
+        if step is not None:
+            step.commit()
+        return out
+
+
+class EagleDrafter:
+    """The `Drafter` protocol for an EAGLE draft on a target it shares the embedding, final norm and LM head with.
+
+    Invariant: draft cache position t holds (f_t, x_{t+1}); the first `true_len` were computed from the
+    target's features, the rest (the last pass's drafting) from the draft's own guesses.
+    """
+
+    def __init__(self, target: TransformerLM, draft: EagleDraft):
+        _checks.instance("draft", draft, EagleDraft)
+        check_heads_match(target, draft.d_model, "the EAGLE draft")
+        self.target, self.draft = target, draft
+        self.cache, self.true_len, self.pending, self.forwards = None, 0, [], 0
+
+    def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
+        self.cache = self.draft.new_cache(max_seq_len, max_rollback)
+        self.true_len, self.pending, self.forwards = 0, [], 0
+
+    def observe(self, features: torch.Tensor) -> None:
+        """features (T, D): the target's features of T more final positions (fed at the next `propose`)."""
+        self.pending.append(features)
+
+    def _step(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """features (T, D), tokens (T,) -> the draft's next feature after the last, (D,)."""
+        emb = self.target.token_embeddings(tokens)                                   # (T, D)
+        return self.draft(features[None], emb[None], self.cache)[0, -1]
+
+    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
+        return self.target.lm_head(self.target.ln_final(feature))                    # (V,)
+
+    def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
+                generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
+        if n == 0:
+            return [], None
+        new = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]  # (m, D)
+        m = new.shape[0]
+        device = new.device
+        tokens = torch.tensor(sequence[self.true_len + 1:self.true_len + 1 + m], device=device)   # x_{t+1}
+        feature = self._step(new.to(self.draft.fc.weight.dtype), tokens)
+        self.true_len, self.pending = self.true_len + m, []
+        drafts, probs = [], []
+        for i in range(n):
+            logits = self._logits(feature)
+            self.forwards += 1
+            if sampling.greedy:
+                token = logits.argmax()
+            else:
+                p = sampling.probs(logits)
+                probs.append(p)
+                token = torch.multinomial(p.to(generator.device) if generator is not None else p, 1,
+                                          generator=generator)[0].to(device)
+            drafts.append(token)
+            if i + 1 < n:
+                feature = self._step(feature[None], token.reshape(1))
+        return torch.stack(drafts).tolist(), (torch.stack(probs) if probs else None)
+
+    def rollback(self, length: int) -> None:
+        """Forget the positions computed from the draft's own guesses: what stays was computed from the
+        target's features of final positions (true_len <= length - 1). The newly final ones arrive
+        through `observe` and are fed at the next `propose`."""
+        if self.cache.length > self.true_len:
+            self.cache.truncate(self.true_len)

@@ -1,0 +1,214 @@
+"""`bench speculative`'s proposer comparison on SmolLM2: Medusa heads, the EAGLE draft, prompt lookup
+(and a distilled small draft where one is installed) on the same held-out prompts, in one run.
+
+The target is the CLI's default fast path (`fast_path.load_for_inference`: the published int4 blocks on
+our kernels, fused attention, the CPU tuning). Greedy decoding, batch 1. Per proposer: tokens per
+target pass, alpha and P(accept draft i | 1..i-1 accepted), and the decode speed-up over plain
+greedy decoding of the same model (prefill excluded; eager, and the fast path's compiled decode step
+where it compiles), each prompt decoded plainly and speculatively back to back, on the wall clock
+and on this process's CPU clock. One thread for everything, as `bench speculative`'s sweep: on a
+shared 2-core machine a second OpenMP thread waits at every parallel region for a core another
+process holds, and the eager draft steps have no thread switch of their own; with one thread the
+CPU clock is the time the work ran, however busy the machine.
+The prompts are the ones `speculative_heads` held out of the heads' training.
+"""
+
+from __future__ import annotations
+
+import statistics
+from functools import partial
+
+import torch
+
+from ...data.real_text import prose_paragraphs
+from ...generation.draft_heads import SHIPPED, load_drafter
+from ...generation.speculative import SpeculativeResult, speculative_generate
+from ...generation.speculative_costs import timed
+from ...model.real_models import real_model_missing
+from ...device import load_avg
+from .base import Benchmark
+from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
+
+GAMMAS = {"medusa": 4, "eagle": 5, "prompt_lookup": 4}
+
+
+def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
+    """(kind, chat prompt ids): rewrite / summarise held-out paragraphs (i % 5 == 1), and a story."""
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+    paragraphs = prose_paragraphs()
+    n = 1 if quick else 4
+    grounded = [("grounded", chat(TASKS[i % 2] + paragraphs[1 + 5 * i])) for i in range(n)]
+    return grounded + [("free", chat(f"Write a short story about {HELD_OUT_SUBJECT}."))]
+
+
+def _plain_compiled(model, prompt: list[int], new: int, step, stop: set[int]) -> list[int]:
+    """Greedy decoding with a compiled decode step (`step(token_ids (1,), cache) -> logits (1, V)`)."""
+    cache = model.new_cache(1, len(prompt) + new)
+    with torch.inference_mode():
+        token = model(torch.tensor([prompt], device=model.device), cache=cache, last_only=True)[0, -1].argmax()
+        out = [int(token)]
+        while len(out) < new and out[-1] not in stop:
+            token = step(token.reshape(1), cache)[0].argmax()
+            out.append(int(token))
+    return out
+
+
+def compare_proposers(run, repeats: int = 1) -> dict | None:
+    """The comparison (None where SmolLM2 is not installed)."""
+    if missing := real_model_missing(MODEL):
+        print(f"(proposer comparison skipped: {missing})")
+        return None
+    from ..fast_path import load_for_inference
+
+    quick = run.quick
+    target, tok, banner = load_for_inference(MODEL)
+    torch.set_num_threads(1)   # batch-1 decoding is latency work: one thread, as the sweep (see the docstring)
+    banner += "; run here on 1 thread"
+    print(banner, flush=True)
+    stop, new = tok.stop_ids, 32 if quick else 128
+    proposers, notes = _proposers(target)
+    compiled = _compiled_step(target, tok, stop, notes)
+    prompts = held_out_prompts(tok, quick)
+    rows, per_prompt = {}, []
+    for _ in range(repeats):
+        for kind, prompt in prompts:
+            entry = _measure_prompt(target, proposers, compiled, kind, prompt, new, stop, rows)
+            per_prompt.append(entry)
+            print(f"  {kind} prompt ({len(prompt)} tokens): plain {entry['plain_eager'][0]:.1f} tok/s; "
+                  + ", ".join(f"{n} {entry[n][0] / entry['plain_eager'][0]:.2f}x" for n in proposers), flush=True)
+    out = [_summary_row(name, results, per_prompt) for name, results in rows.items()]
+    return dict(model=MODEL, device=str(run.device), threads=torch.get_num_threads(), load_avg_end=load_avg(),
+                banner=banner, new_tokens=new, repeats=repeats, prompts=[k for k, _ in prompts],
+                assets=list(SHIPPED), notes=notes, per_prompt=per_prompt, rows=out)
+
+
+def _proposers(target) -> tuple[dict, dict]:
+    """(name -> drafter, name -> why it is missing): the shipped heads, and prompt lookup."""
+    proposers, notes = {}, {}
+    for name in ("medusa", "eagle"):
+        try:
+            proposers[name] = load_drafter(target, f"{name}-smollm2")
+        except ValueError as err:
+            notes[name] = str(err)
+    proposers["prompt_lookup"] = "prompt_lookup"
+    notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
+                                "alpha ~0.31); not compared")
+    return proposers, notes
+
+
+def _compiled_step(target, tok, stop, notes: dict):
+    """The compiled decode step, compiled now; None (and a note) where the compiler is missing or fails."""
+    from ..fast_path import compile_fast
+
+    try:
+        compiled = compile_fast(target)
+        _plain_compiled(target, held_out_prompts(tok, True)[0][1], 4, compiled, set(stop))
+        return compiled
+    except Exception as err:   # a compiler missing or failing here: compare with eager decoding only
+        notes["compiled"] = f"compiled decode step unavailable: {type(err).__name__}: {err}"[:300]
+        return None
+
+
+def _rate(tokens: int, times: tuple, prefill: tuple) -> tuple[float, float]:
+    """Decode tokens/s on both clocks, the prefill and first token taken out."""
+    return tuple((tokens - 1) / max(t - p, 1e-9) for t, p in zip(times, prefill))
+
+
+def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[int], new: int, stop,
+                    rows: dict) -> dict:
+    """One prompt: plain eager (and compiled) decoding, then each proposer; its results are added to `rows`."""
+    runs = [timed(lambda: _plain_compiled(target, prompt, 1, None, set()), target.device)[1:] for _ in range(3)]
+    prefill = tuple(statistics.median(r[i] for r in runs) for i in (0, 1))   # plain prefill + first token
+    ref, *plain = timed(partial(_plain_eager, target, prompt, new, set(stop)), target.device)
+    entry = dict(kind=kind, prompt_tokens=len(prompt), tokens=len(ref), plain_eager=_rate(len(ref), plain, prefill))
+    if compiled is not None:
+        got, *t = timed(partial(_plain_compiled, target, prompt, new, compiled, set(stop)), target.device)
+        entry["plain_compiled"] = _rate(len(got), t, prefill)
+        entry["compiled_matches_eager"] = got == ref
+    for name, drafter in proposers.items():
+        res, *t = timed(partial(speculative_generate, target, drafter, prompt, GAMMAS[name],
+                                max_new_tokens=new, stop_tokens=stop), target.device)
+        entry[name] = _rate(res.num_generated, t, prefill)
+        entry[f"{name}_matches_plain"] = res.tokens == ref
+        rows.setdefault(name, []).append(res)
+    return entry
+
+
+def _summary_row(name: str, results: list, per_prompt: list[dict]) -> dict:
+    """One proposer over every prompt: tokens per pass (all, grounded, free), acceptance, speed-ups."""
+    gamma = GAMMAS[name]
+    pooled = SpeculativeResult([], 0, gamma, proposed=[g for r in results for g in r.proposed],
+                               accepted=[k for r in results for k in r.accepted])
+    row = dict(proposer=name, gamma=gamma, tokens_per_pass=pooled.mean_tokens_per_pass, alpha=pooled.alpha,
+               acceptance_by_position=pooled.acceptance_by_position,
+               greedy_matches_plain=all(e[f"{name}_matches_plain"] for e in per_prompt))
+    for kind in ("grounded", "free"):
+        passes = [k for r, e in zip(results, per_prompt) if e["kind"] == kind for k in r.accepted]
+        if passes:
+            row[f"tokens_per_pass_{kind}"] = sum(k + 1 for k in passes) / len(passes)
+    for base in ("plain_eager", "plain_compiled"):
+        if all(base in e for e in per_prompt):
+            for i, clock in enumerate(("wall", "cpu")):
+                row[f"speedup_over_{base}_{clock}"] = (sum(e[name][i] for e in per_prompt)
+                                                       / sum(e[base][i] for e in per_prompt))
+    return row
+
+
+def _plain_eager(model, prompt: list[int], new: int, stop: set[int]) -> list[int]:
+    """Greedy decoding one eager forward per token (what `generate` runs, without its batching)."""
+    return _plain_compiled(model, prompt, new, lambda token, cache: model(token[:, None], cache=cache)[:, -1], stop)
+
+
+def print_proposers(r: dict) -> None:
+    from ...tables import print_table
+
+    print(r["banner"])
+    rows = [dict(row, **{f"a{i + 1}": a for i, a in enumerate(row["acceptance_by_position"])}) for row in r["rows"]]
+    f2 = "{:.2f}"
+    cols = [("proposer", "proposer", None), ("gamma", "gamma", None), ("tokens_per_pass", "tok/pass", f2),
+            ("tokens_per_pass_grounded", "grounded", f2), ("tokens_per_pass_free", "free", f2), ("alpha", "alpha", f2)]
+    cols += [(f"a{i + 1}", f"P(acc {i + 1})", f2) for i in range(max(x["gamma"] for x in r["rows"]))]
+    cols += [(f"speedup_over_{b}_{c}", f"x {b.removeprefix('plain_')} ({c})", f2)
+             for b in ("plain_eager", "plain_compiled") for c in ("wall", "cpu") if f"speedup_over_{b}_{c}" in rows[0]]
+    cols += [("greedy_matches_plain", "= plain", None)]
+    print_table(rows, cols)
+    for k, v in r["notes"].items():
+        print(f"note ({k}): {v}")
+
+
+def plot_proposers(r: dict):
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    colors = {"medusa": "tab:red", "eagle": "tab:purple", "prompt_lookup": "tab:green", "draft": "tab:blue"}
+    for row in r["rows"]:
+        rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
+        left.plot(range(1, len(rates) + 1), rates, marker="o", color=colors.get(row["proposer"]),
+                  label=f"{row['proposer']} ({row['tokens_per_pass']:.2f} tok/pass)")
+    left.set(ylim=(0, 1.05), xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)",
+             title=f"{r['model']}, greedy, held-out prompts")
+    left.legend(fontsize=8)
+    bases = [b for b in ("plain_eager", "plain_compiled") if f"speedup_over_{b}_wall" in r["rows"][0]]
+    width = 0.8 / max(1, len(bases))
+    for j, base in enumerate(bases):
+        xs = [i + j * width for i in range(len(r["rows"]))]
+        right.bar(xs, [row[f"speedup_over_{base}_wall"] for row in r["rows"]], width,
+                  label=f"over plain ({base.removeprefix('plain_')} step)", alpha=0.8)
+    right.set_xticks([i + width * (len(bases) - 1) / 2 for i in range(len(r["rows"]))],
+                     [row["proposer"] for row in r["rows"]])
+    right.axhline(1.0, color="gray", lw=0.8)
+    right.set(ylabel="decode speed-up (wall clock)", title="batch 1, the fast path's model")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_or_none(r: dict):
+    return plot_proposers(r) if r.get("rows") else None
+
+
+# `bench speculative` (and `--model smollm2-135m` alone) writes the comparison under this name
+BENCHMARK = proposers_report = Benchmark("speculative_proposers", compare_proposers, print_proposers,
+                             plots={"speculative_proposers": _plot_or_none})
