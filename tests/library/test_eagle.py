@@ -11,7 +11,7 @@ from cs336_inference.generation.draft_training import train_eagle
 from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_config
 from cs336_inference.generation.speculative import SpeculativeDecoder
 from test_medusa import ln_final_input, one_thread_only, toy_data
-from test_speculative_decoding import sampled_law_p_value, tiny_pair
+from test_speculative_decoding import _cache_tensors, sampled_law_p_value, tiny_pair
 
 
 @pytest.fixture(scope="module")
@@ -60,14 +60,6 @@ def test_greedy_output_equals_plain_greedy_decoding(toy, one_thread, gamma):
     assert accepted > 0, "no EAGLE draft was ever accepted: the test did not exercise acceptance"
 
 
-def _kv(cache, n):
-    out = []
-    for layer in cache.unique_layers():
-        read = layer.read(n)
-        out.extend(read if isinstance(read, tuple) else [read])
-    return out
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @torch.inference_mode()
 def test_draft_cache_after_each_pass_equals_a_fresh_one_on_the_kept_prefix(toy, one_thread, temperature):
@@ -84,7 +76,7 @@ def test_draft_cache_after_each_pass_equals_a_fresh_one_on_the_kept_prefix(toy, 
         _, f = ln_final_input(target, torch.tensor([seq]))                                 # the target's features
         fresh = draft.new_cache(drafter.cache.max_seq_len)
         draft(f[:, :n], target.token_embeddings(torch.tensor([seq[1:n + 1]])), fresh)
-        for got, want in zip(_kv(drafter.cache, n), _kv(fresh, n), strict=True):
+        for got, want in zip(_cache_tensors(drafter.cache, n), _cache_tensors(fresh, n), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.cat(drafter.pending), f[0, n:len(seq) - 1], rtol=1e-4, atol=1e-4)
     assert rejections > 0, "no draft was ever rejected: this test did not exercise rollback"

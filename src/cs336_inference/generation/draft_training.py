@@ -144,22 +144,9 @@ def train_medusa(target: TransformerLM, data: DistillData, num_heads: int = 4, s
         done += 1
         if step % log_every == 0 or step == steps - 1:
             acc = (logits.argmax(-1) == lab).float().mean(0).tolist()                  # per head
-            history["step"].append(step)
-            history["loss"].append(float(loss.detach()))
-            history["accuracy"].append(acc)
-            note = ""
-            if val is not None:
-                history.setdefault("val_accuracy", []).append(v := val_accuracy())
-                if v > best[0]:
-                    best = (v, copy.deepcopy(heads.state_dict()), step)
-                note = f", held-out {v:.2f}"
-            print(f"  medusa step {step}: loss {history['loss'][-1]:.3f}, top-1 accuracy per head "
-                  f"{[round(a, 2) for a in acc]}{note} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    history["steps_run"] = done
-    if best[1] is not None:
-        heads.load_state_dict(best[1])
-        history["best_step"], history["best_val_accuracy"] = best[2], best[0]
-    return heads.eval().requires_grad_(False), history
+            best = _log_step("medusa", heads, step, loss, acc, f"per head {[round(a, 2) for a in acc]}", history,
+                             best, val_accuracy if val is not None else None, t0)
+    return _finish(heads, history, best, done), history
 
 
 def train_eagle(target: TransformerLM, data: DistillData, steps: int = 300, window: int = 64, batch_size: int = 8,
@@ -218,19 +205,33 @@ def train_eagle(target: TransformerLM, data: DistillData, steps: int = 300, wind
         done += 1
         if step % log_every == 0 or step == steps - 1:
             acc = float((logits.argmax(-1) == lab).float().mean())
-            history["step"].append(step)
-            history["loss"].append(float(loss.detach()))
-            history["accuracy"].append(acc)
-            note = ""
-            if val is not None:
-                history.setdefault("val_accuracy", []).append(v := val_accuracy())
-                if v > best[0]:
-                    best = (v, copy.deepcopy(draft.state_dict()), step)
-                note = f", held-out {v:.2f}"
-            print(f"  eagle step {step}: loss {history['loss'][-1]:.3f}, top-1 accuracy {acc:.2f}{note} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            best = _log_step("eagle", draft, step, loss, acc, f"{acc:.2f}", history, best,
+                             val_accuracy if val is not None else None, t0)
+    return _finish(draft, history, best, done), history
+
+
+def _log_step(name: str, module: torch.nn.Module, step: int, loss: torch.Tensor, acc, acc_text: str,
+              history: dict, best: tuple, val_accuracy, t0: float) -> tuple:
+    """Record a logged step in `history` (with the held-out accuracy where `val_accuracy` is given) and print
+    it; returns `best` (held-out accuracy, state dict, step), replaced when this step beats it."""
+    history["step"].append(step)
+    history["loss"].append(float(loss.detach()))
+    history["accuracy"].append(acc)
+    note = ""
+    if val_accuracy is not None:
+        history.setdefault("val_accuracy", []).append(v := val_accuracy())
+        if v > best[0]:
+            best = (v, copy.deepcopy(module.state_dict()), step)
+        note = f", held-out {v:.2f}"
+    print(f"  {name} step {step}: loss {history['loss'][-1]:.3f}, top-1 accuracy {acc_text}{note} "
+          f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    return best
+
+
+def _finish(module: torch.nn.Module, history: dict, best: tuple, done: int) -> torch.nn.Module:
+    """The trained module, frozen for inference: the best held-out state where one was kept (early stopping)."""
     history["steps_run"] = done
     if best[1] is not None:
-        draft.load_state_dict(best[1])
+        module.load_state_dict(best[1])
         history["best_step"], history["best_val_accuracy"] = best[2], best[0]
-    return draft.eval().requires_grad_(False), history
+    return module.eval().requires_grad_(False)
