@@ -285,13 +285,8 @@ def _is_child(pid: int, parent: int) -> bool:
     """`pid` is a live child of `parent` (one read of /proc; elsewhere: assume so)."""
     if not os.path.isdir("/proc"):
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    fields = stat[stat.rfind(b")") + 2:].split()
-    return fields[0] != b"Z" and int(fields[1]) == parent
+    stat = _stat(pid)
+    return stat is not None and stat[0] != b"Z" and stat[1] == parent
 
 
 class Sandbox:

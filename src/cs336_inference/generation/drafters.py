@@ -27,6 +27,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..model.transformer import TransformerLM
+from .sampling import draw_from
 from .sampling_params import SamplingParams  # the one shared with serving
 
 
@@ -40,6 +41,17 @@ class Drafter(Protocol):
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]: ...
 
     def rollback(self, length: int) -> None: ...
+
+
+def draw_draft(logits: torch.Tensor, sampling: SamplingParams,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft tokens from logits (..., V): the argmax when greedy (probabilities None: one-hot), else one
+    sample of `sampling.probs` per row, returned with those probabilities (..., V), the q the rule needs.
+    Tokens (...,) on the logits' device; the draw uses `generator` on its own device."""
+    if sampling.greedy:
+        return logits.argmax(-1), None
+    p = sampling.probs(logits)
+    return draw_from(p, generator), p
 
 
 class ModelDrafter:
@@ -76,13 +88,9 @@ class ModelDrafter:
         for _ in range(n):
             logits = self.model(ids, cache=self.cache, last_only=True)[0, -1]                  # (V,)
             self.forwards += 1
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                p = sampling.probs(logits)                                                         # (V,)
+            token, p = draw_draft(logits, sampling, generator)
+            if p is not None:
                 probs.append(p)
-                token = torch.multinomial(p.to(generator.device) if generator is not None else p, 1,
-                                          generator=generator)[0].to(p.device)
             tokens.append(token)
             ids = token.reshape(1, 1)
         token_list = torch.stack(tokens).tolist() if tokens else []  # one device sync for all n

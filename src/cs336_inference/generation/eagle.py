@@ -29,6 +29,7 @@ from ..model.kv_cache import KVCache
 from ..model.layers import RotaryEmbedding
 from ..model.transformer import TransformerBlock, TransformerLM
 from .medusa import check_heads_match
+from .drafters import draw_draft
 from .sampling_params import SamplingParams
 
 
@@ -122,13 +123,9 @@ class EagleDrafter:
         for i in range(n):
             logits = self._logits(feature)
             self.forwards += 1
-            if sampling.greedy:
-                token = logits.argmax()
-            else:
-                p = sampling.probs(logits)
+            token, p = draw_draft(logits, sampling, generator)
+            if p is not None:
                 probs.append(p)
-                token = torch.multinomial(p.to(generator.device) if generator is not None else p, 1,
-                                          generator=generator)[0].to(device)
             drafts.append(token)
             if i + 1 < n:
                 feature = self._step(feature[None], token.reshape(1))

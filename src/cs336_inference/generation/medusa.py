@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .. import _checks
 from ..model.transformer import TransformerLM
+from .drafters import draw_draft
 from .sampling_params import SamplingParams
 
 
@@ -96,11 +97,7 @@ class MedusaDrafter:
             return [], None
         logits = self.head_logits(n)                                                  # (n, V)
         self.forwards += 1
-        if sampling.greedy:
-            return logits.argmax(-1).tolist(), None
-        probs = sampling.probs(logits)                                                # (n, V)
-        draw = probs.to(generator.device) if generator is not None else probs
-        tokens = torch.multinomial(draw, 1, generator=generator)[:, 0]               # one sample per head
+        tokens, probs = draw_draft(logits, sampling, generator)                      # one token per head
         return tokens.tolist(), probs
 
     def rollback(self, length: int) -> None:

@@ -92,9 +92,13 @@ def draw_next_token(logits: torch.Tensor, temperature: float, top_k: int | None,
     sampler checks a whole step's logits at once, folded into its one host copy: `invalid_rows`)."""
     if temperature == 0:
         return logits.max(-1).indices   # argmax (the first maximal index), in half argmax's time on a CPU
-    probs = _probs(logits.float(), temperature, top_k, top_p)
+    return draw_from(_probs(logits.float(), temperature, top_k, top_p), generator)
+
+
+def draw_from(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of probs (..., V) -> (...,) on probs' device; the draw runs on the generator's."""
     flat = probs.reshape(-1, probs.shape[-1])
     if generator is not None and generator.device != flat.device:
         flat = flat.to(generator.device)
-    tokens = torch.multinomial(flat, 1, generator=generator).to(logits.device)
+    tokens = torch.multinomial(flat, 1, generator=generator).to(probs.device)
     return tokens.reshape(probs.shape[:-1])

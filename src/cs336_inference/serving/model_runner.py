@@ -127,26 +127,20 @@ class ModelRunner:
 
     def _run_capturing_features(self, token_ids: torch.Tensor, step) -> torch.Tensor:
         """The eager forward, keeping the target's hidden states at the rows whose logits come back:
-        `features` = (last hidden state (R, D): the input of the final norm; second-to-top (R, D): the
-        input of the last layer), for a proposer that drafts from them (see `serving/speculative.py`)."""
-        model, kept = self.model, {}
+        `features` = (last hidden state (R, D): the input of the final norm, `return_hidden`; second-to-top
+        (R, D): the input of the last layer), for a proposer that drafts from them (`serving/speculative.py`)."""
+        kept = {}
 
         def second_to_top(module, args):
-            rows = step.layout.last_rows if step.logit_rows is None else step.logit_rows
-            kept["second"] = args[0][0, rows]
+            kept["second"] = step.select_last(args[0])[0]
 
-        def last_hidden(module, args):
-            kept["last"] = args[0][0]
-
-        hooks = [model.layers[-1].register_forward_pre_hook(second_to_top),
-                 model.ln_final.register_forward_pre_hook(last_hidden)]
+        hook = self.model.layers[-1].register_forward_pre_hook(second_to_top)
         try:
-            logits = model(token_ids, step=step, last_only=True)[0]
+            logits, hidden = self.model(token_ids, step=step, last_only=True, return_hidden=True)
         finally:
-            for hook in hooks:
-                hook.remove()
-        self.features = (kept["last"], kept["second"])
-        return logits
+            hook.remove()
+        self.features = (step.select_last(hidden)[0], kept["second"])
+        return logits[0]
 
     def check_step(self, ids: list[int], context_lens: list[int]) -> None:
         """The edge checks of a step, on host data: ids in the vocabulary, no sequence past the context."""
