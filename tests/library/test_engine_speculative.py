@@ -237,14 +237,18 @@ def test_feature_proposer_gets_the_targets_hidden_states_of_accepted_positions(m
     assert any(len(f.positions) > 1 for _, f in proposer.seen)       # accepted drafts' positions too
     covered = {}
     for tokens, f in proposer.seen:
-        assert f.positions == list(range(f.positions[0], len(tokens) - 1)), "the newly final positions, in order"
+        n = len(f.positions)
+        assert f.positions == list(range(f.positions[0], f.positions[0] + n)), "consecutive positions, in order"
+        if len(tokens) > len(next(p for p in prompts if p == tokens[:len(p)])):   # once a token was sampled:
+            assert f.positions[-1] == len(tokens) - 2, "up to the last final position"   # the newest ones
         last, second = full_forward_features(model, tokens)
         torch.testing.assert_close(f.last_hidden, last[f.positions], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(f.second_to_top, second[f.positions], rtol=1e-4, atol=1e-4)
         covered.setdefault(tuple(tokens[:5]), []).extend(f.positions)
-    for p in prompts:   # from the prompt's last position on, each position handed over once, in order, with no
+    assert sum(len(tokens) == len(prompts[0]) for tokens, _ in proposer.seen) >= 1   # a chunk that left prompt
+    for p in prompts:   # from position 0 on (chunk by chunk), each position handed over once, in order, with no
         got = covered[tuple(p[:5])]   # gap (a finished sequence gets none: nothing will draft for it)
-        assert got == list(range(len(p) - 1, len(p) - 1 + len(got))) and len(got) > 8
+        assert got == list(range(len(got))) and len(got) > len(p) + 8
 
 
 def test_truncate_frees_only_the_tail_and_refuses_shared_blocks():

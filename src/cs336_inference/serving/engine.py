@@ -48,7 +48,7 @@ from .request import Request, RequestOutput
 from .sampler import sample
 from .scheduler import SCHEDULERS, ScheduledBatch
 from .sequence import Sequence, SequenceStatus
-from .speculative import Proposer, SpeculativeScheduler, hand_features, make_proposer, row_spans, speculative_sample
+from .speculative import Proposer, SpeculativeScheduler, hand_features, make_proposer, speculative_sample
 
 
 class Engine:
@@ -194,7 +194,6 @@ class Engine:
         try:
             logits = self.runner.execute(batch, self.manager)          # (len(batch.sequences), V)
             sampled = sample(logits, batch) if self.proposer is None else speculative_sample(logits, batch)
-            spans = row_spans(batch) if self._features else None   # before postprocess clears the drafts
             cost = None if self._step_time is None else _step_cost(self._step_time, batch)
         except Exception as e:  # leave the engine consistent: the batch's requests end in an error
             self._fail(batch, f"{type(e).__name__}: {e}")
@@ -214,7 +213,7 @@ class Engine:
                 if live.unfinished == 0:
                     del self._live[seq.request.request_id]
         if self._features:
-            hand_features(self.proposer, batch, spans, sampled, self.runner.features)
+            hand_features(self.proposer, batch, sampled, self.runner.features)
         self.last_step = self._record(batch, start, end, padding)
         return outputs
 
@@ -340,7 +339,8 @@ def _speculative_proposer(model: TransformerLM, c: EngineConfig, draft_model, pr
     """The proposer of a speculative engine (None: the plain engine), its configuration checked."""
     if proposer is None and c.speculative is None:
         if draft_model is not None:
-            raise ValueError("draft_model is used only with speculative='draft', got speculative=None")
+            raise ValueError("draft_model is used only with speculative='draft', 'medusa' or 'eagle', got "
+                             "speculative=None")
         return None
     if proposer is not None:
         if c.speculative is not None or draft_model is not None:
@@ -353,7 +353,7 @@ def _speculative_proposer(model: TransformerLM, c: EngineConfig, draft_model, pr
         raise ValueError(f"speculative decoding runs on the continuous scheduler with the paged KV layout, got "
                          f"scheduler={c.scheduler!r}, kv_layout={c.kv_layout!r}")
     if proposer is None:
-        proposer = make_proposer(c.speculative, c.num_speculative_tokens, draft_model, model.config.vocab_size)
+        proposer = make_proposer(c.speculative, c.num_speculative_tokens, draft_model, model)
     return proposer
 
 

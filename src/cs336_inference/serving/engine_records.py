@@ -9,6 +9,7 @@ from .. import _checks
 from .metrics import summarize
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import SCHEDULERS
+from .speculative import SPECULATIVE_METHODS
 
 KV_LAYOUTS = ("paged", "contiguous")
 
@@ -28,8 +29,9 @@ class EngineConfig:
                                          # in later steps, beside the decodes) instead of waiting
     prefix_caching: bool = True          # share full blocks of common prefixes across requests
     watermark_blocks: int | None = None  # blocks kept free at admission (None: 1% of the pool)
-    speculative: str | None = None       # None, "prompt_lookup" or "draft" (with Engine(draft_model=...)):
-                                         # drafts verified in the engine's forward (serving/speculative.py)
+    speculative: str | None = None       # None, "prompt_lookup", "draft" (with Engine(draft_model=...)),
+                                         # "medusa" or "eagle" (draft_model= the heads, or the shipped SmolLM2
+                                         # ones): drafts verified in the engine's forward (serving/speculative.py)
     num_speculative_tokens: int = 4      # most drafts per sequence and step
     speculative_disable_by_batch_size: int | None = None  # draft nothing in a step where more sequences
                                          # than this decode (vLLM's name): big batches gain little from drafts
@@ -48,7 +50,7 @@ class EngineConfig:
             _checks.non_negative_int("watermark_blocks", self.watermark_blocks)
         _checks.boolean("chunked_prefill", self.chunked_prefill)
         _checks.boolean("prefix_caching", self.prefix_caching)
-        _checks.one_of("speculative", self.speculative, [None, "prompt_lookup", "draft"])
+        _checks.one_of("speculative", self.speculative, [None, *SPECULATIVE_METHODS])
         _checks.positive_int("num_speculative_tokens", self.num_speculative_tokens)
         if self.speculative_disable_by_batch_size is not None:
             _checks.positive_int("speculative_disable_by_batch_size", self.speculative_disable_by_batch_size)

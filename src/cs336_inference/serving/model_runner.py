@@ -46,7 +46,7 @@ class ModelRunner:
         self.cache = PagedKVCache(model, num_blocks, block_size)
         self.decode = decode
         self.capture_features = False   # a Medusa/EAGLE proposer's engine sets it: `features` after each run
-        self.features: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.features: tuple[torch.Tensor, torch.Tensor] | None = None   # (sum T, D) each
 
     @staticmethod
     def num_blocks_for(model, block_size: int, num_blocks: int | None = None, kv_budget_bytes: int | None = None,
@@ -126,20 +126,21 @@ class ModelRunner:
         return self.model(token_ids, step=step, last_only=True)[0]           # (B, V)
 
     def _run_capturing_features(self, token_ids: torch.Tensor, step) -> torch.Tensor:
-        """The eager forward, keeping the target's hidden states at the rows whose logits come back:
-        `features` = (last hidden state (R, D): the input of the final norm, `return_hidden`; second-to-top
-        (R, D): the input of the last layer), for a proposer that drafts from them (`serving/speculative.py`)."""
+        """The eager forward, keeping the target's hidden states at every token it ran (a prefill's whole
+        chunk, a decode's last token and drafts): `features` = (last hidden state (sum T, D): the input of
+        the final norm, `return_hidden`; second-to-top (sum T, D): the input of the last layer), for a
+        proposer that drafts from them (`serving/speculative.py`)."""
         kept = {}
 
         def second_to_top(module, args):
-            kept["second"] = step.select_last(args[0])[0]
+            kept["second"] = args[0][0]
 
         hook = self.model.layers[-1].register_forward_pre_hook(second_to_top)
         try:
             logits, hidden = self.model(token_ids, step=step, last_only=True, return_hidden=True)
         finally:
             hook.remove()
-        self.features = (step.select_last(hidden)[0], kept["second"])
+        self.features = (hidden[0], kept["second"])
         return logits[0]
 
     def check_step(self, ids: list[int], context_lens: list[int]) -> None:

@@ -37,12 +37,18 @@ The proposer protocol (`Proposer`): what the engine needs from whatever drafts.
     observe(seq, features)              with `TargetFeatures`: the target's last hidden state (the
                                         final layer's output, before the final norm) and its
                                         second-to-top hidden state (the input of the last layer) at
-                                        the positions of this step's rows that are now final (the
-                                        last token and the accepted drafts; for a prefill, its
-                                        chunk's last token), so a head can draft from the newest one.
+                                        the positions of this step's rows that are now final (a
+                                        decode's last token and accepted drafts; every token of a
+                                        prefill chunk, chunk by chunk, from the first position the
+                                        step computed: a prefix-cache hit's positions come without
+                                        features), so a head can draft from the newest one and an
+                                        EAGLE draft can feed its own cache from the first one.
 A proposer keeps its per-sequence state in `seq.proposer_state` (dropped with the sequence; forked
 siblings start without one) and must tolerate being asked again after a rollback or a preemption:
-`seq.token_ids` is the only truth (a draft model rolls its own cache back to it).
+`seq.token_ids` is the only truth. A draft model rolls its own cache back to it; a feature proposer
+drafts only when the features it holds reach the last final position (len(seq.token_ids) - 2), and
+after a preemption the recompute hands positions it already had again: it forgets its own from the
+first re-handed position on (`feature_proposers.EagleProposer`).
 """
 
 from __future__ import annotations
@@ -54,15 +60,19 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from .. import _checks
+from ..generation.draft_heads import load_draft_heads
 from ..generation.drafters import ModelDrafter
+from ..generation.eagle import EagleDraft
+from ..generation.medusa import MedusaHeads
 from ..generation.prompt_lookup import prompt_lookup_propose
 from ..generation.sampling import draw_next_token, invalid_rows
 from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..model.transformer import TransformerLM
+from .feature_proposers import EagleProposer, MedusaProposer
 from .scheduler import ContinuousScheduler, ScheduledBatch
 from .sequence import Sequence
 
-SPECULATIVE_METHODS = ("prompt_lookup", "draft")
+SPECULATIVE_METHODS = ("prompt_lookup", "draft", "medusa", "eagle")
 
 
 @dataclass
@@ -261,33 +271,58 @@ def row_spans(batch: ScheduledBatch) -> list[tuple[int, int]]:
     return spans
 
 
-def hand_features(proposer: Proposer, batch: ScheduledBatch, spans: list[tuple[int, int]],
-                  sampled: list[list[int]], features: tuple[torch.Tensor, torch.Tensor]) -> None:
+def hand_features(proposer: Proposer, batch: ScheduledBatch, sampled: list[list[int]],
+                  features: tuple[torch.Tensor, torch.Tensor]) -> None:
     """After postprocess: give every sequence still running the target's features at its newly final
-    positions (`spans`: `row_spans` taken before postprocess cleared the drafts)."""
+    positions. `features`: the runner's (sum T, D) pair, one row per token the step ran, in the batch's
+    order (each sequence's `num_scheduled_tokens` rows: a prefill's chunk, a decode's last token and drafts)."""
     last, second = features
-    for seq, tokens, (r, m) in zip(batch.sequences, sampled, spans):
-        if seq.finish_reason is not None or not tokens:   # finished, or a prefill chunk with prompt left
+    row, num_prefills = 0, len(batch.prefills)
+    for i, (seq, tokens) in enumerate(zip(batch.sequences, sampled)):
+        r, ran = row, batch.num_scheduled_tokens[seq.seq_id]
+        row += ran
+        if seq.finish_reason is not None:   # nothing will draft for it
             continue
-        n = len(tokens) if m > 1 else 1   # a decode: its last token and accepted drafts; a prefill: its last
+        n = ran if i < num_prefills else len(tokens)   # a prefill's whole chunk; a decode's last token + accepted
         first = seq.num_computed_tokens - n
         proposer.observe(seq, TargetFeatures(list(range(first, first + n)), last[r:r + n], second[r:r + n]))
 
 
-def make_proposer(method: str, num_speculative_tokens: int, draft_model: TransformerLM | None,
-                  vocab_size: int) -> Proposer:
-    """The built-in proposer named by EngineConfig.speculative."""
+def make_proposer(method: str, num_speculative_tokens: int, draft_model, target: TransformerLM) -> Proposer:
+    """The built-in proposer named by EngineConfig.speculative; `draft_model` is what it drafts with: a
+    TransformerLM ("draft"), MedusaHeads ("medusa"), an EagleDraft ("eagle"), or None for "medusa" and
+    "eagle" to load the shipped SmolLM2 ones. Checked against the target before anything is built."""
     if method == "prompt_lookup":
         if draft_model is not None:
-            raise ValueError("draft_model is used only with speculative='draft', got speculative='prompt_lookup'")
+            raise ValueError("draft_model is used only with speculative='draft', 'medusa' or 'eagle', got "
+                             "speculative='prompt_lookup'")
         return PromptLookupProposer()
-    if draft_model is None:
-        raise ValueError("speculative='draft' needs draft_model=a TransformerLM sharing the target's vocabulary")
-    proposer = DraftModelProposer(draft_model, num_speculative_tokens)
-    if draft_model.config.vocab_size != vocab_size:
-        raise ValueError(f"draft_model's vocab_size {draft_model.config.vocab_size} differs from the target's "
-                         f"{vocab_size}; speculative decoding needs a shared vocabulary")
-    return proposer
+    if method == "draft":
+        if draft_model is None:
+            raise ValueError("speculative='draft' needs draft_model=a TransformerLM sharing the target's vocabulary")
+        _checks.instance("draft_model", draft_model, TransformerLM, "a TransformerLM (e.g. load_pretrained('draft'))")
+        if draft_model.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"draft_model's vocab_size {draft_model.config.vocab_size} differs from the target's "
+                             f"{target.config.vocab_size}; speculative decoding needs a shared vocabulary")
+        return DraftModelProposer(draft_model, num_speculative_tokens)
+    kind = MedusaHeads if method == "medusa" else EagleDraft
+    if draft_model is None:   # the shipped heads: made for SmolLM2 (load_draft_heads checks d_model first)
+        try:
+            draft_model = load_draft_heads(target, f"{method}-smollm2")
+        except ValueError as e:
+            raise ValueError(f"speculative={method!r} without draft_model= loads the shipped SmolLM2 "
+                             f"{method} asset, which does not fit this target: {e}. Pass draft_model="
+                             f"{kind.__name__}(...) made for it") from None
+    _checks.instance("draft_model", draft_model, kind, f"{kind.__name__} for speculative={method!r}")
+    if draft_model.d_model != target.config.d_model:
+        raise ValueError(f"draft_model's d_model {draft_model.d_model} differs from the target's "
+                         f"{target.config.d_model}; {method} heads read the target's hidden states")
+    if method == "eagle" and draft_model.config.vocab_size != target.config.vocab_size:
+        raise ValueError(f"the EAGLE draft was built for vocab_size {draft_model.config.vocab_size}, the target's is "
+                         f"{target.config.vocab_size}; build it with eagle_config(target.config)")
+    if method == "medusa":
+        return MedusaProposer(target, draft_model)
+    return EagleProposer(target, draft_model, num_speculative_tokens)
 
 
 __all__ = ["DraftModelProposer", "PromptLookupProposer", "Proposer", "SPECULATIVE_METHODS", "SpeculativeScheduler",
