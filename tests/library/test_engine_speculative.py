@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import adapters
+from cs336_inference.generation.eagle import EagleDraft, eagle_config
+from cs336_inference.generation.medusa import MedusaHeads
 from cs336_inference.model import load_pretrained
 from cs336_inference.serving import Engine, SamplingParams
 from cs336_inference.serving.kv_cache_manager import KVCacheManager
@@ -113,7 +115,19 @@ def _first_new_token(sequence, start):
     return next(i for i in range(start, len(sequence)) if sequence[i] not in sequence[:i])
 
 
-@pytest.mark.parametrize("proposer", ["oracle", "prompt_lookup"])
+def random_heads(target, kind: str, seed: int = 0):
+    """Seeded random Medusa heads (the zero init would repeat the target's guess) or an EAGLE draft."""
+    torch.manual_seed(seed)
+    if kind == "medusa":
+        heads = MedusaHeads(target.config.d_model, 3)
+        with torch.no_grad():
+            for w in heads.proj:
+                w.weight.normal_(0, 1.0 / target.config.d_model ** 0.5)
+        return heads.eval()
+    return EagleDraft(eagle_config(target.config)).eval()
+
+
+@pytest.mark.parametrize("proposer", ["oracle", "prompt_lookup", "medusa", "eagle"])
 def test_greedy_mixed_trace_equals_reference_and_plain_engine(model, text, proposer):
     trace = _mixed_trace(text)
     full = {tuple(p): greedy_reference(model, p, 24) for p, _, _ in trace}
@@ -124,8 +138,9 @@ def test_greedy_mixed_trace_equals_reference_and_plain_engine(model, text, propo
                    step_time=lambda batch: 0.001)
     plain = Engine(model, **options)
     _add_all(plain, trace, stops)
-    spec_options = dict(proposer=OracleProposer(full, model.config.vocab_size)) if proposer == "oracle" else \
-        dict(speculative="prompt_lookup")
+    spec_options = {"oracle": lambda: dict(proposer=OracleProposer(full, model.config.vocab_size)),
+                    "prompt_lookup": lambda: dict(speculative="prompt_lookup")}.get(
+        proposer, lambda: dict(speculative=proposer, draft_model=random_heads(model, proposer)))()
     spec = Engine(model, num_speculative_tokens=4, **options, **spec_options)
     _add_all(spec, trace, stops)
     ends = _spy_ends(spec)
@@ -134,7 +149,7 @@ def test_greedy_mixed_trace_equals_reference_and_plain_engine(model, text, propo
         assert spec_out[(i, 0)][0] == expected[i], f"request {i}"
         assert plain_out[(i, 0)][0] == expected[i], f"request {i} (plain engine)"
         assert spec_out[(i, 0)][1][-1] == plain_out[(i, 0)][1][-1]   # the same finish reason
-    assert spec.scheduler.num_accepted > 0
+    assert spec.scheduler.num_proposed > 0 and (spec.scheduler.num_accepted > 0 or proposer in ("medusa", "eagle"))
     assert spec.manager.num_free_blocks == spec.num_blocks and not spec.manager.tables   # nothing leaked
     spec.manager.check_invariants()
     if proposer == "oracle":   # the trace exercised what it is meant to
@@ -292,13 +307,16 @@ def _tiny_pair():
     return target, draft
 
 
-@pytest.mark.parametrize("kind", ["draft", "prompt_lookup"])
+@pytest.mark.parametrize("kind", ["draft", "prompt_lookup", "medusa", "eagle"])
 def test_sampled_engine_follows_the_target_chi_square(kind):
     # The joint law of the first 3 tokens (64 cells) over 1000 seeded requests served together by one
-    # engine, against the target's full-forward probabilities. False-failure rate 1e-4.
+    # engine, against the target's full-forward probabilities. False-failure rate 1e-4. (Medusa, EAGLE:
+    # seeded random heads, whose sampled drafts the target accepts and rejects on V = 4.)
     target, draft = _tiny_pair()
-    prompt = [3, 1] if kind == "draft" else [0, 1, 2, 0, 1]
-    options = dict(speculative="draft", draft_model=draft) if kind == "draft" else dict(speculative="prompt_lookup")
+    prompt = [0, 1, 2, 0, 1] if kind == "prompt_lookup" else [3, 1]
+    options = {"draft": dict(speculative="draft", draft_model=draft),
+               "prompt_lookup": dict(speculative="prompt_lookup")}.get(
+        kind, dict(speculative=kind, draft_model=random_heads(target, kind, seed=5)))
     engine = Engine(target, num_speculative_tokens=2, block_size=4, max_num_seqs=64, num_blocks=200, **options)
     runs = 1000
     for i in range(runs):

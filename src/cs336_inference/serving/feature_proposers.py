@@ -106,10 +106,10 @@ class EagleProposer:
 
     @staticmethod
     def _forget_from(state: FeatureState, keep: int) -> None:
-        """Keep the features of the first `keep` positions from base (in the cache or still pending)."""
+        """Keep the features of the first `keep` positions from base (in the cache or still pending); the
+        cache is cut to true_len by the rollback before the next proposal."""
         drafter = state.drafter
         if keep < drafter.true_len:
-            drafter.cache.truncate(keep)
             drafter.true_len, drafter.pending = keep, []
         else:
             pending = torch.cat(drafter.pending) if drafter.pending else None
