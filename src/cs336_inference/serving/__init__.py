@@ -13,7 +13,8 @@ Serving: `PagedKVCache` (the model's K/V in block pools), `Engine` (online: `add
 `Workload` (a named trace and batch limit: an operating point) and `serve_one_at_a_time` (the
 one-sequence baseline, plain or speculative).
 Speculative decoding inside the engine (`serving.speculative`): `Engine(model, speculative="prompt_lookup")`
-(or "draft" with draft_model=, or proposer= any `Proposer`) verifies every running sequence's drafts in
+(or "draft" with draft_model=, "medusa" / "eagle" with the heads or the shipped SmolLM2 ones:
+`serving.feature_proposers`, or proposer= any `Proposer`) verifies every running sequence's drafts in
 the step's one forward and rolls the rejected ones back (`KVCacheManager.truncate`).
 Online: `AsyncEngine` (asyncio streams per request over one engine thread); the OpenAI-compatible
 HTTP server in `serving.http` (the `[serve]` extra) and its streaming client in `serving.client`.
@@ -36,6 +37,7 @@ from .one_at_a_time import serve_one_at_a_time
 from .request import Request, RequestOutput, RequestRecord
 from .scheduler import ContinuousScheduler, ScheduledBatch, Scheduler, StaticScheduler
 from .sequence import Sequence, SequenceStatus
+from .feature_proposers import EagleProposer, MedusaProposer
 from .speculative import DraftModelProposer, PromptLookupProposer, Proposer, TargetFeatures
 from .trace import TraceConfig, make_chat_trace, make_trace, poisson_arrivals
 from .workload import Workload
@@ -43,8 +45,9 @@ from .workload import Workload
 __all__ = [
     "AsyncEngine", "BlockAllocator", "BlockPool", "BlockTable", "ChatSession", "ContiguousAllocator",
     "ContiguousManager",
-    "ContinuousScheduler", "DraftModelProposer", "Engine", "EngineConfig", "EngineResult", "KVCacheManager",
-    "KVMemoryStats", "OutOfBlocksError", "PagedKVCache", "PagedLayerCache", "PagedStep", "PromptLookupProposer",
+    "ContinuousScheduler", "DraftModelProposer", "EagleProposer", "Engine", "EngineConfig", "EngineResult",
+    "KVCacheManager", "KVMemoryStats", "MedusaProposer", "OutOfBlocksError", "PagedKVCache", "PagedLayerCache",
+    "PagedStep", "PromptLookupProposer",
     "Proposer", "Request",
     "RequestMetrics", "RequestOutput", "RequestRecord", "RequestStreams", "SamplingParams", "ScheduledBatch",
     "Scheduler", "Sequence", "SequenceStatus", "StaticScheduler", "StepRecord", "TargetFeatures", "TraceConfig",

@@ -22,7 +22,6 @@ re-handed position on and refeeds from there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,8 +31,15 @@ from ..generation.medusa import MedusaDrafter, MedusaHeads, check_heads_match
 from ..model.transformer import TransformerLM
 from .sequence import Sequence
 
-if TYPE_CHECKING:   # speculative.py builds these proposers (make_proposer): the import points this way only
-    from .speculative import TargetFeatures
+
+@dataclass
+class TargetFeatures:
+    """The target's hidden states at one sequence's newly final positions (`speculative.py`'s module docstring)."""
+
+    positions: list[int]           # token positions in the sequence, ascending
+    last_hidden: torch.Tensor      # (len(positions), D): output of the last layer, before the final norm
+    #                                (what the shipped Medusa heads and EAGLE draft were trained on)
+    second_to_top: torch.Tensor    # (len(positions), D): output of the layer below it (the input of the last)
 
 
 @dataclass
@@ -117,4 +123,4 @@ class EagleProposer:
         state.end = state.base + keep
 
 
-__all__ = ["EagleProposer", "FeatureState", "MedusaProposer"]
+__all__ = ["EagleProposer", "FeatureState", "MedusaProposer", "TargetFeatures"]

@@ -54,7 +54,6 @@ first re-handed position on (`feature_proposers.EagleProposer`).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -68,20 +67,11 @@ from ..generation.prompt_lookup import prompt_lookup_propose
 from ..generation.sampling import draw_next_token, invalid_rows
 from ..generation.speculative_rule import accept_unchecked, greedy_accept
 from ..model.transformer import TransformerLM
-from .feature_proposers import EagleProposer, MedusaProposer
+from .feature_proposers import EagleProposer, MedusaProposer, TargetFeatures
 from .scheduler import ContinuousScheduler, ScheduledBatch
 from .sequence import Sequence
 
 SPECULATIVE_METHODS = ("prompt_lookup", "draft", "medusa", "eagle")
-
-
-@dataclass
-class TargetFeatures:
-    """The target's hidden states at one sequence's newly final positions (see the module docstring)."""
-
-    positions: list[int]           # token positions in the sequence, ascending
-    last_hidden: torch.Tensor      # (len(positions), D): output of the last layer, before the final norm
-    second_to_top: torch.Tensor    # (len(positions), D): output of the layer below it (EAGLE's feature)
 
 
 @runtime_checkable

@@ -8,7 +8,9 @@ tokens/s, p50/p99 inter-token latency, the median time per output token (TPOT), 
 accepted and the tokens each sequence gains per verify step. Every speculative run's outputs are
 checked equal to the plain run's. Workloads: the shipped toy target on echo drills (each line repeats an
 earlier one: input-grounded) with prompt lookup and with the shipped draft model, and SmolLM2-135M-Instruct
-(full runs, where installed) asked to rewrite or summarise a passage, with prompt lookup.
+(full runs, where installed) asked to rewrite or summarise a passage, with prompt lookup and with the
+shipped Medusa heads and EAGLE draft (`serving/feature_proposers.py`; each at the draft length `bench
+speculative_proposers` uses; both draft one sequence at a time, their draft forwards not batched).
 
 Tokens accepted in one step arrive together: a stream delivers them as one chunk, so the ITL between
 them is 0 and the chunk's first token carries the wait (p50 ITL falls, p99 need not); TPOT counts
@@ -26,6 +28,7 @@ from matplotlib.ticker import NullLocator
 
 from ...data.corpus import corpus_documents
 from ...data.real_text import prose_paragraphs
+from ...generation.draft_heads import load_draft_heads
 from ...model.checkpoints import load_pretrained
 from ...model.real_models import real_model_missing
 from ...model.tokenizer import load_tokenizer
@@ -35,6 +38,7 @@ from ...serving.speculative import PromptLookupProposer
 from ...tables import print_table
 from .base import Benchmark, alternate
 from .speculative import REAL_TASKS
+from .speculative_proposers import GAMMAS
 
 CONCURRENCIES = (1, 4, 16, 64)
 NUM_SPECULATIVE_TOKENS = {"toy-echo": 4, "smollm2-grounded": 8}   # per workload: a verify of SmolLM2 on the
@@ -66,9 +70,18 @@ def real_workload(device) -> dict | None:
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
     prompts = [chat(REAL_TASKS[i % 2] + paragraphs[(1 + 5 * i) % len(paragraphs)]) for i in range(64)]
+    proposers = {"prompt lookup": lambda: dict(proposer=PromptLookupProposer())}
+    for kind in ("medusa", "eagle"):   # the shipped heads, loaded once (not inside a timed run)
+        try:
+            heads = load_draft_heads(target, f"{kind}-smollm2")
+        except ValueError as e:
+            print(f"({kind} not measured: {e})")
+            continue
+        proposers[kind] = lambda kind=kind, heads=heads: dict(speculative=kind, draft_model=heads,
+                                                              num_speculative_tokens=GAMMAS[kind])
     return {"name": "smollm2-grounded", "model": target, "prompts": prompts, "max_tokens": 64,
             "stop": tuple(tok.stop_ids), "note": "SmolLM2-135M-Instruct, chat: rewrite / summarise a given passage",
-            "proposers": {"prompt lookup": lambda: dict(proposer=PromptLookupProposer())}}
+            "proposers": proposers}
 
 
 def _requests(workload: dict, concurrency: int) -> list[Request]:
@@ -79,8 +92,8 @@ def _requests(workload: dict, concurrency: int) -> list[Request]:
 
 def _run(model, requests, concurrency: int, k: int, options: dict) -> dict:
     start = time.process_time()
-    engine = Engine(model, max_num_seqs=concurrency, num_speculative_tokens=k,
-                    clock=lambda: time.process_time() - start, **options)
+    options = {"num_speculative_tokens": k} | options   # a proposer may bring its own draft length
+    engine = Engine(model, max_num_seqs=concurrency, clock=lambda: time.process_time() - start, **options)
     result = engine.run(requests)
     s = result.summary()
     tpot = [(times[-1] - times[0]) / (len(times) - 1) for o in result.outputs for times in o.token_times
@@ -88,9 +101,10 @@ def _run(model, requests, concurrency: int, k: int, options: dict) -> dict:
     row = {key: s[key] for key in KEYS if key in s} | {
         "tpot_p50_s": statistics.median(tpot), "generated_tokens": s["generated_tokens"], "steps": s["steps"],
         "tokens": [o.tokens for o in result.outputs]}
-    if options:
+    if engine.proposer is not None:
         sched = engine.scheduler
-        row |= {"proposed": sched.num_proposed, "accepted": sched.num_accepted,
+        row |= {"num_speculative_tokens": options["num_speculative_tokens"],
+                "proposed": sched.num_proposed, "accepted": sched.num_accepted,
                 "acceptance": sched.num_accepted / sched.num_proposed if sched.num_proposed else None,
                 "tokens_per_verify": (sched.num_verified + sched.num_accepted) / sched.num_verified
                 if sched.num_verified else None}
@@ -153,14 +167,16 @@ def print_results(result: dict) -> None:
             for name in [PLAIN] + sorted(n for n in point if n not in (PLAIN, "requests")):
                 r = point[name]
                 rows.append({"c": c, "engine": name, **r, "speedup": r.get("speedup", 1.0),
+                             "num_speculative_tokens": r.get("num_speculative_tokens"),
                              "acceptance": r.get("acceptance"), "tokens_per_verify": r.get("tokens_per_verify")})
         print_table(rows, [("c", "concurrency", None), ("engine", "engine", None),
                            ("throughput_tok_per_s", "tok/s", "{:,.1f}"), ("speedup", "vs plain", "{:.2f}x"),
                            ("itl_p50_s", "ITL p50 (s)", "{:.4f}"), ("itl_p99_s", "ITL p99 (s)", "{:.4f}"),
-                           ("tpot_p50_s", "TPOT p50 (s)", "{:.4f}"), ("acceptance", "drafts accepted", "{:.2f}"),
+                           ("tpot_p50_s", "TPOT p50 (s)", "{:.4f}"), ("num_speculative_tokens", "k", None),
+                           ("acceptance", "drafts accepted", "{:.2f}"),
                            ("tokens_per_verify", "tokens / verify", "{:.2f}")],
                     title=f"\n{wname}: {w['note']}, {w['max_tokens']} new tokens, greedy, "
-                          f"{w['num_speculative_tokens']} drafts at most, median of {w['repeats']} alternated")
+                          f"k drafts at most, median of {w['repeats']} alternated")
     print("\n" + "\n".join(f"{k}: {v}" for k, v in result["crossover"].items()))
     print("goals: " + ", ".join(f"{k}: {'yes' if v else 'NO'}" for k, v in result["goals"].items()))
 
@@ -176,12 +192,13 @@ def plot_serving_speculative(result: dict):
         proposers = [n for n in points[0] if n not in (PLAIN, "requests")]
         ax = axes[0][col]
         for i, name in enumerate(proposers):
-            ax.plot(cs, [p[name]["speedup"] for p in points], "o-", color=f"C{i}", label=name)
+            k = points[0][name].get("num_speculative_tokens", w["num_speculative_tokens"])
+            ax.plot(cs, [p[name]["speedup"] for p in points], "o-", color=f"C{i}", label=f"{name} (k = {k})")
         ax.axhline(1.0, color="gray", lw=0.8)
         ax.axhline(1.4, color="gray", lw=0.8, ls=":")
         ax.set(xscale="log", xticks=cs, xticklabels=[str(c) for c in cs], xlabel="concurrency (max_num_seqs)",
                ylabel="tokens/s vs the plain engine",
-               title=f"{wname}: speed-up ({w['num_speculative_tokens']} drafts at most)")
+               title=f"{wname}: speed-up (k drafts at most)")
         ax.xaxis.set_minor_locator(NullLocator())
         ax.legend(fontsize=8)
         ax = axes[1][col]
