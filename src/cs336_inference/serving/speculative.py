@@ -300,9 +300,8 @@ def make_proposer(method: str, num_speculative_tokens: int, draft_model, target:
         try:
             draft_model = load_draft_heads(target, f"{method}-smollm2")
         except ValueError as e:
-            raise ValueError(f"speculative={method!r} without draft_model= loads the shipped SmolLM2 "
-                             f"{method} asset, which does not fit this target: {e}. Pass draft_model="
-                             f"{kind.__name__}(...) made for it") from None
+            raise ValueError(f"speculative={method!r} without draft_model= loads the shipped SmolLM2 {method} "
+                             f"asset: {e}. Pass draft_model={kind.__name__}(...) made for this target") from None
     _checks.instance("draft_model", draft_model, kind, f"{kind.__name__} for speculative={method!r}")
     if draft_model.d_model != target.config.d_model:
         raise ValueError(f"draft_model's d_model {draft_model.d_model} differs from the target's "
