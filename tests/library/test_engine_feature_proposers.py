@@ -159,6 +159,22 @@ def test_greedy_outputs_equal_the_plain_engine_with_preemption(model, text, kind
     assert True in preempted, "no preemption: the test did not exercise recompute"
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_sampled_drafts_use_the_requests_own_generator(model, text, kind):
+    """A seeded request's output does not depend on the global RNG: the drafts are drawn from its generator."""
+    heads = random_medusa(model, seed=3) if kind == "medusa" else random_eagle(model, seed=3)
+    outputs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        engine = Engine(model, speculative=kind, draft_model=heads, num_speculative_tokens=3, block_size=4)
+        for i, p in enumerate((text[0:20], text[300:311])):
+            engine.add_request(p, SamplingParams(1.0, max_tokens=16, seed=11 + i), request_id=i)
+        out = _drain(engine)
+        outputs.append([out[(i, 0)][0] for i in range(2)])
+        assert engine.scheduler.num_proposed > 10
+    assert outputs[0] == outputs[1]
+
+
 @torch.no_grad()
 def test_eagle_state_after_refed_and_missing_positions_equals_a_fresh_drafts(model, text):
     """What a preemption's recompute (positions handed again, from inside the draft's cache or from its

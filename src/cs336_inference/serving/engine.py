@@ -53,12 +53,13 @@ from .speculative import Proposer, SpeculativeScheduler, hand_features, make_pro
 
 class Engine:
     """Serve requests with `model`. `Engine(model, scheduler="static")` overrides EngineConfig fields;
-    `decode` runs the steps that only decode (see `ModelRunner`; `serve` passes a compiled one)."""
+    `decode` runs the steps that only decode (see `ModelRunner`; `serve` passes a compiled one);
+    `draft_model` is what `speculative` drafts with (a TransformerLM, MedusaHeads or an EagleDraft)."""
 
     def __init__(self, model: TransformerLM, config: EngineConfig | None = None,
                  clock: Callable[[], float] | None = None,
                  step_time: Callable[[ScheduledBatch], float] | None = None, decode: Callable | None = None,
-                 draft_model: TransformerLM | None = None, proposer: Proposer | None = None, **overrides):
+                 draft_model: torch.nn.Module | None = None, proposer: Proposer | None = None, **overrides):
         _checks.instance("model", model, TransformerLM, "a TransformerLM (e.g. load_pretrained('target'))")
         if config is not None:
             _checks.instance("config", config, EngineConfig)

@@ -1,7 +1,8 @@
 """Speculative decoding inside the engine: drafts for every running sequence, verified in one forward.
 
 `Engine(model, speculative="prompt_lookup", num_speculative_tokens=4)` (or `speculative="draft",
-draft_model=...`, or `proposer=` any `Proposer`) runs each step as the plain engine does, with four
+draft_model=...`; `"medusa"` / `"eagle"` with draft_model= the heads or the shipped SmolLM2 ones,
+`feature_proposers.py`; or `proposer=` any `Proposer`) runs each step as the plain engine does, with four
 changes (the plain path, `speculative=None`, is untouched):
 
 - schedule (`SpeculativeScheduler`): for every running sequence that decodes, the proposer offers up
