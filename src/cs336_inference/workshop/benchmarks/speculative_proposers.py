@@ -1,5 +1,6 @@
-"""`bench speculative`'s proposer comparison on SmolLM2: Medusa heads, the EAGLE draft, prompt lookup
-(and a distilled small draft where one is installed) on the same held-out prompts, in one run.
+"""`bench speculative`'s proposer comparison on SmolLM2: Medusa heads (as a chain, and verified as a tree
+of their top guesses), the EAGLE draft, prompt lookup (and a distilled small draft where one is
+installed) on the same held-out prompts, in one run.
 
 The target is the CLI's default fast path (`fast_path.load_for_inference`: the published int4 blocks on
 our kernels, fused attention, the CPU tuning). Greedy decoding, batch 1. Per proposer: tokens per
@@ -22,6 +23,7 @@ import torch
 
 from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import SHIPPED, load_drafter
+from ...generation.medusa_tree import medusa_tree_generate
 from ...generation.speculative import SpeculativeResult, speculative_generate
 from ...generation.speculative_costs import timed
 from ...model.real_models import real_model_missing
@@ -29,7 +31,7 @@ from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
 
-GAMMAS = {"medusa": 4, "eagle": 5, "prompt_lookup": 4}
+GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4}   # medusa_tree: the tree's depth
 
 
 def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
@@ -92,6 +94,8 @@ def _proposers(target) -> tuple[dict, dict]:
             proposers[name] = load_drafter(target, f"{name}-smollm2")
         except ValueError as err:
             notes[name] = str(err)
+    if "medusa" in proposers:   # the same heads, verified as Medusa's tree of top guesses (greedy rule: exact)
+        proposers["medusa_tree"] = proposers["medusa"].heads
     proposers["prompt_lookup"] = "prompt_lookup"
     notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
                                 "alpha ~0.31); not compared")
@@ -128,8 +132,12 @@ def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[i
         entry["plain_compiled"] = _rate(len(got), t, prefill)
         entry["compiled_matches_eager"] = got == ref
     for name, drafter in proposers.items():
-        res, *t = timed(partial(speculative_generate, target, drafter, prompt, GAMMAS[name],
-                                max_new_tokens=new, stop_tokens=stop), target.device)
+        if name == "medusa_tree":
+            decode = partial(medusa_tree_generate, target, drafter, prompt, new, stop_tokens=stop)
+        else:
+            decode = partial(speculative_generate, target, drafter, prompt, GAMMAS[name], max_new_tokens=new,
+                             stop_tokens=stop)
+        res, *t = timed(decode, target.device)
         entry[name] = _rate(res.num_generated, t, prefill)
         entry[f"{name}_matches_plain"] = res.tokens == ref
         rows.setdefault(name, []).append(res)
@@ -182,7 +190,8 @@ def plot_proposers(r: dict):
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
-    colors = {"medusa": "tab:red", "eagle": "tab:purple", "prompt_lookup": "tab:green", "draft": "tab:blue"}
+    colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
+              "draft": "tab:blue"}
     for row in r["rows"]:
         rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
         left.plot(range(1, len(rates) + 1), rates, marker="o", color=colors.get(row["proposer"]),
