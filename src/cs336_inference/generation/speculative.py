@@ -16,6 +16,10 @@ One pass, with the sequence `seq` (N tokens) and the target cache holding seq[:N
 A drafter that reads the target's hidden states (Medusa heads, an EAGLE draft: it has `observe`) is
 handed the target's features of the positions that became final: the prompt's after the prefill,
 and the k + 1 positions seq[-1], x_1..x_k after each pass (`forward(..., return_hidden=True)`).
+
+A pass whose drafter proposes nothing (prompt lookup finds no earlier copy) is a plain decode step;
+`decode_step`, e.g. a compiled one (`compile_decode`), runs those passes as plain decoding would,
+and the verify passes stay eager (they have other shapes).
 """
 
 from __future__ import annotations
@@ -160,11 +164,15 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def __init__(self, target: TransformerLM, draft, prompt_ids, gamma: int = 4, temperature: float = 0.0,
                  max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
-                 stop_tokens=None, generator: torch.Generator | None = None):
+                 stop_tokens=None, generator: torch.Generator | None = None, decode_step=None):
         self.drafter = as_drafter(draft)
         _check_args(target, self.drafter, gamma, max_new_tokens, generator)
+        if decode_step is not None and not callable(decode_step):
+            raise TypeError(f"decode_step must be a callable (token_ids (1,), cache) -> logits (1, V) or None, "
+                            f"got {type(decode_step).__name__}")
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.target, self.gamma, self.max_new_tokens, self.generator = target, gamma, max_new_tokens, generator
+        self.decode_step = decode_step
         self.stop = stop_token_set(stop_tokens, target.config.vocab_size)   # as `generate` accepts them
         prompt = _prompt_list(prompt_ids)
         P = len(prompt)
@@ -218,7 +226,9 @@ class SpeculativeDecoder:
             drafts, p_draft = self.drafter.propose(sequence, n, self.sampling, self.generator)
         with clock.measure("target"):
             ids = torch.tensor([sequence[-1:] + drafts], device=self.device)                   # (1, g+1)
-            if self.reads_features:
+            if not drafts and self.decode_step is not None and not self.reads_features:
+                logits = self.decode_step(ids[0], cache)                                       # (1, V)
+            elif self.reads_features:
                 logits, hidden = self.target(ids, cache=cache, return_hidden=True)
                 logits, hidden = logits[0], hidden[0]                                          # (g+1, V), (g+1, D)
             else:
@@ -257,16 +267,19 @@ class SpeculativeDecoder:
 
 def speculative_generate(target: TransformerLM, draft, prompt_ids, gamma: int = 4, temperature: float = 0.0,
                          max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
-                         stop_tokens=None, generator: torch.Generator | None = None) -> SpeculativeResult:
+                         stop_tokens=None, generator: torch.Generator | None = None,
+                         decode_step=None) -> SpeculativeResult:
     """Generate up to `max_new_tokens` tokens after one prompt, drafting `gamma` tokens per target pass.
 
     draft: a `TransformerLM` sharing the target's vocabulary, "prompt_lookup", or a `Drafter`.
     temperature / top_k / top_p apply to both models (0 = greedy: the output equals the target's
     greedy output); otherwise the output is distributed exactly as `generate(target, ...)` samples.
+    decode_step(token_ids (1,), cache) -> logits (1, V): runs the passes without drafts (see the module
+    docstring; None: the eager forward).
     Returns the tokens with acceptance statistics, forward counts and the time split.
     """
     decoder = SpeculativeDecoder(target, draft, prompt_ids, gamma, temperature, max_new_tokens, top_k, top_p,
-                                 stop_tokens, generator)
+                                 stop_tokens, generator, decode_step)
     while not decoder.finished:
         decoder.step()
     return decoder.finish()

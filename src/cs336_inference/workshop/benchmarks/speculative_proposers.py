@@ -24,6 +24,7 @@ import torch
 from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import SHIPPED, load_drafter
 from ...generation.medusa_tree import medusa_tree_generate
+from ...generation.prompt_lookup import PromptLookupDrafter
 from ...generation.speculative import SpeculativeResult, speculative_generate
 from ...generation.speculative_costs import timed
 from ...model.real_models import real_model_missing
@@ -31,7 +32,9 @@ from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
 
-GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4}   # medusa_tree: the tree's depth
+GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 8}
+# medusa_tree: the tree's depth. prompt_lookup_fast: the engine's prompt lookup (8 drafts after a match of at
+# least 2 tokens), and the passes that find no match run the compiled decode step, as plain decoding does
 
 
 def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
@@ -97,6 +100,7 @@ def _proposers(target) -> tuple[dict, dict]:
     if "medusa" in proposers:   # the same heads, verified as Medusa's tree of top guesses (greedy rule: exact)
         proposers["medusa_tree"] = proposers["medusa"].heads
     proposers["prompt_lookup"] = "prompt_lookup"
+    proposers["prompt_lookup_fast"] = PromptLookupDrafter(max_ngram=4, min_ngram=2)
     notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
                                 "alpha ~0.31); not compared")
     return proposers, notes
@@ -108,7 +112,10 @@ def _compiled_step(target, tok, stop, notes: dict):
 
     try:
         compiled = compile_fast(target)
-        _plain_compiled(target, held_out_prompts(tok, True)[0][1], 4, compiled, set(stop))
+        warm = held_out_prompts(tok, True)[0][1]
+        _plain_compiled(target, warm, 4, compiled, set(stop))
+        # and on a speculative loop's cache (it keeps room to roll back): any recompiling happens now
+        speculative_generate(target, PromptLookupDrafter(), warm, 2, max_new_tokens=8, decode_step=compiled)
         return compiled
     except Exception as err:   # a compiler missing or failing here: compare with eager decoding only
         notes["compiled"] = f"compiled decode step unavailable: {type(err).__name__}: {err}"[:300]
@@ -136,7 +143,7 @@ def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[i
             decode = partial(medusa_tree_generate, target, drafter, prompt, new, stop_tokens=stop)
         else:
             decode = partial(speculative_generate, target, drafter, prompt, GAMMAS[name], max_new_tokens=new,
-                             stop_tokens=stop)
+                             stop_tokens=stop, decode_step=compiled if name == "prompt_lookup_fast" else None)
         res, *t = timed(decode, target.device)
         entry[name] = _rate(res.num_generated, t, prefill)
         entry[f"{name}_matches_plain"] = res.tokens == ref
@@ -191,7 +198,7 @@ def plot_proposers(r: dict):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
-              "draft": "tab:blue"}
+              "prompt_lookup_fast": "tab:olive", "draft": "tab:blue"}
     for row in r["rows"]:
         rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
         left.plot(range(1, len(rates) + 1), rates, marker="o", color=colors.get(row["proposer"]),
