@@ -392,7 +392,23 @@ class Sandbox:
         keep = self.worker is not None and not self.dirty and self.failure is None and self._reusable()
         self.deadline = float("inf")
         if not keep:
+            replaced = self.worker is not None
             self._replace_worker()
+            if replaced:
+                self._prefork()
+
+    def _prefork(self) -> None:
+        """Start the next test's worker now (a fork of the package root, which learns nothing from the test that
+        ended), so that it is ready while the grader finishes this test and sets up the next one. A package that
+        cannot start one is brought back, or reported, at the next graded call as usual."""
+        if not self._package_alive():
+            return
+        self.deadline = time.monotonic() + self.timeout
+        try:
+            self._worker()
+        except BaseException:   # noqa: B036  (already killed; the next graded call starts one)
+            pass
+        self.failure, self.deadline = None, float("inf")
 
     def send_reset(self) -> None:
         """The end of a test's call phase when nothing of the test runs after it (tests/grading.py: no fixture
@@ -788,10 +804,25 @@ def _call_script(sandbox: Sandbox, steps: list) -> list | None:
     return out
 
 
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None)))     # sent as they are
+
+
 def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: dict | None = None):
     """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked. A generator
     passed twice (in one call, or in several calls of a batch: `sent` remembers them) is one generator there too."""
+    kind = type(value)
+    if kind in _LEAVES:                      # the common cases first, by exact type (a batch prepares thousands)
+        return value
     sent = {} if sent is None else sent
+    if kind is tuple or kind is list:
+        if depth >= guard.MAX_DEPTH:
+            return value
+        return kind([_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value])
+    if kind is torch.Tensor and not value.requires_grad and value.layout == torch.strided:
+        arg = sent.get(("tensor", id(value)))
+        if arg is None:                      # the worker makes a tensor of its own from it at each use
+            arg = sent["tensor", id(value)] = TensorArg(value)
+        return arg
     if isinstance(value, torch.Generator):
         if id(value) not in sent:
             generators.append(value)
@@ -801,14 +832,8 @@ def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: d
         if value.requires_grad:
             grad_inputs.append(value)
             return GradArg(len(grad_inputs) - 1, value.detach().clone())
-        if type(value) is torch.Tensor and value.layout == torch.strided:
-            if ("tensor", id(value)) not in sent:    # the worker makes a tensor of its own from it at each use
-                sent["tensor", id(value)] = TensorArg(value)
-            return sent["tensor", id(value)]
         return value.detach()
-    if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
-        return type(value)(_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value)
-    if depth < guard.MAX_DEPTH and type(value) is dict:
+    if depth < guard.MAX_DEPTH and kind is dict:
         return {k: _prepare(v, generators, grad_inputs, depth + 1, sent) for k, v in value.items()}
     return value
 

@@ -514,31 +514,37 @@ def _under(watchers: list, target, args, kwargs):
         return _under(watchers[1:], target, args, kwargs)
 
 
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None)))
+
+
 def _restore(value, generators: dict, grads: dict, tensors: dict | None = None):
     """The test's arguments as graded code sees them (generators rebuilt, grad leaves marked); each use of a tensor
     is a tensor of its own (`tensors`: those a batch made already, copied again at each use)."""
-    import torch
-    if type(value) is GeneratorArg:
-        if value.slot in generators:             # the same generator again (in this call or an earlier one of a batch)
-            return generators[value.slot]
-        g = torch.Generator(device=value.device)
-        g.set_state(torch.frombuffer(bytearray(value.state), dtype=torch.uint8))
-        generators[value.slot] = g
-        return g
-    if type(value) is TensorArg:
+    kind = type(value)
+    if kind in _LEAVES:
+        return value
+    if kind is TensorArg:
         if tensors is None:
             return value.tensor()
         made = tensors.get(id(value))
         if made is None:
             made = tensors[id(value)] = (value, value.tensor())      # the TensorArg is kept alive with its id
         return made[1].clone()
-    if type(value) is GradArg:
+    if kind is tuple or kind is list:
+        return kind([_restore(v, generators, grads, tensors) for v in value])
+    if kind is GeneratorArg:
+        if value.slot in generators:             # the same generator again (in this call or an earlier one of a batch)
+            return generators[value.slot]
+        import torch
+        g = torch.Generator(device=value.device)
+        g.set_state(torch.frombuffer(bytearray(value.state), dtype=torch.uint8))
+        generators[value.slot] = g
+        return g
+    if kind is GradArg:
         t = value.tensor.requires_grad_()
         grads[value.slot] = t
         return t
-    if type(value) in (list, tuple):
-        return type(value)(_restore(v, generators, grads, tensors) for v in value)
-    if type(value) is dict:
+    if kind is dict:
         return {k: _restore(v, generators, grads, tensors) for k, v in value.items()}
     return value
 
@@ -546,7 +552,7 @@ def _restore(value, generators: dict, grads: dict, tensors: dict | None = None):
 def _takes(value, returns) -> bool:
     """Whether the grader's check of a result (tests/guard.py, run again there on what it decodes) takes `value`."""
     try:
-        import guard
+        guard = sys.modules.get("guard") or __import__("guard")
         guard.check("a step", value, returns)
     except BaseException:   # noqa: B036  (a result whose checks raise anything: the grader's check decides)
         return False
