@@ -823,7 +823,7 @@ def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: d
         if arg is None:                      # the worker makes a tensor of its own from it at each use
             arg = sent["tensor", id(value)] = TensorArg(value)
         return arg
-    if isinstance(value, torch.Generator):
+    if kind is torch.Generator or isinstance(value, torch.Generator):     # (isinstance runs Python code here)
         if id(value) not in sent:
             generators.append(value)
             sent[id(value)] = GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
