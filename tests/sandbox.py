@@ -34,11 +34,14 @@ calls are graded calls of their own) and the autograd graphs of results that nee
 runs in the worker, `_RemoteGrad`). torch's global RNG state and the state of every torch.Generator argument
 travel with each call and come back, so graded code draws exactly the numbers it would draw in-process.
 
-A test that makes thousands of graded calls of one function (or one method of a graded object) sends them in
-one message (`each`, through tests/adapters.py `each`): the worker makes them in order, exactly as one by one
-(the same generators and torch's RNG carried from call to call; each result decoded and checked here on its
-own) and stops at the first that raises, whose exception the test gets, with the random states from before
-that call. One round trip instead of thousands is what keeps the --impl run near the in-process one.
+A test that makes thousands of graded calls whose arguments it knows in advance sends them in one message
+(`script`, through tests/adapters.py `script` and `each`: calls of graded functions, methods of graded objects and
+attribute reads of them, mixed): the worker makes them in order, exactly as one by one (the same generators and
+torch's RNG carried from call to call; each result decoded and checked here on its own) and stops at the first that
+raises, whose exception the test gets, with the random states from before that call, or whose result the grader
+refuses. One round trip instead of thousands is what keeps the --impl run near the in-process one; so does a worker
+forked for the next test as soon as one is replaced, and a grader whose heap (torch, pytest, the collected tests) the
+garbage collector no longer scans once the package is imported (tests/grading.py).
 """
 
 from __future__ import annotations
