@@ -67,11 +67,22 @@ def watching(watcher_class):
 def each(adapter, calls) -> list:
     """[adapter(*args) for args in calls], in order. With a student's package the graded calls travel to its
     worker in one message and run there one after another, exactly as they would one by one (tests/sandbox.py
-    `each`): for a test that makes thousands of them. `adapter` makes one graded call and returns its result
+    `script`): for a test that makes thousands of them. `adapter` makes one graded call and returns its result
     unchanged (run_speculative_accept, a method of a graded object such as `manager.ref_count`)."""
     if implementation.isolated():
         return sandbox.each(adapter, calls)
     return [adapter(*args) for args in calls]
+
+
+def script(*steps) -> list:
+    """[step() for step in steps], in order: each step makes one graded call or reads one attribute of a graded
+    object (`functools.partial(manager.free, 3)`, `lambda: manager.num_free_blocks`) and returns its result
+    unchanged; no step's arguments may depend on another step's result. With a student's package the steps travel
+    to its worker in one message, as `each` does for calls of one function: for a test that checks a graded
+    object's state after each of many operations."""
+    if implementation.isolated():
+        return sandbox.script(steps)
+    return [step() for step in steps]
 
 
 T, T2, T3 = "tensor", ("tensor", "tensor"), ("tensor", "tensor", "tensor")

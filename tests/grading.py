@@ -33,6 +33,7 @@ Options (registered by tests/conftest.py):
 from __future__ import annotations
 
 import importlib.util
+import gc
 import json
 import os
 import shutil
@@ -117,6 +118,17 @@ def _nothing_runs_after_the_call(item) -> bool:
             if where not in (("grading", "_seed"), ("_pytest.python", "get_direct_param_fixture_func")):
                 return False
     return True
+
+
+def _freeze_heap() -> None:
+    """What exists when a run with a worker process starts (torch, pytest, the collected tests: hundreds of thousands
+    of objects) is never scanned by the garbage collector again; the messages and decoded results of thousands of
+    graded calls would otherwise trigger full collections over all of it. A process that grades again
+    (tests/library/test_grader.py) first frees what an earlier run left frozen."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        gc.collect()
+    gc.freeze()
 
 
 def not_implemented_name(excinfo) -> str:
@@ -218,6 +230,7 @@ class Grader:
             error = str(err)
         if error is None:
             sandbox.activate(self.sandbox)
+            _freeze_heap()
             return
         if "request" in locals() and request["kind"] == "module" and error.startswith("ModuleNotFoundError"):
             error += (f" (--impl takes the path of a package folder or .py file, absolute or relative to "

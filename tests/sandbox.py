@@ -34,11 +34,14 @@ calls are graded calls of their own) and the autograd graphs of results that nee
 runs in the worker, `_RemoteGrad`). torch's global RNG state and the state of every torch.Generator argument
 travel with each call and come back, so graded code draws exactly the numbers it would draw in-process.
 
-A test that makes thousands of graded calls of one function (or one method of a graded object) sends them in
-one message (`each`, through tests/adapters.py `each`): the worker makes them in order, exactly as one by one
-(the same generators and torch's RNG carried from call to call; each result decoded and checked here on its
-own) and stops at the first that raises, whose exception the test gets, with the random states from before
-that call. One round trip instead of thousands is what keeps the --impl run near the in-process one.
+A test that makes thousands of graded calls whose arguments it knows in advance sends them in one message
+(`script`, through tests/adapters.py `script` and `each`: calls of graded functions, methods of graded objects and
+attribute reads of them, mixed): the worker makes them in order, exactly as one by one (the same generators and
+torch's RNG carried from call to call; each result decoded and checked here on its own) and stops at the first that
+raises, whose exception the test gets, with the random states from before that call, or whose result the grader
+refuses. One round trip instead of thousands is what keeps the --impl run near the in-process one; so does a worker
+forked for the next test as soon as one is replaced, and a grader whose heap (torch, pytest, the collected tests) the
+garbage collector no longer scans once the package is imported (tests/grading.py).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ __mutable__ = ("_supervisor",)   # bookkeeping tests/tamper.py skips
 
 import atexit
 import builtins
+import functools
 import os
 import pickle
 import signal
@@ -67,7 +71,7 @@ MAX_MESSAGE = 1 << 28                   # bytes of one reply
 START_TIMEOUT = 120.0                   # seconds the supervisor may take to import torch and the library
 MEMORY_BYTES = 8 << 30                  # address space a worker may add to what it starts with
 # imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
-PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper")
+PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper", "guard")
 KILL_ROUNDS = 50
 
 
@@ -391,7 +395,23 @@ class Sandbox:
         keep = self.worker is not None and not self.dirty and self.failure is None and self._reusable()
         self.deadline = float("inf")
         if not keep:
+            replaced = self.worker is not None
             self._replace_worker()
+            if replaced:
+                self._prefork()
+
+    def _prefork(self) -> None:
+        """Start the next test's worker now (a fork of the package root, which learns nothing from the test that
+        ended), so that it is ready while the grader finishes this test and sets up the next one. A package that
+        cannot start one is brought back, or reported, at the next graded call as usual."""
+        if not self._package_alive():
+            return
+        self.deadline = time.monotonic() + self.timeout
+        try:
+            self._worker()
+        except BaseException:   # noqa: B036  (already killed; the next graded call starts one)
+            pass
+        self.failure, self.deadline = None, float("inf")
 
     def send_reset(self) -> None:
         """The end of a test's call phase when nothing of the test runs after it (tests/grading.py: no fixture
@@ -631,10 +651,10 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
-    if _collecting is not None:                     # `each` gathers the calls, to make them in one message
-        deferred = _Deferred()
-        _collecting.append((name, args, kwargs, returns, handle, attr, deferred))
-        return deferred
+    if _collecting is not None:                     # `script` gathers the calls, to make them in one message
+        step = _Deferred("call" if handle is None else "method", name, args, kwargs, returns, handle, attr)
+        _collecting.append(step)
+        return step
     try:
         return _call(sandbox, name, args, kwargs, returns, handle, attr)
     except BaseException:
@@ -671,103 +691,142 @@ def _call(sandbox: Sandbox, name: str, args: tuple, kwargs: dict | None, returns
 
 # --- many graded calls in one message ---------------------------------------------------------------------------
 
-_collecting: list | None = None     # the graded calls `each` is gathering (None: every call runs at once)
+_collecting: list | None = None     # the graded steps `script` is gathering (None: every call runs at once)
 
 
 class _Deferred:
-    """What a graded call returns while `each` gathers calls: the adapter must hand it back as it is."""
+    """A graded call, or an attribute read of a graded object, gathered by `script`: what the step gets back
+    meanwhile and must return as it is. A read that is then called becomes a call of that method."""
 
-    __slots__ = ()
+    __slots__ = ("op", "name", "args", "kwargs", "returns", "handle", "attr")
+
+    def __init__(self, op: str, name: str, args, kwargs, returns, handle, attr):
+        self.op, self.name, self.args, self.kwargs = op, name, args, kwargs
+        self.returns, self.handle, self.attr = returns, handle, attr
+
+    def __call__(self, *args, **kwargs):
+        if self.op != "getattr":
+            raise TypeError("script(steps): a step called what a graded call returned (results are known only "
+                            "after the whole script)")
+        self.op, self.args, self.kwargs = "method", args, kwargs
+        return self
+
+    def target(self) -> tuple:
+        return ("call", self.name) if self.op == "call" else (self.op, self.handle, self.attr)
 
     def __repr__(self) -> str:
-        return "<a graded call gathered by each(); its result is not known yet>"
+        return "<a graded call gathered by script(); its result is not known yet>"
 
 
-def each(fn, calls) -> list:
-    """[fn(*args) for args in calls], where each fn(*args) makes one graded call of the same function (or method of
-    one graded object) and returns its result as it is (an adapter such as run_speculative_accept, or a graded
-    object's method): the calls travel to the worker in one message and run there in order (`call_many`), as
-    they would one by one. Anything else (a watched call, one that returns an object, takes tensors that need
-    gradients or reaches a package that defines the name only under a former one) is made one by one."""
+def script(steps) -> list:
+    """[step() for step in steps], where each step makes exactly one graded call (a graded function, a method of a
+    graded object) or reads one attribute of a graded object, and returns its result as it is; its arguments must
+    not depend on the results of the other steps (they are all known before the first runs). The steps travel to
+    the worker in one message and run there in order (`_call_script`), exactly as they would one by one: the same
+    generators and torch's RNG carried from step to step, each result decoded and checked here on its own, and the
+    first step that raises ends the script with that exception and the random states from before it (one whose
+    result the grader refuses ends it too: the worker runs the same check first, so no later step runs). A script
+    that cannot go as one message (a watched call, a step that returns an object or takes tensors that need
+    gradients, a package that defines a name only under a former one) runs one step at a time."""
     global _collecting
-    import implementation
-    calls = [tuple(args) for args in calls]
+    steps = list(steps)
+    if _collecting is not None:
+        raise TypeError("script(steps): a step must make one graded call, not run a script of its own")
     gathered, results = [], []
     _collecting = gathered
     try:
-        for args in calls:
-            results.append(fn(*args))
+        for step in steps:
+            results.append(step())
     finally:
         _collecting = None
-    keys = {(g[0], repr(g[3]), g[4], g[5]) for g in gathered}
-    if len(gathered) != len(calls) or len(keys) > 1 or any(r is not g[6] for r, g in zip(results, gathered)):
-        raise TypeError("each(fn, calls): every fn(*args) must make exactly one graded call, of one function or "
-                        "method, and return its result unchanged")
+    if len(gathered) != len(steps) or any(r is not g for r, g in zip(results, gathered)):
+        raise TypeError("script(steps): every step must make exactly one graded call (or read one attribute of a "
+                        "graded object) and return its result unchanged")
     if not gathered:
         return []
-    name, _, _, returns, handle, attr, _ = gathered[0]
-    try:
-        return call_many(name, [(g[1], g[2]) for g in gathered], returns, handle, attr)
-    except implementation.NotImplementedGraded as missing:
-        if handle is not None or f"defines no {name}" not in str(missing):
-            raise
-        return [fn(*args) for args in calls]      # a former name, perhaps: the adapter looks for it
-
-
-def call_many(name: str, calls: list, returns="any", handle=None, attr=None) -> list:
-    """[call(name, args, kwargs, returns, handle, attr) for args, kwargs in calls], in one round trip to the
-    worker. Each call is the one it would be alone: its own copies of the tensors, the same generators (their
-    states carry from call to call and come back), torch's global RNG carried along, its result decoded and
-    checked on its own; the first call that raises ends the batch with that call's exception, after the
-    random states of the calls before it came back."""
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
+    if _watchers or any(isinstance(g.returns, dict) for g in gathered):
+        return [step() for step in steps]
     try:
-        return _call_many(sandbox, name, calls, returns, handle, attr)
+        out = _call_script(sandbox, gathered)
     except BaseException:
         sandbox.dirty = True
         raise
+    return [step() for step in steps] if out is None else out
 
 
-def _call_many(sandbox: Sandbox, name: str, calls: list, returns, handle, attr) -> list:
+def each(fn, calls) -> list:
+    """[fn(*args) for args in calls] as one `script`: each fn(*args) makes one graded call (an adapter such as
+    run_speculative_accept, a graded object's method) and returns its result as it is."""
+    return script([functools.partial(fn, *args) for args in calls])
+
+
+def _call_script(sandbox: Sandbox, steps: list) -> list | None:
+    """The gathered steps in one round trip to the worker; None where they must go one by one instead (tensors that
+    need gradients; a graded function the package does not define: the adapter may find it under a former name,
+    and the steps before it run as they would)."""
     generators: list = []
     grad_inputs: list = []
     sent: dict = {}
-    prepared = [(_prepare(args, generators, grad_inputs, sent=sent),
-                 _prepare(kwargs or {}, generators, grad_inputs, sent=sent)) for args, kwargs in calls]
-    if _watchers or grad_inputs or isinstance(returns, dict):
-        return [_call(sandbox, name, args, kwargs, returns, handle, attr) for args, kwargs in calls]
-    message = {"op": "many", "op_of_each": "call" if handle is None else "method", "name": name, "handle": handle,
-               "attr": attr, "calls": prepared, "rng": sandbox.rng_to_send()}
-    guard._calls.append(name)
+    calls = [(step.target(), _prepare(step.args or (), generators, grad_inputs, sent=sent),
+              _prepare(step.kwargs or {}, generators, grad_inputs, sent=sent), step.returns) for step in steps]
+    if grad_inputs:
+        return None
+    names = list(dict.fromkeys(step.name for step in steps))
+    label = names[0] if len(names) == 1 else f"a script of {len(steps)} graded calls ({', '.join(names[:4])}" \
+        f"{', ...' if len(names) > 4 else ''})"
+    guard._calls.append(label)
     try:
-        reply = sandbox.request(name, message)
+        reply = sandbox.request(label, {"op": "many", "calls": calls, "rng": sandbox.rng_to_send()})
     finally:
         guard._calls.pop()
+    if reply.get("kind") == "missing":
+        return None
     if reply.get("kind") != "many":
-        _outcome(name, reply, sandbox)                 # "missing" raises; a value here breaks the protocol
-        raise sandbox._fail(f"{name}: the worker answered a batch of calls with a single reply")
+        _outcome(label, reply, sandbox)                # a value here breaks the protocol
+        raise sandbox._fail(f"{label}: the worker answered a batch of calls with a single reply")
     values, failure = reply.get("values"), reply.get("failure")
-    if type(values) is not list or len(values) > len(calls) or (failure is None) != (len(values) == len(calls)) \
-            or (failure is not None and type(failure) is not dict):
-        raise sandbox._fail(f"{name}: the worker sent a malformed reply to a batch of calls")
-    _restore_rng(name, reply, generators)
-    if failure is not None:
+    checked = type(failure) is dict and failure.get("kind") == "checked"     # the last value is one to refuse
+    if type(values) is not list or (failure is not None and type(failure) is not dict) \
+            or not (len(values) == len(steps) if failure is None else 0 < len(values) <= len(steps) if checked
+                    else len(values) < len(steps)):
+        raise sandbox._fail(f"{label}: the worker sent a malformed reply to a batch of calls")
+    _restore_rng(label, reply, generators)
+    if failure is not None and not checked:
         sandbox.rng_known = None             # the failed call may have drawn numbers: send the state again next time
-    out = [guard.check(name, decode(name, value), returns) for value in values]
+    out = [guard.check(step.name, decode(step.name, value), step.returns) for step, value in zip(steps, values)]
+    if checked:
+        raise sandbox._fail(f"{label}: the worker stopped a batch of calls at a result the grader takes")
     if failure is not None:
-        _outcome(name, failure, sandbox)
-        raise sandbox._fail(f"{name}: the worker reported a failure of kind {_text(failure.get('kind'), 60)!r} "
+        failed = steps[len(values)].name
+        _outcome(failed, failure, sandbox)
+        raise sandbox._fail(f"{failed}: the worker reported a failure of kind {_text(failure.get('kind'), 60)!r} "
                             f"in a batch of calls")
     return out
+
+
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None)))     # sent as they are
 
 
 def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: dict | None = None):
     """The test's arguments, ready to pickle: generators as their state, tensors that need grad marked. A generator
     passed twice (in one call, or in several calls of a batch: `sent` remembers them) is one generator there too."""
+    kind = type(value)
+    if kind in _LEAVES:                      # the common cases first, by exact type (a batch prepares thousands)
+        return value
     sent = {} if sent is None else sent
-    if isinstance(value, torch.Generator):
+    if kind is tuple or kind is list:
+        if depth >= guard.MAX_DEPTH:
+            return value
+        return kind([_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value])
+    if kind is torch.Tensor and not value.requires_grad and value.layout == torch.strided:
+        arg = sent.get(("tensor", id(value)))
+        if arg is None:                      # the worker makes a tensor of its own from it at each use
+            arg = sent["tensor", id(value)] = TensorArg(value)
+        return arg
+    if kind is torch.Generator or isinstance(value, torch.Generator):     # (isinstance runs Python code here)
         if id(value) not in sent:
             generators.append(value)
             sent[id(value)] = GeneratorArg(len(generators) - 1, str(value.device), value.get_state().numpy().tobytes())
@@ -776,14 +835,8 @@ def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: d
         if value.requires_grad:
             grad_inputs.append(value)
             return GradArg(len(grad_inputs) - 1, value.detach().clone())
-        if type(value) is torch.Tensor and value.layout == torch.strided:
-            if ("tensor", id(value)) not in sent:    # the worker makes a tensor of its own from it at each use
-                sent["tensor", id(value)] = TensorArg(value)
-            return sent["tensor", id(value)]
         return value.detach()
-    if depth < guard.MAX_DEPTH and type(value) in (list, tuple):
-        return type(value)(_prepare(v, generators, grad_inputs, depth + 1, sent) for v in value)
-    if depth < guard.MAX_DEPTH and type(value) is dict:
+    if depth < guard.MAX_DEPTH and kind is dict:
         return {k: _prepare(v, generators, grad_inputs, depth + 1, sent) for k, v in value.items()}
     return value
 
@@ -959,6 +1012,10 @@ class RemoteObject:
         handle, kind = self._handle, members[attr]
         if attr in self._methods:      # a method once: the call itself reads it again in the worker
             return lambda *args, **kwargs: call(full, args, kwargs, kind, handle=handle, attr=attr)
+        if _collecting is not None:    # `script` gathers steps: a read, or a method call if the step calls it
+            step = _Deferred("getattr", full, (), {}, kind, handle, attr)
+            _collecting.append(step)
+            return step
         try:
             return self._read(sandbox, full, attr, handle, kind)
         except BaseException:

@@ -419,42 +419,61 @@ class Worker:
         return reply
 
     def many(self, request) -> dict:
-        """Graded calls of one function (or of one method of a kept object) with the argument lists of
-        `request["calls"]`, in order, as the grader would make them one by one: the same torch.Generator
-        arguments and torch's global RNG carry from each call to the next. The first call that raises (or whose
-        result cannot be sent) ends the batch: its reply is "failure", and the random states that come back
-        are those from before it (what the grader holds after a failed call), with the results before it."""
+        """The steps of `request["calls"]` (a graded function, a method of a kept object or an attribute read of one,
+        each with its arguments), in order, as the grader would make them one by one: the same torch.Generator
+        arguments and torch's global RNG carry from each step to the next. The first step that raises (or whose
+        result cannot be sent) ends the batch: its reply is "failure", and the random states that come back are
+        those from before it (what the grader holds after a failed call), with the results before it. A graded
+        function the package does not define is reported before any step runs ("missing")."""
         import torch
+        calls = request["calls"]
+        for target, _, _, _ in calls:
+            if target[0] == "call" and (self.module is None or getattr(self.module, target[1], None) is None):
+                return {"kind": "missing"}
         if request.get("rng") is not None:
             torch.set_rng_state(request["rng"])
         rng_start = torch.get_rng_state()
         generators: dict[int, object] = {}
+        tensors: dict[int, object] = {}
         values: list = []
         failure = None
         rng, states = rng_start, {}
-        if request["op_of_each"] == "call":
-            fn = getattr(self.module, request["name"], None) if self.module is not None else None
-            if fn is None:
-                return {"kind": "missing"}
-        for args, kwargs in request["calls"]:
+        for target, args, kwargs, returns in calls:
             try:
-                if request["op_of_each"] == "call":
-                    target = fn
-                else:
-                    target = getattr(self.objects[request["handle"]], request["attr"])
-                args = _restore(args, generators, {})
-                kwargs = _restore(kwargs or {}, generators, {})
+                args = _restore(args, generators, {}, tensors)
+                kwargs = _restore(kwargs or {}, generators, {}, tensors)
                 rng, states = torch.get_rng_state(), {slot: g.get_state() for slot, g in generators.items()}
-                value = target(*args, **kwargs)
+                value = self.step(target, args, kwargs)
                 values.append(encode(value))
+            except _Missing:
+                failure = {"kind": "missing"}
+                break
             except BaseException as err:   # noqa: B036  (graded code may raise anything)
                 failure = _error(err)
                 break
-        if failure is None:
+            if not _takes(value, returns):             # the grader refuses it: the steps after it do not run
+                failure = {"kind": "checked"}
+                break
+        if failure is None or failure["kind"] == "checked":     # the states after the last step that ran
             rng, states = torch.get_rng_state(), {slot: g.get_state() for slot, g in generators.items()}
         return {"kind": "many", "values": values, "failure": failure,
                 "rng": None if torch.equal(rng, rng_start) else encode(rng),
                 "generators": {slot: encode(state) for slot, state in states.items()}}
+
+    def step(self, target: tuple, args, kwargs):
+        """One step of a batch: ("call", name), ("method", handle, attr) or ("getattr", handle, attr)."""
+        import torch
+        if target[0] == "call":
+            fn = getattr(self.module, target[1], None)
+            if fn is None:
+                raise _Missing
+            return fn(*args, **kwargs)
+        member = getattr(self.objects[target[1]], target[2])
+        if target[0] == "method":
+            return member(*args, **kwargs)
+        if callable(member) and not isinstance(member, (int, float, bool, torch.Tensor)):
+            raise Refused(f"is a method: a step of a script must call it, not read it ({target[2][:100]})")
+        return member
 
     def reset(self) -> dict:
         """The end of a test: drop its objects and graphs (their finalizers run now), then say whether this
@@ -495,27 +514,53 @@ def _under(watchers: list, target, args, kwargs):
         return _under(watchers[1:], target, args, kwargs)
 
 
-def _restore(value, generators: dict, grads: dict):
-    """The test's arguments as graded code sees them (generators rebuilt, grad leaves marked)."""
-    import torch
-    if type(value) is GeneratorArg:
+_LEAVES = frozenset((int, float, bool, str, bytes, type(None)))
+
+
+def _restore(value, generators: dict, grads: dict, tensors: dict | None = None):
+    """The test's arguments as graded code sees them (generators rebuilt, grad leaves marked); each use of a tensor
+    is a tensor of its own (`tensors`: those a batch made already, copied again at each use)."""
+    kind = type(value)
+    if kind in _LEAVES:
+        return value
+    if kind is TensorArg:
+        if tensors is None:
+            return value.tensor()
+        made = tensors.get(id(value))
+        if made is None:
+            made = tensors[id(value)] = (value, value.tensor())      # the TensorArg is kept alive with its id
+        return made[1].clone()
+    if kind is tuple or kind is list:
+        return kind([_restore(v, generators, grads, tensors) for v in value])
+    if kind is GeneratorArg:
         if value.slot in generators:             # the same generator again (in this call or an earlier one of a batch)
             return generators[value.slot]
+        import torch
         g = torch.Generator(device=value.device)
         g.set_state(torch.frombuffer(bytearray(value.state), dtype=torch.uint8))
         generators[value.slot] = g
         return g
-    if type(value) is TensorArg:
-        return value.tensor()
-    if type(value) is GradArg:
+    if kind is GradArg:
         t = value.tensor.requires_grad_()
         grads[value.slot] = t
         return t
-    if type(value) in (list, tuple):
-        return type(value)(_restore(v, generators, grads) for v in value)
-    if type(value) is dict:
-        return {k: _restore(v, generators, grads) for k, v in value.items()}
+    if kind is dict:
+        return {k: _restore(v, generators, grads, tensors) for k, v in value.items()}
     return value
+
+
+def _takes(value, returns) -> bool:
+    """Whether the grader's check of a result (tests/guard.py, run again there on what it decodes) takes `value`."""
+    try:
+        guard = sys.modules.get("guard") or __import__("guard")
+        guard.check("a step", value, returns)
+    except BaseException:   # noqa: B036  (a result whose checks raise anything: the grader's check decides)
+        return False
+    return True
+
+
+class _Missing(Exception):
+    """A graded function a step of a batch names is gone from the package."""
 
 
 class Refused(Exception):

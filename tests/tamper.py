@@ -28,7 +28,7 @@ import sys
 import threading
 import types
 from itertools import repeat
-from operator import attrgetter
+from operator import attrgetter, is_
 from pathlib import Path
 
 import torch
@@ -102,8 +102,8 @@ def _global_state() -> dict:
 class Snapshot:
     """The watched state at one moment: `changes()` lists what differs now, `restore()` undoes it.
 
-    Comparisons are by identity, over id lists built with C-level `map`s, so checking ~40k watched
-    objects after every graded test costs a few milliseconds."""
+    Comparisons are by identity (`operator.is_` over C-level `map`s, stopping at the first difference), so
+    checking ~40k watched objects after every graded test costs a few milliseconds."""
 
     def __init__(self):
         self.namespaces: list[tuple[str, dict, dict, list]] = []     # (label, live dict, copy, ids of values)
@@ -111,7 +111,6 @@ class Snapshot:
         self.functions: list[types.FunctionType] = []
         self.function_labels: list[str] = []
         self.function_state: list[tuple] = []                        # (__code__, __defaults__, __kwdefaults__)
-        self.function_ids: list[int] = []
         self.containers: list[tuple[str, object, object]] = []       # (label, live container, copy)
         self.sys_modules: dict[str, object] = {}
         self.state: dict = {}
@@ -153,7 +152,6 @@ class Snapshot:
                         and not key.startswith("__"):
                     seen.add(id(value))
                     snap.containers.append((f"{name}.{key}", value, value.copy()))
-        snap.function_ids = snap._function_ids()
         snap._index()
         snap.state = _global_state()
         snap.meta_path, snap.path_hooks = list(sys.meta_path), list(sys.path_hooks)
@@ -171,28 +169,29 @@ class Snapshot:
         class, looked up by one C-level `map` each."""
         self._dicts = [live for _, live, saved, _ in self.namespaces for _ in saved]
         self._dict_keys = [key for _, _, saved, _ in self.namespaces for key in saved]
-        self._dict_ids = [i for _, _, _, ids in self.namespaces for i in ids]
+        self._dict_values = [value for _, _, saved, _ in self.namespaces for value in saved.values()]
         self._class_dicts = [vars(klass) for _, klass, _, _, _ in self.classes]    # live views of the classes
         self._member_dicts = [live for live, entry in zip(self._class_dicts, self.classes) for _ in entry[2]]
         self._member_keys = [key for entry in self.classes for key in entry[2]]
-        self._member_ids = [i for entry in self.classes for i in entry[3]]
+        self._member_values = [value for entry in self.classes for value in entry[2].values()]
         self._class_sizes = [entry[4] for entry in self.classes]
         self._kwdefaults = [(fn, kw) for fn, (_, _, _, kw) in zip(self.functions, self.function_state)
                             if kw is not None]
+        self._function_attrs = [[state[i] for state in self.function_state] for i in range(3)]   # code, defaults, kw
 
-    def _function_ids(self) -> list[int]:
+    def _functions_intact(self) -> bool:
         fns = self.functions
-        return (list(map(id, map(_CODE, fns))) + list(map(id, map(_DEFAULTS, fns)))
-                + list(map(id, map(_KWDEFAULTS, fns))))
+        return _all(_all(_map(is_, _map(get, fns), saved)) for get, saved in zip(_FUNCTION_ATTRS, self._function_attrs))
 
     # --- what changed -----------------------------------------------------------------------------
 
     def intact(self) -> bool:
         """True if nothing watched was replaced or deleted (the fast check)."""
-        if list(map(id, map(dict.get, self._dicts, self._dict_keys, repeat(MISSING)))) != self._dict_ids:
+        if not _all(_map(is_, _map(dict.get, self._dicts, self._dict_keys, repeat(MISSING)), self._dict_values)):
             return False
         # every saved member of a class still holding its object, and no new watched member
-        if list(map(id, map(_PROXY_GET, self._member_dicts, self._member_keys, repeat(MISSING)))) != self._member_ids:
+        if not _all(_map(is_, _map(_PROXY_GET, self._member_dicts, self._member_keys, repeat(MISSING)),
+                         self._member_values)):
             return False
         sizes = list(map(len, self._class_dicts))
         if sizes != self._class_sizes:
@@ -200,7 +199,7 @@ class Snapshot:
                 if now != size and _added(live, saved):
                     return False
             self._class_sizes = sizes    # only data was added (a library's own cache or counter)
-        if self._function_ids() != self.function_ids:
+        if not self._functions_intact():
             return False
         if any(fn.__kwdefaults__ != kw for fn, kw in self._kwdefaults):
             return False
@@ -287,7 +286,8 @@ class Snapshot:
             _try(signal.signal, signal.SIGINT, s["signal handler SIGINT"])
 
 
-_CODE, _DEFAULTS, _KWDEFAULTS = (attrgetter(a) for a in ("__code__", "__defaults__", "__kwdefaults__"))
+_FUNCTION_ATTRS = tuple(attrgetter(a) for a in ("__code__", "__defaults__", "__kwdefaults__"))
+_all, _map = all, map      # bound once: `intact` must not ask a patched `builtins.all` whether all is well
 _PROXY_GET = types.MappingProxyType.get
 
 

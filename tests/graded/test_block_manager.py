@@ -3,9 +3,10 @@ to completion (continuous_batching_run). References are written here: a model of
 counts and a first-in-first-out free list; the scheduling rules as a loop (reference_serving)."""
 
 import random
+from functools import partial
 
 import pytest
-from adapters import each, make_paged_block_manager, run_continuous_batching_run
+from adapters import make_paged_block_manager, run_continuous_batching_run, script
 from reference_serving import ref_run
 
 
@@ -56,13 +57,25 @@ class RefManager:
         del self.tokens[seq]
 
 
-def _same(manager, ref, what):
-    assert manager.num_free_blocks == len(ref.free_list), f"{what}: free blocks"
-    for (seq, table), got in zip(ref.tables.items(), each(manager.block_table, [(seq,) for seq in ref.tables])):
-        assert list(got) == table, f"{what}: table of {seq}"
+def _state(manager, ref) -> list:
+    """The steps that read the manager's state: its free blocks, every live table, the count of every block used."""
     blocks = range(len(ref.free_list) + len(ref.counts))
-    for block, got in zip(blocks, each(manager.ref_count, [(block,) for block in blocks])):
-        assert got == ref.counts.get(block, 0), f"{what}: count of block {block}"
+    return ([lambda: manager.num_free_blocks] + [partial(manager.block_table, seq) for seq in ref.tables]
+            + [partial(manager.ref_count, block) for block in blocks])
+
+
+def _check_state(got, ref, what):
+    """`got`: what the steps of `_state` returned."""
+    assert got[0] == len(ref.free_list), f"{what}: free blocks"
+    tables, counts = got[1:1 + len(ref.tables)], got[1 + len(ref.tables):]
+    for (seq, table), g in zip(ref.tables.items(), tables):
+        assert list(g) == table, f"{what}: table of {seq}"
+    for block, g in enumerate(counts):
+        assert g == ref.counts.get(block, 0), f"{what}: count of block {block}"
+
+
+def _same(manager, ref, what):
+    _check_state(script(*_state(manager, ref)), ref, what)
 
 
 def test_fork_shares_every_block_and_the_first_write_copies_the_shared_last_block():
@@ -117,26 +130,32 @@ def test_random_operations_match_the_table_model(seed):
             tokens = rng.randint(1, 3 * bs)
             if -(-tokens // bs) > len(ref.free_list):
                 continue
-            m.allocate(next_id, tokens)
+            ops = [partial(m.allocate, next_id, tokens)]
             ref.allocate(next_id, tokens)
             next_id += 1
         elif op == "fork" and live:
             parent = rng.choice(live)
-            m.fork(parent, next_id)
+            ops = [partial(m.fork, parent, next_id)]
             ref.fork(parent, next_id)
             next_id += 1
         elif op == "append" and live:
             seq = rng.choice(live)
-            assert m.append_needs_block(seq) == ref.needs_block(seq), f"step {step}: append_needs_block({seq})"
-            if ref.needs_block(seq) and not ref.free_list:
+            needs = ref.needs_block(seq)
+            if needs and not ref.free_list:
+                assert m.append_needs_block(seq) == needs, f"step {step}: append_needs_block({seq})"
                 continue
-            got, want = m.append_slot(seq), ref.append(seq)
-            assert (None if got is None else tuple(got)) == want, f"step {step}: append_slot({seq})"
+            ops, want = [partial(m.append_needs_block, seq), partial(m.append_slot, seq)], ref.append(seq)
         elif op == "free" and live:
             seq = rng.choice(live)
-            m.free(seq)
+            ops = [partial(m.free, seq)]
             ref.release(seq)
-        _same(m, ref, f"step {step} ({op})")
+        else:
+            ops = []
+        got = script(*ops, *_state(m, ref))          # the operation and the state after it, in one message
+        if op == "append" and ops:
+            assert got[0] == needs, f"step {step}: append_needs_block({seq})"
+            assert (None if got[1] is None else tuple(got[1])) == want, f"step {step}: append_slot({seq})"
+        _check_state(got[len(ops):], ref, f"step {step} ({op})")
 
 
 # requests (prompt_len, max_new_tokens), num_blocks, block_size, max_num_seqs, max_num_batched_tokens, watermark

@@ -4,10 +4,11 @@ head over keys gathered slot by slot, and the scheduling rules as a plain loop o
 
 import math
 import random
+from functools import partial
 
 import pytest
 import torch
-from adapters import each, make_block_allocator, run_continuous_batching_step, run_paged_attention
+from adapters import make_block_allocator, run_continuous_batching_step, run_paged_attention, script
 from reference_serving import ref_step
 
 # --- the block allocator ----------------------------------------------------------------------------
@@ -55,6 +56,7 @@ def test_random_operations_match_a_reference_count_model(seed):
     rng = random.Random(seed)
     n = 6
     alloc, counts = make_block_allocator(n, 2), {}
+    state = [lambda: alloc.num_free] + [partial(alloc.ref_count, b) for b in range(n)]    # read after each operation
     for _ in range(300):
         op = rng.choice(["allocate", "incref", "free", "free"])
         held = [b for b, c in counts.items() if c > 0]
@@ -63,19 +65,19 @@ def test_random_operations_match_a_reference_count_model(seed):
                 with pytest.raises(RuntimeError):
                     alloc.allocate()
                 continue
-            block = alloc.allocate()
+            block, num_free, *refs = script(alloc.allocate, *state)
             assert counts.get(block, 0) == 0, f"block {block} handed out while held"
             counts[block] = 1
         elif held:
             block = rng.choice(held)
-            if op == "incref":
-                alloc.incref(block)
-                counts[block] += 1
-            else:
-                counts[block] -= 1
-                assert alloc.free(block) is (counts[block] == 0)
-        assert alloc.num_free == n - sum(c > 0 for c in counts.values())
-        assert each(alloc.ref_count, [(b,) for b in range(n)]) == [counts.get(b, 0) for b in range(n)]
+            got, num_free, *refs = script(partial(alloc.incref if op == "incref" else alloc.free, block), *state)
+            counts[block] += 1 if op == "incref" else -1
+            if op == "free":
+                assert got is (counts[block] == 0)
+        else:
+            num_free, *refs = script(*state)
+        assert num_free == n - sum(c > 0 for c in counts.values())
+        assert refs == [counts.get(b, 0) for b in range(n)]
 
 
 # --- paged attention ----------------------------------------------------------------------------------

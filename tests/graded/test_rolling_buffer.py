@@ -1,9 +1,11 @@
 """Graded: the sliding-window layer's rolling buffer (RollingKVCache). The reference is a simulation
 written here: which position each ring slot holds (slot p % capacity), and every value ever written."""
 
+from functools import partial
+
 import pytest
 import torch
-from adapters import make_graded_rolling_kv_cache, watching
+from adapters import make_graded_rolling_kv_cache, script, watching
 from write_checks import DuplicateWrites
 
 B, K, H = 2, 2, 4
@@ -38,10 +40,11 @@ class RefRing:
         return (torch.stack([self.kv[p][0] for p in ps], 2), torch.stack([self.kv[p][1] for p in ps], 2))
 
 
-def _check_context(buffer, ref, what):
-    k, v = buffer.context()
+def _check_context(buffer, ref, what, op=None):
+    """The buffer's context and length (after `op`, a step that changes it, sent with the reads) against the ring's."""
+    (k, v), length = script(*([op] if op else []), buffer.context, lambda: buffer.length)[-2:]
     want_k, want_v = ref.context()
-    assert buffer.length == ref.length, f"{what}: length {buffer.length}, want {ref.length}"
+    assert length == ref.length, f"{what}: length {length}, want {ref.length}"
     assert k.shape == want_k.shape, f"{what}: context holds {k.shape[2]} positions, want {want_k.shape[2]}"
     torch.testing.assert_close(k, want_k, atol=0, rtol=0, msg=f"{what}: context keys differ")
     torch.testing.assert_close(v, want_v, atol=0, rtol=0, msg=f"{what}: context values differ")
@@ -91,10 +94,11 @@ def test_random_appends_and_rollbacks_match_the_slot_simulation(window, capacity
     buffer, ref = make_graded_rolling_kv_cache(B, K, H, window, capacity), RefRing(window, capacity)
     refused = accepted = 0
     for step in range(60):
+        op = None
         if ref.length > 0 and torch.rand(1, generator=g).item() < 0.4:
             n = int(torch.randint(max(0, ref.length - capacity - 2), ref.length + 1, (1,), generator=g))
             if ref.can_truncate(n):
-                buffer.truncate(n)
+                op = partial(buffer.truncate, n)
                 ref.length = n
                 accepted += 1
             else:
@@ -105,9 +109,9 @@ def test_random_appends_and_rollbacks_match_the_slot_simulation(window, capacity
                 refused += 1
         else:
             kv = _kv(int(torch.randint(1, capacity + 3, (1,), generator=g)), g)
-            buffer.append(*kv)
+            op = partial(buffer.append, *kv)
             ref.append(*kv)
-        _check_context(buffer, ref, f"step {step}")
+        _check_context(buffer, ref, f"step {step}", op)
     assert accepted > 3, f"only {accepted} rollbacks were possible: the sequence tests too little"
     assert refused > 0 or window == 1, "no rollback was refused: the sequence tests too little"   # 1: needs no keys
 
