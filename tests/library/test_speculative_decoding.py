@@ -282,9 +282,6 @@ def test_statistics_are_consistent(shipped, one_thread):
 def test_passes_without_drafts_run_the_decode_step(shipped, one_thread, temperature):
     # The loop hands every pass whose drafter found nothing (and only those) to `decode_step`, and the
     # output is the same tokens as the loop without it (same seed), which equal the target's greedy ones.
-    from cs336_inference.generation import speculative_generate
-    from cs336_inference.generation.prompt_lookup import PromptLookupDrafter
-
     target, calls = shipped["target"], []
 
     def step(token_ids, cache):   # the eager one-token forward, counted
@@ -292,8 +289,9 @@ def test_passes_without_drafts_run_the_decode_step(shipped, one_thread, temperat
         return target(token_ids[:, None], cache=cache)[:, -1]
 
     prompt = list(b"the cat and the dog and the cat and the ")
-    runs = [speculative_generate(target, PromptLookupDrafter(max_ngram=3, min_ngram=2), prompt, 4, temperature,
-                                 max_new_tokens=40, generator=torch.Generator().manual_seed(3), decode_step=d)
+    runs = [run_speculative_generate(target, make_prompt_lookup_drafter(max_ngram=3, min_ngram=2), prompt, 4,
+                                     temperature, max_new_tokens=40, generator=torch.Generator().manual_seed(3),
+                                     decode_step=d)
             for d in (None, step)]
     assert runs[1].tokens == runs[0].tokens
     if temperature == 0.0:
@@ -301,7 +299,7 @@ def test_passes_without_drafts_run_the_decode_step(shipped, one_thread, temperat
     draftless = sum(1 for g in runs[1].proposed if g == 0)
     assert 0 < draftless < len(runs[1].proposed) and calls == [1] * draftless
     with pytest.raises(TypeError, match="decode_step"):
-        speculative_generate(target, "prompt_lookup", prompt, 4, max_new_tokens=4, decode_step="compiled")
+        run_speculative_generate(target, "prompt_lookup", prompt, 4, max_new_tokens=4, decode_step="compiled")
 
 
 def test_bad_inputs(shipped):
