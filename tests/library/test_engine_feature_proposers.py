@@ -229,13 +229,18 @@ def test_bad_feature_drafters_raise_before_anything_is_built(model, monkeypatch)
     from test_speculative_decoding import TINY
 
     def built(*args, **kwargs):
-        raise AssertionError("a proposer was built before its drafter was checked")
+        raise AssertionError("a draft model's proposer was built before its drafter was checked")
 
-    for name in ("DraftModelProposer", "MedusaProposer", "EagleProposer"):
-        monkeypatch.setattr(speculative_module, name, built)
+    # a draft model's proposer holds state (its drafters' caches): make_proposer checks before building it;
+    # the Medusa and EAGLE proposers hold none and check their heads themselves, also when built directly
+    monkeypatch.setattr(speculative_module, "DraftModelProposer", built)
     small = adapters.make_model(adapters.make_config(**TINY))
     with pytest.raises(ValueError, match="vocab"):
         Engine(model, speculative="draft", draft_model=small)
+    with pytest.raises(ValueError, match="vocab_size"):
+        EagleProposer(model, EagleDraft(eagle_config(model.config).replace(vocab_size=300)), 4)
+    with pytest.raises(ValueError, match="d_model"):
+        MedusaProposer(model, MedusaHeads(96, 2))
     with pytest.raises(ValueError, match="d_model"):
         Engine(model, speculative="medusa", draft_model=MedusaHeads(96, 2))
     with pytest.raises(ValueError, match="d_model"):

@@ -86,6 +86,9 @@ class EagleProposer:
         _checks.instance("target", target, TransformerLM)
         _checks.instance("draft", draft, EagleDraft, "an EagleDraft (e.g. load_draft_heads(target, 'eagle-smollm2'))")
         check_heads_match(target, draft.d_model, "the EAGLE draft")
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"the EAGLE draft was built for vocab_size {draft.config.vocab_size}, the target's is "
+                             f"{target.config.vocab_size}; build it with eagle_config(target.config)")
         self.target, self.draft = target, draft
         self.max_draft_tokens = _checks.positive_int("max_draft_tokens", max_draft_tokens)
 

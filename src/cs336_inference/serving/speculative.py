@@ -304,13 +304,7 @@ def make_proposer(method: str, num_speculative_tokens: int, draft_model, target:
             raise ValueError(f"speculative={method!r} without draft_model= loads the shipped SmolLM2 {method} "
                              f"asset: {e}. Pass draft_model={kind.__name__}(...) made for this target") from None
     _checks.instance("draft_model", draft_model, kind, f"{kind.__name__} for speculative={method!r}")
-    if draft_model.d_model != target.config.d_model:
-        raise ValueError(f"draft_model's d_model {draft_model.d_model} differs from the target's "
-                         f"{target.config.d_model}; {method} heads read the target's hidden states")
-    if method == "eagle" and draft_model.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the EAGLE draft was built for vocab_size {draft_model.config.vocab_size}, the target's is "
-                         f"{target.config.vocab_size}; build it with eagle_config(target.config)")
-    if method == "medusa":
+    if method == "medusa":   # the proposers check the heads against the target (d_model, vocabulary)
         return MedusaProposer(target, draft_model)
     return EagleProposer(target, draft_model, num_speculative_tokens)
 
