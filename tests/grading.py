@@ -20,8 +20,10 @@ this process's (1 if a graded test failed), and the score is the last line print
 
 The reference solution (no `--impl`) runs in this process, under SIGALRM (raised again every second until
 disarmed, and a watchdog thread that ends a run whose code ignores it). As a second line of defence,
-after every graded test the interpreter is compared with its state before the run (tests/tamper.py);
-what changed fails that test and is restored.
+the interpreter is compared with its state before the run (tests/tamper.py) after every graded test
+where graded code runs in this process; what changed fails that test and is restored. In a run with
+`--impl` nothing of the package's runs here: the cheap part of the comparison follows every test, the
+identity scan over every watched object each test file, and what it finds fails that file's tests.
 
 Options (registered by tests/conftest.py):
   --impl SPEC          grade this package (see tests/implementation.py); default: the reference
@@ -164,6 +166,7 @@ class Grader:
         self.sandbox: sandbox.Sandbox | None = None
         self.import_error: str | None = None       # the package under test could not be imported
         self.snapshot: tamper.Snapshot | None = None
+        self.unverified: list[str] = []            # graded tests run since the last full comparison (isolated runs)
         self.write_failed: str | None = None
         if self.json_path:                          # before anything of the package runs
             self.write_results({"score": 0.0, "execution_time": 0.0, "visibility": "visible",
@@ -256,10 +259,28 @@ class Grader:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
         try:
-            return (yield)
+            result = yield
         finally:
             if item.nodeid in self.records and self.sandbox is not None:
                 self.sandbox.end_test()             # the worker and everything it started
+        if self.unverified and (nextitem is None or nextitem.path != item.path):
+            self._compare_interpreter()
+        return result
+
+    def _compare_interpreter(self) -> None:
+        """An isolated run's full comparison of this process's interpreter with its state before the run, at the end
+        of each test file: what changed is restored, and every graded test since the last comparison fails."""
+        tests, self.unverified = self.unverified, []
+        changed = self.snapshot.changes() if self.snapshot is not None else []
+        if not changed:
+            return
+        self.snapshot.restore()
+        message = (f"the grader's interpreter changed during the graded tests of this file ({'; '.join(changed)}); it "
+                   f"was restored, and they fail")
+        for nodeid in tests:
+            self.records[nodeid].outcome = "failed"
+            self.records[nodeid].output.append(message[:OUTPUT_LIMIT])
+        raise Tampered(message)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
@@ -281,8 +302,12 @@ class Grader:
             if box.output:
                 item.add_report_section("call", "graded code's output", "".join(box.output)[-OUTPUT_LIMIT:])
             if _nothing_runs_after_the_call(item):
-                box.send_reset()                    # the worker checks itself while this process does (below)
-            changed = self.snapshot.changes() if self.snapshot is not None else []
+                box.send_reset()                    # the worker checks itself while this process goes on
+            # Nothing of the package's runs here (its worker's replies are plain data: sandbox.restricted_loads), so
+            # only the grader's own code could change this interpreter: the cheap comparison after each test, the
+            # identity scan over every watched object after each test file (`_compare_interpreter`).
+            changed = self.snapshot.quick_changes() if self.snapshot is not None else []
+            self.unverified.append(item.nodeid)
             if changed:
                 self.snapshot.restore()
         if box.failure is not None:

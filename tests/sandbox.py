@@ -20,7 +20,8 @@ A worker serves test after test (forking one costs more than most graded tests),
 process below the supervisor but the package root killed, before the next test whenever anything went wrong in
 this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the grader
 refused; or, at the end of the test (the "reset" is sent as the call phase ends where no code of the test runs
-after it, so the worker's check overlaps the grader's own), the worker does not answer "reset" in time, reports
+after it, and its reply read before the next test begins, so the worker's check overlaps the grader's report of
+this test and its setup of the next), the worker does not answer "reset" in time, reports
 that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
 torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process it
 started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the package
@@ -73,6 +74,7 @@ MEMORY_BYTES = 8 << 30                  # address space a worker may add to what
 # imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
 PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper", "guard")
 KILL_ROUNDS = 50
+RESET_GRACE = 1.0                       # seconds a "reset" read after its test ended may still take
 
 
 class SandboxError(RuntimeError):
@@ -311,6 +313,7 @@ class Sandbox:
         self.worker_pid: int | None = None   # found in /proc (a child of the package root), not told by the worker
         self.workers_started = 0
         self.reset_sent: float | None = None  # the deadline of a "reset" sent ahead (`send_reset`), reply not read
+        self.settle_pending = False           # the test ended with that reply unread: `_settle` reads it
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -343,7 +346,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-            self.reset_sent = None
+            self.reset_sent, self.settle_pending = None, False
         if self.root is not None and _supervisor is not None:
             kill_tree(_supervisor.pid, keep=())
         else:
@@ -367,8 +370,10 @@ class Sandbox:
         return min(self.deadline, time.monotonic() + self.timeout)
 
     def begin_test(self) -> None:
-        # before the test's clock starts: restarting (seconds of imports on a busy machine) is the grader's time;
-        # charged to this test, it would fail one the package answers well (the SIGALRM backstop does not wait)
+        # before the test's clock starts: the last test's end (its worker kept or replaced) and restarting (seconds
+        # of imports on a busy machine) are the grader's time; charged to this test, they would fail one the package
+        # answers well (the SIGALRM backstop does not wait)
+        self._settle()
         self._bring_back()
         self.deadline = time.monotonic() + self.timeout
         self.failure, self.output, self.dirty = None, [], False
@@ -391,8 +396,21 @@ class Sandbox:
 
     def end_test(self) -> None:
         """Keep the worker for the next test if nothing went wrong in this one (see the module's docstring);
-        otherwise kill it and everything it started (the package root stays)."""
-        keep = self.worker is not None and not self.dirty and self.failure is None and self._reusable()
+        otherwise kill it and everything it started (the package root stays). Where the "reset" was sent ahead,
+        its reply is read later, by `_settle` before the next test or graded call: the worker checks itself while
+        the grader reports this test and sets up the next."""
+        if self.worker is not None and not self.dirty and self.failure is None and self.reset_sent is not None:
+            self.settle_pending, self.deadline = True, float("inf")
+            return
+        self._decide(self.worker is not None and not self.dirty and self.failure is None and self._reusable())
+
+    def _settle(self) -> None:
+        """The end of the last test, if `end_test` left its "reset" reply unread: keep the worker or replace it."""
+        if self.settle_pending:
+            self.settle_pending = False
+            self._decide(self.worker is not None and self._reusable())
+
+    def _decide(self, keep: bool) -> None:
         self.deadline = float("inf")
         if not keep:
             replaced = self.worker is not None
@@ -430,8 +448,11 @@ class Sandbox:
         self.reset_sent = deadline
 
     def _reset_reply(self):
-        """The reply to the "reset" sent ahead (the same errors as `request`'s)."""
+        """The reply to the "reset" sent ahead (the same errors as `request`'s), by the test's deadline or, read after
+        the test ended, within RESET_GRACE seconds of now."""
         deadline, self.reset_sent = self.reset_sent, None
+        if self.settle_pending or self.deadline == float("inf"):
+            deadline = max(deadline, time.monotonic() + RESET_GRACE)
         try:
             reply = _recv(self.worker, deadline, "reset")
         except (TimeoutError, guard.GradedTimeout):
@@ -492,7 +513,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-            self.reset_sent = None
+            self.reset_sent, self.settle_pending = None, False
         if _supervisor is not None and self.root is not None:
             kill_tree(_supervisor.pid, keep=(self.root,))      # and the orphans re-parented to the grader
         else:
@@ -504,7 +525,7 @@ class Sandbox:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
-            self.reset_sent = None
+            self.reset_sent, self.settle_pending = None, False
         if _supervisor is not None:
             kill_tree(_supervisor.pid, keep=(self.root,) if self.root is not None else ())
         return (guard.GradedTimeout if timeout else WorkerGone)(message)
@@ -537,6 +558,7 @@ class Sandbox:
         """Send one request, wait for its reply until the test's deadline, decode it."""
         if self.failure is not None:
             raise WorkerGone(f"not run: {self.failure}")
+        self._settle()                         # a graded call outside a graded test, after one
         if self.reset_sent is not None:        # a call after the test's call phase (send_reset said none comes)
             self._reset_reply()
             self.dirty = True                  # its objects are gone: replaced after this test

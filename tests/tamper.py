@@ -209,6 +209,16 @@ class Snapshot:
             return False
         return _global_state() == self.state
 
+    def quick_changes(self, limit: int = 5) -> list[str]:
+        """`changes()` where the cheap part of the state differs (torch's modes and defaults, trace functions, import
+        hooks, `sys.modules`, the small containers), else []: what code of the grader's own could leave behind by
+        mistake. The identity scan over every watched object is `changes()` alone."""
+        if (_global_state() == self.state
+                and not any(_container_changed(live, saved) for _, live, saved in self.containers)
+                and not any(sys.modules.get(name) is not module for name, module in self.sys_modules.items())):
+            return []
+        return self.changes(limit)
+
     def changes(self, limit: int = 5) -> list[str]:
         """Up to `limit` descriptions of what was replaced or deleted since the snapshot (empty: nothing)."""
         if self.intact():

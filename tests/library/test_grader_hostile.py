@@ -306,3 +306,100 @@ def test_the_reference_runs_in_process_and_leaves_no_timer_armed(tmp_path):
     assert rc == 0, log[-2000:]
     assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0), "the grader left its interval timer armed"
     assert signal.getsignal(signal.SIGALRM) is signal_before
+
+
+OWN_PATCH = '''
+import math
+import torch
+from adapters import run_get_batch
+
+DATA = torch.arange(50)
+
+
+def test_before_the_patch():
+    x, y = run_get_batch(DATA, 2, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(y, x + 1)
+
+
+def test_the_test_itself_patches_the_grader():
+    math.isclose = lambda *a, **k: True                   # this test's own code runs in the grader's process
+    x, y = run_get_batch(DATA, 2, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(y, x + 1)
+'''
+
+
+def test_with_impl_a_change_to_the_graders_interpreter_fails_its_whole_file_and_is_undone(tmp_path):
+    """tests/grading.py: in an isolated run the full comparison runs after each test file; what it finds fails every
+    graded test of that file (the earlier test too) and is restored; the other files' tests are untouched."""
+    hidden = tmp_path / "own_patch"
+    hidden.mkdir()
+    (hidden / "test_grader_own_patch.py").write_text(OWN_PATCH)
+    package = _package(tmp_path, "honest_pkg", "from cs336_inference.homework.reference import *  # noqa\n")
+    out = tmp_path / "results.json"
+    rc, log = grade(ROOT / "tests" / "graded" / "test_batch_sampler.py", "--hidden-tests", hidden, "--impl", package,
+                    "--grade-json", out)
+    assert rc == 1, log[-3000:]
+    tests = {t["name"]: t for t in json.loads(out.read_text())["tests"]}
+    own = {n: t for n, t in tests.items() if n.startswith("test_grader_own_patch.py")}
+    assert len(own) == 2 and all(t["status"] == "failed" and "the grader's interpreter changed" in t["output"]
+                                 and "math.isclose" in t["output"] for t in own.values()), own
+    others = [t for n, t in tests.items() if n not in own]
+    assert others and all(t["status"] == "passed" for t in others), others
+    _interpreter_is_intact()
+
+
+LINGER = '''
+import os
+import time
+from cs336_inference.homework.reference import get_batch as reference
+
+
+def get_batch(data, batch_size, seq_len, generator=None):
+    if batch_size == 1 and os.fork() == 0:                # a child that outlives the call
+        with open({pid_file!r}, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(600)
+        os._exit(0)
+    return reference(data, batch_size, seq_len, generator)
+'''
+
+AFTER_LINGER = '''
+import os
+import time
+import torch
+from adapters import run_get_batch
+
+DATA = torch.arange(50)
+
+
+def test_a_call_starts_a_child():
+    x, y = run_get_batch(DATA, 1, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(y, x + 1)
+    for _ in range(500):                                  # the child has written its pid
+        if os.path.exists({pid_file!r}):
+            break
+        time.sleep(0.01)
+
+
+def test_the_next_test_starts_without_it():
+    pid = int(open({pid_file!r}).read())
+    stat = f"/proc/{{pid}}/stat"
+    assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z", "the child still runs"
+    x, y = run_get_batch(DATA, 2, 4, torch.Generator().manual_seed(0))
+    assert torch.equal(y, x + 1)
+'''
+
+
+def test_a_process_a_graded_call_started_is_gone_before_the_next_test_runs(tmp_path):
+    """tests/sandbox.py: the worker's "reset" reply is read after its test has ended (`_settle`), but before the next
+    test begins: a process the worker started is killed, with the worker, before any code of the next test runs."""
+    pid_file = str(tmp_path / "child.pid")
+    hidden = tmp_path / "linger"
+    hidden.mkdir()
+    (hidden / "test_grader_linger.py").write_text(AFTER_LINGER.format(pid_file=pid_file))
+    package = _package(tmp_path, "linger_pkg", LINGER.format(pid_file=pid_file))
+    out = tmp_path / "results.json"
+    rc, log = grade(ROOT / "tests" / "graded" / "test_batch_sampler.py", "-k", "child or without_it", "--hidden-tests",
+                    hidden, "--impl", package, "--grade-json", out)
+    assert rc == 0, log[-3000:]
+    assert [t["status"] for t in json.loads(out.read_text())["tests"]] == ["passed", "passed"]
