@@ -63,8 +63,14 @@ def _test_modules() -> list[types.ModuleType]:
 
 def import_lazy_modules() -> None:
     """Modules torch imports on first use that rebind names of modules already watched (torch._dynamo
-    wraps torch.manual_seed): imported before a snapshot, so that first use is not mistaken for tampering."""
+    wraps torch.manual_seed): imported before a snapshot, so that first use is not mistaken for tampering.
+    A snapshot of a process where no untrusted code runs can allow these rebinds instead (`allow_lazy_rebinds`),
+    and save the import."""
     import torch._dynamo  # noqa: F401
+
+
+# (module, name, the module torch imports on first use that rebinds it to a wrapper of the function it replaces)
+LAZY_REBINDS = (("torch", "manual_seed", "torch._dynamo"),)
 
 
 def watched_modules() -> list[types.ModuleType]:
@@ -117,10 +123,15 @@ class Snapshot:
         self.meta_path: list = []
         self.path_hooks: list = []
         self.mode_stacks: tuple[list, list] = ([], [])
+        self.lazy_rebinds_allowed = False
 
     @classmethod
-    def take(cls, modules: list[types.ModuleType] | None = None) -> "Snapshot":
+    def take(cls, modules: list[types.ModuleType] | None = None, allow_lazy_rebinds: bool = False) -> "Snapshot":
+        """allow_lazy_rebinds: a name of LAZY_REBINDS rebound to a wrapper of the saved function (`__wrapped__`) once
+        its module is imported is no change (for a process that runs none of a package's code: the grader's
+        own, with --impl; any other code could rebind the same way)."""
         snap = cls()
+        snap.lazy_rebinds_allowed = allow_lazy_rebinds
         seen: set[int] = set()
         tests = {id(m) for m in _test_modules()}
         for module in modules if modules is not None else watched_modules():
@@ -219,9 +230,23 @@ class Snapshot:
             return []
         return self.changes(limit)
 
+    def _accept_lazy_rebinds(self) -> bool:
+        """Save anew each name of LAZY_REBINDS that its lazily imported module rebound to a wrapper of the saved
+        function; True if any was."""
+        accepted = False
+        for label, live, saved, _ in self.namespaces:
+            for module, key, lazy in LAZY_REBINDS:
+                if label == module and key in saved and lazy in sys.modules:
+                    now = live.get(key, MISSING)
+                    if now is not saved[key] and getattr(now, "__wrapped__", None) is saved[key]:
+                        saved[key], accepted = now, True
+        if accepted:
+            self._index()
+        return accepted
+
     def changes(self, limit: int = 5) -> list[str]:
         """Up to `limit` descriptions of what was replaced or deleted since the snapshot (empty: nothing)."""
-        if self.intact():
+        if self.intact() or (self.lazy_rebinds_allowed and self._accept_lazy_rebinds() and self.intact()):
             return []
         found: list[str] = []
         for label, live, saved, _ in self.namespaces:

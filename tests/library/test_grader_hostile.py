@@ -11,6 +11,7 @@ runs in a subprocess and is marked slow."""
 
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
@@ -206,6 +207,30 @@ def test_every_kind_of_patch_is_noticed_and_undone(snapshot, name):
     assert snapshot.changes() == [], f"{name}: not undone"
     assert (torch.testing.assert_close, torch.equal, torch.testing.assert_close.__code__, builtins.all) == originals
     _interpreter_is_intact()
+
+
+LAZY_IMPORT = """
+import functools, sys, torch
+import tamper
+plain, allowing = tamper.Snapshot.take(), tamper.Snapshot.take(allow_lazy_rebinds=True)
+assert "torch._dynamo" not in sys.modules
+import torch._dynamo                                   # rebinds torch.manual_seed to a wrapper of it
+print(plain.changes() == ["torch.manual_seed was replaced"], allowing.changes() == [])
+seed = torch.manual_seed
+torch.manual_seed = lambda *a: None
+print(allowing.changes() == ["torch.manual_seed was replaced"])
+allowing.restore()
+print(torch.manual_seed is seed, allowing.changes() == [])
+"""
+
+
+def test_the_lazy_import_of_torch_dynamo_is_a_change_only_where_it_must_be_imported_first():
+    """tests/tamper.py LAZY_REBINDS: a snapshot of the grader's own process with --impl allows torch._dynamo's
+    wrapper of torch.manual_seed (so it need not import torch._dynamo first); any other replacement is reported."""
+    proc = subprocess.run([sys.executable, "-c", LAZY_IMPORT], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT / "src")])})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["True"] * 5, proc.stdout
 
 
 def test_a_package_that_patches_at_import_scores_nothing(tmp_path):
