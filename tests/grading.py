@@ -258,13 +258,12 @@ class Grader:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):
         try:
-            result = yield
+            return (yield)
         finally:
             if item.nodeid in self.records and self.sandbox is not None:
                 self.sandbox.end_test()             # the worker and everything it started
-        if self.unverified and (nextitem is None or nextitem.path != item.path):
-            self._compare_interpreter()
-        return result
+            if self.unverified and (nextitem is None or nextitem.path != item.path):
+                self._compare_interpreter()         # also after a teardown that raised
 
     def _compare_interpreter(self) -> None:
         """An isolated run's full comparison of this process's interpreter with its state before the run, at the end

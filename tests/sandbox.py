@@ -451,7 +451,7 @@ class Sandbox:
         """The reply to the "reset" sent ahead (the same errors as `request`'s), by the test's deadline or, read after
         the test ended, within RESET_GRACE seconds of now."""
         deadline, self.reset_sent = self.reset_sent, None
-        if self.settle_pending or self.deadline == float("inf"):
+        if self.deadline == float("inf"):           # read by `_settle`, after the test ended
             deadline = max(deadline, time.monotonic() + RESET_GRACE)
         try:
             reply = _recv(self.worker, deadline, "reset")
