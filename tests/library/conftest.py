@@ -1,7 +1,8 @@
 """Session fixtures for the slow lecture tests: the two ways of running the lecture (the CLI, the README's
 command, and edtrace's trace, docs/lecture.md's), each run once per session (the tests that read them are
 one `xdist_group`, so under pytest-xdist they share a worker). test_lecture.py and test_lecture_trace.py
-share them, and the determinism test compares the two runs' live numbers."""
+share them, and the determinism test compares the two runs' live numbers. Also the serving engine tests' toy
+target and corpus text (`model`, `text`: one per module; a module that defines its own keeps it)."""
 
 from __future__ import annotations
 
@@ -82,3 +83,20 @@ def pytest_collection_modifyitems(config, items):
         if mark is not None and "@" not in item.nodeid:
             group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
             item._id = coerce_node_id(f"{item.nodeid}@{group}")
+
+
+# --- the serving engine tests (test_engine_api.py, test_engine_speculative.py, test_engine_feature_proposers.py) ---
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The shipped toy target, in eval mode."""
+    from cs336_inference.model import load_pretrained
+    return load_pretrained("target").eval()
+
+
+@pytest.fixture(scope="module")
+def text() -> list[int]:
+    """4,000 tokens of the validation corpus."""
+    import adapters
+    return adapters.run_load_corpus("val")[:4000].tolist()

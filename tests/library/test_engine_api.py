@@ -10,20 +10,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import adapters
-from cs336_inference.model import load_pretrained
 from cs336_inference.serving import Engine, RequestOutput, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_pretrained("target").eval()
-
-
-@pytest.fixture(scope="module")
-def text():
-    return adapters.run_load_corpus("val")[:4000].tolist()
 
 
 def _drain(engine) -> dict:

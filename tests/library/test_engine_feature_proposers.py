@@ -19,20 +19,9 @@ from cs336_inference.serving import Engine, SamplingParams
 from cs336_inference.serving import speculative as speculative_module
 from cs336_inference.serving.feature_proposers import EagleProposer, MedusaProposer
 from cs336_inference.serving.speculative import Proposer, TargetFeatures
-from test_engine_speculative import _drain, full_forward_features, greedy_reference
+from test_engine_speculative import _drain, full_forward_features, greedy_reference, plain_and_speculative_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
-
-
-@pytest.fixture(scope="module")
-def model():
-    return load_pretrained("target").eval()
-
-
-@pytest.fixture(scope="module")
-def text():
-    import adapters
-    return adapters.run_load_corpus("val")[:4000].tolist()
 
 
 def random_medusa(model, num_heads=4, seed=0) -> MedusaHeads:
@@ -283,13 +272,7 @@ def test_smollm2_shipped_heads_in_the_engine_equal_the_plain_engine(kind):
     prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": task + paragraphs[1 + 5 * i][:400]}]))
                for i, task in enumerate(("Summarize the following passage:\n\n", "Rewrite the following passage:\n\n"))]
     params = SamplingParams(max_tokens=24, stop_token_ids=tuple(tok.stop_ids))
-    outputs = []
-    for options in ({}, dict(speculative=kind)):   # no draft_model: the shipped heads
-        engine = Engine(model, max_num_seqs=2, block_size=16, num_blocks=64, num_speculative_tokens=4, **options)
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, request_id=i, arrival_time=0.01 * i)
-        out = _drain(engine)
-        outputs.append([out[(i, 0)][0] for i in range(len(prompts))])
-        assert engine.manager.num_free_blocks == engine.num_blocks
+    outputs, engine = plain_and_speculative_outputs(model, prompts, params, dict(speculative=kind),  # shipped heads
+                                                    max_num_seqs=2, num_speculative_tokens=4)
     assert outputs[1] == outputs[0]
     assert engine.scheduler.num_accepted > 5   # trained heads: drafts the target keeps

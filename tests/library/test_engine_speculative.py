@@ -24,16 +24,6 @@ from test_speculative_rule import chi_square_p_value
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
-@pytest.fixture(scope="module")
-def model():
-    return load_pretrained("target").eval()
-
-
-@pytest.fixture(scope="module")
-def text():
-    return adapters.run_load_corpus("val")[:4000].tolist()
-
-
 @torch.no_grad()
 def greedy_reference(model, prompt, max_tokens, stop=()):
     """The test's own greedy loop: a full forward over the whole sequence per token, no cache."""
@@ -79,6 +69,21 @@ def _drain(engine, limit=5000):
             tokens.extend(out.new_token_ids)
             reasons.append(out.finish_reason)
     raise AssertionError("the engine did not finish")
+
+
+def plain_and_speculative_outputs(model, prompts, params, speculative: dict, **engine_kwargs) -> tuple[list, Engine]:
+    """Each prompt's tokens from an engine without speculation and one with `speculative` (Engine options), the
+    requests arriving 10 ms apart; each engine must end with every block free. Returns ([plain, speculative],
+    the speculative engine)."""
+    outputs = []
+    for options in ({}, speculative):
+        engine = Engine(model, block_size=16, num_blocks=64, **engine_kwargs, **options)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=i, arrival_time=0.01 * i)
+        out = _drain(engine)
+        outputs.append([out[(i, 0)][0] for i in range(len(prompts))])
+        assert engine.manager.num_free_blocks == engine.num_blocks
+    return outputs, engine
 
 
 def _spy_ends(engine) -> list:
@@ -393,14 +398,8 @@ def test_smollm2_prompt_lookup_in_the_engine_equals_the_plain_engine():
                for i, task in enumerate(("Rewrite the following passage:\n\n", "Summarize the following passage:\n\n",
                                          "Rewrite the following passage:\n\n"))]
     params = SamplingParams(max_tokens=40, stop_token_ids=tuple(tok.stop_ids))
-    outputs = []
-    for options in ({}, dict(speculative="prompt_lookup")):
-        engine = Engine(model, max_num_seqs=3, block_size=16, num_blocks=64, **options)
-        for i, p in enumerate(prompts):
-            engine.add_request(p, params, request_id=i, arrival_time=0.01 * i)
-        out = _drain(engine)
-        outputs.append([out[(i, 0)][0] for i in range(len(prompts))])
-        assert engine.manager.num_free_blocks == engine.num_blocks
+    outputs, engine = plain_and_speculative_outputs(model, prompts, params, dict(speculative="prompt_lookup"),
+                                                    max_num_seqs=3)
     assert outputs[1] == outputs[0]
     assert engine.scheduler.num_accepted > 20      # the answers copy the passage: many drafts kept
     assert outputs[0][0] == greedy_reference(model, prompts[0], 40, tuple(tok.stop_ids))
