@@ -56,23 +56,18 @@ import os
 import pickle
 import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
 
 import guard
+import sandbox_start
 import sandbox_worker
 from sandbox_worker import HEADER, GeneratorArg, GradArg, TensorArg
 
-WORKER = Path(sandbox_worker.__file__).resolve()
 MAX_MESSAGE = 1 << 28                   # bytes of one reply
 START_TIMEOUT = 120.0                   # seconds the supervisor may take to import torch and the library
 MEMORY_BYTES = 8 << 30                  # address space a worker may add to what it starts with
-# imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
-PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper", "guard")
 KILL_ROUNDS = 50
 RESET_GRACE = 1.0                       # seconds a "reset" read after its test ended may still take
 
@@ -93,15 +88,8 @@ _supervisor: Supervisor | None = None
 
 class Supervisor:
     def __init__(self):
-        ours, theirs = socket.socketpair()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "CS336_INFERENCE_IMPL"))}
-        self.proc = subprocess.Popen([sys.executable, "-I", str(WORKER), str(theirs.fileno())],
-                                     pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, env=env, start_new_session=True)
-        theirs.close()
-        self.sock = ours
+        self.proc, self.sock = sandbox_start.take_early() or sandbox_start.spawn()   # started by conftest.py?
         self.sock.settimeout(START_TIMEOUT)
-        _send(self.sock, {"sys_path": list(sys.path), "preload": PRELOAD})
         self.ready = False
 
     def wait_ready(self) -> None:
