@@ -6,8 +6,9 @@ worker process (tests/sandbox_worker.py), which calls the student's function and
 code it was sent (no pickle from the worker is ever loaded), and tests/guard.py checks the kind the adapter
 asked for. Comparisons, points and results.json stay in this process.
 
-The processes: a *supervisor* spawned once per grader process, when pytest is configured (`prestart`: its imports
-overlap collection; `python -I`, its own argv and an environment without the grader's options: it never learns
+The processes: a *supervisor* spawned once per grader process, as conftest.py starts (tests/sandbox_start.py,
+before the grader imports torch, so that its imports overlap the grader's; else when pytest is configured,
+`prestart`; `python -I`, its own argv and an environment without the grader's options: it never learns
 where results.json goes) imports torch and the library and is
 the child subreaper of everything below it; per grading run it forks a *package root* (a new session) that
 imports the package once; the root forks a *worker* with only the socket the grader gave it (and /dev/null)
@@ -18,11 +19,12 @@ package's goes (a double fork or a new session does not escape: orphans are re-p
 
 A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every
 process below the supervisor but the package root killed, before the next test whenever anything went wrong in
-this one: a graded call raised, was missing, timed out, crashed, broke the protocol or returned what the grader
-refused; or, at the end of the test (the "reset" is sent as the call phase ends where no code of the test runs
-after it, and its reply read before the next test begins, so the worker's check overlaps the grader's report of
-this test and its setup of the next), the worker does not answer "reset" in time, reports
-that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
+this one: a graded call was missing, timed out, crashed, broke the protocol or returned what the grader refused
+(graded code that raised an exception, as a package refusing bad input does, answered by the protocol: its worker
+is judged by its reset like any other); or, at the end of the test (the "reset" is sent as the call phase ends
+where no code of the test runs after it, and its reply read before the next test begins, so the worker's check
+overlaps the grader's report of this test and its setup of the next), the worker does not answer "reset" in time,
+reports that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
 torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process it
 started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the package
 root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never depends on the
@@ -47,7 +49,7 @@ garbage collector no longer scans once the package is imported (tests/grading.py
 
 from __future__ import annotations
 
-__mutable__ = ("_supervisor",)   # bookkeeping tests/tamper.py skips
+__mutable__ = ("_supervisor", "_RAISED_BY_GRADED_CODE")   # bookkeeping tests/tamper.py skips
 
 import atexit
 import builtins
@@ -655,9 +657,22 @@ def _merge_findings(name: str, reply: dict, watchers: list) -> None:
         watcher.merge(decode(name, findings))
 
 
+# The exceptions graded code raised in the worker (an "error" reply, rebuilt here by `_outcome`), by id while they
+# propagate: such a worker answered by the protocol and is kept for the next test if its reset finds it clean, as after
+# any other test (a package that refuses bad input on purpose is not charged a new worker). Every other failure (a
+# refusal, a timeout, a broken protocol, a control-flow exception) has the worker replaced after the test.
+_RAISED_BY_GRADED_CODE: dict[int, BaseException] = {}
+
+
+def _after_failure(sandbox: Sandbox, err: BaseException) -> None:
+    if _RAISED_BY_GRADED_CODE.pop(id(err), None) is not err:
+        sandbox.dirty = True
+
+
 def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", handle=None, attr=None):
     """The graded call `name` in the worker; its result decoded and checked against `returns`. Anything but a
-    result the grader takes (an exception, a refusal, a timeout) marks the worker to be replaced after the test."""
+    result the grader takes (a refusal, a timeout, a broken protocol; not an exception graded code raised, see
+    `_after_failure`) marks the worker to be replaced after the test."""
     sandbox = _active
     if sandbox is None:
         raise SandboxError("no sandbox is active (graded calls with --impl run only inside a graded test)")
@@ -667,8 +682,8 @@ def call(name: str, args: tuple, kwargs: dict | None = None, returns="any", hand
         return step
     try:
         return _call(sandbox, name, args, kwargs, returns, handle, attr)
-    except BaseException:
-        sandbox.dirty = True
+    except BaseException as err:
+        _after_failure(sandbox, err)
         raise
 
 
@@ -761,8 +776,8 @@ def script(steps) -> list:
         return [step() for step in steps]
     try:
         out = _call_script(sandbox, gathered)
-    except BaseException:
-        sandbox.dirty = True
+    except BaseException as err:
+        _after_failure(sandbox, err)
         raise
     return [step() for step in steps] if out is None else out
 
@@ -795,7 +810,7 @@ def _call_script(sandbox: Sandbox, steps: list) -> list | None:
     if reply.get("kind") == "missing":
         return None
     if reply.get("kind") != "many":
-        _outcome(label, reply, sandbox)                # a value here breaks the protocol
+        _outcome(label, reply, sandbox, by_protocol=False)   # a value (or an error) here breaks the protocol
         raise sandbox._fail(f"{label}: the worker answered a batch of calls with a single reply")
     values, failure = reply.get("values"), reply.get("failure")
     checked = type(failure) is dict and failure.get("kind") == "checked"     # the last value is one to refuse
@@ -851,7 +866,7 @@ def _prepare(value, generators: list, grad_inputs: list, depth: int = 0, sent: d
     return value
 
 
-def _outcome(name: str, reply: dict, sandbox: Sandbox):
+def _outcome(name: str, reply: dict, sandbox: Sandbox, by_protocol: bool = True):
     kind = reply.get("kind")
     if kind == "value":
         return reply.get("value")
@@ -866,7 +881,10 @@ def _outcome(name: str, reply: dict, sandbox: Sandbox):
         raise guard.GradedCallError(f"{name} {_text(reply.get('message'), 500)}")
     sandbox.rng_known = None                 # the call may have drawn numbers: send the state again next time
     if kind == "error":
-        raise _exception(name, reply)
+        err = _exception(name, reply)
+        if by_protocol:
+            _RAISED_BY_GRADED_CODE[id(err)] = err
+        raise err
     raise sandbox._fail(f"{name}: the worker sent a reply of unknown kind {_text(kind, 60)!r}")
 
 
@@ -1028,8 +1046,8 @@ class RemoteObject:
             return step
         try:
             return self._read(sandbox, full, attr, handle, kind)
-        except BaseException:
-            sandbox.dirty = True
+        except BaseException as err:
+            _after_failure(sandbox, err)
             raise
 
     def _read(self, sandbox, full: str, attr: str, handle, kind):
@@ -1070,8 +1088,8 @@ class _RemoteGrad(torch.autograd.Function):
     def backward(ctx, *grads):
         try:
             return _RemoteGrad._backward(ctx.box, grads)
-        except BaseException:
-            ctx.box.sandbox.dirty = True
+        except BaseException as err:
+            _after_failure(ctx.box.sandbox, err)
             raise
 
     @staticmethod
