@@ -292,6 +292,7 @@ class Grader:
         """The test's graded calls run in its worker (tests/sandbox.py); a failure of the worker (timed out,
         ended, broke the protocol) fails the test even if the test caught the exception."""
         box = self.sandbox
+        box.settle()                                # the last test's worker kept or replaced, before the clock below
         previous = self._arm(slack=1.0)             # a backstop for the test's own code on what came back
         try:
             result = yield

@@ -303,7 +303,7 @@ class Sandbox:
         self.worker_pid: int | None = None   # found in /proc (a child of the package root), not told by the worker
         self.workers_started = 0
         self.reset_sent: float | None = None  # the deadline of a "reset" sent ahead (`send_reset`), reply not read
-        self.settle_pending = False           # the test ended with that reply unread: `_settle` reads it
+        self.settle_pending = False           # the test ended with that reply unread: `settle` reads it
 
     # the package --------------------------------------------------------------------------------------------
 
@@ -360,10 +360,10 @@ class Sandbox:
         return min(self.deadline, time.monotonic() + self.timeout)
 
     def begin_test(self) -> None:
-        # before the test's clock starts: the last test's end (its worker kept or replaced) and restarting (seconds
-        # of imports on a busy machine) are the grader's time; charged to this test, they would fail one the package
-        # answers well (the SIGALRM backstop does not wait)
-        self._settle()
+        # before the test's clock starts: restarting (seconds of imports on a busy machine) is the grader's time;
+        # charged to this test, it would fail one the package answers well (the SIGALRM backstop does not wait). The
+        # last test's end (its worker kept or replaced) is settled later, when this test first needs the worker
+        # (`settle`), and not charged to it either.
         self._bring_back()
         self.deadline = time.monotonic() + self.timeout
         self.failure, self.output, self.dirty = None, [], False
@@ -387,18 +387,27 @@ class Sandbox:
     def end_test(self) -> None:
         """Keep the worker for the next test if nothing went wrong in this one (see the module's docstring);
         otherwise kill it and everything it started (the package root stays). Where the "reset" was sent ahead,
-        its reply is read later, by `_settle` before the next test or graded call: the worker checks itself while
-        the grader reports this test and sets up the next."""
+        its reply is read later, by `settle` at the next test's first graded call or call phase: the worker checks
+        itself while the grader reports this test and sets up the next."""
         if self.worker is not None and not self.dirty and self.failure is None and self.reset_sent is not None:
             self.settle_pending, self.deadline = True, float("inf")
             return
         self._decide(self.worker is not None and not self.dirty and self.failure is None and self._reusable())
 
-    def _settle(self) -> None:
-        """The end of the last test, if `end_test` left its "reset" reply unread: keep the worker or replace it."""
-        if self.settle_pending:
-            self.settle_pending = False
+    def settle(self) -> None:
+        """The end of the last test, if `end_test` left its "reset" reply unread: keep the worker or replace it. Read
+        at the first graded call of the next test (its fixtures') or as its call phase begins (tests/grading.py),
+        whichever comes first. The time it takes is not that test's: its deadline moves by as much, and whatever
+        goes wrong with the old worker (no reply in time, a broken protocol) replaces it without failing this test."""
+        if not self.settle_pending:
+            return
+        self.settle_pending = False
+        deadline, failure, started = self.deadline, self.failure, time.monotonic()
+        self.deadline = float("inf")               # `_reset_reply` then allows RESET_GRACE from now
+        try:
             self._decide(self.worker is not None and self._reusable())
+        finally:
+            self.failure, self.deadline = failure, deadline + (time.monotonic() - started)
 
     def _decide(self, keep: bool) -> None:
         self.deadline = float("inf")
@@ -441,7 +450,7 @@ class Sandbox:
         """The reply to the "reset" sent ahead (the same errors as `request`'s), by the test's deadline or, read after
         the test ended, within RESET_GRACE seconds of now."""
         deadline, self.reset_sent = self.reset_sent, None
-        if self.deadline == float("inf"):           # read by `_settle`, after the test ended
+        if self.deadline == float("inf"):           # read by `settle`, after the test ended
             deadline = max(deadline, time.monotonic() + RESET_GRACE)
         try:
             reply = _recv(self.worker, deadline, "reset")
@@ -548,7 +557,7 @@ class Sandbox:
         """Send one request, wait for its reply until the test's deadline, decode it."""
         if self.failure is not None:
             raise WorkerGone(f"not run: {self.failure}")
-        self._settle()                         # a graded call outside a graded test, after one
+        self.settle()                          # the first graded call of a test (or one outside a test, after one)
         if self.reset_sent is not None:        # a call after the test's call phase (send_reset said none comes)
             self._reset_reply()
             self.dirty = True                  # its objects are gone: replaced after this test

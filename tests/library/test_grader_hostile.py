@@ -416,8 +416,9 @@ def test_the_next_test_starts_without_it():
 
 
 def test_a_process_a_graded_call_started_is_gone_before_the_next_test_runs(tmp_path):
-    """tests/sandbox.py: the worker's "reset" reply is read after its test has ended (`_settle`), but before the next
-    test begins: a process the worker started is killed, with the worker, before any code of the next test runs."""
+    """tests/sandbox.py: the worker's "reset" reply is read after its test has ended (`settle`), but before the next
+    test's first graded call or body: a process the worker started is killed, with the worker, before any code of
+    the next test's body runs."""
     pid_file = str(tmp_path / "child.pid")
     hidden = tmp_path / "linger"
     hidden.mkdir()
