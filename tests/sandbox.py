@@ -17,19 +17,19 @@ start of the test): a worker that does not answer is killed and the test fails a
 within (tests x timeout + a margin) whatever the package does. When the run ends, every process of the
 package's goes (a double fork or a new session does not escape: orphans are re-parented to the supervisor).
 
-A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every
-process below the supervisor but the package root killed, before the next test whenever anything went wrong in
-this one: a graded call was missing, timed out, crashed, broke the protocol or returned what the grader refused
-(graded code that raised an exception, as a package refusing bad input does, answered by the protocol: its worker
-is judged by its reset like any other); or, at the end of the test (the "reset" is sent as the call phase ends
-where no code of the test runs after it, and its reply read before the next test begins, so the worker's check
+A worker serves test after test (forking one costs more than most graded tests), and is replaced, with every process
+below the supervisor but the package root killed, before the next test whenever anything went wrong in this one: a
+graded call was missing, timed out, crashed, broke the protocol or returned what the grader refused (graded code
+that raised an exception, as a package refusing bad input does, answered by the protocol: its worker is judged by
+its reset like any other); or, at the end of the test (the "reset" is sent as the call phase ends where no code of
+the test runs after it, and its reply read at the next test's first graded call or call phase, so the worker's check
 overlaps the grader's report of this test and its setup of the next), the worker does not answer "reset" in time,
-reports that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py `Baseline`:
-torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a process it
-started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of the package
-root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never depends on the
-grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker carries nothing to the
-next test that a fresh one could not read from a file written during this one (the package's processes share the
+reports that its interpreter no longer matches the state a fresh worker starts from (tests/sandbox_worker.py
+`Baseline`: torch patched, a global rebound, a cache grown, a timer armed, ...), has more than its one thread, or a
+process it started (a child, a detached grandchild re-parented to the supervisor or the grader, a second child of
+the package root) is alive (`_alone`, read from /proc, which graded code cannot forge). The decision never depends
+on the grader's verdict: a worker kept or replaced learns nothing about its score. A kept worker carries nothing to
+the next test that a fresh one could not read from a file written during this one (the package's processes share the
 user's files), and no graded call is ever sent an expected answer.
 
 Per test a worker keeps what graded calls returned as objects (`RemoteObject`: attribute reads and method

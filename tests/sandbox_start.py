@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import atexit
 import os
-import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
+import sandbox_worker   # no torch at import either
+
 __mutable__ = ("_early",)   # bookkeeping tests/tamper.py skips
 
-WORKER = Path(__file__).resolve().parent / "sandbox_worker.py"
+WORKER = Path(sandbox_worker.__file__).resolve()
 ENV_VAR = "CS336_INFERENCE_IMPL"        # implementation.ENV_VAR (that module imports torch)
 # imported by the supervisor before any fork (cs336_inference first: it sets OpenMP's wait policy before torch starts)
 PRELOAD = ("cs336_inference", "numpy", "einops", "sympy", "cs336_inference.homework.reference", "tamper", "guard")
@@ -41,8 +41,7 @@ def spawn() -> tuple[subprocess.Popen, socket.socket]:
                                 stdout=subprocess.DEVNULL, env=env, start_new_session=True)
     finally:
         theirs.close()
-    data = pickle.dumps({"sys_path": list(sys.path), "preload": PRELOAD}, protocol=pickle.HIGHEST_PROTOCOL)
-    ours.sendall(struct.pack(">Q", len(data)) + data)       # the HEADER of tests/sandbox_worker.py
+    sandbox_worker.send(ours, {"sys_path": list(sys.path), "preload": PRELOAD})
     return proc, ours
 
 

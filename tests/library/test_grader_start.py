@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+import implementation
 import pytest
 import sandbox
 import sandbox_start
@@ -24,6 +25,10 @@ TESTS = Path(__file__).resolve().parents[1]
 ])
 def test_only_a_run_that_grades_a_package_starts_one(argv, environ, want):
     assert sandbox_start.requested(argv, environ) is want
+
+
+def test_it_reads_the_variable_the_grader_reads():
+    assert sandbox_start.ENV_VAR == implementation.ENV_VAR     # written twice: implementation imports torch
 
 
 def _gone(pid: int) -> bool:
