@@ -129,13 +129,20 @@ void run_blocks(const uint16_t* cp, const c10::BFloat16* sp, const c10::BFloat16
     for (int64_t b = b0; b < b1; ++b) {
       const uint16_t* c = cp + b * K * 4;
       const c10::BFloat16* s = sp + b * G * 32;
-      int64_t m = 0;
-      for (; m + kTile <= M; m += kTile)
+      // tiles of kTile rows, then the 1 to 3 rows left over as one tile of their own: a tile decodes each
+      // block's codes once, so 2 or 3 rows (a short verify pass, a small batch) cost less than 2 or 3 single rows
+      const int64_t tiled = M / kTile * kTile;
+      for (int64_t m = 0; m < tiled; m += kTile)
         block_rows<kTile, kSplit>(c, s, hi + m * K, kSplit ? lo + m * K : nullptr, xsum + m * G, K, group,
                                   yp + m * N + b * 16, N);
-      for (; m < M; ++m)
-        block_rows<1, kSplit>(c, s, hi + m * K, kSplit ? lo + m * K : nullptr, xsum + m * G, K, group,
-                              yp + m * N + b * 16, N);
+      const int64_t m = tiled;
+      const c10::BFloat16* lo_m = kSplit ? lo + m * K : nullptr;
+      if (M - m == 3)
+        block_rows<3, kSplit>(c, s, hi + m * K, lo_m, xsum + m * G, K, group, yp + m * N + b * 16, N);
+      else if (M - m == 2)
+        block_rows<2, kSplit>(c, s, hi + m * K, lo_m, xsum + m * G, K, group, yp + m * N + b * 16, N);
+      else if (M - m == 1)
+        block_rows<1, kSplit>(c, s, hi + m * K, lo_m, xsum + m * G, K, group, yp + m * N + b * 16, N);
     }
   });
 }
