@@ -5,8 +5,8 @@
 `ConversationCache`; the chat session is `serving.ChatSession`),
 `compiled` (`compile_decode`: a torch.compile'd decode step without graph breaks),
 `speculative_rule` (the exact accept/resample rule, `speculative_accept`), `drafters` and
-`prompt_lookup`, `medusa`, `eagle` (who proposes; `medusa_tree` verifies a tree of candidates;
-`draft_training` trains Medusa heads and EAGLE drafts, `draft_heads` saves and loads them),
+`prompt_lookup`, `medusa`, `eagle`, `lookup_then_draft` (who proposes; `medusa_tree` verifies a tree
+of candidates; `draft_training` trains Medusa heads and EAGLE drafts, `draft_heads` saves and loads them),
 `speculative` (the draft-verify-rollback loop),
 `speculative_theory` (expected gains, the exact proof).
 """
@@ -16,6 +16,7 @@ from .compiled import compile_decode
 from .drafters import Drafter, ModelDrafter
 from .draft_heads import load_draft_heads, load_drafter, save_draft_heads
 from .eagle import EagleDraft, EagleDrafter
+from .lookup_then_draft import LookupThenDraft
 from .medusa import MedusaDrafter, MedusaHeads
 from .medusa_tree import medusa_tree_generate
 from .sampling_params import SamplingParams
@@ -29,8 +30,8 @@ from .speculative_theory import (OutputDistribution, acceptance_rate, expected_s
                                  optimal_gamma, speculative_output_distribution)
 
 __all__ = ["Acceptance", "ConversationCache", "Drafter", "EagleDraft", "EagleDrafter", "GenerationResult",
-           "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads", "load_drafter",
-           "medusa_tree_generate", "save_draft_heads",
+           "LookupThenDraft", "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads",
+           "load_drafter", "medusa_tree_generate", "save_draft_heads",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
            "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "decode_one_token",
            "expected_speedup", "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad",

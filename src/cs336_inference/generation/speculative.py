@@ -121,13 +121,14 @@ def _check_args(target, drafter, gamma, max_new_tokens, generator) -> None:
     if hasattr(drafter, "observe") and getattr(drafter, "target", target) is not target:
         raise ValueError("the drafter reads another model's features: build it on this target "
                          "(MedusaDrafter(target, heads), EagleDrafter(target, draft), load_drafter(target, ...))")
-    if isinstance(drafter, ModelDrafter):
-        d, t = drafter.model.config, target.config
+    draft_model = getattr(drafter, "model", None)   # a ModelDrafter's, or the one behind a LookupThenDraft
+    if isinstance(draft_model, TransformerLM):
+        d, t = draft_model.config, target.config
         if d.vocab_size != t.vocab_size:
             raise ValueError(f"draft and target vocabularies differ: draft vocab_size {d.vocab_size}, target "
                              f"{t.vocab_size}; speculative sampling needs a shared vocabulary (same tokenizer)")
-        if drafter.model.device != target.device:
-            raise ValueError(f"draft is on {drafter.model.device} but target on {target.device}; move both "
+        if draft_model.device != target.device:
+            raise ValueError(f"draft is on {draft_model.device} but target on {target.device}; move both "
                              "to one device")
 
 
