@@ -74,6 +74,7 @@ def test_greedy_output_equals_plain_greedy_decoding_with_every_fallback(toy, one
             drafter = LookupThenDraft(fallback)
             out = speculative_generate(target, drafter, prompt, gamma, max_new_tokens=40)
             assert out.tokens == want, (name, text)
+            assert max(out.proposed) <= gamma, (name, out.proposed)
             assert drafter.lookup_passes + drafter.draft_passes == sum(1 for g in out.proposed if g), name
             used["lookup"] += drafter.lookup_passes
             used["draft"] += drafter.draft_passes
