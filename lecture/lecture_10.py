@@ -1403,6 +1403,8 @@ def drafts_that_learn():
     text("  its own tokens go back in, so each guess knows its branch; its own KV cache rolls back with the target's.")
     text("- Medusa's tree (generation/medusa_tree.py): many candidates in one pass under a tree attention mask.")
     text("Trained by self-distillation on SmolLM2's own greedy answers, on this CPU: `bench speculative_heads`.")
+    text("Combined (generation/lookup_then_draft.py, `lookup_eagle` below): prompt lookup's copy where the last 2-4")
+    text("  tokens occur earlier, the EAGLE draft's guesses otherwise; each hands the rule its own distribution: exact.")
     result = load_result("speculative_proposers")
     if result is None:
         text("(No committed comparison: `python -m cs336_inference bench speculative --model smollm2-135m`.)")

@@ -323,7 +323,11 @@ else:
 # buys back some acceptance by checking several guesses per head in the same pass (a bigger verify).
 #
 # The committed comparison (`python -m cs336_inference bench speculative --model smollm2-135m`):
-# the same held-out prompts, greedy, batch 1, on the CLI's default fast path (int4 weights):
+# the same held-out prompts, greedy, batch 1, on the CLI's default fast path (int4 weights). Its
+# `lookup_eagle` row combines two proposers (`generation.LookupThenDraft`): prompt lookup's copy in the
+# passes where the last 2-4 tokens occur earlier, the EAGLE draft's guesses in the others. Which one
+# proposes depends only on the tokens so far, and each hands the rule its own draft distribution
+# (one-hot for the copy), so the output stays exact:
 
 # %%
 proposers = load_result("speculative_proposers") or (bench or {}).get("proposers")

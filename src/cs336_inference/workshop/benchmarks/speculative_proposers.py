@@ -1,6 +1,7 @@
 """`bench speculative`'s proposer comparison on SmolLM2: Medusa heads (as a chain, and verified as a tree
-of their top guesses), the EAGLE draft, prompt lookup (and a distilled small draft where one is
-installed) on the same held-out prompts, in one run.
+of their top guesses), the EAGLE draft, prompt lookup, prompt lookup with the EAGLE draft where it finds
+no match (`lookup_eagle`; and a distilled small draft where one is installed) on the same held-out
+prompts, in one run.
 
 The target is the CLI's default fast path (`fast_path.load_for_inference`: the published int4 blocks on
 our kernels, fused attention, the CPU tuning). Greedy decoding, batch 1. Per proposer: tokens per
@@ -23,6 +24,8 @@ import torch
 
 from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import SHIPPED, load_drafter
+from ...generation.eagle import EagleDrafter
+from ...generation.lookup_then_draft import LookupThenDraft
 from ...generation.medusa_tree import medusa_tree_generate
 from ...generation.prompt_lookup import PromptLookupDrafter
 from ...generation.speculative import SpeculativeResult, speculative_generate
@@ -32,9 +35,10 @@ from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
 
-GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 8}
+GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 8, "lookup_eagle": 5}
 # medusa_tree: the tree's depth. prompt_lookup_fast: the engine's prompt lookup (8 drafts after a match of at
-# least 2 tokens), and the passes that find no match run the compiled decode step, as plain decoding does
+# least 2 tokens), and the passes that find no match run the compiled decode step, as plain decoding does.
+# lookup_eagle: prompt lookup's copy where the last 2-4 tokens occur earlier, the EAGLE draft's guesses otherwise
 
 
 def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
@@ -101,6 +105,8 @@ def _proposers(target) -> tuple[dict, dict]:
         proposers["medusa_tree"] = proposers["medusa"].heads
     proposers["prompt_lookup"] = "prompt_lookup"
     proposers["prompt_lookup_fast"] = PromptLookupDrafter(max_ngram=4, min_ngram=2)
+    if "eagle" in proposers:   # its own EagleDrafter (its own cache) on the same shipped draft
+        proposers["lookup_eagle"] = LookupThenDraft(EagleDrafter(target, proposers["eagle"].draft), 4, 2)
     notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
                                 "alpha ~0.31); not compared")
     return proposers, notes
@@ -147,6 +153,8 @@ def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[i
         res, *t = timed(decode, target.device)
         entry[name] = _rate(res.num_generated, t, prefill)
         entry[f"{name}_matches_plain"] = res.tokens == ref
+        if isinstance(drafter, LookupThenDraft):   # which source proposed in how many passes
+            entry[f"{name}_passes_by_source"] = dict(lookup=drafter.lookup_passes, draft=drafter.draft_passes)
         rows.setdefault(name, []).append(res)
     return entry
 
@@ -159,6 +167,9 @@ def _summary_row(name: str, results: list, per_prompt: list[dict]) -> dict:
     row = dict(proposer=name, gamma=gamma, tokens_per_pass=pooled.mean_tokens_per_pass, alpha=pooled.alpha,
                acceptance_by_position=pooled.acceptance_by_position,
                greedy_matches_plain=all(e[f"{name}_matches_plain"] for e in per_prompt))
+    if all(f"{name}_passes_by_source" in e for e in per_prompt):
+        for source in ("lookup", "draft"):
+            row[f"{source}_passes"] = sum(e[f"{name}_passes_by_source"][source] for e in per_prompt)
     for kind in ("grounded", "free"):
         passes = [k for r, e in zip(results, per_prompt) if e["kind"] == kind for k in r.accepted]
         if passes:
@@ -187,6 +198,8 @@ def print_proposers(r: dict) -> None:
     cols += [(f"a{i + 1}", f"P(acc {i + 1})", f2) for i in range(max(x["gamma"] for x in r["rows"]))]
     cols += [(f"speedup_over_{b}_{c}", f"x {b.removeprefix('plain_')} ({c})", f2)
              for b in ("plain_eager", "plain_compiled") for c in ("wall", "cpu") if f"speedup_over_{b}_{c}" in rows[0]]
+    cols += [(f"{source}_passes", f"{source} passes", None) for source in ("lookup", "draft")
+             if any(f"{source}_passes" in row for row in rows)]
     cols += [("greedy_matches_plain", "= plain", None)]
     print_table(rows, cols)
     for k, v in r["notes"].items():
@@ -198,7 +211,7 @@ def plot_proposers(r: dict):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
     colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
-              "prompt_lookup_fast": "tab:olive", "draft": "tab:blue"}
+              "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "draft": "tab:blue"}
     for row in r["rows"]:
         rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
         left.plot(range(1, len(rates) + 1), rates, marker="o", color=colors.get(row["proposer"]),
@@ -213,7 +226,7 @@ def plot_proposers(r: dict):
         right.bar(xs, [row[f"speedup_over_{base}_wall"] for row in r["rows"]], width,
                   label=f"over plain ({base.removeprefix('plain_')} step)", alpha=0.8)
     right.set_xticks([i + width * (len(bases) - 1) / 2 for i in range(len(r["rows"]))],
-                     [row["proposer"] for row in r["rows"]])
+                     [row["proposer"] for row in r["rows"]], rotation=25, ha="right")
     right.axhline(1.0, color="gray", lw=0.8)
     right.set(ylabel="decode speed-up (wall clock)", title="batch 1, the fast path's model")
     right.legend(fontsize=8)
