@@ -251,16 +251,20 @@ def test_prompt_lookup_propose_against_a_naive_search():
     assert run_prompt_lookup_propose([5, 6, 7], 2) == []                       # nothing repeats
     assert run_prompt_lookup_propose([1, 2, 9, 1, 2, 8, 2], 2, max_ngram=2) == [8, 2]  # most recent 1-gram "2"
     g = torch.Generator().manual_seed(0)
-    for _ in range(200):
+    for i in range(600):
         seq = torch.randint(0, 4, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
         n = int(torch.randint(0, 5, (1,), generator=g))
+        longest, shortest = [(3, 1), (4, 2), (2, 2)][i % 3]
         expected = []
-        for size in range(min(3, len(seq) - 1), 0, -1):  # longest suffix n-gram seen before, latest copy
+        for size in range(min(longest, len(seq) - 1), shortest - 1, -1):  # longest suffix n-gram seen before
             hits = [i for i in range(len(seq) - size) if seq[i:i + size] == seq[-size:]]
-            if hits:
+            if hits:                                                         # its latest copy
                 expected = seq[hits[-1] + size:hits[-1] + size + n]
                 break
-        assert run_prompt_lookup_propose(seq, n) == (expected if n > 0 else []), (seq, n)
+        expected = expected if n > 0 else []
+        assert run_prompt_lookup_propose(seq, n, max_ngram=longest, min_ngram=shortest) == expected, (seq, n)
+        drafter = make_prompt_lookup_drafter(max_ngram=longest, min_ngram=shortest)   # what the loop calls
+        assert drafter.propose(seq, n, make_sampling_params()) == (expected, None), (seq, n)
 
 
 def test_statistics_are_consistent(shipped, one_thread):

@@ -3,7 +3,8 @@
 `sampling` (temperature, top-k, top-p), `generate` (`prefill`, `decode_one_token`, `generate`),
 `chat` (streaming into a cache that persists across calls: `extend`, `stream`, `TextStream`,
 `ConversationCache`; the chat session is `serving.ChatSession`),
-`compiled` (`compile_decode`: a torch.compile'd decode step without graph breaks),
+`compiled` (`compile_decode`: a torch.compile'd decode step without graph breaks; `compile_verify`: the
+same for a speculative pass's T tokens),
 `speculative_rule` (the exact accept/resample rule, `speculative_accept`), `drafters` and
 `prompt_lookup`, `medusa`, `eagle`, `lookup_then_draft` (who proposes; `medusa_tree` verifies a tree
 of candidates; `draft_training` trains Medusa heads and EAGLE drafts, `draft_heads` saves and loads them),
@@ -12,7 +13,7 @@ of candidates; `draft_training` trains Medusa heads and EAGLE drafts, `draft_hea
 """
 
 from .chat import ConversationCache, TextStream, TurnStats, extend, stream
-from .compiled import compile_decode
+from .compiled import compile_decode, compile_verify
 from .drafters import Drafter, ModelDrafter
 from .draft_heads import load_draft_heads, load_drafter, save_draft_heads
 from .eagle import EagleDraft, EagleDrafter
@@ -33,7 +34,8 @@ __all__ = ["Acceptance", "ConversationCache", "Drafter", "EagleDraft", "EagleDra
            "LookupThenDraft", "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads",
            "load_drafter", "medusa_tree_generate", "save_draft_heads",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
-           "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "decode_one_token",
+           "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "compile_verify",
+           "decode_one_token",
            "expected_speedup", "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad",
            "logits_to_probs", "optimal_gamma", "prefill", "prompt_lookup_propose", "residual_distribution",
            "sample_next_token", "speculative_accept", "speculative_generate", "speculative_output_distribution",

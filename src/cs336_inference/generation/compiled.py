@@ -197,6 +197,47 @@ def compile_decode(model, frozen: bool = False, **compile_options):
     return step
 
 
+def compile_verify(model, frozen: bool = False, **compile_options):
+    """Return `verify(token_ids (B, T), cache, return_hidden=False)`, a compiled forward of T tokens
+    appended to a cache, with the model's own signature and results (logits (B, T, V), and hidden
+    (B, T, D) with return_hidden): the pass that checks a speculative step's drafts
+    (`speculative_generate(..., verify_step=verify)`).
+
+    Eager, that pass pays the same per-op overhead a decode step does (see the module docstring), and
+    it runs once per speculative step. The graph is the decode step's, traced for a token count T that
+    is a symbol (a T of 1 is specialised: one more graph), so one graph serves every draft length.
+    compile_options and `frozen` as in `compile_decode`; CUDA graphs (mode="reduce-overhead") need
+    fixed shapes and are refused. A cache's first forward (its prefill) runs eagerly, checked.
+    """
+    if compile_options.get("mode") == "reduce-overhead":
+        raise ValueError("compile_verify: mode='reduce-overhead' (CUDA graphs) needs fixed shapes, and a verify "
+                         "pass has as many tokens as its drafts; compile without it")
+    options = compile_settings(_checks.boolean("frozen", frozen), **compile_options)
+    graphs = {}   # return_hidden -> the compiled forward, each traced at its first use
+
+    def compiled(hidden: bool):
+        if hidden not in graphs:
+            forward = _own_code(lambda ids, cache, hidden=hidden: model(ids, cache=cache, return_hidden=hidden))
+            graph = torch.compile(forward, **options)
+            graphs[hidden] = _frozen_tracing(graph) if frozen else graph
+            if frozen:
+                _forget_graphs_when_gone(verify, forward.__code__)
+        return graphs[hidden]
+
+    def verify(token_ids: torch.Tensor, cache: KVCache, return_hidden: bool = False):
+        if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 2 or token_ids.dtype.is_floating_point:
+            raise ValueError("token_ids must be a 2-D integer tensor (B, T): T tokens per sequence")
+        B, T = token_ids.shape
+        if not isinstance(cache, KVCache) or cache.length == 0 or T == 0:   # the edges: eager, the model's checks
+            return model(token_ids, cache=cache, return_hidden=return_hidden)
+        if cache.length + T > cache.max_seq_len or B != cache.batch_size:
+            cache.begin(T, batch_size=B)   # raises eagerly, naming the overflow or the batch size
+        ids = token_ids.clone(memory_format=torch.contiguous_format)   # fresh strides: no guard on them
+        return compiled(_checks.boolean("return_hidden", return_hidden))(ids, cache)
+
+    return verify
+
+
 def _forget_graphs_when_gone(step, code) -> None:
     """Once `step` is garbage, drop the graphs dynamo keeps on `code` (the step's own copy, `_own_code`).
     A frozen graph holds the model's weights as its own parameters, and dynamo keeps a code object's

@@ -27,16 +27,23 @@ def prompt_lookup_propose(sequence: list[int], n: int, max_ngram: int = 3, min_n
     _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
     if min_ngram > max_ngram:
         raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-    if n == 0 or not sequence:
+    return _continuation(sequence, n, max_ngram, min_ngram) if n else []
+
+
+def _continuation(sequence: list[int], n: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """`prompt_lookup_propose` on checked arguments (n >= 1). It runs once per speculative step, so it is
+    one scan in plain Python: the places where the last token occurred earlier, then, longest n-gram first,
+    the most recent of them that the whole n-gram precedes."""
+    N = len(sequence)
+    if N < 2:
         return []
-    ids = torch.tensor(sequence)
-    for size in range(min(max_ngram, len(sequence) - 1), min_ngram - 1, -1):
-        pattern = ids[-size:]
-        windows = ids[:-1].unfold(0, size, 1)                    # (N - size, size): every earlier n-gram
-        starts = (windows == pattern).all(-1).nonzero()[:, 0]   # where an earlier copy starts
-        if len(starts):
-            follow = int(starts[-1]) + size                      # the most recent copy's continuation
-            return sequence[follow:follow + n]
+    last = sequence[-1]
+    ends = [i + 1 for i in range(N - 1) if sequence[i] == last]   # an earlier copy of the n-gram would end here
+    for size in range(min(max_ngram, N - 1), min_ngram - 1, -1):
+        pattern = sequence[N - size:]
+        for end in reversed(ends):
+            if end >= size and sequence[end - size:end] == pattern:
+                return sequence[end:end + n]
     return []
 
 
@@ -55,7 +62,11 @@ class PromptLookupDrafter:
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], None]:
-        return prompt_lookup_propose(sequence, n, self.max_ngram, self.min_ngram), None
+        # the speculative loop's sequence is checked token ids; a full check per step would cost more than the search
+        if not isinstance(sequence, list):
+            raise TypeError(f"sequence must be a list of int token ids, got {type(sequence).__name__}")
+        return (_continuation(sequence, n, self.max_ngram, self.min_ngram) if _checks.non_negative_int("n", n)
+                else []), None
 
     def rollback(self, length: int) -> None:
         pass

@@ -18,8 +18,9 @@ handed the target's features of the positions that became final: the prompt's af
 and the k + 1 positions seq[-1], x_1..x_k after each pass (`forward(..., return_hidden=True)`).
 
 A pass whose drafter proposes nothing (prompt lookup finds no earlier copy) is a plain decode step;
-`decode_step`, e.g. a compiled one (`compile_decode`), runs those passes as plain decoding would,
-and the verify passes stay eager (they have other shapes).
+`decode_step`, e.g. a compiled one (`compile_decode`), runs those passes as plain decoding would.
+`verify_step`, e.g. `compile_verify(target)`, runs the passes with drafts (the target's forward
+signature, compiled for any number of tokens); without it they run the eager forward.
 """
 
 from __future__ import annotations
@@ -165,15 +166,20 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def __init__(self, target: TransformerLM, draft, prompt_ids, gamma: int = 4, temperature: float = 0.0,
                  max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
-                 stop_tokens=None, generator: torch.Generator | None = None, decode_step=None):
+                 stop_tokens=None, generator: torch.Generator | None = None, decode_step=None, verify_step=None):
         self.drafter = as_drafter(draft)
         _check_args(target, self.drafter, gamma, max_new_tokens, generator)
         if decode_step is not None and not callable(decode_step):
             raise TypeError(f"decode_step must be a callable (token_ids (1,), cache) -> logits (1, V) or None, "
                             f"got {type(decode_step).__name__}")
+        if verify_step is not None and not callable(verify_step):
+            raise TypeError(f"verify_step must be a callable with the target's forward signature (token_ids (1, T), "
+                            f"cache=, return_hidden=), e.g. compile_verify(target), or None, got "
+                            f"{type(verify_step).__name__}")
         self.sampling = SamplingParams(temperature, top_k, top_p)
         self.target, self.gamma, self.max_new_tokens, self.generator = target, gamma, max_new_tokens, generator
         self.decode_step = decode_step
+        self.verify = verify_step or target   # the forward that checks a pass's drafts
         self.stop = stop_token_set(stop_tokens, target.config.vocab_size)   # as `generate` accepts them
         prompt = _prompt_list(prompt_ids)
         P = len(prompt)
@@ -230,10 +236,10 @@ class SpeculativeDecoder:
             if not drafts and self.decode_step is not None and not self.reads_features:
                 logits = self.decode_step(ids[0], cache)                                       # (1, V)
             elif self.reads_features:
-                logits, hidden = self.target(ids, cache=cache, return_hidden=True)
+                logits, hidden = self.verify(ids, cache=cache, return_hidden=True)
                 logits, hidden = logits[0], hidden[0]                                          # (g+1, V), (g+1, D)
             else:
-                logits = self.target(ids, cache=cache)[0]                                      # (g+1, V)
+                logits = self.verify(ids, cache=cache)[0]                                      # (g+1, V)
         with clock.measure("accept"):
             if self.sampling.greedy:
                 k, token = greedy_accept(drafts, logits.argmax(-1).tolist())
@@ -245,7 +251,8 @@ class SpeculativeDecoder:
                 k, token = accept_unchecked(p_draft, q, draft_ids, self.generator)
             new = drafts[:k] + [token]
             final = len(sequence) + k  # positions now final, and what the next pass builds on
-            cache.truncate(final)      # the rejected drafts' keys and values are forgotten
+            if cache.length > final:   # the rejected drafts' keys and values are forgotten
+                cache.truncate(final)
             self.drafter.rollback(final)
             if self.reads_features:
                 self.drafter.observe(hidden[:k + 1])   # the features of the positions now final
@@ -269,18 +276,19 @@ class SpeculativeDecoder:
 def speculative_generate(target: TransformerLM, draft, prompt_ids, gamma: int = 4, temperature: float = 0.0,
                          max_new_tokens: int = 64, top_k: int | None = None, top_p: float | None = None,
                          stop_tokens=None, generator: torch.Generator | None = None,
-                         decode_step=None) -> SpeculativeResult:
+                         decode_step=None, verify_step=None) -> SpeculativeResult:
     """Generate up to `max_new_tokens` tokens after one prompt, drafting `gamma` tokens per target pass.
 
     draft: a `TransformerLM` sharing the target's vocabulary, "prompt_lookup", or a `Drafter`.
     temperature / top_k / top_p apply to both models (0 = greedy: the output equals the target's
     greedy output); otherwise the output is distributed exactly as `generate(target, ...)` samples.
-    decode_step(token_ids (1,), cache) -> logits (1, V): runs the passes without drafts (see the module
+    decode_step(token_ids (1,), cache) -> logits (1, V): runs the passes without drafts; verify_step (the
+    target's forward signature, e.g. `compile_verify(target)`): the passes with drafts (see the module
     docstring; None: the eager forward).
     Returns the tokens with acceptance statistics, forward counts and the time split.
     """
     decoder = SpeculativeDecoder(target, draft, prompt_ids, gamma, temperature, max_new_tokens, top_k, top_p,
-                                 stop_tokens, generator, decode_step)
+                                 stop_tokens, generator, decode_step, verify_step)
     while not decoder.finished:
         decoder.step()
     return decoder.finish()

@@ -139,17 +139,33 @@ def compile_fast(model):
     inductor would fold the RMSNorm before each into that loop, recomputing it for every weight row;
     `realize_cpu_opcount_threshold=1` makes it store the norm's output once instead (the bf16 step runs
     faster; an int4 or fp32 step, whose matmuls are library calls, does not, so it keeps the default)."""
-    import torch
-
-    from .cpu_tuning import CPULinear
     from ..generation.compiled import compile_decode
 
     if model.device.type == "cuda":
         return compile_decode(model, mode="reduce-overhead")
+    return compile_decode(model, frozen=True, options=_cpu_inductor(model))
+
+
+def compile_fast_verify(model):
+    """`generation.compile_verify(model)` as the fast path compiles it: a speculative pass's T tokens in one
+    graph, with `compile_fast`'s settings on a CPU (on a GPU without CUDA graphs: T changes from pass to pass)."""
+    from ..generation.compiled import compile_verify
+
+    if model.device.type == "cuda":
+        return compile_verify(model)
+    return compile_verify(model, frozen=True, options=_cpu_inductor(model))
+
+
+def _cpu_inductor(model) -> dict:
+    """inductor's options for the fast path's graphs on a CPU (see `compile_fast`)."""
+    import torch
+
+    from .cpu_tuning import CPULinear
+
     inductor = dict(CPU_INDUCTOR)
     if any(isinstance(m, CPULinear) and m.weight.dtype == torch.bfloat16 and not m.gemv for m in model.modules()):
         inductor["realize_cpu_opcount_threshold"] = 1
-    return compile_decode(model, frozen=True, options=inductor)
+    return inductor
 
 
 def compiled_decode_step(model):
