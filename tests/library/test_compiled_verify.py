@@ -10,7 +10,7 @@ import adapters
 from cs336_inference.generation import compile_verify, speculative_generate
 from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_config
 
-CFG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=96)
+CFG = dict(vocab_size=97, context_length=64, d_model=64, num_layers=1, num_heads=4, num_kv_heads=2, d_ff=96)
 
 
 @pytest.fixture(scope="module")

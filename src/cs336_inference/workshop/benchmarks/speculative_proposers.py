@@ -13,6 +13,11 @@ shared 2-core machine a second OpenMP thread waits at every parallel region for 
 process holds, and the eager draft steps have no thread switch of their own; with one thread the
 CPU clock is the time the work ran, however busy the machine.
 The prompts are the ones `speculative_heads` held out of the heads' training.
+
+Beside them, what checking costs here (`verify_cost`): a compiled pass of T tokens against the compiled
+decode step, alternated on one cache. A pass that costs c(T) decode steps pays only where it emits more
+than c(T) tokens on average; on a GPU c stays near 1 for small T (decode is memory-bound), on a CPU's
+int4 kernel each row adds its own arithmetic.
 """
 
 from __future__ import annotations
@@ -35,9 +40,10 @@ from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
 
-GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 8, "lookup_eagle": 5}
-# medusa_tree: the tree's depth. prompt_lookup_fast: the engine's prompt lookup (8 drafts after a match of at
-# least 2 tokens), and the passes that find no match run the compiled decode step, as plain decoding does.
+GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5}
+# medusa_tree: the tree's depth. prompt_lookup_fast: prompt lookup after a match of at least 2 tokens on the
+# fast path's compiled steps: the passes with drafts through `compile_verify`, those without through the
+# compiled decode step, as plain decoding runs; 3 drafts, as a pass's cost grows with every row (`verify_cost`).
 # lookup_eagle: prompt lookup's copy where the last 2-4 tokens occur earlier, the EAGLE draft's guesses otherwise
 
 
@@ -54,8 +60,8 @@ def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
 
 def _plain_compiled(model, prompt: list[int], new: int, step, stop: set[int]) -> list[int]:
     """Greedy decoding with a compiled decode step (`step(token_ids (1,), cache) -> logits (1, V)`)."""
-    cache = model.new_cache(1, len(prompt) + new)
-    with torch.inference_mode():
+    with torch.inference_mode():   # the cache too, as the speculative loop's: both then run one compiled graph
+        cache = model.new_cache(1, len(prompt) + new)
         token = model(torch.tensor([prompt], device=model.device), cache=cache, last_only=True)[0, -1].argmax()
         out = [int(token)]
         while len(out) < new and out[-1] not in stop:
@@ -78,8 +84,9 @@ def compare_proposers(run, repeats: int = 1) -> dict | None:
     print(banner, flush=True)
     stop, new = tok.stop_ids, 32 if quick else 128
     proposers, notes = _proposers(target)
-    compiled = _compiled_step(target, tok, stop, notes)
+    compiled = _compiled_steps(target, tok, stop, notes)
     prompts = held_out_prompts(tok, quick)
+    costs = _verify_cost(target, *compiled, prompts[0][1]) if compiled else None
     rows, per_prompt = {}, []
     for _ in range(repeats):
         for kind, prompt in prompts:
@@ -90,7 +97,7 @@ def compare_proposers(run, repeats: int = 1) -> dict | None:
     out = [_summary_row(name, results, per_prompt) for name, results in rows.items()]
     return dict(model=MODEL, device=str(run.device), threads=torch.get_num_threads(), load_avg_end=load_avg(),
                 banner=banner, new_tokens=new, repeats=repeats, prompts=[k for k, _ in prompts],
-                assets=list(SHIPPED), notes=notes, per_prompt=per_prompt, rows=out)
+                assets=list(SHIPPED), notes=notes, per_prompt=per_prompt, rows=out, verify_cost=costs)
 
 
 def _proposers(target) -> tuple[dict, dict]:
@@ -112,20 +119,45 @@ def _proposers(target) -> tuple[dict, dict]:
     return proposers, notes
 
 
-def _compiled_step(target, tok, stop, notes: dict):
-    """The compiled decode step, compiled now; None (and a note) where the compiler is missing or fails."""
-    from ..fast_path import compile_fast
+def _compiled_steps(target, tok, stop, notes: dict):
+    """(the compiled decode step, the compiled verify pass), compiled now; None (and a note) where the
+    compiler is missing or fails."""
+    from ..fast_path import compile_fast, compile_fast_verify
 
     try:
-        compiled = compile_fast(target)
+        compiled, verify = compile_fast(target), compile_fast_verify(target)
         warm = held_out_prompts(tok, True)[0][1]
         _plain_compiled(target, warm, 4, compiled, set(stop))
         # and on a speculative loop's cache (it keeps room to roll back): any recompiling happens now
-        speculative_generate(target, PromptLookupDrafter(), warm, 2, max_new_tokens=8, decode_step=compiled)
-        return compiled
+        speculative_generate(target, PromptLookupDrafter(), warm, 2, max_new_tokens=8, decode_step=compiled,
+                             verify_step=verify)
+        with torch.inference_mode():   # a pass of 2 or more tokens (the one graph for every such T)
+            cache = target.new_cache(1, len(warm) + 4)
+            target(torch.tensor([warm], device=target.device), cache=cache, last_only=True)
+            verify(torch.tensor([warm[-3:]], device=target.device), cache)
+        return compiled, verify
     except Exception as err:   # a compiler missing or failing here: compare with eager decoding only
         notes["compiled"] = f"compiled decode step unavailable: {type(err).__name__}: {err}"[:300]
         return None
+
+
+def _verify_cost(target, step, verify, prompt: list[int], max_tokens: int = 9, rounds: int = 7) -> list[dict]:
+    """A compiled pass of T = 1..max_tokens tokens after `prompt`, in CPU ms (median of `rounds`, the T's
+    alternated in each round) and in compiled decode steps (T = 1 is the decode step itself)."""
+    ids = torch.tensor([prompt[-max_tokens:]], device=target.device)
+    times = {T: [] for T in range(1, max_tokens + 1)}
+    with torch.inference_mode():
+        cache = target.new_cache(1, len(prompt) + max_tokens)
+        target(torch.tensor([prompt], device=target.device), cache=cache, last_only=True)
+        start = cache.length
+        for _ in range(rounds):
+            for T, taken in times.items():
+                run = partial(step, ids[0, :1], cache) if T == 1 else partial(verify, ids[:, :T], cache)
+                taken.append(timed(run, target.device)[2])   # this process's CPU time: one thread, however busy
+                cache.truncate(start)
+    step_ms = statistics.median(times[1]) * 1e3
+    return [dict(tokens=T, ms=statistics.median(t) * 1e3, decode_steps=statistics.median(t) * 1e3 / step_ms)
+            for T, t in times.items()]
 
 
 def _rate(tokens: int, times: tuple, prefill: tuple) -> tuple[float, float]:
@@ -140,16 +172,18 @@ def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[i
     prefill = tuple(statistics.median(r[i] for r in runs) for i in (0, 1))   # plain prefill + first token
     ref, *plain = timed(partial(_plain_eager, target, prompt, new, set(stop)), target.device)
     entry = dict(kind=kind, prompt_tokens=len(prompt), tokens=len(ref), plain_eager=_rate(len(ref), plain, prefill))
+    step, verify = compiled or (None, None)
     if compiled is not None:
-        got, *t = timed(partial(_plain_compiled, target, prompt, new, compiled, set(stop)), target.device)
+        got, *t = timed(partial(_plain_compiled, target, prompt, new, step, set(stop)), target.device)
         entry["plain_compiled"] = _rate(len(got), t, prefill)
         entry["compiled_matches_eager"] = got == ref
     for name, drafter in proposers.items():
         if name == "medusa_tree":
             decode = partial(medusa_tree_generate, target, drafter, prompt, new, stop_tokens=stop)
         else:
+            fast = name == "prompt_lookup_fast"
             decode = partial(speculative_generate, target, drafter, prompt, GAMMAS[name], max_new_tokens=new,
-                             stop_tokens=stop, decode_step=compiled if name == "prompt_lookup_fast" else None)
+                             stop_tokens=stop, decode_step=step if fast else None, verify_step=verify if fast else None)
         res, *t = timed(decode, target.device)
         entry[name] = _rate(res.num_generated, t, prefill)
         entry[f"{name}_matches_plain"] = res.tokens == ref
@@ -202,6 +236,10 @@ def print_proposers(r: dict) -> None:
              if any(f"{source}_passes" in row for row in rows)]
     cols += [("greedy_matches_plain", "= plain", None)]
     print_table(rows, cols)
+    if r.get("verify_cost"):
+        print("a compiled pass of T tokens, in compiled decode steps: "
+              + ", ".join(f"T={c['tokens']} {c['decode_steps']:.2f}" for c in r["verify_cost"])
+              + f" (one step {r['verify_cost'][0]['ms']:.1f} ms)")
     for k, v in r["notes"].items():
         print(f"note ({k}): {v}")
 
@@ -209,7 +247,8 @@ def print_proposers(r: dict) -> None:
 def plot_proposers(r: dict):
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8))
+    costs = r.get("verify_cost")
+    fig, (left, right, *cost) = plt.subplots(1, 3 if costs else 2, figsize=(16 if costs else 11, 3.8))
     colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
               "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "draft": "tab:blue"}
     for row in r["rows"]:
@@ -230,6 +269,14 @@ def plot_proposers(r: dict):
     right.axhline(1.0, color="gray", lw=0.8)
     right.set(ylabel="decode speed-up (wall clock)", title="batch 1, the fast path's model")
     right.legend(fontsize=8)
+    if costs:
+        T = [c["tokens"] for c in costs]
+        cost[0].plot(T, [c["decode_steps"] for c in costs], marker="o", label="cost of a pass (decode steps)")
+        cost[0].plot(T, T, ls="--", color="gray", label="tokens it can emit (all drafts accepted)")
+        cost[0].axhline(1.0, color="gray", lw=0.8)
+        cost[0].set(xlabel="tokens in the pass (1 + drafts)", ylabel="compiled decode steps",
+                    title="what checking costs here")
+        cost[0].legend(fontsize=8)
     fig.tight_layout()
     return fig
 
