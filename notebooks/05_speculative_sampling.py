@@ -327,7 +327,9 @@ else:
 # `lookup_eagle` row combines two proposers (`generation.LookupThenDraft`): prompt lookup's copy in the
 # passes where the last 2-4 tokens occur earlier, the EAGLE draft's guesses in the others. Which one
 # proposes depends only on the tokens so far, and each hands the rule its own draft distribution
-# (one-hot for the copy), so the output stays exact:
+# (one-hot for the copy), so the output stays exact. Its last line says what checking costs on this
+# CPU: a compiled pass of T tokens, in compiled decode steps. The paper's v = 1 does not hold here, so
+# a proposer pays only where a pass emits more tokens than it costs:
 
 # %%
 proposers = load_result("speculative_proposers") or (bench or {}).get("proposers")
@@ -337,6 +339,9 @@ if proposers:
         speed = r.get("speedup_over_plain_eager_wall")
         print(f"{r['proposer']:14s} gamma {r['gamma']}: {r['tokens_per_pass']:.2f} tokens per pass, alpha "
               f"{r['alpha']:.2f}, decode {speed:.2f}x plain (wall clock, measured under load)")
+    if proposers.get("verify_cost"):
+        print("a compiled pass of T tokens costs (decode steps):",
+              ", ".join(f"T={c['tokens']} {c['decode_steps']:.2f}" for c in proposers["verify_cost"]))
 else:
     print("no committed proposer comparison: run `python -m cs336_inference bench speculative --model smollm2-135m`")
 
