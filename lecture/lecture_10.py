@@ -1417,9 +1417,10 @@ def drafts_that_learn():
     text("Output identical to plain greedy decoding in every run; sampling stays exact with the accept/resample rule.")
     if costs := result.get("verify_cost"):
         steps = ", ".join(f"{c['tokens']}: {c['decode_steps']:.2f}" for c in costs[1:6])
-        text(f"Checking is not free on this CPU: a compiled pass of T tokens costs (T: decode steps) {steps}.")
-        text("  Each row adds its own int4 arithmetic (the kernel is compute-bound here); a pass pays only where it")
-        text("  emits more tokens than it costs. On a GPU, decode is memory-bound and a few more rows are nearly free.")
+        text("Checking is not free on this CPU: a compiled pass of T tokens costs, in decode steps,")
+        text(f"  {steps} (T: steps).")
+        text("  Each row adds its own int4 arithmetic (compute-bound here): a pass pays only where it emits more.")
+        text("  On a GPU, decode is memory-bound and a few more rows are nearly free.")
     image("figures/speculative_proposers.png", width=900)
 
 
