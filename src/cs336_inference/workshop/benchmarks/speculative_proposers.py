@@ -208,12 +208,15 @@ def _summary_row(name: str, results: list, per_prompt: list[dict]) -> dict:
         passes = [k for r, e in zip(results, per_prompt) if e["kind"] == kind for k in r.accepted]
         if passes:
             row[f"tokens_per_pass_{kind}"] = sum(k + 1 for k in passes) / len(passes)
-    for base in ("plain_eager", "plain_compiled"):
-        if all(base in e for e in per_prompt):
-            for i, clock in enumerate(("wall", "cpu")):
-                row[f"speedup_over_{base}_{clock}"] = (sum(e[name][i] for e in per_prompt)
-                                                       / sum(e[base][i] for e in per_prompt))
-    return row
+    return row | _speedups(name, per_prompt)
+
+
+def _speedups(name: str, per_prompt: list[dict]) -> dict:
+    """speedup_over_{plain_eager, plain_compiled}_{wall, cpu}: the proposer's decode rate over the baseline's,
+    summed over the prompts (where every prompt has that baseline)."""
+    return {f"speedup_over_{base}_{clock}": sum(e[name][i] for e in per_prompt) / sum(e[base][i] for e in per_prompt)
+            for base in ("plain_eager", "plain_compiled") if all(base in e for e in per_prompt)
+            for i, clock in enumerate(("wall", "cpu"))}
 
 
 def _plain_eager(model, prompt: list[int], new: int, stop: set[int]) -> list[int]:
