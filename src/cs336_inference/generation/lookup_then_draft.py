@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks
 from .drafters import Drafter, SamplingParams
-from .prompt_lookup import prompt_lookup_propose
+from .prompt_lookup import PromptLookupDrafter
 
 
 class LookupThenDraft:
@@ -40,10 +39,8 @@ class LookupThenDraft:
         if not isinstance(fallback, Drafter):
             raise TypeError(f"fallback must be a Drafter (start/propose/rollback/forwards: EagleDrafter, "
                             f"MedusaDrafter, ModelDrafter), got {type(fallback).__name__}")
-        _checks.positive_ints(max_ngram=max_ngram, min_ngram=min_ngram)
-        if min_ngram > max_ngram:
-            raise ValueError(f"min_ngram ({min_ngram}) must be <= max_ngram ({max_ngram})")
-        self.fallback, self.max_ngram, self.min_ngram = fallback, max_ngram, min_ngram
+        self.lookup = PromptLookupDrafter(max_ngram, min_ngram)   # checks the n-gram sizes
+        self.fallback = fallback
         self.lookup_passes, self.draft_passes = 0, 0
 
     @property
@@ -73,7 +70,7 @@ class LookupThenDraft:
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         if n == 0:
             return [], None
-        copied = prompt_lookup_propose(sequence, n, self.max_ngram, self.min_ngram)
+        copied, _ = self.lookup.propose(sequence, n, sampling)
         if copied:   # one-hot: the copy is a function of the sequence
             self.lookup_passes += 1
             return copied, None

@@ -65,8 +65,9 @@ class PromptLookupDrafter:
         # the speculative loop's sequence is checked token ids; a full check per step would cost more than the search
         if not isinstance(sequence, list):
             raise TypeError(f"sequence must be a list of int token ids, got {type(sequence).__name__}")
-        return (_continuation(sequence, n, self.max_ngram, self.min_ngram) if _checks.non_negative_int("n", n)
-                else []), None
+        if _checks.non_negative_int("n", n) == 0:
+            return [], None
+        return _continuation(sequence, n, self.max_ngram, self.min_ngram), None
 
     def rollback(self, length: int) -> None:
         pass
