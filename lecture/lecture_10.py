@@ -1402,9 +1402,12 @@ def drafts_that_learn():
     text("- EAGLE (generation/eagle.py): one decoder layer over (f_t, embed(x_{t+1})) predicts f_{t+1};")
     text("  its own tokens go back in, so each guess knows its branch; its own KV cache rolls back with the target's.")
     text("- Medusa's tree (generation/medusa_tree.py): many candidates in one pass under a tree attention mask.")
+    text("- EAGLE-2's tree (generation/eagle_tree.py): the draft expands its 8 best-scored paths at each depth")
+    text("  (score: its log-probabilities summed along the path); the 32 best nodes go to the target in one pass.")
     text("Trained by self-distillation on SmolLM2's own greedy answers, on this CPU: `bench speculative_heads`.")
     text("Combined (generation/lookup_then_draft.py, `lookup_eagle` below): prompt lookup's copy where the last 2-4")
     text("  tokens occur earlier, the EAGLE draft's guesses otherwise; each hands the rule its own distribution: exact.")
+    text("  `lookup_eagle_tree` verifies both in one pass: the EAGLE tree plus the copy as one more branch (greedy).")
     result = load_result("speculative_proposers")
     if result is None:
         text("(No committed comparison: `python -m cs336_inference bench speculative --model smollm2-135m`.)")
@@ -1413,13 +1416,18 @@ def drafts_that_learn():
     for r in result["rows"]:
         rates = ", ".join("-" if a is None else f"{a:.2f}" for a in r["acceptance_by_position"])
         speed = f"{r['speedup_over_plain_eager_wall']:.2f}x plain decoding"
-        text(f"- {r['proposer']} (gamma {r['gamma']}): {r['tokens_per_pass']:.2f} per pass, P(accept) {rates}, {speed}")
-    text("Output identical to plain greedy decoding in every run; sampling stays exact with the accept/resample rule.")
+        shape = "depth" if r["proposer"].endswith("tree") else "gamma"
+        text(f"- {r['proposer']} ({shape} {r['gamma']}): {r['tokens_per_pass']:.2f} per pass, P(accept) {rates}, {speed}")
+    text("Output identical to plain greedy decoding in every run. Sampling stays exact with the accept/resample")
+    text("  rule for the chains; the trees here check by the greedy rule only.")
     if costs := result.get("verify_cost"):
         steps = ", ".join(f"{c['tokens']}: {c['decode_steps']:.2f}" for c in costs[1:6])
         text("Checking is not free on this CPU: a compiled pass of T tokens costs, in decode steps,")
         text(f"  {steps} (T: steps).")
         text("  Each row adds its own int4 arithmetic (compute-bound here): a pass pays only where it emits more.")
+        if tree := next((c for c in costs if c["tokens"] == 33), None):
+            text(f"  The EAGLE tree's pass (root + 32 nodes, 33 tokens) costs {tree['decode_steps']:.1f} steps: more tokens")
+            text("  per pass, yet slower decoding here.")
         text("  On a GPU, decode is memory-bound and a few more rows are nearly free.")
     image("figures/speculative_proposers.png", width=900)
 

@@ -292,7 +292,7 @@ else:
 # here. One greedy run each on a prompt held out of their training (output identical to plain decoding):
 
 # %%
-from cs336_inference.generation import load_drafter, medusa_tree_generate  # noqa: E402
+from cs336_inference.generation import eagle_tree_generate, load_drafter, medusa_tree_generate  # noqa: E402
 from cs336_inference.generation.draft_heads import ASSETS, SHIPPED  # noqa: E402
 
 have_heads = have_smollm2 and all((ASSETS / f).exists() for f in SHIPPED.values())
@@ -311,6 +311,11 @@ if have_heads:
     tree = medusa_tree_generate(smol, drafters["medusa"].heads, story_ids, 64, stop_tokens=smol_tok.stop_ids)
     assert tree.tokens == reference
     print(f"medusa tree (12 candidates per pass, greedy): {tree.mean_tokens_per_pass:.2f} tokens per target pass")
+    grown = eagle_tree_generate(smol, drafters["eagle"].draft, story_ids, 64, depth=6, top_k=8, budget=32,
+                                stop_tokens=smol_tok.stop_ids)
+    assert grown.tokens == reference
+    print(f"EAGLE-2 tree (32 of the draft's best-scored paths per pass, greedy): "
+          f"{grown.mean_tokens_per_pass:.2f} tokens per target pass")
     print(smol_tok.decode(reference)[:300])
 else:
     print("SmolLM2 or the shipped heads are not installed: skipping")
@@ -321,15 +326,21 @@ else:
 # makes its guess fit theirs. EAGLE's stays high deeper into the draft because each step conditions
 # on the tokens it drafted before (the feature it extrapolates carries them). The tree form of Medusa
 # buys back some acceptance by checking several guesses per head in the same pass (a bigger verify).
+# EAGLE-2 grows its tree from the draft's own confidence: at each depth it expands the 8 paths whose
+# summed log-probabilities are highest, and sends the 32 best-scored nodes of all depths to the target
+# (`generation.eagle_tree`). Where the draft's first guess is wrong its second or fourth is often right,
+# so a pass keeps more tokens; on a GPU the wider pass costs about as much as a narrow one.
 #
 # The committed comparison (`python -m cs336_inference bench speculative --model smollm2-135m`):
 # the same held-out prompts, greedy, batch 1, on the CLI's default fast path (int4 weights). Its
 # `lookup_eagle` row combines two proposers (`generation.LookupThenDraft`): prompt lookup's copy in the
 # passes where the last 2-4 tokens occur earlier, the EAGLE draft's guesses in the others. Which one
 # proposes depends only on the tokens so far, and each hands the rule its own draft distribution
-# (one-hot for the copy), so the output stays exact. Its last line says what checking costs on this
-# CPU: a compiled pass of T tokens, in compiled decode steps. The paper's v = 1 does not hold here, so
-# a proposer pays only where a pass emits more tokens than it costs:
+# (one-hot for the copy), so the output stays exact. `lookup_eagle_tree` verifies both at once: the
+# EAGLE tree with prompt lookup's copy (up to 20 tokens) as one more branch. The last line says what
+# checking costs on this CPU: a compiled pass of T tokens, in compiled decode steps. The paper's v = 1
+# does not hold here, so a proposer pays only where a pass emits more tokens than it costs, and a
+# 33-node tree costs many steps:
 
 # %%
 proposers = load_result("speculative_proposers") or (bench or {}).get("proposers")
@@ -337,7 +348,8 @@ if proposers:
     print(proposers["banner"])
     for r in proposers["rows"]:
         speed = r.get("speedup_over_plain_eager_wall")
-        print(f"{r['proposer']:14s} gamma {r['gamma']}: {r['tokens_per_pass']:.2f} tokens per pass, alpha "
+        shape = "depth" if r["proposer"].endswith("tree") else "gamma"
+        print(f"{r['proposer']:17s} {shape} {r['gamma']}: {r['tokens_per_pass']:.2f} tokens per pass, alpha "
               f"{r['alpha']:.2f}, decode {speed:.2f}x plain (wall clock, measured under load)")
     if proposers.get("verify_cost"):
         print("a compiled pass of T tokens costs (decode steps):",

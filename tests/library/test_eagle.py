@@ -3,6 +3,8 @@ speculation equals plain greedy decoding, the sampled output follows the target 
 false-failure rate < 1e-4), the draft's cache after each pass equals a fresh cache built from the
 target's features of the kept prefix, training teaches it, bad inputs are refused."""
 
+import functools
+
 import pytest
 import torch
 from cs336_inference.generation import generate, speculative_generate
@@ -14,12 +16,18 @@ from test_medusa import ln_final_input, one_thread_only, toy_data
 from test_speculative_decoding import _cache_tensors, sampled_law_p_value, tiny_pair
 
 
-@pytest.fixture(scope="module")
-def toy():
+@functools.cache
+def trained_toy():
+    """The toy target, its data, and an EAGLE draft trained on it for a few seconds (test_eagle_tree too)."""
     target, data = toy_data()
     with one_thread_only():
         draft, history = train_eagle(target, data, steps=60, window=24, batch_size=4, lr=3e-3, log_every=59)
     return target, data, draft, history
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return trained_toy()
 
 
 def test_a_short_training_run_teaches_the_draft(toy):

@@ -7,7 +7,8 @@
 same for a speculative pass's T tokens),
 `speculative_rule` (the exact accept/resample rule, `speculative_accept`), `drafters` and
 `prompt_lookup`, `medusa`, `eagle`, `lookup_then_draft` (who proposes; `medusa_tree` verifies a tree
-of candidates; `draft_training` trains Medusa heads and EAGLE drafts, `draft_heads` saves and loads them),
+of candidates, `eagle_tree` grows one with an EAGLE draft (EAGLE-2); `draft_training` trains Medusa heads
+and EAGLE drafts, `draft_heads` saves and loads them),
 `speculative` (the draft-verify-rollback loop),
 `speculative_theory` (expected gains, the exact proof).
 """
@@ -17,6 +18,7 @@ from .compiled import compile_decode, compile_verify
 from .drafters import Drafter, ModelDrafter
 from .draft_heads import load_draft_heads, load_drafter, save_draft_heads
 from .eagle import EagleDraft, EagleDrafter
+from .eagle_tree import eagle_tree_generate
 from .lookup_then_draft import LookupThenDraft
 from .medusa import MedusaDrafter, MedusaHeads
 from .medusa_tree import medusa_tree_generate
@@ -32,7 +34,7 @@ from .speculative_theory import (OutputDistribution, acceptance_rate, expected_s
 
 __all__ = ["Acceptance", "ConversationCache", "Drafter", "EagleDraft", "EagleDrafter", "GenerationResult",
            "LookupThenDraft", "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads",
-           "load_drafter", "medusa_tree_generate", "save_draft_heads",
+           "load_drafter", "medusa_tree_generate", "eagle_tree_generate", "save_draft_heads",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
            "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "compile_verify",
            "decode_one_token",

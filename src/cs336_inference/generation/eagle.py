@@ -60,19 +60,31 @@ class EagleDraft(nn.Module):
         return KVCache([self.block.attn.new_cache(1, max_seq_len, device=device, dtype=dtype,
                                                   max_rollback=max_rollback)], max_seq_len, 1)
 
-    def forward(self, features: torch.Tensor, next_embeddings: torch.Tensor,
-                cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, features: torch.Tensor, next_embeddings: torch.Tensor, cache: KVCache | None = None,
+                positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         """features f_t, next_embeddings embed(x_{t+1}) (B, T, D) -> predicted f_{t+1} (B, T, D).
 
         Without a cache the T positions are 0..T-1 under a causal mask (training); with one they are
-        appended at cache.length and the cache advances by T."""
+        appended at cache.length and the cache advances by T. A draft tree (`eagle_tree`) overrides both
+        with a cache: positions (T,) the RoPE positions, visible (T, cache.length + T) bool the cache
+        slots each new position attends to (the true context, its ancestors, itself)."""
         x = self.fc(torch.cat([features, next_embeddings], dim=-1))                   # (B, T, D)
         T = x.shape[1]
         if cache is None:
+            if positions is not None or visible is not None:
+                raise ValueError("positions and visible override a cache's positions and mask: pass cache= too")
             positions = torch.arange(T, device=x.device)
             mask, layer, step = attention_mask(T, T, 0, device=x.device), None, None
         else:
             step = cache.begin(T)
+            if (positions is None) != (visible is None):
+                raise ValueError("positions and visible go together (a draft tree sets both), got one of them")
+            if visible is not None:
+                if tuple(positions.shape) != (T,) or tuple(visible.shape) != (T, step.end):
+                    raise ValueError(f"positions must be ({T},) and visible ({T}, {step.end}) for {T} new "
+                                     f"positions after {step.start} cached, got {tuple(positions.shape)} and "
+                                     f"{tuple(visible.shape)}")
+                step.positions, step.mask = positions.to(x.device), visible.to(x.device)[None, None]
             positions, mask, layer = step.positions, None, step.layers[0]
         out, _ = self.block(x, self.rope.angles(positions), mask, layer, step)
         if step is not None:
@@ -106,22 +118,28 @@ class EagleDrafter:
         emb = self.target.token_embeddings(tokens)                                   # (T, D)
         return self.draft(features[None], emb[None], self.cache)[0, -1]
 
-    def _logits(self, feature: torch.Tensor) -> torch.Tensor:
-        return self.target.lm_head(self.target.ln_final(feature))                    # (V,)
+    def logits(self, feature: torch.Tensor) -> torch.Tensor:
+        """The draft's predicted feature(s) (..., D) -> next-token logits (..., V), through the target's head."""
+        return self.target.lm_head(self.target.ln_final(feature))
+
+    def read_pending(self, sequence: list[int]) -> torch.Tensor:
+        """Feed the target's features that arrived through `observe` -> the draft's feature after the last
+        of them (D,): its guess of the feature at position len(sequence) - 1 (the next token's logits)."""
+        new = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]  # (m, D)
+        m = new.shape[0]
+        tokens = torch.tensor(sequence[self.true_len + 1:self.true_len + 1 + m], device=new.device)   # x_{t+1}
+        feature = self._step(new.to(self.draft.fc.weight.dtype), tokens)
+        self.true_len, self.pending = self.true_len + m, []
+        return feature
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:
         if n == 0:
             return [], None
-        new = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]  # (m, D)
-        m = new.shape[0]
-        device = new.device
-        tokens = torch.tensor(sequence[self.true_len + 1:self.true_len + 1 + m], device=device)   # x_{t+1}
-        feature = self._step(new.to(self.draft.fc.weight.dtype), tokens)
-        self.true_len, self.pending = self.true_len + m, []
+        feature = self.read_pending(sequence)
         drafts, probs = [], []
         for i in range(n):
-            logits = self._logits(feature)
+            logits = self.logits(feature)
             self.forwards += 1
             token, p = draw_draft(logits, sampling, generator)
             if p is not None:

@@ -131,7 +131,7 @@ def medusa_tree_generate(target: TransformerLM, heads: MedusaHeads, prompt_ids, 
         node_tokens = [seq[-1]] + [guesses[len(p) - 1][p[-1]] for p in paths]
         start = cache.length
         logits, hidden = tree_forward(target, cache, torch.tensor(node_tokens, device=device), parents, depths)
-        branch = _kept_branch(parents, _accepted_nodes(rule, logits, node_tokens, parents, temperature, epsilon,
+        branch = kept_branch(parents, _accepted_nodes(rule, logits, node_tokens, parents, temperature, epsilon,
                                                        delta))
         room = max_new_tokens - len(result.tokens) - 1
         branch = branch[:room + 1]          # never more tokens than asked for
@@ -140,7 +140,7 @@ def medusa_tree_generate(target: TransformerLM, heads: MedusaHeads, prompt_ids, 
         last = hidden[branch[-1]]
         result.proposed.append(depth)
         result.accepted.append(len(branch) - 1)
-        _emit(new, seq, result, stop, max_new_tokens)
+        emit_tokens(new, seq, result, stop, max_new_tokens)
     result.target_forwards = len(result.accepted)
     return result
 
@@ -156,7 +156,7 @@ def _accepted_nodes(rule: str, logits: torch.Tensor, node_tokens: list[int], par
     return (probs[parent, tokens] > _typical(probs, epsilon, delta)[parent]).tolist()
 
 
-def _kept_branch(parents: list[int], ok: list[bool]) -> list[int]:
+def kept_branch(parents: list[int], ok: list[bool]) -> list[int]:
     """The nodes kept, from the root (0) down: the first accepted child of each kept node."""
     node, branch = 0, [0]
     while (child := next((i for i, par in enumerate(parents, start=1) if par == node and ok[i - 1]), None)) is not None:
@@ -165,7 +165,7 @@ def _kept_branch(parents: list[int], ok: list[bool]) -> list[int]:
     return branch
 
 
-def _emit(new: list[int], seq: list[int], result: SpeculativeResult, stop: set, max_new_tokens: int) -> None:
+def emit_tokens(new: list[int], seq: list[int], result: SpeculativeResult, stop: set, max_new_tokens: int) -> None:
     """Append a pass's tokens, up to the first stop token or max_new_tokens."""
     for t in new:
         seq.append(t)

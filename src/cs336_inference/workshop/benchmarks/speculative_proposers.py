@@ -1,7 +1,8 @@
 """`bench speculative`'s proposer comparison on SmolLM2: Medusa heads (as a chain, and verified as a tree
-of their top guesses), the EAGLE draft, prompt lookup, prompt lookup with the EAGLE draft where it finds
-no match (`lookup_eagle`; and a distilled small draft where one is installed) on the same held-out
-prompts, in one run.
+of their top guesses), the EAGLE draft (as a chain, and growing EAGLE-2's tree: `eagle_tree`), prompt
+lookup, prompt lookup with the EAGLE draft where it finds no match (`lookup_eagle`), the EAGLE tree with
+prompt lookup's copy as one more branch (`lookup_eagle_tree`; and a distilled small draft where one is
+installed) on the same held-out prompts, in one run.
 
 The target is the CLI's default fast path (`fast_path.load_for_inference`: the published int4 blocks on
 our kernels, fused attention, the CPU tuning). Greedy decoding, batch 1. Per proposer: tokens per
@@ -30,6 +31,7 @@ import torch
 from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import SHIPPED, load_drafter
 from ...generation.eagle import EagleDrafter
+from ...generation.eagle_tree import eagle_tree_generate
 from ...generation.lookup_then_draft import LookupThenDraft
 from ...generation.medusa_tree import medusa_tree_generate
 from ...generation.prompt_lookup import PromptLookupDrafter
@@ -40,8 +42,12 @@ from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
 
-GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5}
-# medusa_tree: the tree's depth. prompt_lookup_fast: prompt lookup after a match of at least 2 tokens on the
+GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5,
+          "eagle_tree": 6, "lookup_eagle_tree": 6}
+EAGLE_TREE = dict(depth=6, top_k=8, budget=32)   # EAGLE-2 runs 8B targets 6 deep, 10 wide, 60 nodes; a CPU pays per row
+LOOKUP_TOKENS = 20                              # lookup_eagle_tree's copied branch: at most this many tokens
+# medusa_tree, eagle_tree, lookup_eagle_tree: the tree's depth (the copied branch may reach deeper:
+# P(accept i) is counted for the first 6). prompt_lookup_fast: prompt lookup after a match of at least 2 tokens on the
 # fast path's compiled steps: the passes with drafts through `compile_verify`, those without through the
 # compiled decode step, as plain decoding runs; 3 drafts, as a pass's cost grows with every row (`verify_cost`).
 # lookup_eagle: prompt lookup's copy where the last 2-4 tokens occur earlier, the EAGLE draft's guesses otherwise
@@ -114,6 +120,7 @@ def _proposers(target) -> tuple[dict, dict]:
     proposers["prompt_lookup_fast"] = PromptLookupDrafter(max_ngram=4, min_ngram=2)
     if "eagle" in proposers:   # its own EagleDrafter (its own cache) on the same shipped draft
         proposers["lookup_eagle"] = LookupThenDraft(EagleDrafter(target, proposers["eagle"].draft), 4, 2)
+        proposers["eagle_tree"] = proposers["lookup_eagle_tree"] = proposers["eagle"].draft   # greedy rule: exact
     notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
                                 "alpha ~0.31); not compared")
     return proposers, notes
@@ -141,11 +148,14 @@ def _compiled_steps(target, tok, stop, notes: dict):
         return None
 
 
-def _verify_cost(target, step, verify, prompt: list[int], max_tokens: int = 9, rounds: int = 7) -> list[dict]:
-    """A compiled pass of T = 1..max_tokens tokens after `prompt`, in CPU ms (median of `rounds`, the T's
-    alternated in each round) and in compiled decode steps (T = 1 is the decode step itself)."""
+def _verify_cost(target, step, verify, prompt: list[int], sizes=(*range(1, 10), 17, 33),
+                 rounds: int = 7) -> list[dict]:
+    """A compiled pass of T tokens (each of `sizes`; 33: the EAGLE tree's root and 32 nodes) after `prompt`, in
+    CPU ms (median of `rounds`, the T's alternated in each round) and in compiled decode steps (T = 1 is
+    the decode step itself)."""
+    max_tokens = max(sizes)
     ids = torch.tensor([prompt[-max_tokens:]], device=target.device)
-    times = {T: [] for T in range(1, max_tokens + 1)}
+    times = {T: [] for T in sizes}
     with torch.inference_mode():
         cache = target.new_cache(1, len(prompt) + max_tokens)
         target(torch.tensor([prompt], device=target.device), cache=cache, last_only=True)
@@ -180,6 +190,9 @@ def _measure_prompt(target, proposers: dict, compiled, kind: str, prompt: list[i
     for name, drafter in proposers.items():
         if name == "medusa_tree":
             decode = partial(medusa_tree_generate, target, drafter, prompt, new, stop_tokens=stop)
+        elif name in ("eagle_tree", "lookup_eagle_tree"):
+            decode = partial(eagle_tree_generate, target, drafter, prompt, new, stop_tokens=stop, **EAGLE_TREE,
+                             lookup_tokens=LOOKUP_TOKENS if name == "lookup_eagle_tree" else 0)
         else:
             fast = name == "prompt_lookup_fast"
             decode = partial(speculative_generate, target, drafter, prompt, GAMMAS[name], max_new_tokens=new,
@@ -253,14 +266,16 @@ def plot_proposers(r: dict):
     costs = r.get("verify_cost")
     fig, (left, right, *cost) = plt.subplots(1, 3 if costs else 2, figsize=(16 if costs else 11, 3.8))
     colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
-              "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "draft": "tab:blue"}
+              "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "draft": "tab:blue",
+              "eagle_tree": "tab:pink", "lookup_eagle_tree": "tab:gray"}
     for row in r["rows"]:
         rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
         left.plot(range(1, len(rates) + 1), rates, marker="o", color=colors.get(row["proposer"]),
                   label=f"{row['proposer']} ({row['tokens_per_pass']:.2f} tok/pass)")
-    left.set(ylim=(0, 1.05), xlabel="draft position i", ylabel="P(accept i | 1..i-1 accepted)",
+    left.set(ylim=(0, 1.45), xlabel="draft position i (a tree: depth i)", ylabel="P(accept i | 1..i-1 accepted)",
              title=f"{r['model']}, greedy, held-out prompts")
-    left.legend(fontsize=8)
+    left.set_yticks([0, 0.2, 0.4, 0.6, 0.8, 1.0])   # the room above 1 holds the legend
+    left.legend(fontsize=7, ncol=2, loc="upper center")
     bases = [b for b in ("plain_eager", "plain_compiled") if f"speedup_over_{b}_wall" in r["rows"][0]]
     width = 0.8 / max(1, len(bases))
     for j, base in enumerate(bases):
