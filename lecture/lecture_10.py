@@ -1418,8 +1418,9 @@ def drafts_that_learn():
         speed = f"{r['speedup_over_plain_eager_wall']:.2f}x plain decoding"
         shape = "depth" if r["proposer"].endswith("tree") else "gamma"
         text(f"- {r['proposer']} ({shape} {r['gamma']}): {r['tokens_per_pass']:.2f} per pass, P(accept) {rates}, {speed}")
-    text("Output identical to plain greedy decoding in every run. Sampling stays exact with the accept/resample")
-    text("  rule for the chains; the trees here check by the greedy rule only.")
+    text("Output identical to plain greedy decoding in every run. Sampled decoding stays exact with the")
+    text("  accept/resample rule for the chains, and for the EAGLE tree with its form for several candidates")
+    text("  (children drawn without replacement: speculative_rule.accept_among_candidates); Medusa's typical rule is not.")
     if costs := result.get("verify_cost"):
         steps = ", ".join(f"{c['tokens']}: {c['decode_steps']:.2f}" for c in costs[1:6])
         text("Checking is not free on this CPU: a compiled pass of T tokens costs, in decode steps,")

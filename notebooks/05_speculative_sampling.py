@@ -329,7 +329,10 @@ else:
 # EAGLE-2 grows its tree from the draft's own confidence: at each depth it expands the 8 paths whose
 # summed log-probabilities are highest, and sends the 32 best-scored nodes of all depths to the target
 # (`generation.eagle_tree`). Where the draft's first guess is wrong its second or fourth is often right,
-# so a pass keeps more tokens; on a GPU the wider pass costs about as much as a narrow one.
+# so a pass keeps more tokens; on a GPU the wider pass costs about as much as a narrow one. Sampled
+# decoding stays exact on a tree too: each node's children are drawn from the draft without
+# replacement, and the target tries them one after another, each rejection leaving the residual for
+# the next (`speculative_rule.accept_among_candidates`).
 #
 # The committed comparison (`python -m cs336_inference bench speculative --model smollm2-135m`):
 # the same held-out prompts, greedy, batch 1, on the CLI's default fast path (int4 weights). Its

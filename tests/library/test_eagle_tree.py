@@ -1,17 +1,19 @@
 """EAGLE-2's draft tree (`generation.eagle_tree`): each tree node's draft feature equals the draft run
 along that node's path alone, the nodes sent to the target form a tree of the best-scored paths plus
-the copied branch, greedy output equals plain greedy decoding, a one-wide tree is the chain, bad
-inputs are refused without touching the draft's cache."""
+the copied branch, greedy output equals plain greedy decoding, a one-wide tree is the chain, the
+several-candidate rule and sampled trees follow the target (chi-square, false-failure rate 1e-4 each),
+bad inputs are refused without touching the draft's cache."""
 
 import pytest
 import torch
-from cs336_inference.generation import generate, speculative_generate
-from cs336_inference.generation.eagle import EagleDrafter
-from cs336_inference.generation import eagle_tree
+from cs336_inference.generation import eagle_tree, generate, speculative_generate
+from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_config
 from cs336_inference.generation.eagle_tree import Node, eagle_tree_generate, grow_tree, select_nodes
+from cs336_inference.generation.speculative_rule import accept_among_candidates
 from test_eagle import trained_toy
 from test_medusa import ln_final_input
-from test_speculative_decoding import _cache_tensors
+from test_speculative_decoding import _cache_tensors, target_joint_law, tiny_pair
+from test_speculative_rule import chi_square_p_value
 
 PROMPTS = (b"Once upon a time, ", b"The river was ", b"the the the the the ")
 
@@ -52,13 +54,14 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
             assert node.score == pytest.approx(parent.score + float(logp), abs=1e-4)
 
 
-def test_the_draft_reads_the_kept_branchs_target_features_after_each_pass(toy, one_thread, monkeypatch):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_draft_reads_the_kept_branchs_target_features_after_each_pass(toy, one_thread, monkeypatch, temperature):
     """Before every tree, the draft's cache holds exactly the true positions, equal to a fresh cache fed the
     target's features of the sequence so far, and its pending features are the target's for the rest."""
     target, _, draft, _ = toy
     real, checked = eagle_tree.grow_tree, []
 
-    def checking(drafter, sequence, depth, top_k):
+    def checking(drafter, sequence, depth, top_k, draws):
         n = drafter.cache.length
         assert n == drafter.true_len
         _, f = ln_final_input(target, torch.tensor([sequence]))
@@ -69,10 +72,11 @@ def test_the_draft_reads_the_kept_branchs_target_features_after_each_pass(toy, o
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.cat(drafter.pending), f[0, n:len(sequence) - 1], rtol=1e-4, atol=1e-4)
         checked.append(n)
-        return real(drafter, sequence, depth, top_k)
+        return real(drafter, sequence, depth, top_k, draws)
 
     monkeypatch.setattr(eagle_tree, "grow_tree", checking)
-    out = eagle_tree_generate(target, draft, list(b"By dawn the price of "), 40, depth=4, top_k=3, budget=8)
+    out = eagle_tree_generate(target, draft, list(b"By dawn the price of "), 40, depth=4, top_k=3, budget=8,
+                              temperature=temperature, generator=torch.Generator().manual_seed(3))
     assert len(checked) == len(out.accepted) > 1 and sum(out.accepted) > 0
 
 
@@ -143,6 +147,10 @@ def test_bad_inputs_are_refused_and_leave_the_cache_alone(toy):
             eagle_tree_generate(target, draft, prompt, **kwargs)
     with pytest.raises(TypeError, match="draft"):
         eagle_tree_generate(target, torch.nn.Linear(2, 2), prompt)
+    with pytest.raises(ValueError, match="temperature"):
+        eagle_tree_generate(target, draft, prompt, temperature=-1.0)
+    with pytest.raises(ValueError, match="lookup_tokens=4 needs temperature 0"):
+        eagle_tree_generate(target, draft, prompt, temperature=0.7, lookup_tokens=4)
     cache = draft.new_cache(16)
     d = target.config.d_model
     with pytest.raises(ValueError, match="go together"):
@@ -154,3 +162,49 @@ def test_bad_inputs_are_refused_and_leave_the_cache_alone(toy):
         draft(torch.zeros(1, 2, d), torch.zeros(1, 2, d), positions=torch.arange(2),
               visible=torch.ones(2, 2, dtype=torch.bool))
     assert cache.length == 0
+
+
+@pytest.mark.parametrize("draft_probs", [[0.4, 0.3, 0.2, 0.1, 0.0], [0.05, 0.05, 0.1, 0.1, 0.7], [0.5, 0.5, 0, 0, 0]])
+def test_the_several_candidate_rule_samples_the_target_chi_square(draft_probs):
+    """Candidates drawn without replacement by torch.multinomial (not the library's draws); three of them,
+    and for the last draft only two can be drawn. The output follows the target (false-failure rate 1e-4)."""
+    p = torch.tensor(draft_probs, dtype=torch.float64)
+    q = torch.tensor([0.1, 0.2, 0.3, 0.15, 0.25], dtype=torch.float64)
+    g, runs, counts = torch.Generator().manual_seed(11), 6000, [0] * 5
+    accepted = 0
+    for _ in range(runs):
+        candidates = torch.multinomial(p, min(3, int((p > 0).sum())), replacement=False, generator=g).tolist()
+        index, token = accept_among_candidates(p, q, candidates, g)
+        assert index is None or candidates[index] == token
+        accepted += index is not None
+        counts[token] += 1
+    assert chi_square_p_value(counts, [runs * float(x) for x in q]) > 1e-4, counts
+    assert 0 < accepted < runs
+
+
+def test_the_several_candidate_rule_accepts_the_first_candidate_of_a_draft_equal_to_the_target():
+    p = torch.tensor([0.2, 0.5, 0.3])
+    g = torch.Generator().manual_seed(0)
+    assert all(accept_among_candidates(p, p, [t, (t + 1) % 3], g) == (0, t) for t in range(3) for _ in range(20))
+
+
+@pytest.mark.parametrize("depth, top_k, budget, temperature", [(2, 2, 5, 2.0),
+                                                             pytest.param(3, 3, 7, 1.0, marks=pytest.mark.slow)])
+def test_sampled_tree_follows_the_target_chi_square(one_thread, depth, top_k, budget, temperature):
+    """A random EAGLE draft on the tiny 4-token target: the first 3 sampled tokens follow the target's
+    joint law from full forwards (false-failure rate 1e-4 per case; temperature 2 flattens both models,
+    so drawing the children and taking the draft's top guesses differ)."""
+    target, _ = tiny_pair("bad")
+    torch.manual_seed(4)
+    draft = EagleDraft(eagle_config(target.config))
+    prompt, runs = [0, 1, 2], 1000
+    law = target_joint_law(target, prompt, 3, temperature)
+    counts = dict.fromkeys(law, 0)
+    g, accepted = torch.Generator().manual_seed(6), 0
+    for _ in range(runs):
+        out = eagle_tree_generate(target, draft, prompt, 3, depth=depth, top_k=top_k, budget=budget,
+                                  temperature=temperature, generator=g)
+        counts[tuple(out.tokens)] += 1
+        accepted += sum(out.accepted)
+    assert chi_square_p_value(list(counts.values()), [runs * law[c] for c in counts]) > 1e-4
+    assert accepted > 0, "no drafted token was ever accepted: the test did not exercise acceptance"

@@ -27,8 +27,8 @@ from .generate import GenerationResult, decode_one_token, generate, left_pad, pr
 from .prompt_lookup import PromptLookupDrafter, prompt_lookup_propose
 from .sampling import logits_to_probs, sample_next_token
 from .speculative import SpeculativeDecoder, SpeculativeResult, speculative_generate
-from .speculative_rule import (Acceptance, acceptance_probability, greedy_accept, residual_distribution,
-                               speculative_accept)
+from .speculative_rule import (Acceptance, accept_among_candidates, acceptance_probability, greedy_accept,
+                               residual_distribution, speculative_accept)
 from .speculative_theory import (OutputDistribution, acceptance_rate, expected_speedup, expected_tokens_per_pass,
                                  optimal_gamma, speculative_output_distribution)
 
@@ -36,7 +36,8 @@ __all__ = ["Acceptance", "ConversationCache", "Drafter", "EagleDraft", "EagleDra
            "LookupThenDraft", "MedusaDrafter", "MedusaHeads", "ModelDrafter", "OutputDistribution", "load_draft_heads",
            "load_drafter", "medusa_tree_generate", "eagle_tree_generate", "save_draft_heads",
            "PromptLookupDrafter", "SamplingParams", "SpeculativeDecoder", "SpeculativeResult", "TextStream",
-           "TurnStats", "acceptance_probability", "acceptance_rate", "compile_decode", "compile_verify",
+           "TurnStats", "accept_among_candidates", "acceptance_probability", "acceptance_rate", "compile_decode",
+           "compile_verify",
            "decode_one_token",
            "expected_speedup", "expected_tokens_per_pass", "extend", "generate", "greedy_accept", "left_pad",
            "logits_to_probs", "optimal_gamma", "prefill", "prompt_lookup_propose", "residual_distribution",

@@ -13,6 +13,10 @@ fractions; the tests check it by enumeration and by sampling.
 
 At temperature 0, p and q are one-hot: a draft token is accepted iff it is the target's argmax and
 the residual is the one-hot on that argmax, so the rule reduces to greedy verification.
+
+A draft tree offers several candidates for one position; `accept_among_candidates` applies the rule to
+them one after another, each against the residual the previous rejection left (exact when the
+candidates were drawn from the draft without replacement).
 """
 
 from __future__ import annotations
@@ -132,3 +136,33 @@ def greedy_accept(draft_tokens: list[int], target_argmax: list[int]) -> Acceptan
     while k < len(draft_tokens) and draft_tokens[k] == target_argmax[k]:
         k += 1
     return Acceptance(k, target_argmax[k])
+
+
+def accept_among_candidates(p_draft: torch.Tensor, q_target: torch.Tensor, candidates: list[int],
+                            generator: torch.Generator | None = None) -> tuple[int | None, int]:
+    """The rule for several candidates at one position (a draft tree's children), drawn one after another
+    *without replacement* from p_draft (V,): candidates[0] from p, candidates[1] from p with candidates[0]
+    removed and renormalised, and so on. q_target (V,): the target's distribution there.
+
+    Try them in draw order: accept candidate i with probability min(1, q_i(x_i) / p_i(x_i)); on a rejection,
+    q_{i+1} = norm(max(q_i - p_i, 0)) (the residual, as in the one-candidate rule) and p_{i+1} is p_i with
+    x_i removed. Each step is the one-candidate rule against the current target q_i, whose output is an
+    exact sample of q_i; what follows a rejection is an exact sample of the residual q_{i+1} whatever x_i
+    was, because x_{i+1} is drawn from p_{i+1} given x_i. So the output is an exact sample of q_target.
+
+    Returns (the index of the accepted candidate, its token), or (None, a sample of the last residual)
+    when every candidate is rejected. A candidate list that ran out of draft mass ends there.
+    """
+    device = generator.device if generator is not None else torch.device("cpu")
+    p, q = p_draft.to(device, torch.float64).clone(), q_target.to(device, torch.float64)
+    for i, token in enumerate(candidates):
+        if p[token] <= 0:   # the draft could not have drawn it: its draws ended before
+            break
+        if float(torch.rand((), generator=generator, dtype=torch.float64, device=device)) < float(q[token] / p[token]):
+            return i, token
+        q = residual_distribution(p, q)
+        p[token] = 0.0
+        if p.sum() <= 0:
+            break
+        p = p / p.sum()
+    return None, int(torch.multinomial(q.float(), 1, generator=generator))
