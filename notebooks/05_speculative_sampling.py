@@ -311,9 +311,10 @@ if have_heads:
     tree = medusa_tree_generate(smol, drafters["medusa"].heads, story_ids, 64, stop_tokens=smol_tok.stop_ids)
     assert tree.tokens == reference
     print(f"medusa tree (12 candidates per pass, greedy): {tree.mean_tokens_per_pass:.2f} tokens per target pass")
-    grown = eagle_tree_generate(smol, drafters["eagle"].draft, story_ids, 64, depth=6, top_k=8, budget=32,
+    # 32 tokens: each of its passes checks 33 positions, which costs far more than a decode step on a CPU
+    grown = eagle_tree_generate(smol, drafters["eagle"].draft, story_ids, 32, depth=6, top_k=8, budget=32,
                                 stop_tokens=smol_tok.stop_ids)
-    assert grown.tokens == reference
+    assert grown.tokens == reference[:32]
     print(f"EAGLE-2 tree (32 of the draft's best-scored paths per pass, greedy): "
           f"{grown.mean_tokens_per_pass:.2f} tokens per target pass")
     print(smol_tok.decode(reference)[:300])
