@@ -343,8 +343,8 @@ else:
 # (one-hot for the copy), so the output stays exact. `lookup_eagle_tree` verifies both at once: the
 # EAGLE tree with prompt lookup's copy (up to 20 tokens) as one more branch. The last line says what
 # checking costs on this CPU: a compiled pass of T tokens, in compiled decode steps. The paper's v = 1
-# does not hold here, so a proposer pays only where a pass emits more tokens than it costs, and a
-# 33-node tree costs many steps:
+# does not hold here, so a proposer pays only where a pass emits more tokens than it costs, and the
+# EAGLE tree's 33-token pass costs many steps:
 
 # %%
 proposers = load_result("speculative_proposers") or (bench or {}).get("proposers")
