@@ -188,6 +188,22 @@ def test_the_several_candidate_rule_accepts_the_first_candidate_of_a_draft_equal
     assert all(accept_among_candidates(p, p, [t, (t + 1) % 3], g) == (0, t) for t in range(3) for _ in range(20))
 
 
+def test_the_several_candidate_rule_refuses_bad_input():
+    p, q, g = torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.2, 0.3, 0.5]), torch.Generator().manual_seed(0)
+    with pytest.raises(TypeError, match="p_draft"):
+        accept_among_candidates(p[None], q, [0], g)
+    with pytest.raises(ValueError, match="one vocabulary"):
+        accept_among_candidates(p, torch.tensor([0.5, 0.5]), [0], g)
+    with pytest.raises(ValueError, match="candidates"):
+        accept_among_candidates(p, q, [0, 3], g)
+    with pytest.raises(ValueError, match="candidates"):
+        accept_among_candidates(p, q, [1, 1], g)
+    with pytest.raises(TypeError, match="candidates"):
+        accept_among_candidates(p, q, torch.tensor([0]), g)
+    with pytest.raises(ValueError, match="q_target"):
+        accept_among_candidates(p, torch.tensor([2.0, -1.0, 0.0]), [0], g)
+
+
 @pytest.mark.parametrize("depth, top_k, budget, temperature", [(2, 2, 5, 2.0),
                                                              pytest.param(3, 3, 7, 1.0, marks=pytest.mark.slow)])
 def test_sampled_tree_follows_the_target_chi_square(one_thread, depth, top_k, budget, temperature):

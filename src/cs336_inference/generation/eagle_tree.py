@@ -45,7 +45,7 @@ from .medusa_tree import compact_cache, emit_tokens, kept_branch, tree_forward
 from .prompt_lookup import prompt_lookup_propose
 from .sampling import logits_to_probs
 from .speculative import SpeculativeResult
-from .speculative_rule import accept_among_candidates
+from .speculative_rule import among_candidates_unchecked
 
 
 @dataclass
@@ -177,8 +177,8 @@ def _walk_sampled(logits: torch.Tensor, node_tokens: list[int], parents: list[in
         children = [i for i, parent in enumerate(parents, start=1) if parent == row]
         if not children:
             return branch, int(torch.multinomial(target_probs.cpu(), 1, generator=generator))
-        chosen, token = accept_among_candidates(drawn_from[row], target_probs,
-                                                [node_tokens[i] for i in children], generator)
+        chosen, token = among_candidates_unchecked(drawn_from[row], target_probs,
+                                                   [node_tokens[i] for i in children], generator)
         if chosen is None:
             return branch, token
         row = children[chosen]

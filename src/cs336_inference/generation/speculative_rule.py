@@ -153,6 +153,26 @@ def accept_among_candidates(p_draft: torch.Tensor, q_target: torch.Tensor, candi
     Returns (the index of the accepted candidate, its token), or (None, a sample of the last residual)
     when every candidate is rejected. A candidate list that ran out of draft mass ends there.
     """
+    for name, x in (("p_draft", p_draft), ("q_target", q_target)):
+        if not isinstance(x, torch.Tensor) or not x.dtype.is_floating_point or x.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D floating-point torch.Tensor of probabilities (V,), got "
+                            f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    if q_target.shape != p_draft.shape:
+        raise ValueError(f"p_draft and q_target must cover one vocabulary, got V = {p_draft.shape[0]} and "
+                         f"{q_target.shape[0]}")
+    V = p_draft.shape[0]
+    tokens = _checks.token_list("candidates", candidates)
+    if any(t < 0 or t >= V for t in tokens) or len(set(tokens)) != len(tokens):
+        raise ValueError(f"candidates must be distinct tokens in [0, V={V}) (draws without replacement), got {tokens}")
+    for name, x in (("p_draft", p_draft), ("q_target", q_target)):
+        _check_distributions(name, x[None])
+    _checks.generator("generator", generator)
+    return among_candidates_unchecked(p_draft, q_target, tokens, generator)
+
+
+def among_candidates_unchecked(p_draft: torch.Tensor, q_target: torch.Tensor, candidates: list[int],
+                               generator: torch.Generator | None = None) -> tuple[int | None, int]:
+    """`accept_among_candidates` without validating its arguments (a tree's walk builds them itself)."""
     device = generator.device if generator is not None else torch.device("cpu")
     p, q = p_draft.to(device, torch.float64).clone(), q_target.to(device, torch.float64)
     for i, token in enumerate(candidates):
