@@ -1399,7 +1399,7 @@ def drafts_that_learn():
     text("Both read the target's hidden states: the loop hands them the features of every position that became final.")
     text("- Medusa (generation/medusa.py): K heads z = h + SiLU(W h) on the last normed hidden state h_t;")
     text("  the frozen LM head reads z; head k guesses token t+1+k without seeing heads 1..k-1's guesses.")
-    text("- EAGLE (generation/eagle.py): one decoder layer over (f_t, embed(x_{t+1})) predicts f_{t+1};")
+    text("- EAGLE (generation/eagle.py): one decoder layer over (h_t, embed(x_{t+1})) predicts h_{t+1}, fed to the LM head;")
     text("  its own tokens go back in, so each guess knows its branch; its own KV cache rolls back with the target's.")
     text("- Medusa's tree (generation/medusa_tree.py): many candidates in one pass under a tree attention mask.")
     text("- EAGLE-2's tree (generation/eagle_tree.py): the draft expands its 8 best-scored paths at each depth")

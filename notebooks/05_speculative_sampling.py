@@ -282,10 +282,10 @@ else:
 # * **Medusa** (`generation.medusa`): 4 heads, each a residual block z = h + SiLU(W h) on the last
 #   normed hidden state h_t, read by the target's frozen LM head; head k guesses token t+1+k. The
 #   heads never see each other's guesses: head 2 guesses token t+3 without knowing what head 1 put at t+2.
-# * **EAGLE** (`generation.eagle`): one decoder layer reads (f_t, embedding of x_{t+1}) and predicts
-#   the next feature f_{t+1}; the frozen norm + LM head turn it into a token, which is fed back in. It
-#   extrapolates features autoregressively, so each guess knows the branch it is on. It keeps its own
-#   KV cache, rolled back with the target's after each pass.
+# * **EAGLE** (`generation.eagle`): one decoder layer reads (h_t, embedding of x_{t+1}), the same
+#   normed hidden state, and predicts the next one, h_{t+1}; the frozen LM head turns it into a token,
+#   which is fed back in. It extrapolates features autoregressively, so each guess knows the branch it
+#   is on. It keeps its own KV cache, rolled back with the target's after each pass.
 #
 # Both were trained once by self-distillation on SmolLM2's own greedy answers (`python -m
 # cs336_inference bench speculative_heads`, on this CPU) and ship with the package; nothing trains

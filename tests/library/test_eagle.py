@@ -12,7 +12,7 @@ from cs336_inference.generation.draft_heads import load_draft_heads, load_drafte
 from cs336_inference.generation.draft_training import train_eagle
 from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_config
 from cs336_inference.generation.speculative import SpeculativeDecoder
-from test_medusa import ln_final_input, one_thread_only, toy_data
+from test_medusa import lm_head_input, one_thread_only, toy_data
 from test_speculative_decoding import _cache_tensors, sampled_law_p_value, tiny_pair
 
 
@@ -40,8 +40,8 @@ def test_a_short_training_run_teaches_the_draft(toy):
 def test_the_draft_is_fc_then_one_block_over_features_and_next_embeddings(toy):
     target, _, draft, _ = toy
     seq = list(b"Once upon a time")
-    _, f = ln_final_input(target, torch.tensor([seq]))
-    feats, emb = f[:, :-1], target.token_embeddings(torch.tensor([seq[1:]]))             # f_t, embed(x_{t+1})
+    h = lm_head_input(target, torch.tensor([seq]))
+    feats, emb = h[:, :-1], target.token_embeddings(torch.tensor([seq[1:]]))             # h_t, embed(x_{t+1})
     got = draft(feats, emb)
     # reference: the same block run token by token through a cache (causal by construction)
     cache = draft.new_cache(len(seq))
@@ -81,12 +81,12 @@ def test_draft_cache_after_each_pass_equals_a_fresh_one_on_the_kept_prefix(toy, 
         seq, drafter = dec.sequence, dec.drafter
         n = drafter.cache.length
         assert n == drafter.true_len and n <= len(seq) - 2     # only positions computed from true features
-        _, f = ln_final_input(target, torch.tensor([seq]))                                 # the target's features
+        h = lm_head_input(target, torch.tensor([seq]))                # the target's features after its final norm
         fresh = draft.new_cache(drafter.cache.max_seq_len)
-        draft(f[:, :n], target.token_embeddings(torch.tensor([seq[1:n + 1]])), fresh)
+        draft(h[:, :n], target.token_embeddings(torch.tensor([seq[1:n + 1]])), fresh)
         for got, want in zip(_cache_tensors(drafter.cache, n), _cache_tensors(fresh, n), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(torch.cat(drafter.pending), f[0, n:len(seq) - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(drafter.pending), h[0, n:len(seq) - 1], rtol=1e-4, atol=1e-4)
     assert rejections > 0, "no draft was ever rejected: this test did not exercise rollback"
 
 
@@ -107,6 +107,18 @@ def test_save_and_load_round_trip(toy, tmp_path):
     f, e = torch.randn(1, 5, target.config.d_model), torch.randn(1, 5, target.config.d_model)
     torch.testing.assert_close(loaded(f, e), draft(f, e), rtol=5e-2, atol=5e-2)   # stored in bf16
     assert isinstance(load_drafter(target, tmp_path / "eagle.pt"), EagleDrafter)
+
+
+def test_a_draft_saved_for_features_before_the_norm_is_refused(toy, tmp_path):
+    """Drafts of earlier versions read the target's last-block output before the final norm; run on the
+    normed features they would draft nonsense, so loading one says what it is instead."""
+    target, _, draft, _ = toy
+    save_draft_heads(tmp_path / "eagle.pt", draft)
+    blob = torch.load(tmp_path / "eagle.pt", weights_only=True)
+    del blob["features"]                                   # as those versions wrote it
+    torch.save(blob, tmp_path / "old.pt")
+    with pytest.raises(ValueError, match="before the final norm.*train it again"):
+        load_draft_heads(target, tmp_path / "old.pt")
 
 
 def test_bad_inputs_are_refused(toy):

@@ -11,7 +11,7 @@ from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_con
 from cs336_inference.generation.eagle_tree import Node, eagle_tree_generate, grow_tree, select_nodes
 from cs336_inference.generation.speculative_rule import accept_among_candidates
 from test_eagle import trained_toy
-from test_medusa import ln_final_input
+from test_medusa import lm_head_input, ln_final_input
 from test_speculative_decoding import _cache_tensors, target_joint_law, tiny_pair
 from test_speculative_rule import chi_square_p_value
 
@@ -28,6 +28,7 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
     target, _, draft, _ = toy
     seq = list(b"By dawn the price of bread")
     _, f = ln_final_input(target, torch.tensor([seq]))                                 # the target's features
+    h = lm_head_input(target, torch.tensor([seq]))                                     # the same after the norm
     drafter = EagleDrafter(target, draft)
     drafter.start(seq, 64, max_rollback=32)
     drafter.observe(f[0, :-1])                       # positions 0..len-2 final; seq[-1] is the last emitted token
@@ -40,7 +41,7 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
             path.append(nodes[path[-1].parent])
         path.reverse()
         fresh = draft.new_cache(64)                  # reference: the plain causal draft, true context then the path
-        out = draft(f[:, :len(seq) - 1], target.token_embeddings(torch.tensor([seq[1:]])), fresh)[0, -1]
+        out = draft(h[:, :len(seq) - 1], target.token_embeddings(torch.tensor([seq[1:]])), fresh)[0, -1]
         for step in path:
             out = draft(out[None, None], target.token_embeddings(torch.tensor([[step.token]])), fresh)[0, -1]
         torch.testing.assert_close(node.feature, out, rtol=1e-4, atol=1e-4)
@@ -50,7 +51,7 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
     for node in nodes:                               # scores: the draft's log-probabilities summed along the path
         if node.parent >= 0:
             parent = nodes[node.parent]
-            logp = torch.log_softmax(target.lm_head(target.ln_final(parent.feature)).float(), -1)[node.token]
+            logp = torch.log_softmax(target.lm_head(parent.feature).float(), -1)[node.token]
             assert node.score == pytest.approx(parent.score + float(logp), abs=1e-4)
 
 
@@ -64,13 +65,13 @@ def test_the_draft_reads_the_kept_branchs_target_features_after_each_pass(toy, o
     def checking(drafter, sequence, depth, top_k, draws):
         n = drafter.cache.length
         assert n == drafter.true_len
-        _, f = ln_final_input(target, torch.tensor([sequence]))
+        h = lm_head_input(target, torch.tensor([sequence]))
         fresh = draft.new_cache(drafter.cache.max_seq_len)
         if n:   # nothing is cached before the first tree
-            draft(f[:, :n], target.token_embeddings(torch.tensor([sequence[1:n + 1]])), fresh)
+            draft(h[:, :n], target.token_embeddings(torch.tensor([sequence[1:n + 1]])), fresh)
         for got, want in zip(_cache_tensors(drafter.cache, n), _cache_tensors(fresh, n), strict=True):
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(torch.cat(drafter.pending), f[0, n:len(sequence) - 1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(torch.cat(drafter.pending), h[0, n:len(sequence) - 1], rtol=1e-4, atol=1e-4)
         checked.append(n)
         return real(drafter, sequence, depth, top_k, draws)
 

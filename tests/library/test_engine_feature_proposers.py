@@ -48,13 +48,14 @@ def reference_medusa_logits(model, heads, tokens, n):
 
 @torch.no_grad()
 def reference_eagle_logits(model, draft, tokens, base, drafts):
-    """The draft without a cache: its input at step t is (f_t, embed(x_{t+1})) for t = base .. L-2 from the
-    target's full forward, then its own predicted features with the drafted tokens; logits of each step."""
+    """The draft without a cache: its input at step t is (h_t, embed(x_{t+1})) for t = base .. L-2 from the
+    target's full forward (h = ln_final(f), the LM head's input), then its own predicted features with the
+    drafted tokens; logits of each step."""
     last, _ = full_forward_features(model, tokens)
-    feats, nxt, out = last[base:len(tokens) - 1], list(tokens[base + 1:]), []
+    feats, nxt, out = model.ln_final(last[base:len(tokens) - 1]), list(tokens[base + 1:]), []
     for token in drafts:
         f = draft(feats[None], model.token_embeddings(torch.tensor([nxt])))[0, -1]         # (D,)
-        out.append(model.lm_head(model.ln_final(f)))
+        out.append(model.lm_head(f))
         feats, nxt = torch.cat([feats, f[None]]), nxt + [token]
     return out
 

@@ -13,7 +13,7 @@ from cs336_inference.generation.draft_training import train_eagle
 from cs336_inference.generation.eagle import eagle_config
 from cs336_inference.generation.speculative import SpeculativeDecoder
 from cs336_inference.model import load_pretrained
-from test_medusa import ln_final_input, one_thread_only, toy_data
+from test_medusa import lm_head_input, ln_final_input, one_thread_only, toy_data
 from test_speculative_decoding import _cache_tensors, sampled_law_p_value, tiny_pair
 
 # byte prompts that repeat phrases, so some passes find an earlier copy and some do not
@@ -124,13 +124,13 @@ def test_the_eagle_fallback_proposes_what_a_fresh_one_fed_the_sequence_proposes(
             seq, n = dec.sequence, fallback.cache.length
             # the draft's cache: only positions computed from true features, equal to a fresh cache's
             assert n == fallback.true_len and n <= len(seq) - 2
-            _, f = ln_final_input(target, torch.tensor([seq]))                          # the target's features
+            h = lm_head_input(target, torch.tensor([seq]))        # the target's features after its final norm
             fresh_cache = draft.new_cache(fallback.cache.max_seq_len)
             if n:
-                draft(f[:, :n], target.token_embeddings(torch.tensor([seq[1:n + 1]])), fresh_cache)
+                draft(h[:, :n], target.token_embeddings(torch.tensor([seq[1:n + 1]])), fresh_cache)
             for got, want in zip(_cache_tensors(fallback.cache, n), _cache_tensors(fresh_cache, n), strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(torch.cat(fallback.pending), f[0, n:len(seq) - 1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(torch.cat(fallback.pending), h[0, n:len(seq) - 1], rtol=1e-4, atol=1e-4)
             lookup_since_draft += dec.drafter.lookup_passes - lookups
             if len(fallback.log) > checked:   # the fallback proposed in this pass: compare with a fresh drafter
                 sequence, m, state, tokens, probs = fallback.log[-1]

@@ -61,6 +61,17 @@ def ln_final_input(target, ids):
     return logits, seen[0]
 
 
+def lm_head_input(target, ids):
+    """The final norm's output, caught on its way into the LM head: the features an EAGLE draft reads."""
+    seen = []
+    handle = target.ln_final.register_forward_hook(lambda mod, args, out: seen.append(out))
+    try:
+        target(ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
 @torch.no_grad()
 def test_return_hidden_is_the_final_norms_input_and_logits_are_unchanged(toy):
     target = toy[0]

@@ -1,8 +1,10 @@
 """Saving and loading Medusa heads and EAGLE drafts (the trained ones ship as package assets).
 
-A file holds {"kind": "medusa" | "eagle", "d_model", "num_heads" (Medusa) or "config" (EAGLE),
+A file holds {"kind": "medusa" | "eagle", "d_model", "num_heads" (Medusa) or "config" and "features" (EAGLE),
 "state_dict" (half precision: the heads are small and their guesses only need to be good, not exact;
-the output stays exact through verification), "meta" (how it was trained)}.
+the output stays exact through verification), "meta" (how it was trained)}. An EAGLE file's "features" is
+"normed": its draft reads and predicts the target's features after the final norm (`eagle.py`); files
+without it hold a draft trained on the features before the norm, which this version cannot run.
 `load_draft_heads(target, "medusa-smollm2")` finds a shipped asset by name; a path loads a file.
 """
 
@@ -20,6 +22,7 @@ from .medusa import MedusaDrafter, MedusaHeads, check_heads_match
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 SHIPPED = {"medusa-smollm2": "medusa-smollm2.pt", "eagle-smollm2": "eagle-smollm2.pt"}
+EAGLE_FEATURES = "normed"   # what an EAGLE draft reads: the target's features after its final norm
 
 
 def save_draft_heads(path, module: MedusaHeads | EagleDraft, meta: dict | None = None,
@@ -32,7 +35,7 @@ def save_draft_heads(path, module: MedusaHeads | EagleDraft, meta: dict | None =
     if isinstance(module, MedusaHeads):
         blob |= dict(kind="medusa", num_heads=module.num_heads)
     else:
-        blob |= dict(kind="eagle", config=module.config.to_dict())
+        blob |= dict(kind="eagle", config=module.config.to_dict(), features=EAGLE_FEATURES)
     torch.save(blob, path)
 
 
@@ -56,6 +59,10 @@ def load_draft_heads(target: TransformerLM, name_or_path) -> MedusaHeads | Eagle
     if not isinstance(blob, dict) or blob.get("kind") not in ("medusa", "eagle"):
         raise ValueError(f"{path} is not a file written by save_draft_heads (no 'kind' medusa/eagle)")
     check_heads_match(target, blob["d_model"], f"{path.name}")
+    if blob["kind"] == "eagle" and blob.get("features") != EAGLE_FEATURES:
+        raise ValueError(f"{path} holds an EAGLE draft trained on the target's features before the final norm "
+                         f"(features={blob.get('features')!r}); this version's drafts read them after it "
+                         f"(features={EAGLE_FEATURES!r}): train it again with train_eagle")
     dtype, device = target.dtype, target.device
     if blob["kind"] == "medusa":
         module = MedusaHeads(blob["d_model"], blob["num_heads"], device=device, dtype=dtype)

@@ -6,8 +6,9 @@
 2. `train_medusa`: head k at position t learns a_{t+k} (the token 1 + k ahead), by cross-entropy
    through the frozen LM head, plus a regression of its output onto the target's normed feature at
    t + k (the input that makes the LM head say a_{t+k}).
-3. `train_eagle`: the draft reads (f_t, embed(x_{t+1})) over a window and regresses f_{t+1}, plus the
-   cross-entropy of lm_head(norm(f^_{t+1})) against a_{t+1} (EAGLE's loss: regression + 0.1 x CE).
+3. `train_eagle`: the draft reads (h_t, embed(x_{t+1})) over a window, h = norm(f) the LM head's input,
+   and regresses h_{t+1}, plus the cross-entropy of lm_head(h^_{t+1}) against a_{t+1} (EAGLE's loss:
+   regression + 0.1 x CE).
    A little noise on the input features makes it tolerate its own imperfect guesses while drafting.
 
 The cross-entropy runs over the vocabulary the data uses (`labels.unique()`): the LM head's other
@@ -167,15 +168,18 @@ def train_eagle(target: TransformerLM, data: DistillData, steps: int = 300, wind
     used, index = _vocab_map(data, target.config.vocab_size, val)
     W = _frozen_head(target, used)                                                     # (V_used, D)
     norm = copy.deepcopy(target.ln_final).float().cpu().requires_grad_(False)        # frozen, fp32 for training
+    with torch.no_grad():   # the draft's features: h = norm(f), the LM head's inputs (eagle.py says why)
+        h = [norm(f.float()) for f in data.features]
+        h_val = [norm(f.float()) for f in val.features] if val is not None else []
     embed = target.token_embeddings.weight.detach().float().cpu()                       # (V, D)
-    scale = torch.cat(data.features).pow(2).mean().sqrt()                              # feature RMS
+    scale = torch.cat(h).pow(2).mean().sqrt()                                          # feature RMS
 
     def val_accuracy() -> float:   # teacher-forced: each position reads the target's true feature
         right = total = 0
         with torch.no_grad():
-            for f, x, a in zip(val.features, val.tokens, val.labels):
+            for f, x, a in zip(h_val, val.tokens, val.labels):
                 pred = draft(f[None, :-1], embed[x[None, 1:]])[0]
-                right += int((norm(pred) @ W.T).argmax(-1).eq(index[a[1:]]).sum())
+                right += int((pred @ W.T).argmax(-1).eq(index[a[1:]]).sum())
                 total += len(a) - 1
         return right / max(total, 1)
     best = (-1.0, None)
@@ -189,14 +193,14 @@ def train_eagle(target: TransformerLM, data: DistillData, steps: int = 300, wind
         for _ in range(batch_size):
             s = seqs[int(torch.randint(len(seqs), (1,), generator=g))]
             t = int(torch.randint(len(data.tokens[s]) - window - 1 + 1, (1,), generator=g))
-            f_in.append(data.features[s][t:t + window])
+            f_in.append(h[s][t:t + window])
             x_next.append(data.tokens[s][t + 1:t + window + 1])
-            f_out.append(data.features[s][t + 1:t + window + 1])
+            f_out.append(h[s][t + 1:t + window + 1])
             lab.append(index[data.labels[s][t + 1:t + window + 1]])
         f_in, f_out, lab = torch.stack(f_in), torch.stack(f_out), torch.stack(lab)     # (B, W, D), (B, W)
         f_in = f_in + noise * scale * (2 * torch.rand(f_in.shape, generator=g) - 1)
         pred = draft(f_in, embed[torch.stack(x_next)])                                 # (B, W, D)
-        logits = norm(pred) @ W.T              # (B, W, V_used)
+        logits = pred @ W.T                    # (B, W, V_used)
         ce = F.cross_entropy(logits.reshape(-1, len(used)), lab.reshape(-1))
         loss = F.smooth_l1_loss(pred / scale, f_out / scale) + ce_weight * ce
         opt.zero_grad()

@@ -1,15 +1,18 @@
 """An EAGLE draft: one decoder layer that extrapolates the target's features (Li et al. 2024, arXiv:2401.15077).
 
-The target's last block outputs a feature f_t at every position (the hidden state before the final
-norm and the LM head); lm_head(norm(f_t)) predicts token t+1. EAGLE predicts the *next feature*:
+The target's feature at position t is h_t = norm(f_t): its last block's output f_t after the final
+norm, the LM head's input, so lm_head(h_t) predicts token t+1. (EAGLE's released code reads this tensor
+too: the base model's last hidden state, after its final norm, and sends the draft's output straight to
+the LM head. It is the better-conditioned input: SmolLM2's raw f_t has a few values far larger than the
+rest, the first token's above all, which the norm divides out.) EAGLE predicts the *next feature*:
 
-    g_t = fc(concat(f_t, embed(x_{t+1})))        (2D -> D; x_{t+1} is the token f_t predicted)
-    f^_{t+1} = Block(g_<=t)                      (one decoder layer of the target's shape, causal, own KV cache)
-    token t+2 ~ lm_head(norm(f^_{t+1}))          (the target's frozen final norm and LM head)
+    g_t = fc(concat(h_t, embed(x_{t+1})))        (2D -> D; x_{t+1} is the token h_t predicted)
+    h^_{t+1} = Block(g_<=t)                      (one decoder layer of the target's shape, causal, own KV cache)
+    token t+2 ~ lm_head(h^_{t+1})                (the target's frozen LM head)
 
 Feeding the token sampled at each step back in (x_{t+1}) is what Medusa's independent heads lack:
 the draft knows which branch it is on, so its acceptance decays slowly with depth. While drafting,
-the draft runs on its own guesses f^; once the target has verified a pass, the draft's cache is
+the draft runs on its own guesses h^; once the target has verified a pass, the draft's cache is
 rolled back with the target's to the positions it computed from true features (`rollback`), and the
 newly final positions are fed with the target's features at the next `propose`.
 
@@ -62,7 +65,8 @@ class EagleDraft(nn.Module):
 
     def forward(self, features: torch.Tensor, next_embeddings: torch.Tensor, cache: KVCache | None = None,
                 positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
-        """features f_t, next_embeddings embed(x_{t+1}) (B, T, D) -> predicted f_{t+1} (B, T, D).
+        """features h_t (after the target's final norm), next_embeddings embed(x_{t+1}) (B, T, D) -> predicted
+        h_{t+1} (B, T, D).
 
         Without a cache the T positions are 0..T-1 under a causal mask (training); with one they are
         appended at cache.length and the cache advances by T. A draft tree (`eagle_tree`) overrides both
@@ -95,7 +99,7 @@ class EagleDraft(nn.Module):
 class EagleDrafter:
     """The `Drafter` protocol for an EAGLE draft on a target it shares the embedding, final norm and LM head with.
 
-    Invariant: draft cache position t holds (f_t, x_{t+1}); the first `true_len` were computed from the
+    Invariant: draft cache position t holds (h_t, x_{t+1}); the first `true_len` were computed from the
     target's features, the rest (the last pass's drafting) from the draft's own guesses.
     """
 
@@ -110,8 +114,9 @@ class EagleDrafter:
         self.true_len, self.pending, self.forwards = 0, [], 0
 
     def observe(self, features: torch.Tensor) -> None:
-        """features (T, D): the target's features of T more final positions (fed at the next `propose`)."""
-        self.pending.append(features)
+        """features (T, D): the target's last-block outputs f of T more final positions (what the loops hand
+        every feature drafter); kept as h = norm(f), the draft's input, and fed at the next `propose`."""
+        self.pending.append(self.target.ln_final(features))
 
     def _step(self, features: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """features (T, D), tokens (T,) -> the draft's next feature after the last, (D,)."""
@@ -119,8 +124,8 @@ class EagleDrafter:
         return self.draft(features[None], emb[None], self.cache)[0, -1]
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """The draft's predicted feature(s) (..., D) -> next-token logits (..., V), through the target's head."""
-        return self.target.lm_head(self.target.ln_final(feature))
+        """The draft's predicted feature(s) h^ (..., D) -> next-token logits (..., V), through the target's head."""
+        return self.target.lm_head(feature)
 
     def read_pending(self, sequence: list[int]) -> torch.Tensor:
         """Feed the target's features that arrived through `observe` -> the draft's feature after the last

@@ -4,14 +4,14 @@
 draft, or, without it, the shipped SmolLM2 ones: `generation/draft_heads.py`) drafts with the same
 math as the one-sequence loop (`generation/medusa.py`, `generation/eagle.py`): one `MedusaDrafter` or
 `EagleDrafter` per sequence, in `seq.proposer_state`, fed through the `Proposer` protocol's
-`observe` with `TargetFeatures.last_hidden` (the last layer's output before the final norm: the
-feature both were trained on, `forward(return_hidden=True)` in `draft_training`), and sampled drafts
-drawn with the sequence's own generator.
+`observe` with `TargetFeatures.last_hidden` (the last layer's output before the final norm, as
+`forward(return_hidden=True)` gives it; both drafters apply the target's final norm themselves, as in
+`draft_training`), and sampled drafts drawn with the sequence's own generator.
 
 `seq.token_ids` is the only truth. A proposer drafts only when the features it holds end at the last
 final position (len(token_ids) - 2: the target's prediction there is the newest token); otherwise it
 proposes nothing and the step decodes one token, whose feature arrives after it. The EAGLE draft's
-cache holds (f_t, x_{t+1}) for t = base .. base + true_len - 1 from the target's features (base: the
+cache holds (h_t, x_{t+1}) for t = base .. base + true_len - 1 from the target's features (base: the
 first position the engine computed for the sequence; positions taken from the prefix cache come
 without features, and the draft reads from the first one it was given: RoPE only sees offsets), then
 its own guesses while drafting; before each proposal it rolls them back (`EagleDrafter.rollback`).
