@@ -1,9 +1,9 @@
 """EAGLE-2's dynamic draft tree: many candidate continuations from one EAGLE draft, verified in one target pass.
 
 The chain form (`eagle.EagleDrafter`) bets on the draft's best guess at every depth. A small draft's
-second or fourth guess is often right where its best is wrong (SmolLM2's shipped draft, at depth 1 on
-the bench's held-out answers: top-1 0.30, top-4 0.51), so EAGLE-2 (Li et al. 2024, arXiv:2406.16858)
-grows a tree and lets the target pick the branch it agrees with:
+second or fourth guess is often right where its best is wrong (docs/log.md has SmolLM2's top-k rates),
+so EAGLE-2 (Li et al. 2024, arXiv:2406.16858) grows a tree and lets the target pick the branch it
+agrees with:
 
   1. The draft reads the target's new features, as in the chain form, and predicts the next token:
      its top_k guesses become depth-1 nodes, each scored with its log-probability.

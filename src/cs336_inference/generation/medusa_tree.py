@@ -132,7 +132,7 @@ def medusa_tree_generate(target: TransformerLM, heads: MedusaHeads, prompt_ids, 
         start = cache.length
         logits, hidden = tree_forward(target, cache, torch.tensor(node_tokens, device=device), parents, depths)
         branch = kept_branch(parents, _accepted_nodes(rule, logits, node_tokens, parents, temperature, epsilon,
-                                                       delta))
+                                                      delta))
         room = max_new_tokens - len(result.tokens) - 1
         branch = branch[:room + 1]          # never more tokens than asked for
         new = [node_tokens[i] for i in branch[1:]] + [pick(logits[branch[-1]])]
