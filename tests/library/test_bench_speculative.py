@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cs336_inference.workshop.benchmarks import speculative as bench
+from smollm2_reference import requires_smollm2
 
 
 @pytest.mark.slow
@@ -21,3 +22,26 @@ def test_quick_bench_writes_a_consistent_table(tmp_path, monkeypatch):
         assert r["predicted_speedup"] > 0
         assert r["measured_speedup_min"] <= r["measured_speedup"] <= r["measured_speedup_max"]
         assert len(r["acceptance_by_position"]) == r["gamma"]
+
+
+@requires_smollm2
+def test_the_heads_never_train_on_the_prompts_the_proposer_bench_decodes():
+    """`bench speculative_heads` trains on both tasks of every help paragraph but the held-out ones (by text:
+    the help repeats some), and `bench speculative --model smollm2-135m` decodes four held-out ones and a
+    held-out story."""
+    from cs336_inference.data.real_text import prose_paragraphs
+    from cs336_inference.model.tokenizer import load_tokenizer
+    from cs336_inference.workshop.benchmarks.speculative_heads import (HELD_OUT_SUBJECT, SUBJECTS, TASKS,
+                                                                        training_prompts)
+    from cs336_inference.workshop.benchmarks.speculative_proposers import held_out_prompts
+
+    tok = load_tokenizer("smollm2-135m")
+    trained = "\n".join(tok.decode(p) for p in training_prompts(tok))
+    decoded = "\n".join(tok.decode(p) for _, p in held_out_prompts(tok, quick=False))
+    paragraphs = prose_paragraphs()
+    held_out = {par for i, par in enumerate(paragraphs) if i % 5 == 1}   # the help repeats some paragraphs
+    for i, par in enumerate(paragraphs):
+        assert (par in decoded) == (par in paragraphs[1:20:5]), i           # the bench's four grounded prompts
+        assert all((task + par in trained) == (par not in held_out) for task in TASKS), i
+    assert not any(par in trained for par in held_out)
+    assert HELD_OUT_SUBJECT in decoded and HELD_OUT_SUBJECT not in trained and HELD_OUT_SUBJECT not in SUBJECTS

@@ -26,3 +26,22 @@ def test_bytes_per_token_of_the_bpe_add_up_to_the_text():
     nbytes = run_bytes_per_token(tok)
     text = run_pydoc_documents("eval")[0][:2000]
     assert int(nbytes[tok.encode(text)].sum()) == len(text.encode("utf-8"))
+
+
+def test_docstring_paragraphs_are_the_standard_librarys_own_prose():
+    """Each paragraph is copied whole from a docstring of a top-level standard-library module (found in
+    the sources once their whitespace is collapsed), is plain prose, and is none of the help paragraphs."""
+    import sysconfig
+    from pathlib import Path
+
+    from cs336_inference.data.real_text import docstring_paragraphs, prose_paragraphs
+
+    paragraphs = docstring_paragraphs()
+    assert len(paragraphs) > 100 and paragraphs == sorted(set(paragraphs)) and docstring_paragraphs() == paragraphs
+    sources = " ".join(" ".join(path.read_text(encoding="utf-8", errors="ignore").split())
+                       for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")))
+    help_paragraphs = set(prose_paragraphs())
+    for par in paragraphs:
+        assert 250 <= len(par) <= 700 and par == " ".join(par.split()), par
+        assert not any(mark in par for mark in (">>>", "::", "`", "=", "\\")), par
+        assert par in sources and par not in help_paragraphs, par

@@ -8,6 +8,8 @@ which compares models with different tokenizers (and our byte-level toy models) 
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 EVAL_EVERY = 4  # topic i (in sorted order) is evaluation text iff i % EVAL_EVERY == EVAL_EVERY - 1
@@ -34,6 +36,31 @@ def prose_paragraphs() -> list[str]:
             if 350 < len(par) < 650 and not par.startswith(" ") and not any(m in par for m in ("::", "*", "`", "\n ")):
                 out.append(" ".join(par.split()))
     return out
+
+
+def docstring_paragraphs() -> list[str]:
+    """Plain-prose paragraphs (250-700 characters, on one line) of the docstrings in the standard library's
+    top-level modules, sorted and without repeats: more English to rewrite or summarise, none of it
+    `prose_paragraphs`'s (a Python installation's own sources, so nothing is downloaded)."""
+    import ast
+    import sysconfig
+    from pathlib import Path
+
+    markup = re.compile(r"[>{}\[\]=`*\\]|::|  ")   # code, doctests, escapes, lists and reST: not plain prose
+    seen = set(prose_paragraphs())
+    out = set()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8", errors="ignore"))
+        except (SyntaxError, ValueError):   # a test fixture written to fail to parse
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                for par in (ast.get_docstring(node) or "").split("\n\n"):
+                    par = " ".join(par.split())
+                    if 250 <= len(par) <= 700 and par[-1] in ".)" and not markup.search(par) and par not in seen:
+                        out.add(par)
+    return sorted(out)
 
 
 def token_stream(tokenizer, documents: list[str], separator: int | None = None) -> torch.Tensor:

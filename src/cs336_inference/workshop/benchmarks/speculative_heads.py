@@ -1,11 +1,13 @@
 """`bench speculative_heads`: train Medusa heads and an EAGLE draft for SmolLM2 by self-distillation.
 
 The target continues offline prompts greedily (`generation.draft_training.self_distillation_data`):
-chat tasks that rewrite or summarise CPython help paragraphs, help pages to continue as plain text,
-and short stories on given subjects; the paragraphs and subject that `bench speculative` decodes are
-held out. Then the heads and the draft train on its features and choices, each on a CPU time
-budget. Writes figures/speculative_heads.json (the timings: wall and process CPU seconds per phase,
-the loss curves) and, unless --quick, the assets medusa-smollm2.pt and eagle-smollm2.pt.
+chat tasks that rewrite or summarise CPython help paragraphs and standard-library docstrings, help pages
+to continue as plain text, and short stories on given subjects; the paragraphs and subject that
+`bench speculative` decodes are held out. Then the heads and the draft train on its features and
+choices, each on a CPU time budget. The amount of data is what moves the drafts' acceptance, so
+generating it takes about half of the run's 25 minutes (docs/log.md). Writes
+figures/speculative_heads.json (the timings: wall and process CPU seconds per phase, the loss curves)
+and, unless --quick, the assets medusa-smollm2.pt and eagle-smollm2.pt.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 
 import torch
 
-from ...data.real_text import pydoc_documents, prose_paragraphs
+from ...data.real_text import docstring_paragraphs, pydoc_documents, prose_paragraphs
 from ...generation.draft_heads import ASSETS, SHIPPED, save_draft_heads
 from ...generation.draft_training import DistillData, self_distillation_data, train_eagle, train_medusa
 from ...model.checkpoints import load_pretrained
@@ -32,18 +34,34 @@ SUBJECTS = ("a baker who wakes up with the ability to hear bread", "two robots l
             "a dragon afraid of the dark", "a detective who solves crimes with smells",
             "a village where it never stops snowing", "a clockmaker and a broken moon",
             "a boy who trades his shadow for a kite", "an astronaut who grows a garden on Mars",
-            "a musician who can only play one note", "a fox and a crow opening a bakery")
+            "a musician who can only play one note", "a fox and a crow opening a bakery",
+            "a painter who loses all her colours", "a tortoise who wants to win a race again",
+            "a robot that collects lost socks", "a city where everyone whispers", "a pirate who is afraid of water",
+            "an owl who cannot stay awake at night", "a girl who talks to trees",
+            "a broken umbrella that wants to fly", "a chef who cooks only soup", "a mouse who becomes a king",
+            "a train that runs on songs", "a teacher who finds a door in the classroom",
+            "a snowman who wants to see summer", "a boy and his grandfather fixing a radio",
+            "a whale who sings off key", "a small town with a giant clock", "a knight who hates fighting",
+            "a garden that grows at night", "two friends lost in a museum", "a bear who opens a tea shop",
+            "a scientist who shrinks herself", "a river that changes direction", "a kite that refuses to come down",
+            "a farmer and a talking goat")
 HELD_OUT_SUBJECT = "a lighthouse keeper who finds a message in a bottle"   # `bench speculative`'s free prompt
 
 
 def training_prompts(tok) -> list[list[int]]:
-    """Chat prompts (rewrite / summarise a paragraph, write a story) and plain help-page openings."""
+    """Chat prompts and plain help-page openings: both tasks (rewrite, summarise) on every help paragraph
+    not held out, one task on each standard-library docstring paragraph, a story on each subject."""
     def chat(text: str) -> list[int]:
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
-    prompts = [chat(TASKS[i % 2] + par) for i, par in enumerate(prose_paragraphs()) if i % HELD_OUT_EVERY != 1]
+    paragraphs = prose_paragraphs()
+    held_out = {par for i, par in enumerate(paragraphs) if i % HELD_OUT_EVERY == 1}
+    # the help repeats some paragraphs under several topics: a repeat of a held-out one is held out too
+    kept = list(dict.fromkeys(par for par in paragraphs if par not in held_out))
+    prompts = [chat(task + par) for par in kept for task in TASKS]
     prompts += [chat(f"Write a short story about {s}.") for s in SUBJECTS]
     prompts += [tok.encode(doc)[:96] for doc in pydoc_documents("calibration")[::4]]
+    prompts += [chat(TASKS[i % 2] + par) for i, par in enumerate(docstring_paragraphs())]
     return prompts
 
 
@@ -58,7 +76,7 @@ def _clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def measure(run, minutes: float = 16.0) -> dict | None:
+def measure(run, minutes: float = 26.0) -> dict | None:
     """Data, then Medusa heads, then the EAGLE draft, on about `minutes` of wall time in all."""
     if missing := real_model_missing(MODEL):
         print(f"bench speculative_heads needs {MODEL} ({missing}); nothing to do")
@@ -84,7 +102,7 @@ def measure(run, minutes: float = 16.0) -> dict | None:
     w2, c2 = _clocks()
     phases["medusa"] = dict(wall_s=w2 - w1, cpu_s=c2 - c1, steps=medusa_history["steps_run"],
                             parameters=sum(p.numel() for p in heads.parameters()))
-    draft, eagle_history = train_eagle(target, data, steps=20 if quick else 2500, time_budget_s=0.65 * budget,
+    draft, eagle_history = train_eagle(target, data, steps=20 if quick else 4000, time_budget_s=0.65 * budget,
                                        val=val)
     w3, c3 = _clocks()
     phases["eagle"] = dict(wall_s=w3 - w2, cpu_s=c3 - c2, steps=eagle_history["steps_run"],
@@ -108,6 +126,7 @@ def print_heads(r: dict) -> None:
     print(f"total   wall {r['total_wall_s']:7.0f} s  CPU {r['total_cpu_s']:7.0f} s ({r['threads']} threads)")
 
 
-# One thread: on a shared 2-core machine two OpenMP threads wait at every parallel region for a core
-# another process holds (MACHINE.md); the CPU seconds reported are this one thread's.
-BENCHMARK = bench_speculative_heads = Benchmark("speculative_heads", measure, print_heads)
+# Every core: the training budget is half an hour on two, and generating and training run 1.5-1.9x
+# faster on two threads than on one (with OpenMP's passive wait policy, which `python -m cs336_inference`
+# sets); the CPU seconds reported are then both threads'.
+BENCHMARK = bench_speculative_heads = Benchmark("speculative_heads", measure, print_heads, parallel=True)
