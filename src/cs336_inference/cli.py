@@ -407,7 +407,7 @@ BENCHMARKS: dict[str, str] = {
     "quantization_smollm2": "every quantization method on SmolLM2-135M and real text",
     "speculative": "plain vs speculative decoding, gamma 1..8, measured and predicted",
     "speculative_draft": "a pruned and distilled SmolLM2 draft (about 30 min)",
-    "speculative_heads": "trains SmolLM2's Medusa heads and EAGLE draft by self-distillation (about 30 min)",
+    "speculative_heads": "trains SmolLM2's Medusa heads and EAGLE draft by self-distillation (about 25 min on 2 cores)",
     "speculative_proposers": "SmolLM2: Medusa, EAGLE and prompt lookup side by side (part of bench speculative)",
     "serving": "static vs continuous batching, paged vs contiguous KV",
     "serving_speculative": "the engine with and without speculative decoding (prompt lookup, draft model) "
