@@ -40,7 +40,7 @@ from ...generation.speculative_costs import timed
 from ...model.real_models import real_model_missing
 from ...device import load_avg
 from .base import Benchmark
-from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS
+from .speculative_heads import HELD_OUT_EVERY, HELD_OUT_SUBJECT, MODEL, TASKS
 
 GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5,
           "eagle_tree": 6, "lookup_eagle_tree": 6}
@@ -60,7 +60,7 @@ def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
 
     paragraphs = prose_paragraphs()
     n = 1 if quick else 4
-    grounded = [("grounded", chat(TASKS[i % 2] + paragraphs[1 + 5 * i])) for i in range(n)]
+    grounded = [("grounded", chat(TASKS[i % 2] + paragraphs[1 + HELD_OUT_EVERY * i])) for i in range(n)]
     return grounded + [("free", chat(f"Write a short story about {HELD_OUT_SUBJECT}."))]
 
 
