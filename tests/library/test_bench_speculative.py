@@ -45,3 +45,22 @@ def test_the_heads_never_train_on_the_prompts_the_proposer_bench_decodes():
         assert all((task + par in trained) == (par not in held_out) for task in TASKS), i
     assert not any(par in trained for par in held_out)
     assert HELD_OUT_SUBJECT in decoded and HELD_OUT_SUBJECT not in trained and HELD_OUT_SUBJECT not in SUBJECTS
+
+
+@requires_smollm2
+def test_the_engine_bench_decodes_only_held_out_paragraphs_each_under_both_tasks():
+    from cs336_inference.data.real_text import prose_paragraphs
+    from cs336_inference.model.tokenizer import load_tokenizer
+    from cs336_inference.workshop.benchmarks.serving_speculative import real_prompts
+    from cs336_inference.workshop.benchmarks.speculative_heads import TASKS, training_prompts
+
+    tok = load_tokenizer("smollm2-135m")
+    prompts = [tok.decode(p) for p in real_prompts(tok)]
+    trained = "\n".join(tok.decode(p) for p in training_prompts(tok))
+    paragraphs = prose_paragraphs()
+    held_out = set(paragraphs[1::5])
+    assert len(set(prompts)) == len(prompts) == 2 * len(held_out)
+    for par in held_out:
+        assert par not in trained
+        assert all(sum(task + par in p for p in prompts) == 1 for task in TASKS)
+    assert [TASKS[0] in p for p in prompts[:4]] == [True, False, True, False]   # concurrency 1 sees both tasks

@@ -27,7 +27,6 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import NullLocator
 
 from ...data.corpus import corpus_documents
-from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import load_draft_heads
 from ...model.checkpoints import load_pretrained
 from ...model.real_models import real_model_missing
@@ -37,7 +36,7 @@ from ...serving.request import Request
 from ...serving.speculative import PromptLookupProposer
 from ...tables import print_table
 from .base import Benchmark, alternate
-from .speculative import REAL_TASKS
+from .speculative_heads import TASKS, held_out_paragraphs
 from .speculative_proposers import GAMMAS
 
 CONCURRENCIES = (1, 4, 16, 64)
@@ -58,18 +57,24 @@ def toy_workload(device, quick: bool) -> dict:
                                                                      speculative_disable_by_batch_size=4)}}
 
 
+def real_prompts(tok) -> list[list[int]]:
+    """Chat prompts: both tasks on each held-out help paragraph (no draft trained on these: `bench
+    speculative_heads`), alternating, 2 x 15 distinct prompts. At concurrency 64 each runs two or three
+    times; the prefix cache then shares its prompt blocks, with and without speculation."""
+    held, n = held_out_paragraphs(), len(held_out_paragraphs())
+
+    def chat(text: str) -> list[int]:
+        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    return [chat(TASKS[(i % n + i // n) % 2] + held[i % n]) for i in range(2 * n)]
+
+
 def real_workload(device) -> dict | None:
     name = "smollm2-135m"
     if missing := real_model_missing(name):
         print(f"({name} unavailable: {missing}; toy workload only)")
         return None
     target, tok = load_pretrained(name, device=device).eval().set_attention_kernel("sdpa"), load_tokenizer(name)
-    paragraphs = prose_paragraphs()
-
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-
-    prompts = [chat(REAL_TASKS[i % 2] + paragraphs[(1 + 5 * i) % len(paragraphs)]) for i in range(64)]
+    prompts = real_prompts(tok)
     proposers = {"prompt lookup": lambda: dict(proposer=PromptLookupProposer())}
     for kind in ("medusa", "eagle"):   # the shipped heads, loaded once (not inside a timed run)
         try:

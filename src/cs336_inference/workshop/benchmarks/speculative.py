@@ -39,11 +39,11 @@ from ...model.tokenizer import load_tokenizer
 from ...tables import print_table
 from ...device import describe_machine, load_avg
 from .base import Benchmark, Run
+from .speculative_heads import TASKS
 from .speculative_proposers import compare_proposers, proposers_report
 
 TEMPERATURES = (0.0, 1.0)
-REAL_TASKS = ("Rewrite the following passage, putting each sentence on its own line:\n\n",
-              "Summarize the following passage:\n\n")
+REAL_TASKS = TASKS   # the chat tasks the SmolLM2 drafts train on
 
 
 @dataclass

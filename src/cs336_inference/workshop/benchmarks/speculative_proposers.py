@@ -28,7 +28,6 @@ from functools import partial
 
 import torch
 
-from ...data.real_text import prose_paragraphs
 from ...generation.draft_heads import SHIPPED, load_drafter
 from ...generation.eagle import EagleDrafter
 from ...generation.eagle_tree import eagle_tree_generate
@@ -40,7 +39,7 @@ from ...generation.speculative_costs import timed
 from ...model.real_models import real_model_missing
 from ...device import load_avg
 from .base import Benchmark
-from .speculative_heads import HELD_OUT_EVERY, HELD_OUT_SUBJECT, MODEL, TASKS
+from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS, held_out_paragraphs
 
 GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5,
           "eagle_tree": 6, "lookup_eagle_tree": 6}
@@ -58,9 +57,8 @@ def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
     def chat(text: str) -> list[int]:
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
 
-    paragraphs = prose_paragraphs()
     n = 1 if quick else 4
-    grounded = [("grounded", chat(TASKS[i % 2] + paragraphs[1 + HELD_OUT_EVERY * i])) for i in range(n)]
+    grounded = [("grounded", chat(TASKS[i % 2] + par)) for i, par in enumerate(held_out_paragraphs()[:n])]
     return grounded + [("free", chat(f"Write a short story about {HELD_OUT_SUBJECT}."))]
 
 
