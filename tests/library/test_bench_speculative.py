@@ -64,3 +64,16 @@ def test_the_engine_bench_decodes_only_held_out_paragraphs_each_under_both_tasks
         assert par not in trained
         assert all(sum(task + par in p for p in prompts) == 1 for task in TASKS)
     assert [TASKS[0] in p for p in prompts[:4]] == [True, False, True, False]   # concurrency 1 sees both tasks
+
+
+
+@pytest.mark.parametrize("n, held_out", [(25, [9, 19]), (10, [9]), (8, [7]), (1, [0])])
+def test_split_holds_out_every_tenth_sequence_and_at_least_one(n, held_out):
+    from cs336_inference.generation.draft_training import DistillData
+    from cs336_inference.workshop.benchmarks.speculative_heads import split
+
+    data = DistillData([torch.full((3,), i) for i in range(n)], [torch.zeros(3, 2)] * n, [torch.zeros(3)] * n)
+    train, val = split(data)
+    assert [int(x[0]) for x in val.tokens] == held_out
+    assert [int(x[0]) for x in train.tokens] == [i for i in range(n) if i not in held_out]
+    assert len(train.features) == len(train.labels) == n - len(held_out) and len(val.labels) == len(held_out)

@@ -70,7 +70,8 @@ def training_prompts(tok) -> list[list[int]]:
 
 
 def split(data: DistillData, every: int = 10) -> tuple[DistillData, DistillData]:
-    """(training sequences, every `every`-th sequence held out)."""
+    """(training sequences, every `every`-th sequence held out: the last one at least, when fewer)."""
+    every = min(every, len(data.tokens))   # a --quick run's 8 sequences still keep one to early-stop on
     pick = [[x for i, x in enumerate(part) if (i % every == every - 1) == held] for held in (False, True)
             for part in (data.tokens, data.features, data.labels)]
     return DistillData(*pick[:3]), DistillData(*pick[3:])
