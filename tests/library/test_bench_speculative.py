@@ -66,7 +66,6 @@ def test_the_engine_bench_decodes_only_held_out_paragraphs_each_under_both_tasks
     assert [TASKS[0] in p for p in prompts[:4]] == [True, False, True, False]   # concurrency 1 sees both tasks
 
 
-
 @pytest.mark.parametrize("n, held_out", [(25, [9, 19]), (10, [9]), (8, [7]), (1, [0])])
 def test_split_holds_out_every_tenth_sequence_and_at_least_one(n, held_out):
     from cs336_inference.generation.draft_training import DistillData

@@ -6,11 +6,11 @@ max(c, 4) requests arriving at once, so c sequences decode side by side), the sa
 the plain engine and on the engine with a proposer (`serving/speculative.py`), alternated, greedy:
 tokens/s, p50/p99 inter-token latency, the median time per output token (TPOT), the share of drafts
 accepted and the tokens each sequence gains per verify step: the median round (of at least three at
-concurrency 1, where the goal is read). Every speculative run's outputs are
-checked equal to the plain run's. Workloads: the shipped toy target on echo drills (each line repeats an
-earlier one: input-grounded) with prompt lookup and with the shipped draft model, and SmolLM2-135M-Instruct
-(full runs, where installed) asked to rewrite or summarise a passage, with prompt lookup and with the
-shipped Medusa heads and EAGLE draft (`serving/feature_proposers.py`; each at the draft length `bench
+concurrency 1, where the goal is read). Every speculative run's outputs are checked equal to the plain
+run's. Workloads: the shipped toy target on echo drills (each line repeats an earlier one:
+input-grounded) with prompt lookup and with the shipped draft model, and SmolLM2-135M-Instruct (full
+runs, where installed) asked to rewrite or summarise a held-out passage (`real_prompts`), with prompt
+lookup and with the shipped Medusa heads and EAGLE draft (`serving/feature_proposers.py`; each at the draft length `bench
 speculative_proposers` uses; both draft one sequence at a time, their draft forwards not batched).
 
 Tokens accepted in one step arrive together: a stream delivers them as one chunk, so the ITL between
@@ -63,7 +63,8 @@ def real_prompts(tok) -> list[list[int]]:
     """Chat prompts: both tasks on each held-out help paragraph (no draft trained on these: `bench
     speculative_heads`), alternating, 2 x 15 distinct prompts. At concurrency 64 each runs two or three
     times; the prefix cache then shares its prompt blocks, with and without speculation."""
-    held, n = held_out_paragraphs(), len(held_out_paragraphs())
+    held = held_out_paragraphs()
+    n = len(held)
 
     def chat(text: str) -> list[int]:
         return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
