@@ -10,8 +10,9 @@ concurrency 1, where the goal is read). Every speculative run's outputs are chec
 run's. Workloads: the shipped toy target on echo drills (each line repeats an earlier one:
 input-grounded) with prompt lookup and with the shipped draft model, and SmolLM2-135M-Instruct (full
 runs, where installed) asked to rewrite or summarise a held-out passage (`real_prompts`), with prompt
-lookup and with the shipped Medusa heads and EAGLE draft (`serving/feature_proposers.py`; each at the draft length `bench
-speculative_proposers` uses; both draft one sequence at a time, their draft forwards not batched).
+lookup and with the shipped Medusa heads and EAGLE draft (`serving/feature_proposers.py`; each at the
+draft length `bench speculative_proposers` uses; both draft one sequence at a time, their draft forwards
+not batched).
 
 Tokens accepted in one step arrive together: a stream delivers them as one chunk, so the ITL between
 them is 0 and the chunk's first token carries the wait (p50 ITL falls, p99 need not); TPOT counts
