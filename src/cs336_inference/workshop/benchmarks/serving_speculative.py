@@ -38,7 +38,7 @@ from ...serving.request import Request
 from ...serving.speculative import PromptLookupProposer
 from ...tables import print_table
 from .base import Benchmark, alternate
-from .speculative_heads import TASKS, held_out_paragraphs
+from .speculative_heads import TASKS, chat_ids, held_out_paragraphs
 from .speculative_proposers import GAMMAS
 
 CONCURRENCIES = (1, 4, 16, 64)
@@ -66,10 +66,7 @@ def real_prompts(tok) -> list[list[int]]:
     times; the prefix cache then shares its prompt blocks, with and without speculation."""
     held = held_out_paragraphs()
     n = len(held)
-
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-    return [chat(TASKS[(i % n + i // n) % 2] + held[i % n]) for i in range(2 * n)]
+    return [chat_ids(tok, TASKS[(i % n + i // n) % 2] + held[i % n]) for i in range(2 * n)]
 
 
 def real_workload(device) -> dict | None:

@@ -39,11 +39,10 @@ from ...model.tokenizer import load_tokenizer
 from ...tables import print_table
 from ...device import describe_machine, load_avg
 from .base import Benchmark, Run
-from .speculative_heads import TASKS
+from .speculative_heads import HELD_OUT_SUBJECT, TASKS, chat_ids, held_out_paragraphs
 from .speculative_proposers import compare_proposers, proposers_report
 
 TEMPERATURES = (0.0, 1.0)
-REAL_TASKS = TASKS   # the chat tasks the SmolLM2 drafts train on
 
 
 @dataclass
@@ -79,14 +78,11 @@ def real_workloads(device, quick: bool) -> list[Workload]:
     if missing := real_model_missing(name):
         print(f"(real model unavailable: {missing}; toy workloads only)")
         return []
-    target, tok, paragraphs = load_pretrained(name, device=device), load_tokenizer(name), prose_paragraphs()
-
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+    target, tok = load_pretrained(name, device=device), load_tokenizer(name)
 
     n_prompts, new = (1, 24) if quick else (2, 128)
-    grounded = [chat(REAL_TASKS[i % 2] + paragraphs[1 + 5 * i]) for i in range(n_prompts)]
-    free = [chat("Write a short story about a lighthouse keeper who finds a message in a bottle.")]  # contrast
+    grounded = [chat_ids(tok, TASKS[i % 2] + par) for i, par in enumerate(held_out_paragraphs()[:n_prompts])]
+    free = [chat_ids(tok, f"Write a short story about {HELD_OUT_SUBJECT}.")]  # contrast
     lookup, extra = {"prompt_lookup": "prompt_lookup"}, dict(model=name, parameters=target.num_parameters(),
                                                              dtype=str(target.dtype))
     return [Workload("smollm2-grounded", target, lookup, grounded, new, "SmolLM2-135M-Instruct, chat: rewrite / "
@@ -315,7 +311,7 @@ def _training_text(tok, held_out: set[str]) -> torch.Tensor:
               if par.strip() and " ".join(par.split()) not in held_out]
     for i, par in enumerate(prose_paragraphs()):
         if par not in held_out:
-            chat = tok.apply_chat_template([{"role": "user", "content": REAL_TASKS[i % 2] + par}])
+            chat = tok.apply_chat_template([{"role": "user", "content": TASKS[i % 2] + par}])
             pieces.append(tok.encode(chat + par) + tok.stop_ids[:1])
     return torch.tensor([t for p in pieces for t in p])
 

@@ -48,6 +48,11 @@ SUBJECTS = ("a baker who wakes up with the ability to hear bread", "two robots l
 HELD_OUT_SUBJECT = "a lighthouse keeper who finds a message in a bottle"   # `bench speculative`'s free prompt
 
 
+def chat_ids(tok, text: str) -> list[int]:
+    """The token ids of `text` as one user turn under the model's chat template."""
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+
+
 def held_out_paragraphs() -> list[str]:
     """The help paragraphs no draft trains on: i % HELD_OUT_EVERY == 1, each text once, in order."""
     return list(dict.fromkeys(par for i, par in enumerate(prose_paragraphs()) if i % HELD_OUT_EVERY == 1))
@@ -56,16 +61,13 @@ def held_out_paragraphs() -> list[str]:
 def training_prompts(tok) -> list[list[int]]:
     """Chat prompts and plain help-page openings: both tasks (rewrite, summarise) on every help paragraph
     not held out, one task on each standard-library docstring paragraph, a story on each subject."""
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-
     held_out = set(held_out_paragraphs())
     # the help repeats some paragraphs under several topics: a repeat of a held-out one is held out too
     kept = list(dict.fromkeys(par for par in prose_paragraphs() if par not in held_out))
-    prompts = [chat(task + par) for par in kept for task in TASKS]
-    prompts += [chat(f"Write a short story about {s}.") for s in SUBJECTS]
+    prompts = [chat_ids(tok, task + par) for par in kept for task in TASKS]
+    prompts += [chat_ids(tok, f"Write a short story about {s}.") for s in SUBJECTS]
     prompts += [tok.encode(doc)[:96] for doc in pydoc_documents("calibration")[::4]]
-    prompts += [chat(TASKS[i % 2] + par) for i, par in enumerate(docstring_paragraphs())]
+    prompts += [chat_ids(tok, TASKS[i % 2] + par) for i, par in enumerate(docstring_paragraphs())]
     return prompts
 
 

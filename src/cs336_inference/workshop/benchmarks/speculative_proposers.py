@@ -39,7 +39,7 @@ from ...generation.speculative_costs import timed
 from ...model.real_models import real_model_missing
 from ...device import load_avg
 from .base import Benchmark
-from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS, held_out_paragraphs
+from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS, chat_ids, held_out_paragraphs
 
 GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5,
           "eagle_tree": 6, "lookup_eagle_tree": 6}
@@ -54,12 +54,9 @@ LOOKUP_TOKENS = 20                              # lookup_eagle_tree's copied bra
 
 def held_out_prompts(tok, quick: bool) -> list[tuple[str, list[int]]]:
     """(kind, chat prompt ids): rewrite / summarise held-out paragraphs (i % 5 == 1), and a story."""
-    def chat(text: str) -> list[int]:
-        return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
-
     n = 1 if quick else 4
-    grounded = [("grounded", chat(TASKS[i % 2] + par)) for i, par in enumerate(held_out_paragraphs()[:n])]
-    return grounded + [("free", chat(f"Write a short story about {HELD_OUT_SUBJECT}."))]
+    grounded = [("grounded", chat_ids(tok, TASKS[i % 2] + par)) for i, par in enumerate(held_out_paragraphs()[:n])]
+    return grounded + [("free", chat_ids(tok, f"Write a short story about {HELD_OUT_SUBJECT}."))]
 
 
 def _plain_compiled(model, prompt: list[int], new: int, step, stop: set[int]) -> list[int]:
