@@ -48,10 +48,13 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
     for d in range(1, 4):                            # each depth expands its best-scored top_k
         level = sorted((n for n in nodes if n.depth == d), key=lambda n: -n.score)
         assert [n.feature is not None for n in level] == [True] * 3 + [False] * (len(level) - 3)
+    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
+    outside[draft.vocab] = False                     # the trained draft ranks the ids of its data only
     for node in nodes:                               # scores: the draft's log-probabilities summed along the path
         if node.parent >= 0:
             parent = nodes[node.parent]
-            logp = torch.log_softmax(target.lm_head(parent.feature).float(), -1)[node.token]
+            logits = target.lm_head(parent.feature).float().masked_fill(outside, float("-inf"))
+            logp = torch.log_softmax(logits, -1)[node.token]
             assert node.score == pytest.approx(parent.score + float(logp), abs=1e-4)
 
 

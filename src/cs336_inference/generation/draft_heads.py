@@ -2,7 +2,8 @@
 
 A file holds {"kind": "medusa" | "eagle", "d_model", "num_heads" (Medusa) or "config" and "features" (EAGLE),
 "state_dict" (half precision: the heads are small and their guesses only need to be good, not exact;
-the output stays exact through verification), "meta" (how it was trained)}. An EAGLE file's "features" is
+the output stays exact through verification), "vocab" (the token ids it was trained to rank, int32, or
+None for all: `draft_vocab`), "meta" (how it was trained)}. An EAGLE file's "features" is
 "normed": its draft reads and predicts the target's features after the final norm (`eagle.py`); files
 without it hold a draft trained on the features before the norm, which this version cannot run.
 `load_draft_heads(target, "medusa-smollm2")` finds a shipped asset by name; a path loads a file.
@@ -17,6 +18,7 @@ import torch
 from .. import _checks
 from ..model.config import ModelConfig
 from ..model.transformer import TransformerLM
+from .draft_vocab import set_vocab
 from .eagle import EagleDraft, EagleDrafter
 from .medusa import MedusaDrafter, MedusaHeads, check_heads_match
 
@@ -31,7 +33,8 @@ def save_draft_heads(path, module: MedusaHeads | EagleDraft, meta: dict | None =
     _checks.instance("module", module, (MedusaHeads, EagleDraft), "MedusaHeads or EagleDraft")
     state = {k: v.detach().to("cpu", dtype) for k, v in module.state_dict().items() if v.is_floating_point()
              and not k.startswith("rope.")}
-    blob = dict(state_dict=state, meta=meta or {}, d_model=module.d_model)
+    vocab = None if module.vocab is None else module.vocab.to("cpu", torch.int32)
+    blob = dict(state_dict=state, vocab=vocab, meta=meta or {}, d_model=module.d_model)
     if isinstance(module, MedusaHeads):
         blob |= dict(kind="medusa", num_heads=module.num_heads)
     else:
@@ -73,6 +76,10 @@ def load_draft_heads(target: TransformerLM, name_or_path) -> MedusaHeads | Eagle
     if unexpected or [k for k in missing if not k.startswith("rope.")]:
         raise ValueError(f"{path}: keys do not match a {blob['kind']} module (missing {missing}, "
                          f"unexpected {unexpected})")
+    try:
+        set_vocab(module, blob.get("vocab"), target.config.vocab_size)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}: its vocab does not fit this target: {e}") from e
     module.meta = blob.get("meta", {})
     return module.eval().requires_grad_(False)
 

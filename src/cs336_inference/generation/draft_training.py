@@ -13,6 +13,7 @@
 
 The cross-entropy runs over the vocabulary the data uses (`labels.unique()`): the LM head's other
 rows never appear as a label, and on a 49k vocabulary the full softmax would dominate the CPU time.
+So the trained module keeps those ids as its `vocab` and drafts among them only (`draft_vocab`).
 Only the heads train; the target is frozen and never sees a gradient.
 """
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from .. import _checks
 from ..model.transformer import TransformerLM
+from .draft_vocab import set_vocab
 from .eagle import EagleDraft, eagle_config
 from .generate import generate
 from .medusa import MedusaHeads
@@ -147,6 +149,7 @@ def train_medusa(target: TransformerLM, data: DistillData, num_heads: int = 4, s
             acc = (logits.argmax(-1) == lab).float().mean(0).tolist()                  # per head
             best = _log_step("medusa", heads, step, loss, acc, f"per head {[round(a, 2) for a in acc]}", history,
                              best, val_accuracy if val is not None else None, t0)
+    set_vocab(heads, used, target.config.vocab_size)   # it learned to rank these ids only (`draft_vocab`)
     return _finish(heads, history, best, done), history
 
 
@@ -211,6 +214,7 @@ def train_eagle(target: TransformerLM, data: DistillData, steps: int = 300, wind
             acc = float((logits.argmax(-1) == lab).float().mean())
             best = _log_step("eagle", draft, step, loss, acc, f"{acc:.2f}", history, best,
                              val_accuracy if val is not None else None, t0)
+    set_vocab(draft, used, target.config.vocab_size)
     return _finish(draft, history, best, done), history
 
 

@@ -31,8 +31,9 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.layers import RotaryEmbedding
 from ..model.transformer import TransformerBlock, TransformerLM
-from .medusa import check_heads_match
+from .draft_vocab import DraftHead
 from .drafters import draw_draft
+from .medusa import check_draft_head, check_heads_match
 from .sampling_params import SamplingParams
 
 
@@ -53,6 +54,7 @@ class EagleDraft(nn.Module):
             raise ValueError(f"an EAGLE draft is one decoder layer: config.num_layers must be 1, got "
                              f"{config.num_layers} (build it with eagle_config(target.config))")
         self.config, self.d_model = config, config.d_model
+        self.vocab = None       # the token ids the draft was trained to rank (`draft_vocab`); None: all
         self.fc = nn.Linear(2 * config.d_model, config.d_model, bias=True, device=device, dtype=dtype)
         self.block = TransformerBlock(config, 0, device=device, dtype=dtype)
         self.rope = RotaryEmbedding(config.head_dim, config.context_length, config.rope_theta, device=device)
@@ -100,13 +102,14 @@ class EagleDrafter:
     """The `Drafter` protocol for an EAGLE draft on a target it shares the embedding, final norm and LM head with.
 
     Invariant: draft cache position t holds (h_t, x_{t+1}); the first `true_len` were computed from the
-    target's features, the rest (the last pass's drafting) from the draft's own guesses.
+    target's features, the rest (the last pass's drafting) from the draft's own guesses. Its logits go
+    through the target's LM head restricted to the draft's vocabulary (`draft_vocab.DraftHead`).
     """
 
-    def __init__(self, target: TransformerLM, draft: EagleDraft):
+    def __init__(self, target: TransformerLM, draft: EagleDraft, head: DraftHead | None = None):
         _checks.instance("draft", draft, EagleDraft)
         check_heads_match(target, draft.d_model, "the EAGLE draft")
-        self.target, self.draft = target, draft
+        self.target, self.draft, self.head = target, draft, check_draft_head(target, draft, head)
         self.cache, self.true_len, self.pending, self.forwards = None, 0, [], 0
 
     def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:
@@ -124,8 +127,9 @@ class EagleDrafter:
         return self.draft(features[None], emb[None], self.cache)[0, -1]
 
     def logits(self, feature: torch.Tensor) -> torch.Tensor:
-        """The draft's predicted feature(s) h^ (..., D) -> next-token logits (..., V), through the target's head."""
-        return self.target.lm_head(feature)
+        """The draft's predicted feature(s) h^ (..., D) -> next-token logits (..., V), through the target's head
+        (-inf outside the draft's vocabulary)."""
+        return self.head(feature)
 
     def read_pending(self, sequence: list[int]) -> torch.Tensor:
         """Feed the target's features that arrived through `observe` -> the draft's feature after the last

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from .. import _checks
 from ..model.transformer import TransformerLM
+from .draft_vocab import DraftHead
 from .drafters import draw_draft
 from .sampling_params import SamplingParams
 
@@ -37,6 +38,7 @@ class MedusaHeads(nn.Module):
         _checks.positive_int("num_heads", num_heads)
         _checks.positive_int("d_model", d_model)
         self.d_model, self.num_heads = d_model, num_heads
+        self.vocab = None       # the token ids the heads were trained to rank (`draft_vocab`); None: all
         self.proj = nn.ModuleList(nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
                                   for _ in range(num_heads))
         for w in self.proj:   # zero: an untrained head is the identity (it guesses what the LM head does)
@@ -55,22 +57,29 @@ def check_heads_match(target: TransformerLM, d_model: int, what: str) -> None:
                          "heads are trained for one target (load the ones made for it)")
 
 
-def head_logits(target: TransformerLM, z: torch.Tensor) -> torch.Tensor:
-    """z (..., D) in the normed-feature space -> logits (..., V) through the target's frozen LM head."""
-    return target.lm_head(z)
+def check_draft_head(target: TransformerLM, module: nn.Module, head: DraftHead | None) -> DraftHead:
+    """The LM head a drafter reads: `head` when given (one shared by every sequence's drafter in the
+    engine: its rows are copied once), else a new one over the module's vocabulary."""
+    if head is None:
+        return DraftHead(target, module.vocab)
+    _checks.instance("head", head, DraftHead)
+    if head.target is not target:
+        raise ValueError("head was built for another target model: build it with DraftHead(target, module.vocab)")
+    return head
 
 
 class MedusaDrafter:
     """The `Drafter` protocol for Medusa heads, chain form: up to K tokens per pass, one per head.
 
     observe(features (T, D)): the target's pre-norm hidden states of the positions that became final
-    (the loop calls it after the prefill and after each pass); propose reads the last one.
+    (the loop calls it after the prefill and after each pass); propose reads the last one. The heads'
+    logits go through the target's LM head restricted to their vocabulary (`draft_vocab.DraftHead`).
     """
 
-    def __init__(self, target: TransformerLM, heads: MedusaHeads):
+    def __init__(self, target: TransformerLM, heads: MedusaHeads, head: DraftHead | None = None):
         _checks.instance("heads", heads, MedusaHeads)
         check_heads_match(target, heads.d_model, "the Medusa heads")
-        self.target, self.heads = target, heads
+        self.target, self.heads, self.head = target, heads, check_draft_head(target, heads, head)
         self.last = None        # (D,) pre-norm feature of the last final position
         self.forwards = 0       # head evaluations (one per pass)
 
@@ -88,7 +97,7 @@ class MedusaDrafter:
     def head_logits(self, n: int) -> torch.Tensor:
         """(n, V): heads 1..n's logits for the tokens 2..n+1 positions after the last final one."""
         z = self.heads(self.target.ln_final(self.last))[:n]                          # (n, D)
-        return head_logits(self.target, z)
+        return self.head(z)
 
     def propose(self, sequence: list[int], n: int, sampling: SamplingParams,
                 generator: torch.Generator | None = None) -> tuple[list[int], torch.Tensor | None]:

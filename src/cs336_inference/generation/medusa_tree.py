@@ -28,6 +28,7 @@ import torch
 from .. import _checks
 from ..model.kv_cache import ContiguousKVCache, KVCache
 from ..model.transformer import TransformerLM
+from .draft_vocab import DraftHead
 from .generate import stop_token_set
 from .medusa import MedusaHeads, check_heads_match
 from .sampling import sample_next_token
@@ -109,6 +110,7 @@ def medusa_tree_generate(target: TransformerLM, heads: MedusaHeads, prompt_ids, 
     _checks.non_negative_int("max_new_tokens", max_new_tokens)
     paths = check_tree(tree, heads.num_heads)
     prompt = _checks.token_ids("prompt_ids", torch.as_tensor(prompt_ids), target.config.vocab_size, dims=(1,)).tolist()
+    head = DraftHead(target, heads.vocab)   # the LM head over the ids the heads rank (`draft_vocab`)
     depth = max(len(p) for p in paths)
     parents = [0 if len(p) == 1 else 1 + paths.index(p[:-1]) for p in paths]
     depths = torch.tensor([0] + [len(p) for p in paths])
@@ -127,7 +129,7 @@ def medusa_tree_generate(target: TransformerLM, heads: MedusaHeads, prompt_ids, 
     seq.append(pick(logits[0, -1]))
     result.tokens.append(seq[-1])
     while len(result.tokens) < max_new_tokens and seq[-1] not in stop:
-        guesses = target.lm_head(heads(target.ln_final(last))).topk(ranks, -1).indices.tolist()   # (K, ranks)
+        guesses = head(heads(target.ln_final(last))).topk(ranks, -1).indices.tolist()   # (K, ranks)
         node_tokens = [seq[-1]] + [guesses[len(p) - 1][p[-1]] for p in paths]
         start = cache.length
         logits, hidden = tree_forward(target, cache, torch.tensor(node_tokens, device=device), parents, depths)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _checks
+from ..generation.draft_vocab import DraftHead
 from ..generation.eagle import EagleDraft, EagleDrafter
 from ..generation.medusa import MedusaDrafter, MedusaHeads, check_heads_match
 from ..model.transformer import TransformerLM
@@ -61,6 +62,7 @@ class MedusaProposer:
         _checks.instance("heads", heads, MedusaHeads, "MedusaHeads (e.g. load_draft_heads(target, 'medusa-smollm2'))")
         check_heads_match(target, heads.d_model, "the Medusa heads")
         self.target, self.heads = target, heads
+        self.head = DraftHead(target, heads.vocab)   # one copy of the LM-head rows for every sequence
 
     @torch.inference_mode()
     def propose(self, seq: Sequence, n: int) -> tuple[list[int], torch.Tensor | None]:
@@ -72,7 +74,8 @@ class MedusaProposer:
     @torch.inference_mode()
     def observe(self, seq: Sequence, features: TargetFeatures) -> None:
         if seq.proposer_state is None:
-            seq.proposer_state = FeatureState(MedusaDrafter(self.target, self.heads), features.positions[0], 0)
+            drafter = MedusaDrafter(self.target, self.heads, self.head)
+            seq.proposer_state = FeatureState(drafter, features.positions[0], 0)
         seq.proposer_state.drafter.observe(features.last_hidden)
         seq.proposer_state.end = features.positions[-1] + 1
 
@@ -90,6 +93,7 @@ class EagleProposer:
             raise ValueError(f"the EAGLE draft was built for vocab_size {draft.config.vocab_size}, the target's is "
                              f"{target.config.vocab_size}; build it with eagle_config(target.config)")
         self.target, self.draft = target, draft
+        self.head = DraftHead(target, draft.vocab)   # one copy of the LM-head rows for every sequence
         self.max_draft_tokens = _checks.positive_int("max_draft_tokens", max_draft_tokens)
 
     @torch.inference_mode()
@@ -105,7 +109,7 @@ class EagleProposer:
     def observe(self, seq: Sequence, features: TargetFeatures) -> None:
         first, state = features.positions[0], seq.proposer_state
         if state is None or not state.base <= first <= state.end:   # new, or a gap: start from these positions
-            drafter = EagleDrafter(self.target, self.draft)
+            drafter = EagleDrafter(self.target, self.draft, self.head)
             drafter.start([], seq.max_len - first, max_rollback=self.max_draft_tokens + 1)
             state = seq.proposer_state = FeatureState(drafter, first, first)
         elif first < state.end:   # a recompute after preemption: positions from `first` on come again
