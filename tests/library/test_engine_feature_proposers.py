@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cs336_inference.generation.draft_vocab import set_vocab
 from cs336_inference.generation.eagle import EagleDraft, eagle_config
 from cs336_inference.generation.medusa import MedusaHeads
 from cs336_inference.model import load_pretrained
@@ -24,18 +25,30 @@ from test_engine_speculative import _drain, full_forward_features, greedy_refere
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
 
 
-def random_medusa(model, num_heads=4, seed=0) -> MedusaHeads:
+def random_medusa(model, num_heads=4, seed=0, vocab=None) -> MedusaHeads:
     heads = MedusaHeads(model.config.d_model, num_heads)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for w in heads.proj:
             w.weight.copy_(0.1 * torch.randn(w.weight.shape, generator=gen))
+    set_vocab(heads, vocab, model.config.vocab_size)
     return heads.eval()
 
 
-def random_eagle(model, seed=0) -> EagleDraft:
+def random_eagle(model, seed=0, vocab=None) -> EagleDraft:
     torch.manual_seed(seed)
-    return EagleDraft(eagle_config(model.config)).eval()
+    draft = EagleDraft(eagle_config(model.config)).eval()
+    set_vocab(draft, vocab, model.config.vocab_size)
+    return draft
+
+
+def restricted(logits, module):
+    """logits (V,) with -inf off the ids the heads or draft rank (all of them without a vocabulary)."""
+    if module.vocab is None:
+        return logits
+    out = torch.full_like(logits, float("-inf"))
+    out[module.vocab] = logits[module.vocab]
+    return out
 
 
 @torch.no_grad()
@@ -43,7 +56,7 @@ def reference_medusa_logits(model, heads, tokens, n):
     """Head k's logits from the target's feature at the last final position: lm_head(h + SiLU(W_k h))."""
     last, _ = full_forward_features(model, tokens)
     h = model.ln_final(last[len(tokens) - 2])
-    return [model.lm_head(h + F.silu(h @ w.weight.T)) for w in heads.proj[:n]]
+    return [restricted(model.lm_head(h + F.silu(h @ w.weight.T)), heads) for w in heads.proj[:n]]
 
 
 @torch.no_grad()
@@ -55,7 +68,7 @@ def reference_eagle_logits(model, draft, tokens, base, drafts):
     feats, nxt, out = model.ln_final(last[base:len(tokens) - 1]), list(tokens[base + 1:]), []
     for token in drafts:
         f = draft(feats[None], model.token_embeddings(torch.tensor([nxt])))[0, -1]         # (D,)
-        out.append(model.lm_head(f))
+        out.append(restricted(model.lm_head(f), draft))
         feats, nxt = torch.cat([feats, f[None]]), nxt + [token]
     return out
 
@@ -92,11 +105,12 @@ def test_engine_proposals_equal_a_from_scratch_reference_through_rollback_and_pr
     prompts = [shared + text[40:47], text[100:131], shared + text[300:305], text[500:509], shared + text[700:703]]
     max_tokens = 22
     full = {tuple(p): greedy_reference(model, p, max_tokens) for p in prompts}
+    vocab = torch.arange(0, model.config.vocab_size, 2)   # drafts rank the even ids only (`draft_vocab`)
     if kind == "medusa":
-        heads = random_medusa(model)
+        heads = random_medusa(model, vocab=vocab)
         proposer = recording(MedusaProposer)(full, model, heads)
     else:
-        draft = random_eagle(model)
+        draft = random_eagle(model, vocab=vocab)
         proposer = recording(EagleProposer)(full, model, draft, 4)
     engine = Engine(model, proposer=proposer, num_speculative_tokens=4, block_size=4, max_num_seqs=4,
                     max_num_batched_tokens=24, chunked_prefill=True, num_blocks=18, step_time=lambda b: 0.001)
@@ -109,6 +123,7 @@ def test_engine_proposals_equal_a_from_scratch_reference_through_rollback_and_pr
     assert any(s.num_preemptions > 0 for s in seqs), "no preemption: the test did not exercise recompute"
     assert any(s.num_cached_tokens > 0 for s in seqs), "no prefix-cache hit"
     assert 0 < engine.scheduler.num_accepted < engine.scheduler.num_proposed
+    assert all(s.proposer_state.drafter.head is proposer.head for s in seqs)   # one copy of the head's rows
     checked = 0
     for tokens, base, drafts, seq in proposer.records:
         if not drafts:   # allowed only before the first feature of the newest position arrived (a fork, none here)
@@ -120,7 +135,8 @@ def test_engine_proposals_equal_a_from_scratch_reference_through_rollback_and_pr
             assert base == seq.num_cached_tokens
             logits = reference_eagle_logits(model, draft, tokens, base, drafts)
         for token, row in zip(drafts, logits, strict=True):
-            assert row[token] >= row.max() - 1e-4, f"draft {token} is not the reference's argmax {int(row.argmax())}"
+            assert token % 2 == 0 and row[token] >= row.max() - 1e-4, \
+                f"draft {token} is not the reference's argmax {int(row.argmax())}"
         checked += len(drafts)
     assert checked > 50
     assert len(proposer.records) > 20 and all(r[2] for r in proposer.records[-5:])
@@ -128,9 +144,11 @@ def test_engine_proposals_equal_a_from_scratch_reference_through_rollback_and_pr
 
 @pytest.mark.parametrize("kind", ["medusa", "eagle"])
 def test_greedy_outputs_equal_the_plain_engine_with_preemption(model, text, kind):
-    """The proposers' own drafts (random heads: mostly rejected), a pool small enough to preempt."""
+    """The proposers' own drafts (random heads ranking the even ids only: mostly rejected), a pool small
+    enough to preempt."""
     prompts = [text[0:30], text[200:212], text[0:30] + text[400:404], text[900:925]]
-    draft = random_medusa(model, seed=1) if kind == "medusa" else random_eagle(model, seed=1)
+    vocab = torch.arange(0, model.config.vocab_size, 2)
+    draft = random_medusa(model, seed=1, vocab=vocab) if kind == "medusa" else random_eagle(model, seed=1, vocab=vocab)
     options = dict(block_size=4, max_num_seqs=4, num_blocks=26, max_num_batched_tokens=20, chunked_prefill=True)
     outputs, preempted = [], []
     for spec in ({}, dict(speculative=kind, draft_model=draft)):

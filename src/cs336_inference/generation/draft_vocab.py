@@ -20,6 +20,8 @@ import torch.nn as nn
 
 from .. import _checks
 from ..model.transformer import TransformerLM
+from ..quantization.linear import QuantizedLinear
+from ..quantization.model import RescoredHead
 
 
 def check_vocab(name: str, ids, vocab_size: int) -> torch.Tensor:
@@ -37,25 +39,48 @@ def set_vocab(module: nn.Module, ids, vocab_size: int) -> None:
     module.vocab = None if ids is None else check_vocab("vocab", ids, vocab_size)
 
 
+def _row_reader(lm_head: nn.Module):
+    """(dtype, ids (V_used,)) -> the head's weight rows (V_used, D) for a plain or a quantized LM head
+    (the fast path's int8 head is a `RescoredHead` over a `QuantizedLinear`), or None for a head whose
+    logits are not x @ rows.T (a bias, AWQ's input scales, another kind)."""
+    if isinstance(lm_head, RescoredHead):
+        lm_head = lm_head.head
+    if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+        return lambda dtype, ids: lm_head.weight.detach()[ids].to(dtype)
+    if isinstance(lm_head, QuantizedLinear) and lm_head.bias is None and lm_head.input_scale is None:
+        return lambda dtype, ids: lm_head.dequantized_weight(dtype, rows=ids)
+    return None
+
+
 class DraftHead:
     """The target's LM head as a draft sees it: z (..., D) -> logits (..., V), -inf outside `vocab`.
 
-    The rows are copied once, when the head is built (build it again after changing the target's
-    weights). A target whose lm_head is not a plain `nn.Linear` (a quantized one) computes every row
-    and masks: the same distribution, without the saving."""
+    The rows (dequantized, for a quantized head) are read once, at the first call in each dtype (build
+    the head again after changing the target's weights). A head whose rows cannot be read this way
+    computes every logit and masks: the same distribution, without the saving."""
 
     def __init__(self, target: TransformerLM, vocab: torch.Tensor | None = None):
         _checks.instance("target", target, TransformerLM)
         self.target, self.vocab_size = target, target.config.vocab_size
         self.ids = None if vocab is None else check_vocab("vocab", vocab, self.vocab_size).to(target.device)
-        self.rows = None
-        if self.ids is not None and isinstance(target.lm_head, nn.Linear) and target.lm_head.bias is None:
-            self.rows = target.lm_head.weight.detach()[self.ids]                       # (V_used, D)
+        self.read_rows = None if self.ids is None else _row_reader(target.lm_head)
+        self._rows = None                                                               # (V_used, D)
+
+    @property
+    def reads_rows(self) -> bool:
+        """Whether a call multiplies by the kept rows only (the saving), not by the whole head."""
+        return self.read_rows is not None
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if self.ids is None:
             return self.target.lm_head(z)
-        kept = z @ self.rows.T if self.rows is not None else self.target.lm_head(z)[..., self.ids]
+        if self.read_rows is None:
+            kept = self.target.lm_head(z)[..., self.ids]
+        else:
+            if self._rows is None or self._rows.dtype != z.dtype:
+                with torch.no_grad():
+                    self._rows = self.read_rows(z.dtype, self.ids)
+            kept = z @ self._rows.T                                                     # (..., V_used)
         out = kept.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))         # (..., V)
         out[..., self.ids] = kept
         return out
