@@ -14,6 +14,8 @@ from cs336_inference.generation.draft_heads import load_draft_heads, save_draft_
 from cs336_inference.generation.draft_vocab import DraftHead, check_vocab, set_vocab
 from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_config
 from cs336_inference.generation.medusa import MedusaDrafter, MedusaHeads
+from cs336_inference.quantization.core import quantize_tensor
+from cs336_inference.quantization.linear import QuantizedLinear
 from cs336_inference.quantization.model import RescoredHead, quantize_model
 from test_speculative_decoding import sampled_law_p_value, target_joint_law, tiny_pair
 
@@ -61,15 +63,19 @@ def test_restricted_logits_are_the_heads_rows_and_minus_inf_elsewhere():
     torch.testing.assert_close(head(z), got)
 
 
-@pytest.mark.parametrize("rescored", [False, True])
+@pytest.mark.parametrize("kind", ["int8", "rescored", "input_scale"])
 @torch.no_grad()
-def test_a_quantized_heads_kept_rows_are_read_dequantized(rescored):
+def test_a_quantized_heads_kept_rows_are_read_dequantized(kind):
     """The fast path's LM head is int8 codes (a RescoredHead over a QuantizedLinear): the draft reads the kept
-    rows dequantized, and its logits there equal the quantized head's own (bf16 kernel aside: reference kernel)."""
+    rows dequantized, and its logits there equal the quantized head's own (bf16 kernel aside: reference kernel);
+    AWQ's input scales divide the rows' columns."""
     target, _ = tiny_pair("good")
     q = quantize_model(target, "rtn", bits=8, group_size=8, quantize_lm_head=True, kernel="reference")
-    if rescored:
+    if kind == "rescored":
         q.lm_head = RescoredHead(q.lm_head)
+    if kind == "input_scale":
+        qt = quantize_tensor(target.lm_head.weight.detach(), 8, granularity="group", group_size=8)
+        q.lm_head = QuantizedLinear(qt, input_scale=torch.rand(target.config.d_model) + 0.5, kernel="reference")
     z = torch.randn(5, target.config.d_model)
     head = DraftHead(q, torch.tensor([1, 2]))
     assert head.reads_rows

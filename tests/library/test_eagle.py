@@ -138,7 +138,7 @@ def test_bad_inputs_are_refused(toy):
 @torch.inference_mode()
 def test_shipped_smollm2_drafts_keep_greedy_output_identical(name, gamma):
     """The shipped heads on SmolLM2 (as `bench speculative` runs them): the same tokens as plain greedy
-    decoding, and they do draft tokens the target accepts."""
+    decoding, and they do draft tokens the target accepts, from the rows of the ids they trained on."""
     from cs336_inference.generation.draft_heads import ASSETS, SHIPPED
     from cs336_inference.model import load_pretrained, load_tokenizer
     from cs336_inference.model.real_models import real_model_missing
@@ -151,7 +151,8 @@ def test_shipped_smollm2_drafts_keep_greedy_output_identical(name, gamma):
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "Write a short story about a "
                                                   "lighthouse keeper who finds a message in a bottle."}]))
     want = generate(target, [prompt], 40, stop_tokens=tok.stop_ids).tokens[0]
-    out = speculative_generate(target, load_drafter(target, name), prompt, gamma, max_new_tokens=40,
-                               stop_tokens=tok.stop_ids)
+    drafter = load_drafter(target, name)
+    assert drafter.head.reads_rows and len(drafter.head.ids) < target.config.vocab_size // 5   # `draft_vocab`
+    out = speculative_generate(target, drafter, prompt, gamma, max_new_tokens=40, stop_tokens=tok.stop_ids)
     assert out.tokens == want
     assert sum(out.accepted) > 0, f"{name} drafted nothing the target accepted"

@@ -1,11 +1,11 @@
 """A draft's vocabulary: the rows of the target's LM head a trained draft may propose.
 
 Medusa heads and an EAGLE draft turn a feature into tokens through the target's frozen LM head. On
-SmolLM2 that head is 49,152 rows, and in the engine it costs about 17x the EAGLE layer itself
-(docs/serving.md): most of what a drafted token costs. The drafts trained on the target's own
-continuations, whose choices use a few thousand ids, and their loss only ever ranked those ids
-(`draft_training._vocab_map`). So the draft's distribution *is* a softmax over those rows: computing
-only them gives the trained draft exactly, at a tenth of the cost.
+SmolLM2 that head is 49,152 rows, many times the arithmetic of the EAGLE layer itself (docs/serving.md):
+most of what a drafted token costs. The drafts trained on the target's own continuations, whose
+choices use a few thousand ids, and their loss only ever ranked those ids (`draft_training._vocab_map`).
+So the trained draft's distribution is a softmax over those rows: computing only them gives it exactly,
+for about a tenth of the head.
 
 `DraftHead` returns full-V logits with -inf outside the draft's ids, so a proposal distribution q
 is still a distribution over the whole vocabulary, zero on the ids the draft never proposes. The
@@ -20,8 +20,6 @@ import torch.nn as nn
 
 from .. import _checks
 from ..model.transformer import TransformerLM
-from ..quantization.linear import QuantizedLinear
-from ..quantization.model import RescoredHead
 
 
 def check_vocab(name: str, ids, vocab_size: int) -> torch.Tensor:
@@ -40,15 +38,15 @@ def set_vocab(module: nn.Module, ids, vocab_size: int) -> None:
 
 
 def _row_reader(lm_head: nn.Module):
-    """(dtype, ids (V_used,)) -> the head's weight rows (V_used, D) for a plain or a quantized LM head
-    (the fast path's int8 head is a `RescoredHead` over a `QuantizedLinear`), or None for a head whose
-    logits are not x @ rows.T (a bias, AWQ's input scales, another kind)."""
-    if isinstance(lm_head, RescoredHead):
-        lm_head = lm_head.head
-    if isinstance(lm_head, nn.Linear) and lm_head.bias is None:
+    """(dtype, ids (V_used,)) -> the head's rows (V_used, D) with lm_head(z)[..., ids] = z @ rows.T, for a
+    plain head or one that offers `weight_rows` (a quantized head: the fast path's int8 codes, dequantized);
+    None for a head with a bias or of another kind."""
+    if getattr(lm_head, "bias", None) is not None:
+        return None
+    if isinstance(lm_head, nn.Linear):
         return lambda dtype, ids: lm_head.weight.detach()[ids].to(dtype)
-    if isinstance(lm_head, QuantizedLinear) and lm_head.bias is None and lm_head.input_scale is None:
-        return lambda dtype, ids: lm_head.dequantized_weight(dtype, rows=ids)
+    if hasattr(lm_head, "weight_rows"):
+        return lambda dtype, ids: lm_head.weight_rows(ids, dtype)
     return None
 
 

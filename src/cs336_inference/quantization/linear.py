@@ -124,6 +124,13 @@ class QuantizedLinear(nn.Module):
             w = w + pick(self.minimum).to(dtype)[..., None]
         return w.flatten(-2)                                                     # (..., I)
 
+    def weight_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """rows (R,) output indices -> (R, I): what x is multiplied by for them, self(x)[..., rows] =
+        x @ weight_rows(rows).T (the kernel's rounding and the bias aside). A draft that ranks a few
+        thousand token ids reads only their rows of a quantized LM head (`generation.draft_vocab`)."""
+        w = self.dequantized_weight(dtype, rows=rows)
+        return w if self.input_scale is None else w / self.input_scale.to(dtype)
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """W (O, I) in `dtype` for the dense route. In the kernel's activation dtype (bf16) an int4pack
         layer returns its kernel's weights to the bit (`int4pack_dense`), so prefill and decode multiply

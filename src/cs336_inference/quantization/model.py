@@ -79,6 +79,10 @@ class RescoredHead(nn.Module):
         exact = (rows @ x.float().unsqueeze(-1)).squeeze(-1)                       # (..., k)
         return logits.scatter(-1, top, exact)
 
+    def weight_rows(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """(R, D): the quantized head's rows for these ids, dequantized (`QuantizedLinear.weight_rows`)."""
+        return self.head.weight_rows(rows, dtype)
+
     def kernel_summary(self) -> str:
         return f"{self.head.kernel_summary()}; its top {self.k} logits rescored in fp32"
 
