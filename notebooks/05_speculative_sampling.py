@@ -286,6 +286,9 @@ else:
 #   normed hidden state, and predicts the next one, h_{t+1}; the frozen LM head turns it into a token,
 #   which is fed back in. It extrapolates features autoregressively, so each guess knows the branch it
 #   is on. It keeps its own KV cache, rolled back with the target's after each pass.
+# * Both propose only the token ids they were trained to rank (`generation.draft_vocab`), a tenth of
+#   SmolLM2's vocabulary: the LM head's other rows are never multiplied, which cuts most of a drafted
+#   token's cost. Their q is zero off those ids, so the accept/resample rule stays exact.
 #
 # Both were trained once by self-distillation on SmolLM2's own greedy answers (`python -m
 # cs336_inference bench speculative_heads`, on this CPU) and ship with the package; nothing trains
@@ -301,6 +304,7 @@ if have_heads:
     story_ids = smol_tok.encode(smol_tok.apply_chat_template([{"role": "user", "content": story}]))
     reference = generate(smol, [story_ids], 64, stop_tokens=smol_tok.stop_ids).tokens[0]
     drafters = {name: load_drafter(smol, f"{name}-smollm2") for name in ("medusa", "eagle")}
+    print(f"the drafts propose among {len(drafters['eagle'].head.ids):,} of {smol.config.vocab_size:,} token ids")
     for name, gamma in (("medusa", 4), ("eagle", 5)):
         out = speculative_generate(smol, drafters[name], story_ids, gamma, max_new_tokens=64,
                                    stop_tokens=smol_tok.stop_ids)
