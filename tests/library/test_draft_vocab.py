@@ -17,6 +17,8 @@ from cs336_inference.generation.medusa import MedusaDrafter, MedusaHeads
 from cs336_inference.quantization.core import quantize_tensor
 from cs336_inference.quantization.linear import QuantizedLinear
 from cs336_inference.quantization.model import RescoredHead, quantize_model
+from test_eagle import trained_toy
+from test_medusa import restricted
 from test_speculative_decoding import sampled_law_p_value, target_joint_law, tiny_pair
 
 MINUS_INF = float("-inf")
@@ -33,7 +35,8 @@ class WrappedHead(nn.Module):
         return self.linear(x)
 
 
-def drafter(kind: str, target, vocab):
+def draft_module(kind: str, target, vocab):
+    """A seeded random EAGLE draft or two Medusa heads, ranking the ids `vocab` only."""
     torch.manual_seed(4)
     if kind == "eagle":
         module = EagleDraft(eagle_config(target.config))
@@ -43,7 +46,11 @@ def drafter(kind: str, target, vocab):
             for w in module.proj:
                 w.weight.normal_(0, 0.5)
     set_vocab(module, vocab, target.config.vocab_size)
-    return (EagleDrafter if kind == "eagle" else MedusaDrafter)(target, module)
+    return module
+
+
+def drafter(kind: str, target, vocab):
+    return (EagleDrafter if kind == "eagle" else MedusaDrafter)(target, draft_module(kind, target, vocab))
 
 
 @torch.no_grad()
@@ -52,14 +59,14 @@ def test_restricted_logits_are_the_heads_rows_and_minus_inf_elsewhere():
     z = torch.randn(3, 2, target.config.d_model)
     full = z @ target.lm_head.weight.T                                                  # (3, 2, V)
     got = DraftHead(target, torch.tensor([3, 0]))(z)
-    assert got.shape == full.shape
-    torch.testing.assert_close(got[..., [0, 3]], full[..., [0, 3]])
-    assert bool((got[..., [1, 2]] == MINUS_INF).all())
+    assert got.shape == full.shape and bool((got[..., [1, 2]] == MINUS_INF).all())
+    torch.testing.assert_close(got, restricted(full, [0, 3]))
     torch.testing.assert_close(DraftHead(target)(z), full)                              # no vocabulary: every row
     wrapped = copy.deepcopy(target)
     wrapped.lm_head = WrappedHead(wrapped.lm_head)
-    head = DraftHead(wrapped, torch.tensor([0, 3]))
-    assert not head.reads_rows                                                          # computes all rows, masks
+    with pytest.warns(UserWarning, match="cannot give its rows.*computes all 4 logits"):
+        head = DraftHead(wrapped, torch.tensor([0, 3]))                                 # announced, not silent
+    assert not head.reads_rows
     torch.testing.assert_close(head(z), got)
 
 
@@ -118,7 +125,7 @@ def test_greedy_output_equals_plain_greedy_with_a_reduced_vocabulary(kind, one_t
 @pytest.mark.parametrize("kind", ["eagle", "medusa"])
 def test_save_and_load_keep_the_vocabulary(kind, tmp_path):
     target, _ = tiny_pair("good")
-    module = drafter(kind, target, torch.tensor([3, 1])).__dict__["draft" if kind == "eagle" else "heads"]
+    module = draft_module(kind, target, torch.tensor([3, 1]))
     save_draft_heads(tmp_path / "d.pt", module)
     assert load_draft_heads(target, tmp_path / "d.pt").vocab.tolist() == [1, 3]
     module.vocab = None
@@ -132,8 +139,7 @@ def test_save_and_load_keep_the_vocabulary(kind, tmp_path):
 
 
 def test_training_sets_the_vocabulary_to_the_ids_the_data_uses():
-    from test_eagle import trained_toy
-    target, data, draft, _ = trained_toy()
+    _, data, draft, _ = trained_toy()
     assert draft.vocab.tolist() == sorted(set(torch.cat(data.labels).tolist()))
 
 

@@ -11,7 +11,7 @@ from cs336_inference.generation.eagle import EagleDraft, EagleDrafter, eagle_con
 from cs336_inference.generation.eagle_tree import Node, eagle_tree_generate, grow_tree, select_nodes
 from cs336_inference.generation.speculative_rule import accept_among_candidates
 from test_eagle import trained_toy
-from test_medusa import lm_head_input, ln_final_input
+from test_medusa import lm_head_input, ln_final_input, restricted
 from test_speculative_decoding import _cache_tensors, target_joint_law, tiny_pair
 from test_speculative_rule import chi_square_p_value
 
@@ -48,13 +48,10 @@ def test_each_nodes_feature_equals_the_draft_run_along_its_path_alone(toy, one_t
     for d in range(1, 4):                            # each depth expands its best-scored top_k
         level = sorted((n for n in nodes if n.depth == d), key=lambda n: -n.score)
         assert [n.feature is not None for n in level] == [True] * 3 + [False] * (len(level) - 3)
-    outside = torch.ones(target.config.vocab_size, dtype=torch.bool)
-    outside[draft.vocab] = False                     # the trained draft ranks the ids of its data only
     for node in nodes:                               # scores: the draft's log-probabilities summed along the path
-        if node.parent >= 0:
+        if node.parent >= 0:                         # (over the ids the trained draft ranks: its data's)
             parent = nodes[node.parent]
-            logits = target.lm_head(parent.feature).float().masked_fill(outside, float("-inf"))
-            logp = torch.log_softmax(logits, -1)[node.token]
+            logp = torch.log_softmax(restricted(target.lm_head(parent.feature).float(), draft.vocab), -1)[node.token]
             assert node.score == pytest.approx(parent.score + float(logp), abs=1e-4)
 
 

@@ -20,6 +20,7 @@ from cs336_inference.serving import Engine, SamplingParams
 from cs336_inference.serving import speculative as speculative_module
 from cs336_inference.serving.feature_proposers import EagleProposer, MedusaProposer
 from cs336_inference.serving.speculative import Proposer, TargetFeatures
+from test_medusa import restricted
 from test_engine_speculative import _drain, full_forward_features, greedy_reference, plain_and_speculative_outputs
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.one_thread
@@ -42,21 +43,12 @@ def random_eagle(model, seed=0, vocab=None) -> EagleDraft:
     return draft
 
 
-def restricted(logits, module):
-    """logits (V,) with -inf off the ids the heads or draft rank (all of them without a vocabulary)."""
-    if module.vocab is None:
-        return logits
-    out = torch.full_like(logits, float("-inf"))
-    out[module.vocab] = logits[module.vocab]
-    return out
-
-
 @torch.no_grad()
 def reference_medusa_logits(model, heads, tokens, n):
     """Head k's logits from the target's feature at the last final position: lm_head(h + SiLU(W_k h))."""
     last, _ = full_forward_features(model, tokens)
     h = model.ln_final(last[len(tokens) - 2])
-    return [restricted(model.lm_head(h + F.silu(h @ w.weight.T)), heads) for w in heads.proj[:n]]
+    return [restricted(model.lm_head(h + F.silu(h @ w.weight.T)), heads.vocab) for w in heads.proj[:n]]
 
 
 @torch.no_grad()
@@ -68,7 +60,7 @@ def reference_eagle_logits(model, draft, tokens, base, drafts):
     feats, nxt, out = model.ln_final(last[base:len(tokens) - 1]), list(tokens[base + 1:]), []
     for token in drafts:
         f = draft(feats[None], model.token_embeddings(torch.tensor([nxt])))[0, -1]         # (D,)
-        out.append(restricted(model.lm_head(f), draft))
+        out.append(restricted(model.lm_head(f), draft.vocab))
         feats, nxt = torch.cat([feats, f[None]]), nxt + [token]
     return out
 

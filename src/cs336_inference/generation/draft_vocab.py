@@ -15,6 +15,8 @@ propose is simply drawn from the residual max(0, p - q) after a rejection.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
@@ -55,30 +57,45 @@ class DraftHead:
 
     The rows (dequantized, for a quantized head) are read once, at the first call in each dtype (build
     the head again after changing the target's weights). A head whose rows cannot be read this way
-    computes every logit and masks: the same distribution, without the saving."""
+    computes every logit and masks: the same distribution, without the saving (announced once)."""
 
     def __init__(self, target: TransformerLM, vocab: torch.Tensor | None = None):
         _checks.instance("target", target, TransformerLM)
         self.target, self.vocab_size = target, target.config.vocab_size
         self.ids = None if vocab is None else check_vocab("vocab", vocab, self.vocab_size).to(target.device)
-        self.read_rows = None if self.ids is None else _row_reader(target.lm_head)
+        self._read_rows = None if self.ids is None else _row_reader(target.lm_head)
         self._rows = None                                                               # (V_used, D)
+        if self.ids is not None and self._read_rows is None:
+            warnings.warn(f"the draft's LM head ({type(target.lm_head).__name__}) cannot give its rows for the "
+                          f"{len(self.ids)} ids the draft ranks: every draft token computes all {self.vocab_size} "
+                          "logits and masks the rest (the same distribution, without the saving)", stacklevel=2)
 
     @property
     def reads_rows(self) -> bool:
         """Whether a call multiplies by the kept rows only (the saving), not by the whole head."""
-        return self.read_rows is not None
+        return self._read_rows is not None
 
     def __call__(self, z: torch.Tensor) -> torch.Tensor:
         if self.ids is None:
             return self.target.lm_head(z)
-        if self.read_rows is None:
+        if self._read_rows is None:
             kept = self.target.lm_head(z)[..., self.ids]
         else:
             if self._rows is None or self._rows.dtype != z.dtype:
                 with torch.no_grad():
-                    self._rows = self.read_rows(z.dtype, self.ids)
+                    self._rows = self._read_rows(z.dtype, self.ids)
             kept = z @ self._rows.T                                                     # (..., V_used)
         out = kept.new_full((*z.shape[:-1], self.vocab_size), float("-inf"))         # (..., V)
         out[..., self.ids] = kept
         return out
+
+
+def draft_head(target: TransformerLM, module: nn.Module, head: DraftHead | None) -> DraftHead:
+    """The LM head a drafter reads for heads or a draft `module`: `head` when given (one shared by every
+    sequence's drafter in the engine: its rows are read once), else a new one over `module.vocab`."""
+    if head is None:
+        return DraftHead(target, module.vocab)
+    _checks.instance("head", head, DraftHead)
+    if head.target is not target:
+        raise ValueError("head was built for another target model: build it with DraftHead(target, module.vocab)")
+    return head

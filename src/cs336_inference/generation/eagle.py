@@ -31,9 +31,9 @@ from ..model.config import ModelConfig
 from ..model.kv_cache import KVCache
 from ..model.layers import RotaryEmbedding
 from ..model.transformer import TransformerBlock, TransformerLM
-from .draft_vocab import DraftHead
+from .draft_vocab import DraftHead, draft_head
 from .drafters import draw_draft
-from .medusa import check_draft_head, check_heads_match
+from .medusa import check_heads_match
 from .sampling_params import SamplingParams
 
 
@@ -109,7 +109,7 @@ class EagleDrafter:
     def __init__(self, target: TransformerLM, draft: EagleDraft, head: DraftHead | None = None):
         _checks.instance("draft", draft, EagleDraft)
         check_heads_match(target, draft.d_model, "the EAGLE draft")
-        self.target, self.draft, self.head = target, draft, check_draft_head(target, draft, head)
+        self.target, self.draft, self.head = target, draft, draft_head(target, draft, head)
         self.cache, self.true_len, self.pending, self.forwards = None, 0, [], 0
 
     def start(self, prompt: list[int], max_seq_len: int, max_rollback: int = 1) -> None:

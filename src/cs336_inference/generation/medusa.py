@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from .. import _checks
 from ..model.transformer import TransformerLM
-from .draft_vocab import DraftHead
+from .draft_vocab import DraftHead, draft_head
 from .drafters import draw_draft
 from .sampling_params import SamplingParams
 
@@ -57,17 +57,6 @@ def check_heads_match(target: TransformerLM, d_model: int, what: str) -> None:
                          "heads are trained for one target (load the ones made for it)")
 
 
-def check_draft_head(target: TransformerLM, module: nn.Module, head: DraftHead | None) -> DraftHead:
-    """The LM head a drafter reads: `head` when given (one shared by every sequence's drafter in the
-    engine: its rows are copied once), else a new one over the module's vocabulary."""
-    if head is None:
-        return DraftHead(target, module.vocab)
-    _checks.instance("head", head, DraftHead)
-    if head.target is not target:
-        raise ValueError("head was built for another target model: build it with DraftHead(target, module.vocab)")
-    return head
-
-
 class MedusaDrafter:
     """The `Drafter` protocol for Medusa heads, chain form: up to K tokens per pass, one per head.
 
@@ -79,7 +68,7 @@ class MedusaDrafter:
     def __init__(self, target: TransformerLM, heads: MedusaHeads, head: DraftHead | None = None):
         _checks.instance("heads", heads, MedusaHeads)
         check_heads_match(target, heads.d_model, "the Medusa heads")
-        self.target, self.heads, self.head = target, heads, check_draft_head(target, heads, head)
+        self.target, self.heads, self.head = target, heads, draft_head(target, heads, head)
         self.last = None        # (D,) pre-norm feature of the last final position
         self.forwards = 0       # head evaluations (one per pass)
 
