@@ -76,3 +76,56 @@ def test_split_holds_out_every_tenth_sequence_and_at_least_one(n, held_out):
     assert [int(x[0]) for x in val.tokens] == held_out
     assert [int(x[0]) for x in train.tokens] == [i for i in range(n) if i not in held_out]
     assert len(train.features) == len(train.labels) == n - len(held_out) and len(val.labels) == len(held_out)
+
+
+def _tiny_lm(seed: int, layers: int = 2, vocab: int = 64):
+    from cs336_inference.model.config import ModelConfig
+    from cs336_inference.model.transformer import TransformerLM
+
+    torch.manual_seed(seed)
+    return TransformerLM(ModelConfig(vocab_size=vocab, context_length=64, d_model=32, num_layers=layers, num_heads=4,
+                                     num_kv_heads=2, d_ff=64))
+
+
+def test_the_proposer_bench_compares_the_distilled_draft_that_bench_speculative_draft_saved(tmp_path, monkeypatch):
+    """`bench speculative_draft` leaves its draft in the cache folder; `bench speculative_proposers` decodes with it
+    beside the heads where it is there and for this target, and says why not where it is not."""
+    from cs336_inference.model import checkpoints
+    from cs336_inference.workshop.benchmarks import speculative_proposers as proposers_bench
+
+    monkeypatch.setenv("CS336_CACHE_DIR", str(tmp_path))
+    path = proposers_bench.distilled_draft_path()
+    assert path.is_relative_to(tmp_path)
+    target = _tiny_lm(0, layers=3)
+    draft, why = proposers_bench.distilled_draft(target)
+    assert draft is None and str(path) in why and "bench speculative_draft" in why
+    proposers, notes = proposers_bench._proposers(target)
+    assert "distilled_draft" not in proposers and notes["distilled_draft"] == why
+
+    saved = _tiny_lm(1)
+    path.parent.mkdir(parents=True)
+    checkpoints.save(path, saved)
+    draft, why = proposers_bench.distilled_draft(target)
+    assert why is None and not draft.training
+    assert draft.state_dict().keys() == saved.state_dict().keys()
+    assert all(torch.equal(draft.state_dict()[k], v) for k, v in saved.state_dict().items())
+    proposers, notes = proposers_bench._proposers(target)
+    assert "distilled_draft" in proposers and "distilled_draft" not in notes
+    assert proposers_bench.GAMMAS["distilled_draft"] == bench.DRAFT_GAMMA   # as `bench speculative_draft` runs it
+
+    checkpoints.save(path, _tiny_lm(2, vocab=65))   # a draft for another vocabulary cannot propose this target's ids
+    draft, why = proposers_bench.distilled_draft(target)
+    assert draft is None and "65" in why and "64" in why
+
+
+@requires_smollm2
+def test_the_distilled_draft_never_trains_on_a_paragraph_the_proposer_bench_decodes():
+    from cs336_inference.data.real_text import prose_paragraphs
+    from cs336_inference.model.tokenizer import load_tokenizer
+    from cs336_inference.workshop.benchmarks.speculative_heads import held_out_paragraphs
+
+    tok = load_tokenizer("smollm2-135m")
+    text = " ".join(tok.decode(bench.draft_training_text(tok).tolist()).split())
+    held_out = held_out_paragraphs()
+    assert len(held_out) > 4 and not any(" ".join(par.split()) in text for par in held_out)
+    assert sum(" ".join(par.split()) in text for par in prose_paragraphs() if par not in held_out) > 40

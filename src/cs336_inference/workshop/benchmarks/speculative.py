@@ -33,6 +33,7 @@ from ...generation.generate import generate
 from ...generation.speculative import SpeculativeResult, speculative_generate
 from ...generation.speculative_costs import CLOCKS, measure_costs, predicted_speedup, timed
 from ...generation.speculative_theory import expected_speedup, optimal_gamma
+from ...model import checkpoints
 from ...model.checkpoints import load_pretrained
 from ...model.real_models import real_model_missing
 from ...model.tokenizer import load_tokenizer
@@ -40,7 +41,7 @@ from ...tables import print_table
 from ...device import describe_machine, load_avg
 from .base import Benchmark, Run
 from .speculative_heads import HELD_OUT_SUBJECT, TASKS, chat_ids, held_out_paragraphs
-from .speculative_proposers import compare_proposers, proposers_report
+from .speculative_proposers import compare_proposers, distilled_draft_path, proposers_report
 
 TEMPERATURES = (0.0, 1.0)
 
@@ -302,10 +303,13 @@ DRAFT_SHAPE = dict(num_layers=8, d_ff=1024)  # of 30 layers and d_ff 1536; d_mod
 DRAFT_GAMMA = 4
 
 
-def _training_text(tok, held_out: set[str]) -> torch.Tensor:
+def draft_training_text(tok) -> torch.Tensor:
     """One token stream: every help-page paragraph as plain text, and each prose paragraph as a chat
-    task answered by copying it (what the target does); the benchmark's prompts are held out."""
+    task answered by copying it (what the target does). Every held-out paragraph stays out, not only
+    the two `bench speculative` decodes: `bench speculative_proposers` decodes four of them with the draft."""
     from pydoc_data.topics import topics
+
+    held_out = set(held_out_paragraphs())
 
     pieces = [tok.encode(par) + tok.stop_ids[-1:] for name in sorted(topics) for par in topics[name].split("\n\n")
               if par.strip() and " ".join(par.split()) not in held_out]
@@ -334,7 +338,7 @@ def measure_draft(run, minutes: float = 30.0) -> dict | None:
         return None
     w, tok = workloads[0], load_tokenizer("smollm2-135m")
     target, prompts, minutes = w.target, w.prompts, 1.0 if quick else minutes
-    stream = _training_text(tok, {par for par in prose_paragraphs() if any(par in tok.decode(p) for p in prompts)})
+    stream = draft_training_text(tok)
     split = int(0.95 * len(stream))
     train, val = stream[:split], stream[split:]
     calibration = train[: 8 * 257].view(8, 257)
@@ -361,7 +365,14 @@ def measure_draft(run, minutes: float = 30.0) -> dict | None:
     c = measure_costs(target, {"draft": draft}, prompts[0], (DRAFT_GAMMA,), repeats=10)["draft"][DRAFT_GAMMA]
     c = c["draft"]["wall"]   # draft cost per token / target's, on the wall clock
     best = optimal_gamma(alpha, c, max_gamma=16)
-    return dict(device=str(device), threads=torch.get_num_threads(), draft_shape=DRAFT_SHAPE,
+    saved = None
+    if not quick:   # for `bench speculative_proposers`, which compares it with the heads on its own prompts
+        saved = distilled_draft_path()
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        checkpoints.save(saved, draft, dict(target="smollm2-135m", steps=steps, alpha=alpha), dtype=torch.bfloat16)
+        print(f"saved the draft to {saved}", flush=True)
+    return dict(saved_to=None if saved is None else str(saved), device=str(device), threads=torch.get_num_threads(),
+                draft_shape=DRAFT_SHAPE,
                 draft_parameters=draft.num_parameters(), target_parameters=target.num_parameters(),
                 train_tokens=len(train), steps=steps, step_seconds=step_s, train_minutes=train_minutes,
                 history={k: v for k, v in history.items() if isinstance(v, list)},

@@ -1,8 +1,9 @@
 """`bench speculative`'s proposer comparison on SmolLM2: Medusa heads (as a chain, and verified as a tree
 of their top guesses), the EAGLE draft (as a chain, and growing EAGLE-2's tree: `eagle_tree`), prompt
 lookup, prompt lookup with the EAGLE draft where it finds no match (`lookup_eagle`), the EAGLE tree with
-prompt lookup's copy as one more branch (`lookup_eagle_tree`; and a distilled small draft where one is
-installed) on the same held-out prompts, in one run.
+prompt lookup's copy as one more branch (`lookup_eagle_tree`), and the small draft `bench speculative_draft`
+pruned and distilled (`distilled_draft`, where that bench has left it in the cache folder), on the same held-out
+prompts, in one run.
 
 The target is the CLI's default fast path (`fast_path.load_for_inference`: the published int4 blocks on
 our kernels, fused attention, the CPU tuning). Greedy decoding, batch 1. Per proposer: tokens per
@@ -36,13 +37,15 @@ from ...generation.medusa_tree import medusa_tree_generate
 from ...generation.prompt_lookup import PromptLookupDrafter
 from ...generation.speculative import SpeculativeResult, speculative_generate
 from ...generation.speculative_costs import timed
+from ...model import checkpoints
+from ...model.disk_cache import cache_dir
 from ...model.real_models import real_model_missing
 from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS, chat_ids, held_out_paragraphs
 
 GAMMAS = {"medusa": 4, "medusa_tree": 4, "eagle": 5, "prompt_lookup": 4, "prompt_lookup_fast": 3, "lookup_eagle": 5,
-          "eagle_tree": 6, "lookup_eagle_tree": 6}
+          "eagle_tree": 6, "lookup_eagle_tree": 6, "distilled_draft": 4}
 EAGLE_TREE = dict(depth=6, top_k=8, budget=32)   # EAGLE-2 runs 8B targets 6 deep, 10 wide, 60 nodes; a CPU pays per row
 LOOKUP_TOKENS = 20                              # lookup_eagle_tree's copied branch: at most this many tokens
 # medusa_tree, eagle_tree, lookup_eagle_tree: the tree's depth (the copied branch may reach deeper:
@@ -116,9 +119,31 @@ def _proposers(target) -> tuple[dict, dict]:
     if "eagle" in proposers:   # its own EagleDrafter (its own cache) on the same shipped draft
         proposers["lookup_eagle"] = LookupThenDraft(EagleDrafter(target, proposers["eagle"].draft), 4, 2)
         proposers["eagle_tree"] = proposers["lookup_eagle_tree"] = proposers["eagle"].draft   # greedy rule: exact
-    notes["distilled_draft"] = ("no distilled SmolLM2 draft is shipped (`bench speculative_draft` makes one, "
-                                "alpha ~0.31); not compared")
+    draft, why_not = distilled_draft(target)
+    if draft is not None:
+        proposers["distilled_draft"] = draft
+    else:
+        notes["distilled_draft"] = why_not
     return proposers, notes
+
+
+def distilled_draft_path():
+    """Where `bench speculative_draft` leaves the SmolLM2 draft it pruned and distilled: the package's cache
+    folder, as the draft (about 100 MB in bf16) is too large to ship."""
+    return cache_dir() / "drafts" / f"{MODEL}-pruned-distilled.pt"
+
+
+def distilled_draft(target) -> tuple[object | None, str | None]:
+    """(the distilled draft on the target's device, None), or (None, why it is not compared)."""
+    path = distilled_draft_path()
+    if not path.is_file():
+        return None, (f"no distilled SmolLM2 draft in {path} (`bench speculative_draft` prunes and distils one, "
+                      "in about half an hour, and leaves it there); not compared")
+    draft = checkpoints.load(path, device=target.device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        return None, (f"{path} is not a draft for {MODEL}: its vocabulary has {draft.config.vocab_size} ids, "
+                      f"the target's {target.config.vocab_size}; not compared")
+    return draft.eval(), None
 
 
 def _compiled_steps(target, tok, stop, notes: dict):
@@ -261,7 +286,7 @@ def plot_proposers(r: dict):
     costs = r.get("verify_cost")
     fig, (left, right, *cost) = plt.subplots(1, 3 if costs else 2, figsize=(16 if costs else 11, 3.8))
     colors = {"medusa": "tab:red", "medusa_tree": "tab:orange", "eagle": "tab:purple", "prompt_lookup": "tab:green",
-              "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "draft": "tab:blue",
+              "prompt_lookup_fast": "tab:olive", "lookup_eagle": "tab:brown", "distilled_draft": "tab:blue",
               "eagle_tree": "tab:pink", "lookup_eagle_tree": "tab:gray"}
     for row in r["rows"]:
         rates = [x if x is not None else float("nan") for x in row["acceptance_by_position"]]
