@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,7 @@ from ...generation.speculative_costs import timed
 from ...model import checkpoints
 from ...model.disk_cache import cache_dir
 from ...model.real_models import real_model_missing
+from ...model.transformer import TransformerLM
 from ...device import load_avg
 from .base import Benchmark
 from .speculative_heads import HELD_OUT_SUBJECT, MODEL, TASKS, chat_ids, held_out_paragraphs
@@ -127,13 +129,13 @@ def _proposers(target) -> tuple[dict, dict]:
     return proposers, notes
 
 
-def distilled_draft_path():
+def distilled_draft_path() -> Path:
     """Where `bench speculative_draft` leaves the SmolLM2 draft it pruned and distilled: the package's cache
     folder, as the draft (about 100 MB in bf16) is too large to ship."""
     return cache_dir() / "drafts" / f"{MODEL}-pruned-distilled.pt"
 
 
-def distilled_draft(target) -> tuple[object | None, str | None]:
+def distilled_draft(target: TransformerLM) -> tuple[TransformerLM | None, str | None]:
     """(the distilled draft on the target's device, None), or (None, why it is not compared)."""
     path = distilled_draft_path()
     if not path.is_file():
