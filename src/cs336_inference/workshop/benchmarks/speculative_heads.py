@@ -4,8 +4,8 @@ The target continues offline prompts greedily (`generation.draft_training.self_d
 chat tasks that rewrite or summarise CPython help paragraphs and standard-library docstrings, help pages
 to continue as plain text, and short stories on given subjects; the paragraphs and subject that
 `bench speculative` decodes are held out. Then the heads and the draft train on its features and
-choices, each on a CPU time budget. The amount of data is what moves the drafts' acceptance, so
-generating it takes about half of the run's 25 minutes (docs/log.md). Writes
+choices, each on a CPU time budget. Generating the data takes about half of the run's 25 minutes: up to
+this size more data raised the drafts' acceptance, but ten times as much barely does (docs/log.md). Writes
 figures/speculative_heads.json (the timings: wall and process CPU seconds per phase, the loss curves)
 and, unless --quick, the assets medusa-smollm2.pt and eagle-smollm2.pt.
 """
