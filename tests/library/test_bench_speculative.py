@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from adapters import make_config, make_model
 
 from cs336_inference.workshop.benchmarks import speculative as bench
 from smollm2_reference import requires_smollm2
@@ -79,12 +80,8 @@ def test_split_holds_out_every_tenth_sequence_and_at_least_one(n, held_out):
 
 
 def _tiny_lm(seed: int, layers: int = 2, vocab: int = 64):
-    from cs336_inference.model.config import ModelConfig
-    from cs336_inference.model.transformer import TransformerLM
-
-    torch.manual_seed(seed)
-    return TransformerLM(ModelConfig(vocab_size=vocab, context_length=64, d_model=32, num_layers=layers, num_heads=4,
-                                     num_kv_heads=2, d_ff=64))
+    return make_model(make_config(vocab_size=vocab, context_length=64, d_model=32, num_layers=layers, num_heads=4,
+                                  num_kv_heads=2, d_ff=64), seed)
 
 
 def test_the_proposer_bench_compares_the_distilled_draft_that_bench_speculative_draft_saved(tmp_path, monkeypatch):
